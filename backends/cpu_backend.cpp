@@ -1,0 +1,44 @@
+// CPU backend: OpenBLAS sgemm/ssyrk for moments, LAPACK dpotrf/dpotrs for fp64 solves.
+#include <cblas.h>
+#include <lapacke.h>
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+
+namespace crosskv {
+namespace {
+
+class CpuBackend final : public ComputeBackend {
+ public:
+  std::string name() const override { return "cpu"; }
+
+  void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
+                 float* C, int64_t ldc) override {
+    if (rows == 0 || m == 0 || n == 0) return;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, rows, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
+  }
+
+  void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
+    if (rows == 0 || m == 0) return;
+    cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, m, rows, 1.0f, A, lda, 1.0f, C, ldc);
+  }
+
+  int64_t cholesky(int64_t n, double* A, int64_t lda) override {
+    lapack_int info = LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', n, A, lda);
+    CROSSKV_ASSERT(info >= 0, "dpotrf: illegal argument " + std::to_string(-info) + " (n=" + std::to_string(n) +
+                                  ", lda=" + std::to_string(lda) + ")");
+    return info;
+  }
+
+  void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override {
+    lapack_int info = LAPACKE_dpotrs(LAPACK_ROW_MAJOR, 'L', n, nrhs, L, lda, B, ldb);
+    CROSSKV_ASSERT(info == 0, "dpotrs failed: info=" + std::to_string(info) + " (n=" + std::to_string(n) +
+                                  ", nrhs=" + std::to_string(nrhs) + ")");
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<ComputeBackend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace crosskv

@@ -1,0 +1,182 @@
+#include "core/config.hpp"
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+#include "core/error.hpp"
+
+namespace crosskv {
+
+const char* to_string(WeightDtype d) {
+  switch (d) {
+    case WeightDtype::fp32: return "fp32";
+    case WeightDtype::bf16: return "bf16";
+    case WeightDtype::fp16: return "fp16";
+  }
+  return "?";
+}
+const char* to_string(ProbeMode p) { return p == ProbeMode::same_head ? "same_head" : "all_heads"; }
+std::string KChoice::label() const { return is_all() ? "all" : std::to_string(value); }
+
+namespace {
+
+struct Reader {
+  std::string path;
+
+  [[noreturn]] void fail(const YAML::Node& n, const std::string& key, const std::string& what) const {
+    std::ostringstream os;
+    os << path;
+    if (n.IsDefined() && n.Mark().line >= 0) os << ":" << n.Mark().line + 1;
+    os << ": " << key << ": " << what;
+    throw ConfigError(os.str());
+  }
+
+  void only_keys(const YAML::Node& n, const std::string& section, const std::set<std::string>& allowed) const {
+    if (!n.IsMap()) fail(n, section, "expected a mapping");
+    for (const auto& kv : n) {
+      const std::string k = kv.first.as<std::string>();
+      if (!allowed.count(k)) {
+        std::string list;
+        for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+        fail(kv.first, section.empty() ? k : section + "." + k, "unknown key (expected one of: " + list + ")");
+      }
+    }
+  }
+
+  std::string str(const YAML::Node& n, const std::string& key) const {
+    if (!n.IsScalar()) fail(n, key, "expected a string");
+    return n.as<std::string>();
+  }
+
+  int64_t integer(const YAML::Node& n, const std::string& key, int64_t min) const {
+    int64_t v;
+    if (!n.IsScalar() || !YAML::convert<int64_t>::decode(n, v)) fail(n, key, "expected an integer");
+    if (v < min) fail(n, key, "must be >= " + std::to_string(min) + ", got " + std::to_string(v));
+    return v;
+  }
+
+  double number(const YAML::Node& n, const std::string& key) const {
+    double v;
+    if (!n.IsScalar() || !YAML::convert<double>::decode(n, v)) fail(n, key, "expected a number");
+    return v;
+  }
+
+  KChoice k_value(const YAML::Node& n, const std::string& key) const {
+    if (n.IsScalar() && n.as<std::string>() == "all") return {0};
+    return {static_cast<int>(integer(n, key, 1))};
+  }
+
+  std::string path_relative_to_config(const std::string& p) const {
+    std::filesystem::path q(p);
+    if (q.is_relative()) q = std::filesystem::path(path).parent_path() / q;
+    return q.lexically_normal().string();
+  }
+};
+
+}  // namespace
+
+FitConfig parse_fit_config(const std::string& text, const std::string& path) {
+  Reader r{path};
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(path + ":" + std::to_string(e.mark.line + 1) + ": invalid YAML: " + e.msg);
+  }
+  FitConfig c;
+  c.config_path = path;
+  r.only_keys(root, "", {"source", "target", "calibration", "fit", "output", "runtime"});
+  for (const char* side : {"source", "target"}) {
+    if (!root[side]) r.fail(root, side, "missing (expected {store: PATH})");
+    r.only_keys(root[side], side, {"store"});
+    if (!root[side]["store"]) r.fail(root[side], std::string(side) + ".store", "missing (expected a path)");
+    std::string p = r.path_relative_to_config(r.str(root[side]["store"], std::string(side) + ".store"));
+    (std::string(side) == "source" ? c.source_store : c.target_store) = p;
+  }
+  if (auto cal = root["calibration"]) {
+    r.only_keys(cal, "calibration", {"domains", "token_stride", "max_tokens"});
+    if (auto d = cal["domains"]; d && !d.IsNull()) {
+      if (!d.IsSequence()) r.fail(d, "calibration.domains", "expected a list of domain names");
+      std::set<std::string> seen;
+      for (const auto& e : d) {
+        std::string name = r.str(e, "calibration.domains");
+        if (!seen.insert(name).second) r.fail(e, "calibration.domains", "domain \"" + name + "\" listed twice");
+        c.domains.push_back(name);
+      }
+    }
+    if (auto s = cal["token_stride"]) c.token_stride = r.integer(s, "calibration.token_stride", 1);
+    if (auto m = cal["max_tokens"]; m && !m.IsNull()) c.max_tokens = r.integer(m, "calibration.max_tokens", 1);
+  }
+  if (auto fit = root["fit"]) {
+    r.only_keys(fit, "fit", {"k", "lambda", "probe", "dtype"});
+    if (auto k = fit["k"]) {
+      c.ks.clear();
+      if (k.IsSequence()) {
+        if (k.size() == 0) r.fail(k, "fit.k", "expected a number, \"all\" or a non-empty list");
+        for (const auto& e : k) c.ks.push_back(r.k_value(e, "fit.k"));
+      } else {
+        c.ks.push_back(r.k_value(k, "fit.k"));
+      }
+      std::set<int> seen;
+      for (const auto& kc : c.ks)
+        if (!seen.insert(kc.value).second) r.fail(k, "fit.k", "k = " + kc.label() + " listed twice");
+    }
+    if (auto l = fit["lambda"]) {
+      c.lambda = r.number(l, "fit.lambda");
+      if (!(c.lambda >= 0.0)) r.fail(l, "fit.lambda", "must be >= 0");
+    }
+    if (auto p = fit["probe"]) {
+      std::string v = r.str(p, "fit.probe");
+      if (v == "same_head") c.probe = ProbeMode::same_head;
+      else if (v == "all_heads") c.probe = ProbeMode::all_heads;
+      else r.fail(p, "fit.probe", "expected same_head or all_heads, got \"" + v + "\"");
+    }
+    if (auto d = fit["dtype"]) {
+      std::string v = r.str(d, "fit.dtype");
+      if (v == "fp32") c.dtype = WeightDtype::fp32;
+      else if (v == "bf16") c.dtype = WeightDtype::bf16;
+      else if (v == "fp16") c.dtype = WeightDtype::fp16;
+      else r.fail(d, "fit.dtype", "expected fp32, bf16 or fp16, got \"" + v + "\"");
+    }
+  }
+  if (!root["output"]) r.fail(root, "output", "missing (expected {dir: PATH})");
+  r.only_keys(root["output"], "output", {"dir"});
+  if (!root["output"]["dir"]) r.fail(root["output"], "output.dir", "missing (expected a path)");
+  c.output_dir = r.path_relative_to_config(r.str(root["output"]["dir"], "output.dir"));
+  if (auto rt = root["runtime"]) {
+    r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib"});
+    if (auto d = rt["device"]) {
+      std::string v = r.str(d, "runtime.device");
+      if (v == "auto") c.device = DeviceKind::auto_;
+      else if (v == "cpu") c.device = DeviceKind::cpu;
+      else if (v == "cuda") c.device = DeviceKind::cuda;
+      else r.fail(d, "runtime.device", "expected auto, cpu or cuda, got \"" + v + "\"");
+    }
+    if (auto b = rt["block_tokens"]) c.block_tokens = r.integer(b, "runtime.block_tokens", 1);
+    if (auto m = rt["max_moment_gib"]) {
+      c.max_moment_gib = r.number(m, "runtime.max_moment_gib");
+      if (!(c.max_moment_gib > 0)) r.fail(m, "runtime.max_moment_gib", "must be > 0");
+    }
+    if (auto ck = rt["checkpoint"]) {
+      r.only_keys(ck, "runtime.checkpoint", {"dir", "every_shards"});
+      if (auto d = ck["dir"]) c.checkpoint_dir = r.path_relative_to_config(r.str(d, "runtime.checkpoint.dir"));
+      if (auto e = ck["every_shards"]) c.checkpoint_every_shards = r.integer(e, "runtime.checkpoint.every_shards", 1);
+    }
+  }
+  return c;
+}
+
+FitConfig load_fit_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(path + ": cannot open config file");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_fit_config(ss.str(), path);
+}
+
+}  // namespace crosskv

@@ -1,0 +1,46 @@
+#pragma once
+// The fit configuration (SPEC §9). Unknown keys, wrong types and out-of-range values are ConfigErrors
+// that name the file, key and line.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace crosskv {
+
+enum class WeightDtype { fp32, bf16, fp16 };
+enum class ProbeMode { same_head, all_heads };
+enum class DeviceKind { auto_, cpu, cuda };
+
+const char* to_string(WeightDtype d);
+const char* to_string(ProbeMode p);
+
+// k = 0 means "all" source layers.
+struct KChoice {
+  int value = 0;
+  bool is_all() const { return value == 0; }
+  std::string label() const;  // "4" or "all"
+};
+
+struct FitConfig {
+  std::string config_path;
+  std::string source_store, target_store;
+  std::vector<std::string> domains;  // empty: every domain found
+  int64_t token_stride = 1;
+  std::optional<int64_t> max_tokens;
+  std::vector<KChoice> ks = {{1}, {2}, {4}, {8}, {0}};
+  double lambda = 0.01;
+  ProbeMode probe = ProbeMode::same_head;
+  WeightDtype dtype = WeightDtype::fp32;
+  std::string output_dir;
+  DeviceKind device = DeviceKind::auto_;
+  int64_t block_tokens = 4096;
+  double max_moment_gib = 8.0;  // above this the fit moments are gathered in a second, selective pass
+  std::string checkpoint_dir;
+  int64_t checkpoint_every_shards = 8;
+};
+
+FitConfig load_fit_config(const std::string& path);
+FitConfig parse_fit_config(const std::string& yaml_text, const std::string& path);
+
+}  // namespace crosskv

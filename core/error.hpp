@@ -1,0 +1,39 @@
+#pragma once
+// Typed errors for user mistakes, and CROSSKV_ASSERT for broken invariants.
+#include <stdexcept>
+#include <string>
+
+namespace crosskv {
+
+// A user's mistake: config, input files, command line. One line, naming the file/key and what was expected.
+class UserError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+class ConfigError : public UserError {
+ public:
+  using UserError::UserError;
+};
+class InputError : public UserError {
+ public:
+  using UserError::UserError;
+};
+// A system that cannot be solved as asked (singular / not SPD with lambda = 0).
+class SolveError : public UserError {
+ public:
+  using UserError::UserError;
+};
+// An external library call failed (HDF5, MPI, BLAS, CUDA...). Carries host/rank/operands.
+class SystemError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void assertion_failed(const char* expr, const char* file, int line, const std::string& msg);
+
+}  // namespace crosskv
+
+#define CROSSKV_ASSERT(cond, msg)                                                 \
+  do {                                                                            \
+    if (!(cond)) ::crosskv::assertion_failed(#cond, __FILE__, __LINE__, (msg));   \
+  } while (0)

@@ -1,0 +1,39 @@
+#pragma once
+// The model's KV layout and RoPE settings (SPEC §2, §5 kv_spec).
+#include <optional>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace crosskv {
+
+enum class RopeConvention { half, interleaved };
+
+struct RopeSpec {
+  std::string type = "default";  // default | linear | llama3 | yarn | none
+  double theta = 10000.0;
+  int rotary_dim = 0;  // 0 -> head_dim
+  RopeConvention convention = RopeConvention::half;
+  std::optional<double> factor, low_freq_factor, high_freq_factor, original_max_position_embeddings;
+  std::optional<double> beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor;
+  bool truncate = true;
+};
+
+struct KvSpec {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int n_q_heads = 0;
+  RopeSpec rope;
+
+  long long features_per_layer() const { return static_cast<long long>(n_kv_heads) * head_dim; }
+};
+
+// Parses a kv_spec JSON string; `where` names the file for error messages.
+KvSpec parse_kv_spec(const std::string& json_text, const std::string& where);
+nlohmann::json kv_spec_to_json(const KvSpec& spec);
+std::string kv_spec_to_string(const KvSpec& spec);
+bool operator==(const KvSpec& a, const KvSpec& b);
+inline bool operator!=(const KvSpec& a, const KvSpec& b) { return !(a == b); }
+
+}  // namespace crosskv

@@ -1,0 +1,82 @@
+#include "core/log.hpp"
+
+#include <cmath>
+#include <cstdio>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+
+namespace crosskv {
+
+void setup_logging(int rank, int size, const std::string& level) {
+  auto logger = spdlog::stderr_color_mt("crosskv-" + std::to_string(rank));
+  if (size > 1)
+    logger->set_pattern("[%H:%M:%S.%e] [rank " + std::to_string(rank) + "] [%^%l%$] %v");
+  else
+    logger->set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  logger->set_level(rank == 0 ? spdlog::level::from_str(level) : spdlog::level::warn);
+  spdlog::set_default_logger(logger);
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (std::fabs(b) >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, u ? "%.2f %s" : "%.0f %s", b, units[u]);
+  return buf;
+}
+
+std::string human_count(double n) {
+  char buf[64];
+  if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2f B", n / 1e9);
+  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.2f M", n / 1e6);
+  else if (n >= 1e3) std::snprintf(buf, sizeof buf, "%.2f K", n / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", n);
+  return buf;
+}
+
+std::string human_seconds(double s) {
+  char buf[64];
+  if (s < 60) std::snprintf(buf, sizeof buf, "%.1f s", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%dm%02ds", int(s) / 60, int(s) % 60);
+  else std::snprintf(buf, sizeof buf, "%dh%02dm", int(s) / 3600, (int(s) % 3600) / 60);
+  return buf;
+}
+
+Progress::Progress(std::string label, int64_t total, double bpt)
+    : label_(std::move(label)), total_(total), bytes_per_token_(bpt), start_(std::chrono::steady_clock::now()),
+      last_(start_) {}
+
+double Progress::seconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+void Progress::add(int64_t tokens) {
+  done_ += tokens;
+  auto now = std::chrono::steady_clock::now();
+  if (std::chrono::duration<double>(now - last_).count() >= 5.0) {
+    last_ = now;
+    report(false);
+  }
+}
+
+void Progress::finish() { report(true); }
+
+void Progress::report(bool final) {
+  const double s = std::max(seconds(), 1e-9);
+  const double rate = done_ / s;
+  if (final) {
+    spdlog::info("{}: {} tokens in {} ({} tokens/s, {}/s)", label_, done_, human_seconds(s), human_count(rate),
+                 human_bytes(rate * bytes_per_token_));
+  } else {
+    const double eta = rate > 0 ? (total_ - done_) / rate : 0;
+    spdlog::info("{}: {}/{} tokens ({:.0f}%), {} tokens/s, {}/s, ETA {}", label_, done_, total_,
+                 total_ ? 100.0 * done_ / total_ : 100.0, human_count(rate), human_bytes(rate * bytes_per_token_),
+                 human_seconds(eta));
+  }
+}
+
+}  // namespace crosskv

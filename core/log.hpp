@@ -1,0 +1,33 @@
+#pragma once
+// Logging: spdlog with the rank in every line; progress meters for long passes.
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <spdlog/spdlog.h>
+
+namespace crosskv {
+
+// Sets the default logger: rank 0 logs at `level`, other ranks warnings and above.
+void setup_logging(int rank, int size, const std::string& level = "info");
+std::string human_bytes(double bytes);
+std::string human_count(double n);
+std::string human_seconds(double s);
+
+class Progress {
+ public:
+  Progress(std::string label, int64_t total_tokens, double bytes_per_token);
+  // Adds tokens done (job-wide); logs at most every few seconds.
+  void add(int64_t tokens);
+  void finish();
+  double seconds() const;
+
+ private:
+  void report(bool final);
+  std::string label_;
+  int64_t total_, done_ = 0;
+  double bytes_per_token_;
+  std::chrono::steady_clock::time_point start_, last_;
+};
+
+}  // namespace crosskv

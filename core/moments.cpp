@@ -1,0 +1,269 @@
+#include "core/moments.hpp"
+
+#include <algorithm>
+
+#include "core/backend.hpp"
+#include "core/comm.hpp"
+#include "core/error.hpp"
+
+namespace crosskv {
+
+MomentPlan MomentPlan::full(const PairDims& d, bool head_probe) {
+  MomentPlan p;
+  for (int a = 0; a < d.Ls; ++a)
+    for (int b = a; b < d.Ls; ++b) p.gram.emplace_back(a, b);
+  for (int a = 0; a < d.Ls; ++a)
+    for (int l = 0; l < d.Lt; ++l) p.cross.emplace_back(a, l);
+  p.head_probe = head_probe;
+  return p;
+}
+
+int64_t MomentPlan::floats(const PairDims& d) const {
+  int64_t n = static_cast<int64_t>(gram.size()) * d.F() * d.F() + static_cast<int64_t>(cross.size()) * d.F() * d.G();
+  if (head_probe) n += int64_t{d.Ls} * d.Hs * d.Ds * d.Ds + int64_t{d.Hs} * d.Ls * d.Ds * d.Lt * d.Dt;
+  return n;
+}
+
+Moments::Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<float> shift_y)
+    : d_(dims), shift_x_(std::move(shift_x)), shift_y_(std::move(shift_y)) {
+  CROSSKV_ASSERT(static_cast<int64_t>(shift_x_.size()) == d_.X() && static_cast<int64_t>(shift_y_.size()) == d_.Y(),
+                 "shift sizes do not match the pair's dims");
+  sum_x_.assign(d_.X(), 0.0);
+  sum_y_.assign(d_.Y(), 0.0);
+  sq_y_.assign(d_.Y(), 0.0);
+}
+
+void Moments::add_plan(const MomentPlan& plan) {
+  for (auto p : plan.gram) {
+    CROSSKV_ASSERT(p.first <= p.second && p.second < d_.Ls, "bad gram pair");
+    if (gram_idx_.emplace(p, gram_.size()).second) {
+      gram_.emplace_back(d_.F() * d_.F(), 0.0f);
+      gram_live_.push_back(true);
+    }
+  }
+  for (auto p : plan.cross) {
+    CROSSKV_ASSERT(p.first < d_.Ls && p.second < d_.Lt, "bad cross pair");
+    if (cross_idx_.emplace(p, cross_.size()).second) {
+      cross_.emplace_back(d_.F() * d_.G(), 0.0f);
+      cross_live_.push_back(true);
+    }
+  }
+  if (plan.head_probe && head_cross_.empty()) {
+    CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
+    head_gram_.assign(int64_t{d_.Ls} * d_.Hs, std::vector<float>(int64_t{d_.Ds} * d_.Ds, 0.0f));
+    head_cross_.assign(d_.Hs, std::vector<float>(int64_t{d_.Ls} * d_.Ds * d_.Lt * d_.Dt, 0.0f));
+    head_live_ = true;
+  }
+}
+
+void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
+  const bool first_pass = !stats_done_;
+  const int64_t XW = d_.X(), YW = d_.Y(), F = d_.F(), G = d_.G();
+  for (int64_t t = 0; t < rows; ++t) {
+    float* x = X + t * XW;
+    float* y = Y + t * YW;
+    for (int64_t c = 0; c < XW; ++c) x[c] -= shift_x_[c];
+    for (int64_t c = 0; c < YW; ++c) y[c] -= shift_y_[c];
+    if (first_pass) {
+      for (int64_t c = 0; c < XW; ++c) sum_x_[c] += x[c];
+      for (int64_t c = 0; c < YW; ++c) {
+        sum_y_[c] += y[c];
+        sq_y_[c] += static_cast<double>(y[c]) * y[c];
+      }
+    }
+  }
+  if (first_pass) n_ += static_cast<double>(rows);
+  for (const auto& [p, i] : gram_idx_) {
+    if (!gram_live_[i]) continue;
+    if (p.first == p.second)
+      be.gram_acc(rows, F, X + p.first * F, XW, gram_[i].data(), F);
+    else
+      be.cross_acc(rows, F, F, X + p.first * F, XW, X + p.second * F, XW, gram_[i].data(), F);
+  }
+  for (const auto& [p, i] : cross_idx_) {
+    if (!cross_live_[i]) continue;
+    be.cross_acc(rows, F, G, X + p.first * F, XW, Y + p.second * G, YW, cross_[i].data(), G);
+  }
+  if (head_live_) {
+    const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
+    hx_.resize(rows * XW);
+    hy_.resize(rows * YW);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int a = 0; a < Ls; ++a)
+        for (int h = 0; h < H; ++h) {
+          std::copy_n(X + t * XW + a * F + int64_t{h} * Ds, Ds, hx_.data() + t * XW + (int64_t{h} * Ls + a) * Ds);
+        }
+    for (int64_t t = 0; t < rows; ++t)
+      for (int l = 0; l < Lt; ++l)
+        for (int h = 0; h < H; ++h) {
+          std::copy_n(Y + t * YW + l * G + int64_t{h} * Dt, Dt, hy_.data() + t * YW + (int64_t{h} * Lt + l) * Dt);
+        }
+    for (int h = 0; h < H; ++h)
+      be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * Dt, hx_.data() + int64_t{h} * Ls * Ds, XW,
+                   hy_.data() + int64_t{h} * Lt * Dt, YW, head_cross_[h].data(), int64_t{Lt} * Dt);
+    for (int a = 0; a < Ls; ++a)
+      for (int h = 0; h < H; ++h)
+        be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].data(), Ds);
+  }
+}
+
+void Moments::finish_pass(Comm& comm) {
+  if (!stats_done_) {
+    std::vector<double> stats;
+    stats.reserve(1 + sum_x_.size() + 2 * sum_y_.size());
+    stats.push_back(n_);
+    stats.insert(stats.end(), sum_x_.begin(), sum_x_.end());
+    stats.insert(stats.end(), sum_y_.begin(), sum_y_.end());
+    stats.insert(stats.end(), sq_y_.begin(), sq_y_.end());
+    comm.allreduce_sum(stats.data(), stats.size());
+    n_ = stats[0];
+    auto it = stats.begin() + 1;
+    std::copy_n(it, sum_x_.size(), sum_x_.begin());
+    it += sum_x_.size();
+    std::copy_n(it, sum_y_.size(), sum_y_.begin());
+    it += sum_y_.size();
+    std::copy_n(it, sq_y_.size(), sq_y_.begin());
+    stats_done_ = true;
+  }
+  for (size_t i = 0; i < gram_.size(); ++i)
+    if (gram_live_[i]) {
+      comm.allreduce_sum(gram_[i].data(), gram_[i].size());
+      gram_live_[i] = false;
+    }
+  for (size_t i = 0; i < cross_.size(); ++i)
+    if (cross_live_[i]) {
+      comm.allreduce_sum(cross_[i].data(), cross_[i].size());
+      cross_live_[i] = false;
+    }
+  if (head_live_) {
+    for (auto& b : head_gram_) comm.allreduce_sum(b.data(), b.size());
+    for (auto& b : head_cross_) comm.allreduce_sum(b.data(), b.size());
+    head_live_ = false;
+  }
+}
+
+void Moments::derive_head_probe() {
+  CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
+  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
+  const int64_t F = d_.F(), G = d_.G();
+  head_gram_.assign(int64_t{Ls} * H, std::vector<float>(int64_t{Ds} * Ds, 0.0f));
+  head_cross_.assign(H, std::vector<float>(int64_t{Ls} * Ds * Lt * Dt, 0.0f));
+  for (int a = 0; a < Ls; ++a) {
+    const auto& g = gram_block(a, a);
+    for (int h = 0; h < H; ++h)
+      for (int p = 0; p < Ds; ++p)
+        for (int q = p; q < Ds; ++q)
+          head_gram_[int64_t{a} * H + h][int64_t{p} * Ds + q] = g[(int64_t{h} * Ds + p) * F + int64_t{h} * Ds + q];
+    for (int l = 0; l < Lt; ++l) {
+      const auto& c = cross_block(a, l);
+      for (int h = 0; h < H; ++h)
+        for (int p = 0; p < Ds; ++p)
+          std::copy_n(c.data() + (int64_t{h} * Ds + p) * G + int64_t{h} * Dt, Dt,
+                      head_cross_[h].data() + (int64_t{a} * Ds + p) * Lt * Dt + int64_t{l} * Dt);
+    }
+  }
+}
+
+int64_t Moments::bytes() const {
+  int64_t b = static_cast<int64_t>(sizeof(double)) * (sum_x_.size() + 2 * sum_y_.size()) +
+              static_cast<int64_t>(sizeof(float)) * (shift_x_.size() + shift_y_.size());
+  for (const auto& v : gram_) b += v.size() * sizeof(float);
+  for (const auto& v : cross_) b += v.size() * sizeof(float);
+  for (const auto& v : head_gram_) b += v.size() * sizeof(float);
+  for (const auto& v : head_cross_) b += v.size() * sizeof(float);
+  return b;
+}
+
+const std::vector<float>& Moments::gram_block(int a, int b) const {
+  auto it = gram_idx_.find({a, b});
+  CROSSKV_ASSERT(it != gram_idx_.end(), "gram block (" + std::to_string(a) + "," + std::to_string(b) + ") missing");
+  return gram_[it->second];
+}
+
+const std::vector<float>& Moments::cross_block(int a, int l) const {
+  auto it = cross_idx_.find({a, l});
+  CROSSKV_ASSERT(it != cross_idx_.end(), "cross block (" + std::to_string(a) + "," + std::to_string(l) + ") missing");
+  return cross_[it->second];
+}
+
+std::vector<double> Moments::mean_x(int a) const {
+  std::vector<double> m(d_.F());
+  for (int64_t p = 0; p < d_.F(); ++p) m[p] = shift_x_[a * d_.F() + p] + mx(a * d_.F() + p);
+  return m;
+}
+
+std::vector<double> Moments::mean_y(int l) const {
+  std::vector<double> m(d_.G());
+  for (int64_t c = 0; c < d_.G(); ++c) m[c] = shift_y_[l * d_.G() + c] + my(l * d_.G() + c);
+  return m;
+}
+
+std::vector<double> Moments::var_y(int l) const {
+  std::vector<double> v(d_.G());
+  for (int64_t c = 0; c < d_.G(); ++c) {
+    const int64_t col = l * d_.G() + c;
+    v[c] = std::max(0.0, sq_y_[col] / n_ - my(col) * my(col));
+  }
+  return v;
+}
+
+void Moments::cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const {
+  const int64_t F = d_.F();
+  const double inv_n = 1.0 / n_;
+  for (size_t i = 0; i < layers.size(); ++i)
+    for (size_t j = 0; j < layers.size(); ++j) {
+      const int a = layers[i], b = layers[j];
+      const auto& g = gram_block(std::min(a, b), std::max(a, b));
+      for (int64_t p = 0; p < F; ++p) {
+        double* row = A + (i * F + p) * lda + j * F;
+        const double mp = mx(a * F + p);
+        for (int64_t q = 0; q < F; ++q) {
+          float v;
+          if (a < b) v = g[p * F + q];
+          else if (a > b) v = g[q * F + p];
+          else v = p <= q ? g[p * F + q] : g[q * F + p];
+          row[q] = v * inv_n - mp * mx(b * F + q);
+        }
+      }
+    }
+}
+
+void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t ldb) const {
+  const int64_t F = d_.F(), G = d_.G();
+  const double inv_n = 1.0 / n_;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const int a = layers[i];
+    const auto& c = cross_block(a, l);
+    for (int64_t p = 0; p < F; ++p) {
+      double* row = B + (i * F + p) * ldb;
+      const double mp = mx(a * F + p);
+      for (int64_t q = 0; q < G; ++q) row[q] = c[p * G + q] * inv_n - mp * my(l * G + q);
+    }
+  }
+}
+
+void Moments::head_cov_xx(int a, int h, double* A) const {
+  const int Ds = d_.Ds;
+  const auto& g = head_gram_.at(int64_t{a} * d_.Hs + h);
+  const int64_t base = a * d_.F() + int64_t{h} * Ds;
+  for (int p = 0; p < Ds; ++p)
+    for (int q = 0; q < Ds; ++q) {
+      const float v = p <= q ? g[int64_t{p} * Ds + q] : g[int64_t{q} * Ds + p];
+      A[int64_t{p} * Ds + q] = v / n_ - mx(base + p) * mx(base + q);
+    }
+}
+
+void Moments::head_cov_xy(int a, int h, double* B) const {
+  const int Ds = d_.Ds, Dt = d_.Dt, Lt = d_.Lt;
+  const auto& c = head_cross_.at(h);
+  const int64_t xbase = a * d_.F() + int64_t{h} * Ds;
+  for (int p = 0; p < Ds; ++p)
+    for (int l = 0; l < Lt; ++l)
+      for (int e = 0; e < Dt; ++e) {
+        const int64_t idx = (int64_t{a} * Ds + p) * Lt * Dt + int64_t{l} * Dt + e;
+        B[int64_t{p} * Lt * Dt + int64_t{l} * Dt + e] =
+            c[idx] / n_ - mx(xbase + p) * my(l * d_.G() + int64_t{h} * Dt + e);
+      }
+}
+
+}  // namespace crosskv

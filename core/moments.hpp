@@ -1,0 +1,96 @@
+#pragma once
+// Moment accumulation (SPEC §3): fp32 Gram/cross blocks of shifted features and targets, fp64 sums.
+// Every later quantity (probe R², fits for any k and λ, in-sample R²) is a function of these.
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace crosskv {
+
+class ComputeBackend;
+class Comm;
+
+// Shapes of one kind (keys stripped, keys raw, or values) of a model pair.
+struct PairDims {
+  int Ls = 0, Hs = 0, Ds = 0;  // source layers, KV heads, head dim
+  int Lt = 0, Ht = 0, Dt = 0;  // target
+  int64_t F() const { return int64_t{Hs} * Ds; }  // features per source layer
+  int64_t G() const { return int64_t{Ht} * Dt; }  // targets per target layer
+  int64_t X() const { return Ls * F(); }
+  int64_t Y() const { return Lt * G(); }
+};
+
+// Which moment blocks to accumulate.
+struct MomentPlan {
+  std::vector<std::pair<int, int>> gram;   // source layer pairs (a, b), a <= b: [F x F]
+  std::vector<std::pair<int, int>> cross;  // (source a, target l): [F x G]
+  bool head_probe = false;                 // same-head blocks: per (a, h) [Ds x Ds]; per h [Ls*Ds x Lt*Dt]
+
+  static MomentPlan full(const PairDims& d, bool head_probe);
+  bool empty() const { return gram.empty() && cross.empty() && !head_probe; }
+  int64_t floats(const PairDims& d) const;
+};
+
+class Moments {
+ public:
+  Moments() = default;
+  Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<float> shift_y);
+
+  const PairDims& dims() const { return d_; }
+  // Adds blocks to accumulate in the coming pass (new blocks start at zero); complete blocks are kept as they are.
+  void add_plan(const MomentPlan& plan);
+
+  // Folds in `rows` tokens: X [rows x Ls*F] and Y [rows x Lt*G], row-major, unshifted (shifted here, in place).
+  // Token sums and target variances are accumulated in the first pass only.
+  void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows);
+  // Ends a pass: sums the pass's blocks over ranks and marks them complete.
+  void finish_pass(Comm& comm);
+  // Fills the same-head blocks from full Gram/cross blocks (when those were accumulated).
+  void derive_head_probe();
+
+  int64_t tokens() const { return static_cast<int64_t>(n_); }
+  bool has_gram(int a, int b) const { return gram_idx_.count({a, b}) > 0; }
+  bool has_cross(int a, int l) const { return cross_idx_.count({a, l}) > 0; }
+  bool has_head_probe() const { return !head_cross_.empty(); }
+  int64_t bytes() const;
+
+  // Centred covariances in fp64 (divided by N). Means are of the unshifted data.
+  std::vector<double> mean_x(int a) const;          // [F]
+  std::vector<double> mean_y(int l) const;          // [G]
+  std::vector<double> var_y(int l) const;           // diag of Cyy [G]
+  // Cxx for the listed source layers (in that order), written into A (lda) as [n*F x n*F], full symmetric.
+  void cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const;
+  // Cxy for the listed source layers and target layer l: [n*F x G] (ldb).
+  void cov_xy(const std::vector<int>& layers, int l, double* B, int64_t ldb) const;
+  // Same-head probe: Cxx of (a, h) [Ds x Ds] into A, and Cxy of (a, h) against head h of every target layer:
+  // [Ds x Lt*Dt] into B.
+  void head_cov_xx(int a, int h, double* A) const;
+  void head_cov_xy(int a, int h, double* B) const;
+
+  // Raw accessors, for checkpoints and tests.
+  const std::vector<float>& shift_x() const { return shift_x_; }
+  const std::vector<float>& shift_y() const { return shift_y_; }
+
+ private:
+  const std::vector<float>& gram_block(int a, int b) const;
+  const std::vector<float>& cross_block(int a, int l) const;
+  double mx(int64_t col) const { return sum_x_[col] / n_; }
+  double my(int64_t col) const { return sum_y_[col] / n_; }
+
+  PairDims d_;
+  double n_ = 0;
+  std::vector<float> shift_x_, shift_y_;
+  std::vector<double> sum_x_, sum_y_, sq_y_;
+  std::map<std::pair<int, int>, std::size_t> gram_idx_, cross_idx_;
+  std::vector<std::vector<float>> gram_, cross_;
+  std::vector<std::vector<float>> head_gram_;   // [Ls*Hs] of Ds x Ds (upper)
+  std::vector<std::vector<float>> head_cross_;  // [Hs] of (Ls*Ds) x (Lt*Dt)
+  std::vector<float> hx_, hy_;                  // head-major scratch
+  // Blocks being accumulated in the current pass (the rest are complete).
+  std::vector<bool> gram_live_, cross_live_;
+  bool head_live_ = false, stats_done_ = false;
+};
+
+}  // namespace crosskv

@@ -1,0 +1,182 @@
+#include "core/ridge.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+#include "core/moments.hpp"
+
+namespace crosskv {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+// A pivot this small against its diagonal means the system is singular at the precision of fp32 moments.
+constexpr double kSingularPivot = 1e-12;
+
+// Adds λ to the diagonal, factors, and returns the order of the first leading minor that is not (numerically)
+// positive definite, or 0.
+int64_t factor(ComputeBackend& be, std::vector<double>& A, int64_t n, double lambda) {
+  std::vector<double> diag(n);
+  for (int64_t i = 0; i < n; ++i) {
+    A[i * n + i] += lambda;
+    diag[i] = A[i * n + i];
+  }
+  int64_t info = be.cholesky(n, A.data(), n);
+  const int64_t ok = info > 0 ? info - 1 : n;
+  for (int64_t i = 0; i < ok; ++i) {
+    const double p = A[i * n + i];
+    if (!(p * p > kSingularPivot * std::max(diag[i], std::numeric_limits<double>::min()))) return i + 1;
+  }
+  return info;
+}
+
+}  // namespace
+
+double mean_ignoring_nan(const std::vector<double>& v) {
+  double s = 0;
+  int n = 0;
+  for (double x : v)
+    if (!std::isnan(x)) {
+      s += x;
+      ++n;
+    }
+  return n ? s / n : kNaN;
+}
+
+std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, int64_t G, int64_t ld,
+                                const std::vector<double>& var_y, double lambda, int heads) {
+  const int64_t D = G / heads;
+  std::vector<double> sse(G, 0.0);
+  for (int64_t c = 0; c < G; ++c) sse[c] = var_y[c];
+  for (int64_t i = 0; i < n; ++i) {
+    const double* w = W + i * ld;
+    const double* x = Cxy + i * ld;
+    for (int64_t c = 0; c < G; ++c) sse[c] -= w[c] * x[c] + lambda * w[c] * w[c];
+  }
+  // SST = 0 columns are excluded; a column with variance far below the head's is numerically SST = 0 too.
+  std::vector<double> r2(heads, kNaN);
+  for (int h = 0; h < heads; ++h) {
+    double sst = 0, e = 0, vmax = 0;
+    for (int64_t c = h * D; c < (h + 1) * D; ++c) vmax = std::max(vmax, var_y[c]);
+    for (int64_t c = h * D; c < (h + 1) * D; ++c)
+      if (var_y[c] > 1e-12 * vmax && var_y[c] > 0) {
+        sst += var_y[c];
+        e += sse[c];
+      }
+    if (sst > 0) r2[h] = 1.0 - e / sst;
+  }
+  return r2;
+}
+
+std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
+                                const std::vector<int>& ks, double lambda, const std::string& what) {
+  const PairDims& d = m.dims();
+  const int64_t F = d.F(), G = d.G();
+  CROSSKV_ASSERT(!ks.empty() && std::is_sorted(ks.begin(), ks.end()), "ks must be ascending");
+  CROSSKV_ASSERT(ks.back() <= static_cast<int>(ranking.size()), "k exceeds the ranking");
+  const int kmax = ks.back();
+  const int64_t n = kmax * F;
+  const std::vector<int> top(ranking.begin(), ranking.begin() + kmax);
+  std::vector<double> A(n * n), Cxy(n * G);
+  m.cov_xx(top, A.data(), n);
+  m.cov_xy(top, l, Cxy.data(), G);
+  const int64_t bad_minor = factor(be, A, n, lambda);
+  const std::vector<double> var_y = m.var_y(l);
+  std::vector<double> mean_x(n);
+  for (int i = 0; i < kmax; ++i) {
+    auto mx = m.mean_x(top[i]);
+    std::copy(mx.begin(), mx.end(), mean_x.begin() + i * F);
+  }
+  const std::vector<double> mean_y = m.mean_y(l);
+
+  std::vector<LayerFit> out;
+  for (int k : ks) {
+    const int64_t nk = k * F;
+    if (bad_minor > 0 && bad_minor <= nk) {
+      const int at = static_cast<int>((bad_minor - 1) / F);
+      throw SolveError(what + ", k = " + std::to_string(k) + ": Cxx + lambda*I is singular or not positive definite "
+                       "(lambda = " + std::to_string(lambda) + "; fails at feature " + std::to_string(bad_minor) +
+                       " of " + std::to_string(nk) + ", source layer " + std::to_string(top[at]) +
+                       "); use fit.lambda > 0 or fewer source layers");
+    }
+    std::vector<double> W(Cxy.begin(), Cxy.begin() + nk * G);
+    be.cholesky_solve(nk, A.data(), n, G, W.data(), G);
+    LayerFit f;
+    f.k = k;
+    f.r2 = r2_per_head(W.data(), Cxy.data(), nk, G, G, var_y, lambda, d.Ht);
+    // Bias in fp64: b = ȳ - x̄ W (the intercept is not penalised).
+    std::vector<double> b(mean_y);
+    for (int64_t i = 0; i < nk; ++i)
+      for (int64_t c = 0; c < G; ++c) b[c] -= mean_x[i] * W[i * G + c];
+    f.b.assign(b.begin(), b.end());
+    // Rows from rank order to ascending source-layer order.
+    std::vector<int> order(k);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int x, int y) { return top[x] < top[y]; });
+    f.W.resize(nk * G);
+    for (int j = 0; j < k; ++j) {
+      f.layers.push_back(top[order[j]]);
+      const double* src = W.data() + order[j] * F * G;
+      std::transform(src, src + F * G, f.W.begin() + j * F * G, [](double v) { return static_cast<float>(v); });
+    }
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind) {
+  const PairDims& d = m.dims();
+  CROSSKV_ASSERT(d.Hs == d.Ht && m.has_head_probe(), "same-head probe moments missing");
+  const int Ds = d.Ds, Dt = d.Dt, H = d.Hs;
+  const int64_t Y = int64_t{d.Lt} * Dt;
+  ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
+  std::vector<std::vector<double>> var(d.Lt);
+  for (int l = 0; l < d.Lt; ++l) var[l] = m.var_y(l);
+  std::vector<double> A(int64_t{Ds} * Ds), C(Ds * Y), W(Ds * Y), vy(Dt);
+  for (int a = 0; a < d.Ls; ++a)
+    for (int h = 0; h < H; ++h) {
+      m.head_cov_xx(a, h, A.data());
+      m.head_cov_xy(a, h, C.data());
+      if (int64_t bad = factor(be, A, Ds, lambda); bad > 0)
+        throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) + " head " + std::to_string(h) +
+                         ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
+      W = C;
+      be.cholesky_solve(Ds, A.data(), Ds, Y, W.data(), Y);
+      for (int l = 0; l < d.Lt; ++l) {
+        std::copy_n(var[l].begin() + int64_t{h} * Dt, Dt, vy.begin());
+        auto r2 = r2_per_head(W.data() + int64_t{l} * Dt, C.data() + int64_t{l} * Dt, Ds, Dt, Y, vy, lambda, 1);
+        r.per_head[(int64_t{a} * d.Lt + l) * H + h] = r2[0];
+      }
+    }
+  for (int64_t i = 0; i < int64_t{d.Ls} * d.Lt; ++i)
+    r.mean[i] = mean_ignoring_nan(std::vector<double>(r.per_head.begin() + i * H, r.per_head.begin() + (i + 1) * H));
+  return r;
+}
+
+ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind) {
+  const PairDims& d = m.dims();
+  const int64_t F = d.F(), G = d.G();
+  const int H = d.Ht;
+  ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
+  std::vector<double> A(F * F), C(F * G), W(F * G);
+  for (int a = 0; a < d.Ls; ++a) {
+    m.cov_xx({a}, A.data(), F);
+    if (int64_t bad = factor(be, A, F, lambda); bad > 0)
+      throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) +
+                       ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
+    for (int l = 0; l < d.Lt; ++l) {
+      m.cov_xy({a}, l, C.data(), G);
+      W = C;
+      be.cholesky_solve(F, A.data(), F, G, W.data(), G);
+      auto r2 = r2_per_head(W.data(), C.data(), F, G, G, m.var_y(l), lambda, H);
+      std::copy(r2.begin(), r2.end(), r.per_head.begin() + (int64_t{a} * d.Lt + l) * H);
+      r.mean[int64_t{a} * d.Lt + l] = mean_ignoring_nan(r2);
+    }
+  }
+  return r;
+}
+
+}  // namespace crosskv

@@ -1,0 +1,40 @@
+#pragma once
+// Closed-form ridge in fp64 from stored moments (SPEC §3, §4): the k sweep and the R² probe.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace crosskv {
+
+class ComputeBackend;
+class Moments;
+
+struct LayerFit {
+  int k = 0;                 // number of source layers used
+  std::vector<int> layers;   // ascending: the column order of X
+  std::vector<float> W;      // [k*F x G] row-major, rows in `layers` order
+  std::vector<float> b;      // [G]
+  std::vector<double> r2;    // in-sample R² per target head (NaN where every column has SST = 0)
+};
+
+// In-sample R² per head: 1 - SSE/SST with SSE/N = tr(Cyy) - tr(W^T Cxy) - λ|W|² (exact for the ridge solution).
+std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, int64_t G, int64_t ld,
+                                const std::vector<double>& var_y, double lambda, int heads);
+double mean_ignoring_nan(const std::vector<double>& v);
+
+// Fits target layer `l` for every k in `ks` (ascending counts, each <= ranking.size()) from one Cholesky
+// factorisation: features are ordered by rank, so the top-k system is a leading block of the largest one.
+// Throws SolveError naming `what` (e.g. "target layer 3, keys") when a needed system is not positive definite.
+std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
+                                const std::vector<int>& ks, double lambda, const std::string& what);
+
+struct ProbeR2 {
+  int Ls = 0, Lt = 0, H = 0;
+  std::vector<double> mean;      // [Ls x Lt] head-averaged
+  std::vector<double> per_head;  // [Ls x Lt x H]
+};
+// Single-source probe (SPEC §4): target head h of l from source head h of a (same_head) or all heads of a.
+ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind);
+ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind);
+
+}  // namespace crosskv

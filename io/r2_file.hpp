@@ -1,0 +1,14 @@
+#pragma once
+// r2.h5 (SPEC §9): k_rope, k, v [Ls, Lt] float64 head-averaged; per_head/<name> [Ls, Lt, H].
+#include <map>
+#include <string>
+
+#include "core/ridge.hpp"
+
+namespace crosskv {
+
+void write_r2_file(const std::string& path, const std::map<std::string, ProbeR2>& probes,
+                   const std::map<std::string, std::string>& attrs);
+std::map<std::string, ProbeR2> read_r2_file(const std::string& path);
+
+}  // namespace crosskv

@@ -1,0 +1,245 @@
+#include "io/shard.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "core/half.hpp"
+
+namespace crosskv {
+
+const char* to_string(StoredDtype d) {
+  switch (d) {
+    case StoredDtype::f32: return "float32";
+    case StoredDtype::f16: return "float16";
+    case StoredDtype::bf16: return "bfloat16";
+  }
+  return "?";
+}
+size_t dtype_bytes(StoredDtype d) { return d == StoredDtype::f32 ? 4 : 2; }
+
+namespace {
+
+// IEEE half as h5py defines it.
+h5::Handle float16_type() {
+  hid_t t = H5Tcopy(H5T_IEEE_F32LE);
+  H5Tset_fields(t, 15, 10, 5, 0, 10);
+  H5Tset_size(t, 2);
+  H5Tset_ebias(t, 15);
+  return h5::Handle(t, H5Tclose);
+}
+
+}  // namespace
+
+ShardReader::ShardReader(const std::string& path) {
+  h_.path = path;
+  file_ = h5::open_file_ro(path);
+  const std::string fmt = h5::read_string_attr(file_, "crosskv_format", path);
+  if (fmt != "kv-shard") throw InputError(path + ": attribute crosskv_format is \"" + fmt + "\", expected \"kv-shard\"");
+  const int64_t ver = h5::read_int_attr(file_, "crosskv_format_version", path);
+  if (ver != 1) throw InputError(path + ": crosskv_format_version " + std::to_string(ver) + " is not supported (expected 1)");
+  h_.model = h5::read_string_attr(file_, "model", path);
+  h_.domain = h5::read_string_attr(file_, "domain", path);
+  h_.spec = parse_kv_spec(h5::read_string_attr(file_, "kv_spec", path), path);
+  for (const char* name : {"token_ids", "positions"}) {
+    h5::Handle d = h5::open_dataset(file_, name, path);
+    auto s = h5::dataset_shape(d, path);
+    if (s.size() != 1) throw InputError(path + ": dataset '" + name + "' must be 1-D [T]");
+    if (std::string(name) == "token_ids") h_.tokens = s[0];
+    else if (s[0] != h_.tokens)
+      throw InputError(path + ": dataset 'positions' has " + std::to_string(s[0]) + " rows, token_ids has " +
+                       std::to_string(h_.tokens));
+  }
+  {
+    h5::Handle d = h5::open_dataset(file_, "seq_offsets", path);
+    auto s = h5::dataset_shape(d, path);
+    if (s.size() != 1 || s[0] < 2) throw InputError(path + ": dataset 'seq_offsets' must be 1-D [S+1] with S >= 1");
+  }
+  h_.key_dtype = check_kv_dataset("keys", h_.spec.n_kv_heads);
+  h_.value_dtype = check_kv_dataset("values", h_.spec.n_kv_heads);
+  h_.has_queries = h5::has_object(file_, "queries");
+  if (h_.has_queries) check_kv_dataset("queries", h_.spec.n_q_heads);
+}
+
+StoredDtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
+  h5::Handle d = h5::open_dataset(file_, name, h_.path);
+  auto s = h5::dataset_shape(d, h_.path + ":" + name);
+  const std::vector<int64_t> want = {h_.tokens, h_.spec.n_layers, heads, h_.spec.head_dim};
+  if (s != want) {
+    auto fmt = [](const std::vector<int64_t>& v) {
+      std::string o = "[";
+      for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
+      return o + "]";
+    };
+    throw InputError(h_.path + ": dataset '" + name + "' has shape " + fmt(s) + ", expected " + fmt(want) +
+                     " [T, n_layers, heads, head_dim] from kv_spec");
+  }
+  h5::Handle t(h5::check(H5Dget_type(d), "H5Dget_type", h_.path + ":" + name), H5Tclose);
+  std::string attr;
+  if (h5::has_attr(d, "dtype")) attr = h5::read_string_attr(d, "dtype", h_.path + ":" + name);
+  const H5T_class_t cls = H5Tget_class(t);
+  const size_t size = H5Tget_size(t);
+  if (attr == "bfloat16" && cls == H5T_INTEGER && size == 2) return StoredDtype::bf16;
+  if (attr.empty() || attr == "float32" || attr == "float16") {
+    if (cls == H5T_FLOAT && size == 4) return StoredDtype::f32;
+    if (cls == H5T_FLOAT && size == 2) return StoredDtype::f16;
+  }
+  throw InputError(h_.path + ": dataset '" + name + "' has an unknown dtype (class " + std::to_string(cls) +
+                   ", " + std::to_string(size) + " bytes" + (attr.empty() ? "" : ", dtype attribute \"" + attr + "\"") +
+                   "); expected float32, float16, or uint16 with dtype = \"bfloat16\"");
+}
+
+namespace {
+
+h5::Handle row_selection(hid_t dset, int64_t t0, int64_t count, int64_t stride, const std::vector<int64_t>& shape,
+                         const std::string& where) {
+  h5::Handle space(h5::check(H5Dget_space(dset), "H5Dget_space", where), H5Sclose);
+  std::vector<hsize_t> start(shape.size(), 0), str(shape.size(), 1), cnt(shape.begin(), shape.end()),
+      blk(shape.size(), 1);
+  start[0] = t0;
+  str[0] = stride;
+  cnt[0] = count;
+  h5::check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), str.data(), cnt.data(), blk.data()),
+            "H5Sselect_hyperslab", where);
+  return space;
+}
+
+}  // namespace
+
+void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, int64_t stride, float* out,
+                            std::vector<uint16_t>& raw) const {
+  const std::string where = h_.path + ":" + name;
+  CROSSKV_ASSERT(count > 0 && t0 >= 0 && t0 + (count - 1) * stride < h_.tokens, "row range out of bounds: " + where);
+  h5::Handle d = h5::open_dataset(file_, name, h_.path);
+  auto shape = h5::dataset_shape(d, where);
+  int64_t row = 1;
+  for (size_t i = 1; i < shape.size(); ++i) row *= shape[i];
+  h5::Handle fspace = row_selection(d, t0, count, stride, shape, where);
+  std::vector<hsize_t> mdims(shape.begin(), shape.end());
+  mdims[0] = count;
+  h5::Handle mspace(H5Screate_simple(static_cast<int>(mdims.size()), mdims.data(), nullptr), H5Sclose);
+  StoredDtype dt = name == "keys" ? h_.key_dtype : name == "values" ? h_.value_dtype : StoredDtype::f32;
+  if (name == "queries") {
+    h5::Handle t(H5Dget_type(d), H5Tclose);
+    dt = H5Tget_size(t) == 4 ? StoredDtype::f32 : (h5::has_attr(d, "dtype") ? StoredDtype::bf16 : StoredDtype::f16);
+  }
+  const size_t n = static_cast<size_t>(count * row);
+  herr_t rc;
+  if (dt == StoredDtype::f32) {
+    rc = H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, out);
+  } else {
+    raw.resize(n);
+    if (dt == StoredDtype::bf16) {
+      rc = H5Dread(d, H5T_NATIVE_UINT16, mspace, fspace, H5P_DEFAULT, raw.data());
+    } else {
+      h5::Handle ft(H5Dget_type(d), H5Tclose);
+      rc = H5Dread(d, ft, mspace, fspace, H5P_DEFAULT, raw.data());
+    }
+  }
+  if (rc < 0)
+    throw InputError(h_.path + ": cannot read tokens " + std::to_string(t0) + ".." +
+                     std::to_string(t0 + (count - 1) * stride) + " of dataset '" + name +
+                     "' (truncated or corrupt file?)");
+  if (dt == StoredDtype::bf16)
+    for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(raw[i]);
+  else if (dt == StoredDtype::f16)
+    for (size_t i = 0; i < n; ++i) out[i] = fp16_to_float(raw[i]);
+}
+
+void ShardReader::read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const {
+  h5::Handle d = h5::open_dataset(file_, "positions", h_.path);
+  auto shape = h5::dataset_shape(d, h_.path);
+  h5::Handle fspace = row_selection(d, t0, count, stride, shape, h_.path + ":positions");
+  hsize_t m = count;
+  h5::Handle mspace(H5Screate_simple(1, &m, nullptr), H5Sclose);
+  if (H5Dread(d, H5T_NATIVE_INT32, mspace, fspace, H5P_DEFAULT, out) < 0)
+    throw InputError(h_.path + ": cannot read dataset 'positions' (truncated or corrupt file?)");
+}
+
+ShardWriter::ShardWriter(const std::string& path, const std::string& model, const std::string& domain,
+                         const KvSpec& spec, int64_t tokens, StoredDtype dtype, bool with_queries,
+                         int64_t chunk_tokens)
+    : path_(path), spec_(spec), tokens_(tokens), dtype_(dtype) {
+  file_ = h5::create_file(path);
+  h5::write_string_attr(file_, "crosskv_format", "kv-shard");
+  h5::write_int_attr(file_, "crosskv_format_version", 1);
+  h5::write_string_attr(file_, "model", model);
+  h5::write_string_attr(file_, "domain", domain);
+  h5::write_string_attr(file_, "kv_spec", kv_spec_to_string(spec));
+  create_kv("keys", spec.n_kv_heads, chunk_tokens);
+  create_kv("values", spec.n_kv_heads, chunk_tokens);
+  if (with_queries) create_kv("queries", spec.n_q_heads, chunk_tokens);
+}
+
+void ShardWriter::create_kv(const std::string& name, int heads, int64_t chunk_tokens) {
+  hsize_t dims[4] = {static_cast<hsize_t>(tokens_), static_cast<hsize_t>(spec_.n_layers), static_cast<hsize_t>(heads),
+                     static_cast<hsize_t>(spec_.head_dim)};
+  hsize_t chunk[4] = {static_cast<hsize_t>(std::max<int64_t>(1, std::min(chunk_tokens, tokens_))), dims[1], dims[2],
+                      dims[3]};
+  h5::Handle space(H5Screate_simple(4, dims, nullptr), H5Sclose);
+  h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  if (tokens_ > 0) h5::check(H5Pset_chunk(dcpl, 4, chunk), "H5Pset_chunk", path_);
+  h5::Handle type = dtype_ == StoredDtype::f32    ? h5::Handle(H5Tcopy(H5T_IEEE_F32LE), H5Tclose)
+                    : dtype_ == StoredDtype::bf16 ? h5::Handle(H5Tcopy(H5T_STD_U16LE), H5Tclose)
+                                                  : float16_type();
+  h5::Handle d(h5::check(H5Dcreate2(file_, name.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT), "H5Dcreate2",
+                         path_ + ":" + name),
+               H5Dclose);
+  if (dtype_ == StoredDtype::bf16) h5::write_string_attr(d, "dtype", "bfloat16");
+}
+
+void ShardWriter::write_token_ids(const std::vector<int32_t>& ids) {
+  hsize_t n = ids.size();
+  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  h5::Handle d(h5::check(H5Dcreate2(file_, "token_ids", H5T_STD_I32LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "H5Dcreate2", path_ + ":token_ids"),
+               H5Dclose);
+  h5::check(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, ids.data()), "H5Dwrite", path_);
+}
+
+void ShardWriter::write_positions(const std::vector<int32_t>& pos) {
+  hsize_t n = pos.size();
+  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  h5::Handle d(h5::check(H5Dcreate2(file_, "positions", H5T_STD_I32LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "H5Dcreate2", path_ + ":positions"),
+               H5Dclose);
+  h5::check(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, pos.data()), "H5Dwrite", path_);
+}
+
+void ShardWriter::write_seq_offsets(const std::vector<int64_t>& offs) {
+  hsize_t n = offs.size();
+  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  h5::Handle d(h5::check(H5Dcreate2(file_, "seq_offsets", H5T_STD_I64LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                         "H5Dcreate2", path_ + ":seq_offsets"),
+               H5Dclose);
+  h5::check(H5Dwrite(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offs.data()), "H5Dwrite", path_);
+}
+
+void ShardWriter::write_rows(const std::string& name, int64_t t0, int64_t count, const float* data) {
+  h5::Handle d = h5::open_dataset(file_, name, path_);
+  auto shape = h5::dataset_shape(d, path_);
+  h5::Handle fspace = row_selection(d, t0, count, 1, shape, path_ + ":" + name);
+  std::vector<hsize_t> mdims(shape.begin(), shape.end());
+  mdims[0] = count;
+  h5::Handle mspace(H5Screate_simple(4, mdims.data(), nullptr), H5Sclose);
+  const size_t n = static_cast<size_t>(count * shape[1] * shape[2] * shape[3]);
+  if (dtype_ == StoredDtype::f32) {
+    h5::check(H5Dwrite(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, data), "H5Dwrite", path_ + ":" + name);
+    return;
+  }
+  std::vector<uint16_t> raw(n);
+  if (dtype_ == StoredDtype::bf16) {
+    for (size_t i = 0; i < n; ++i) raw[i] = float_to_bf16(data[i]);
+    h5::check(H5Dwrite(d, H5T_NATIVE_UINT16, mspace, fspace, H5P_DEFAULT, raw.data()), "H5Dwrite", path_ + ":" + name);
+  } else {
+    for (size_t i = 0; i < n; ++i) raw[i] = float_to_fp16(data[i]);
+    h5::Handle t = float16_type();
+    h5::check(H5Dwrite(d, t, mspace, fspace, H5P_DEFAULT, raw.data()), "H5Dwrite", path_ + ":" + name);
+  }
+}
+
+void ShardWriter::close() {
+  if (file_.valid()) h5::check(H5Fflush(file_, H5F_SCOPE_GLOBAL), "H5Fflush", path_);
+  file_.reset();
+}
+
+}  // namespace crosskv

@@ -1,0 +1,69 @@
+#pragma once
+// Calibration shards (SPEC §5): HDF5 files of [T, L, H, D] keys/values with token ids and positions.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/kv_spec.hpp"
+#include "io/h5.hpp"
+
+namespace crosskv {
+
+enum class StoredDtype { f32, f16, bf16 };
+const char* to_string(StoredDtype d);
+size_t dtype_bytes(StoredDtype d);
+
+struct ShardHeader {
+  std::string path;
+  std::string model, domain;
+  KvSpec spec;
+  int64_t tokens = 0;
+  StoredDtype key_dtype = StoredDtype::f32, value_dtype = StoredDtype::f32;
+  bool has_queries = false;
+};
+
+class ShardReader {
+ public:
+  // Opens and validates attributes, datasets and shapes; InputError naming the file on any problem.
+  explicit ShardReader(const std::string& path);
+  const ShardHeader& header() const { return h_; }
+
+  std::vector<int32_t> token_ids() const { return h5::read_int32s(file_, "token_ids", h_.path); }
+  std::vector<int32_t> positions() const { return h5::read_int32s(file_, "positions", h_.path); }
+  std::vector<int64_t> seq_offsets() const { return h5::read_int64s(file_, "seq_offsets", h_.path); }
+
+  // Rows t0, t0+stride, ... (count rows) of `dataset` ("keys", "values", "queries") as fp32 [count, L*H*D].
+  // `raw` is scratch for the stored bytes.
+  void read_rows(const std::string& dataset, int64_t t0, int64_t count, int64_t stride, float* out,
+                 std::vector<uint16_t>& raw) const;
+  // The same rows of `positions`.
+  void read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const;
+
+ private:
+  StoredDtype check_kv_dataset(const std::string& name, int heads);
+  ShardHeader h_;
+  h5::Handle file_;
+};
+
+// Writes a shard (used by crosskv-synth, crosskv-apply and tests).
+class ShardWriter {
+ public:
+  ShardWriter(const std::string& path, const std::string& model, const std::string& domain, const KvSpec& spec,
+              int64_t tokens, StoredDtype dtype, bool with_queries = false, int64_t chunk_tokens = 256);
+  void write_token_ids(const std::vector<int32_t>& ids);
+  void write_positions(const std::vector<int32_t>& pos);
+  void write_seq_offsets(const std::vector<int64_t>& offs);
+  // Rows [t0, t0+count) of keys/values/queries from fp32 [count, L*H*D] (converted to the stored dtype).
+  void write_rows(const std::string& dataset, int64_t t0, int64_t count, const float* data);
+  void close();
+
+ private:
+  void create_kv(const std::string& name, int heads, int64_t chunk_tokens);
+  std::string path_;
+  KvSpec spec_;
+  int64_t tokens_;
+  StoredDtype dtype_;
+  h5::Handle file_;
+};
+
+}  // namespace crosskv

@@ -1,0 +1,226 @@
+#include "pipeline/fit_pipeline.hpp"
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+
+#include "core/comm.hpp"
+#include "core/backend.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "core/ridge.hpp"
+#include "core/select.hpp"
+#include "io/atomic_file.hpp"
+#include "io/heatmap.hpp"
+#include "io/r2_file.hpp"
+#include "stages/export.hpp"
+
+namespace fs = std::filesystem;
+
+namespace crosskv {
+namespace {
+
+class StageClock {
+ public:
+  void start(const std::string& name) {
+    stop();
+    name_ = name;
+    t0_ = std::chrono::steady_clock::now();
+    spdlog::info("== {} ==", name);
+  }
+  void stop() {
+    if (name_.empty()) return;
+    times_.emplace_back(name_, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+    name_.clear();
+  }
+  nlohmann::json json() const {
+    nlohmann::json j = nlohmann::json::object();
+    double total = 0;
+    for (const auto& [n, s] : times_) {
+      j[n] = s;
+      total += s;
+    }
+    j["total"] = total;
+    return j;
+  }
+  void summary() const {
+    double total = 0;
+    for (const auto& [n, s] : times_) total += s;
+    spdlog::info("summary: stage times");
+    for (const auto& [n, s] : times_)
+      spdlog::info("  {:<12} {:>10}  {:5.1f}%", n, human_seconds(s), total > 0 ? 100.0 * s / total : 0.0);
+    spdlog::info("  {:<12} {:>10}", "total", human_seconds(total));
+  }
+
+ private:
+  std::string name_;
+  std::chrono::steady_clock::time_point t0_;
+  std::vector<std::pair<std::string, double>> times_;
+};
+
+MomentPlan probe_plan(const PairDims& d, ProbeMode mode) {
+  MomentPlan p;
+  if (mode == ProbeMode::same_head) {
+    p.head_probe = true;
+    return p;
+  }
+  for (int a = 0; a < d.Ls; ++a) p.gram.emplace_back(a, a);
+  for (int a = 0; a < d.Ls; ++a)
+    for (int l = 0; l < d.Lt; ++l) p.cross.emplace_back(a, l);
+  return p;
+}
+
+MomentPlan selection_plan(const std::vector<std::vector<int>>& rankings, int kmax) {
+  MomentPlan p;
+  for (size_t l = 0; l < rankings.size(); ++l) {
+    const auto top = top_k(rankings[l], kmax);
+    for (size_t i = 0; i < top.size(); ++i) {
+      for (size_t j = i; j < top.size(); ++j) p.gram.emplace_back(top[i], top[j]);
+      p.cross.emplace_back(top[i], static_cast<int>(l));
+    }
+  }
+  return p;
+}
+
+ProbeR2 run_probe(const Moments& m, Context& ctx, ProbeMode mode, double lambda, const std::string& kind) {
+  return mode == ProbeMode::same_head ? probe_same_head(m, ctx.backend, lambda, kind)
+                                      : probe_all_heads(m, ctx.backend, lambda, kind);
+}
+
+}  // namespace
+
+FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
+  FitResult res;
+  StageClock clock;
+  const bool root = ctx.comm.rank() == 0;
+
+  clock.start("validate");
+  Calibration cal = validate(cfg);
+  const PairDims d = cal.dims();
+  spdlog::info("{} shard pairs in {} domain(s), {} tokens used (stride {}); source {} [{}x{}x{}], target {} [{}x{}x{}]",
+               cal.shards.size(), cal.domains.size(), cal.tokens_used, cfg.token_stride, cal.source_model, d.Ls, d.Hs,
+               d.Ds, cal.target_model, d.Lt, d.Ht, d.Dt);
+
+  clock.start("plan");
+  const double read_bpt = 2.0 * (d.X() + d.Y()) * 4.0;
+  const FitPlan plan = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, cfg.max_moment_gib, read_bpt);
+  res.plan_text = format_plan(plan);
+  for (std::string line; const char c : res.plan_text + "\n") {
+    if (c == '\n') {
+      if (!line.empty()) spdlog::info("{}", line);
+      line.clear();
+    } else {
+      line += c;
+    }
+  }
+  if (opts.plan_only) return res;
+
+  std::error_code ec;
+  fs::create_directories(cfg.output_dir, ec);
+  if (ec) throw InputError("output.dir: cannot create " + cfg.output_dir + ": " + ec.message());
+
+  clock.start("probe-pass");
+  Shifts sh = compute_shifts(cal);
+  Moments mk(d, sh.xk, sh.yk), mv(d, sh.xv, sh.yv);
+  auto mraw = std::make_unique<Moments>(d, sh.xk_raw, sh.yk_raw);
+  const MomentPlan pp = probe_plan(d, cfg.probe);
+  mraw->add_plan(pp);
+  if (plan.single_pass) {
+    const MomentPlan full = MomentPlan::full(d, false);
+    mk.add_plan(full);
+    mv.add_plan(full);
+  } else {
+    mk.add_plan(pp);
+    mv.add_plan(pp);
+  }
+  spdlog::info("moments in memory: {} (keys) + {} (values) + {} (raw keys, probe only)", human_bytes(mk.bytes()),
+               human_bytes(mv.bytes()), human_bytes(mraw->bytes()));
+  PassStats p1 = stream_pass(cal, ctx, mk, mraw.get(), mv, plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
+  mk.finish_pass(ctx.comm);
+  mv.finish_pass(ctx.comm);
+  mraw->finish_pass(ctx.comm);
+  res.passes = 1;
+  if (plan.single_pass && cfg.probe == ProbeMode::same_head) {
+    mk.derive_head_probe();
+    mv.derive_head_probe();
+  }
+
+  clock.start("probe");
+  std::map<std::string, ProbeR2> probes;
+  probes["k_rope"] = run_probe(*mraw, ctx, cfg.probe, cfg.lambda, "k_rope");
+  mraw.reset();
+  probes["k"] = run_probe(mk, ctx, cfg.probe, cfg.lambda, "k");
+  probes["v"] = run_probe(mv, ctx, cfg.probe, cfg.lambda, "v");
+  res.r2_path = (fs::path(cfg.output_dir) / "r2.h5").string();
+  res.heatmap_path = (fs::path(cfg.output_dir) / "r2_heatmap.svg").string();
+  if (root) {
+    write_r2_file(res.r2_path, probes,
+                  {{"source_model", cal.source_model}, {"target_model", cal.target_model},
+                   {"probe", to_string(cfg.probe)}, {"lambda", std::to_string(cfg.lambda)},
+                   {"rows", "source layer"}, {"columns", "target layer"}});
+    write_file_atomic(res.heatmap_path,
+                      render_heatmaps_svg({{"K_rope (raw keys)", &probes["k_rope"]},
+                                           {"K (RoPE-stripped)", &probes["k"]},
+                                           {"V", &probes["v"]}},
+                                          cal.source_model + " -> " + cal.target_model + ": head-averaged R² (" +
+                                              to_string(cfg.probe) + " probe, " + std::to_string(cal.tokens_used) +
+                                              " tokens)"));
+  }
+
+  clock.start("select");
+  const auto rankings = rank_sources(probes["k"].mean, probes["v"].mean, d.Ls, d.Lt);
+  const int kmax = plan.ks.back().count;
+  for (int l = 0; l < d.Lt; ++l) {
+    const auto top = top_k(rankings[l], std::min(kmax, 4));
+    std::string s;
+    for (int a : top) s += (s.empty() ? "" : " ") + std::to_string(a);
+    spdlog::debug("target layer {}: best source layers {}", l, s);
+  }
+
+  if (!plan.single_pass) {
+    clock.start("gram-pass");
+    const MomentPlan sel = selection_plan(rankings, kmax);
+    mk.add_plan(sel);
+    mv.add_plan(sel);
+    spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(mk.bytes()),
+                 human_bytes(mv.bytes()));
+    stream_pass(cal, ctx, mk, nullptr, mv, "pass 2/2 (selected blocks)");
+    mk.finish_pass(ctx.comm);
+    mv.finish_pass(ctx.comm);
+    res.passes = 2;
+  }
+
+  clock.start("solve+export");
+  std::vector<int> counts;
+  for (const auto& k : plan.ks) counts.push_back(k.count);
+  if (root) {
+    ArtifactWriter writer(cal, plan);
+    writer.begin();
+    Progress progress("solve", d.Lt, 0);
+    for (int l = 0; l < d.Lt; ++l) {
+      const std::string what = "target layer " + std::to_string(l);
+      auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys");
+      auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values");
+      writer.write_layer(l, fk, fv);
+      progress.add(1);
+    }
+    clock.stop();
+    nlohmann::json extra = {
+        {"timings_s", clock.json()},
+        {"grid", {{"ranks", ctx.comm.size()}, {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()}}},
+        {"passes", res.passes},
+        {"r2_file", "../r2.h5"}};
+    res.artifacts = writer.finish(extra);
+  }
+  clock.stop();
+  ctx.comm.barrier();
+  if (root) {
+    clock.summary();
+    spdlog::info("read {} tokens ({}/s) in pass 1", p1.tokens, human_bytes(p1.bytes / std::max(p1.seconds, 1e-9)));
+    for (const auto& a : res.artifacts) spdlog::info("artifact: {}", a);
+    spdlog::info("R² matrices: {}  heatmaps: {}", res.r2_path, res.heatmap_path);
+  }
+  return res;
+}
+
+}  // namespace crosskv

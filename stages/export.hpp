@@ -1,0 +1,35 @@
+#pragma once
+// Stage 7: mapper artifacts (SPEC §6). Each k is written into "<out>/k<K>.partial" layer by layer as the solves
+// finish; the manifest is written last and the folder renamed to "<out>/k<K>", so a folder named k<K> with a
+// manifest is always complete.
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/ridge.hpp"
+#include "stages/stages.hpp"
+
+namespace crosskv {
+
+class ArtifactWriter {
+ public:
+  ArtifactWriter(const Calibration& cal, const FitPlan& plan);
+  void begin();
+  // fits_k[i] / fits_v[i] belong to plan.ks[i].
+  void write_layer(int l, const std::vector<LayerFit>& fits_k, const std::vector<LayerFit>& fits_v);
+  // Writes every manifest and moves the folders into place. Returns the final folders.
+  std::vector<std::string> finish(const nlohmann::json& extra);
+
+ private:
+  std::string final_dir(const KPlan& k) const;
+  std::string partial_dir(const KPlan& k) const;
+  const Calibration& cal_;
+  const FitPlan& plan_;
+  std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
+};
+
+nlohmann::json nan_to_null(const std::vector<double>& v);
+
+}  // namespace crosskv

@@ -1,0 +1,83 @@
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "core/log.hpp"
+#include "stages/stages.hpp"
+
+namespace crosskv {
+
+double weight_bytes(WeightDtype d) { return d == WeightDtype::fp32 ? 4.0 : 2.0; }
+
+FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
+                  double max_moment_gib, double read_bytes_per_token) {
+  FitPlan p;
+  p.dims = d;
+  p.tokens = tokens;
+  p.read_bytes_per_token = read_bytes_per_token;
+  for (const auto& k : ks) {
+    KPlan kp;
+    kp.label = k.label();
+    kp.count = k.is_all() ? d.Ls : k.value;
+    kp.features = kp.count * d.F();
+    kp.params = 2 * int64_t{d.Lt} * d.Ht * kp.features * d.Dt;
+    kp.bias_params = 2 * int64_t{d.Lt} * d.Ht * d.Dt;
+    p.ks.push_back(kp);
+  }
+  std::sort(p.ks.begin(), p.ks.end(), [](const KPlan& a, const KPlan& b) { return a.count < b.count; });
+  const MomentPlan head = {{}, {}, probe == ProbeMode::same_head};
+  const MomentPlan full = MomentPlan::full(d, false);
+  // Probe blocks of one kind: same-head blocks, or diagonal Gram + every cross block for all_heads.
+  MomentPlan probe_plan = head;
+  if (probe == ProbeMode::all_heads) {
+    for (int a = 0; a < d.Ls; ++a) probe_plan.gram.emplace_back(a, a);
+    probe_plan.cross = full.cross;
+  }
+  const double f4 = sizeof(float);
+  p.full_moment_bytes = static_cast<int64_t>(f4 * (2 * full.floats(d) + probe_plan.floats(d)));
+  p.probe_moment_bytes = static_cast<int64_t>(f4 * 3 * probe_plan.floats(d));
+  p.single_pass = p.full_moment_bytes <= max_moment_gib * (1ull << 30);
+  const double X = static_cast<double>(d.X()), Y = static_cast<double>(d.Y());
+  const double head_flops = 2.0 * d.Hs * (d.Ls * d.Ds) * (d.Lt * d.Dt) + 1.0 * d.Ls * d.Hs * d.Ds * d.Ds;
+  const double full_flops = X * X + 2.0 * X * Y;  // syrk (half of X^2 MACs) + cross
+  const double kmax_features = p.ks.back().features;
+  const double sel_flops = d.Lt * (2.0 * kmax_features * d.G()) + std::min(X * X, d.Lt * kmax_features * kmax_features);
+  p.accumulate_flops = tokens * (p.single_pass ? 2 * full_flops + head_flops : 3 * head_flops + 2 * sel_flops);
+  const double n = kmax_features;
+  double solves = 0;
+  for (const auto& k : p.ks) solves += 2.0 * k.features * k.features * d.G();
+  p.solve_flops = 2.0 * d.Lt * (n * n * n / 3.0 + solves);
+  return p;
+}
+
+std::string format_plan(const FitPlan& p) {
+  std::ostringstream o;
+  const auto& d = p.dims;
+  char buf[256];
+  o << "plan:\n";
+  std::snprintf(buf, sizeof buf, "  source: %d layers x %d KV heads x %d  -> %lld features per layer\n", d.Ls, d.Hs,
+                d.Ds, static_cast<long long>(d.F()));
+  o << buf;
+  std::snprintf(buf, sizeof buf, "  target: %d layers x %d KV heads x %d  -> %lld targets per layer\n", d.Lt, d.Ht,
+                d.Dt, static_cast<long long>(d.G()));
+  o << buf;
+  o << "  calibration tokens: " << p.tokens << " (" << human_bytes(p.tokens * p.read_bytes_per_token) << " to read per pass)\n";
+  o << "  passes over the data: " << (p.single_pass ? "1 (every moment block fits)" : "2 (probe, then the selected blocks)")
+    << "\n";
+  o << "  moment memory: all blocks " << human_bytes(p.full_moment_bytes) << ", probe " << human_bytes(p.probe_moment_bytes)
+    << "\n";
+  std::snprintf(buf, sizeof buf, "  flops: accumulate %.3g, solve %.3g (fp64)\n", p.accumulate_flops, p.solve_flops);
+  o << buf;
+  o << "  k      features  mapper params        fp32          bf16/fp16\n";
+  for (const auto& k : p.ks) {
+    const double all = static_cast<double>(k.params + k.bias_params);
+    std::snprintf(buf, sizeof buf, "  %-6s %8lld  %-12s (%lld)  %-12s  %-12s\n", k.label.c_str(),
+                  static_cast<long long>(k.features), human_count(static_cast<double>(k.params)).c_str(),
+                  static_cast<long long>(k.params), human_bytes(4.0 * all).c_str(),
+                  human_bytes(2.0 * k.params + 4.0 * k.bias_params).c_str());
+    o << buf;
+  }
+  return o.str();
+}
+
+}  // namespace crosskv

@@ -1,0 +1,85 @@
+#pragma once
+// The fit's stages, each a function from explicit inputs to explicit outputs:
+//   validate(config) -> Calibration; make_plan(Calibration) -> FitPlan; stream_pass(...) -> moments;
+//   probe/select (core/ridge, core/select); solve + export (stages/export).
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/config.hpp"
+#include "core/kv_spec.hpp"
+#include "core/moments.hpp"
+
+namespace crosskv {
+
+class Comm;
+class ComputeBackend;
+
+struct Context {
+  Comm& comm;
+  ComputeBackend& backend;
+};
+
+struct ShardPair {
+  std::string rel, domain;
+  std::string source_path, target_path;
+  int64_t rows = 0;        // tokens in the shard
+  int64_t used = 0;        // tokens used: rows 0, s, 2s, ... (after token_stride and max_tokens)
+  std::string fingerprint; // SHA-256 over both sides' token_ids and positions
+};
+
+struct Calibration {
+  FitConfig cfg;
+  KvSpec source, target;
+  std::string source_model, target_model;
+  std::vector<std::string> domains;
+  std::vector<ShardPair> shards;  // sorted by relative path
+  int64_t tokens_used = 0;
+  PairDims dims() const;
+};
+
+// Stage 1: config, stores, shards. Reads only metadata, token ids and positions.
+Calibration validate(const FitConfig& cfg);
+
+struct KPlan {
+  std::string label;  // "4" or "all"
+  int count = 0;      // source layers used
+  int64_t features = 0;
+  int64_t params = 0;  // 2 * Lt * Ht * ds * Dt (+ biases, counted separately)
+  int64_t bias_params = 0;
+};
+
+struct FitPlan {
+  PairDims dims;
+  int64_t tokens = 0;
+  std::vector<KPlan> ks;  // ascending by count
+  bool single_pass = true;
+  int64_t full_moment_bytes = 0, probe_moment_bytes = 0;
+  double accumulate_flops = 0, solve_flops = 0;
+  double read_bytes_per_token = 0;
+};
+
+// Stage 2. `max_moment_gib` decides between one pass (every block) and two passes (probe, then selected blocks).
+FitPlan make_plan(const PairDims& dims, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
+                  double max_moment_gib, double read_bytes_per_token);
+std::string format_plan(const FitPlan& plan);
+double weight_bytes(WeightDtype d);
+
+struct PassStats {
+  int64_t tokens = 0;
+  double seconds = 0, bytes = 0;
+};
+
+struct Shifts {
+  std::vector<float> xk, yk, xk_raw, yk_raw, xv, yv;
+};
+// Provisional shifts: means of the first block of the first shard (the same on every rank).
+Shifts compute_shifts(const Calibration& cal);
+
+// Stage 3/5: one streaming pass over this rank's shards, folding blocks into the moments' live blocks.
+// k_rope may be null (the pass then does not keep raw keys).
+PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
+                      const std::string& label);
+
+}  // namespace crosskv

@@ -1,0 +1,191 @@
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "core/rope.hpp"
+#include "io/shard.hpp"
+#include "stages/stages.hpp"
+
+namespace crosskv {
+namespace {
+
+struct Block {
+  int64_t rows = 0;
+  std::vector<float> xk, xk_raw, xv, yk, yk_raw, yv;
+};
+
+struct Readers {
+  const ShardPair* pair;
+  ShardReader source, target;
+  std::vector<uint16_t> scratch;
+  std::vector<int32_t> pos;
+};
+
+void check_finite(const std::vector<float>& v, int64_t rows, int layers, int64_t per_layer, const std::string& path,
+                  const char* dataset, int64_t t0, int64_t stride) {
+  const int64_t row = layers * per_layer;
+  for (int64_t i = 0; i < rows * row; ++i)
+    if (!std::isfinite(v[i])) {
+      const int64_t t = i / row, layer = (i % row) / per_layer;
+      throw InputError(path + ": dataset '" + dataset + "' has " + (std::isnan(v[i]) ? "NaN" : "Inf") + " at layer " +
+                       std::to_string(layer) + ", token " + std::to_string(t0 + t * stride));
+    }
+}
+
+// Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair; keys RoPE-stripped.
+void read_block(Readers& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
+                bool want_raw, Block& b) {
+  const int64_t stride = cal.cfg.token_stride, t0 = j0 * stride;
+  const PairDims d = cal.dims();
+  b.rows = rows;
+  auto side = [&](ShardReader& sr, const Rope& rope, int layers, int heads, int64_t per_layer, std::vector<float>& k,
+                  std::vector<float>& raw, std::vector<float>& v) {
+    const std::string& path = sr.header().path;
+    k.resize(rows * layers * per_layer);
+    v.resize(rows * layers * per_layer);
+    sr.read_rows("keys", t0, rows, stride, k.data(), r.scratch);
+    check_finite(k, rows, layers, per_layer, path, "keys", t0, stride);
+    sr.read_rows("values", t0, rows, stride, v.data(), r.scratch);
+    check_finite(v, rows, layers, per_layer, path, "values", t0, stride);
+    if (want_raw) raw = k;
+    r.pos.resize(rows);
+    sr.read_positions(t0, rows, stride, r.pos.data());
+    rope.strip_block(k.data(), rows, int64_t{layers} * heads, r.pos.data());
+  };
+  side(r.source, rs, d.Ls, d.Hs, d.F(), b.xk, b.xk_raw, b.xv);
+  side(r.target, rt, d.Lt, d.Ht, d.G(), b.yk, b.yk_raw, b.yv);
+}
+
+// One producer thread reads blocks ahead; the consumer folds them in. HDF5 is only ever called from the producer.
+class BlockQueue {
+ public:
+  void push(std::optional<Block> b) {
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return q_.size() < 2; });
+    q_.push_back(std::move(b));
+    cv_.notify_all();
+  }
+  std::optional<Block> pop() {
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return !q_.empty(); });
+    auto b = std::move(q_.front());
+    q_.pop_front();
+    cv_.notify_all();
+    return b;
+  }
+  void fail(std::exception_ptr e) {
+    std::lock_guard<std::mutex> l(m_);
+    error_ = e;
+    q_.push_back(std::nullopt);
+    cv_.notify_all();
+  }
+  std::exception_ptr error() {
+    std::lock_guard<std::mutex> l(m_);
+    return error_;
+  }
+  void abandon() {
+    std::lock_guard<std::mutex> l(m_);
+    abandoned_ = true;
+    q_.clear();
+    cv_.notify_all();
+  }
+  bool abandoned() {
+    std::lock_guard<std::mutex> l(m_);
+    return abandoned_;
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<std::optional<Block>> q_;
+  std::exception_ptr error_;
+  bool abandoned_ = false;
+};
+
+std::vector<float> column_means(const std::vector<float>& v, int64_t rows, int64_t cols) {
+  std::vector<double> s(cols, 0.0);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < cols; ++c) s[c] += v[t * cols + c];
+  std::vector<float> m(cols);
+  for (int64_t c = 0; c < cols; ++c) m[c] = static_cast<float>(s[c] / rows);
+  return m;
+}
+
+}  // namespace
+
+Shifts compute_shifts(const Calibration& cal) {
+  const ShardPair& p = cal.shards.front();
+  Readers r{&p, ShardReader(p.source_path), ShardReader(p.target_path), {}, {}};
+  Rope rs(cal.source, p.source_path), rt(cal.target, p.target_path);
+  const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
+  Block b;
+  read_block(r, rs, rt, cal, 0, rows, true, b);
+  const PairDims d = cal.dims();
+  return {column_means(b.xk, rows, d.X()),     column_means(b.yk, rows, d.Y()), column_means(b.xk_raw, rows, d.X()),
+          column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
+}
+
+PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
+                      const std::string& label) {
+  const int rank = ctx.comm.rank(), size = ctx.comm.size();
+  std::vector<const ShardPair*> mine;
+  int64_t my_tokens = 0;
+  for (size_t i = 0; i < cal.shards.size(); ++i)
+    if (static_cast<int>(i % size) == rank && cal.shards[i].used > 0) {
+      mine.push_back(&cal.shards[i]);
+      my_tokens += cal.shards[i].used;
+    }
+  const PairDims d = cal.dims();
+  const double bytes_per_token = 2.0 * (d.X() * 4 + d.Y() * 4);  // fp32 equivalent of K and V, both sides
+  Progress progress(label + (size > 1 ? " (rank " + std::to_string(rank) + ")" : ""), my_tokens, bytes_per_token);
+  Rope rs(cal.source, "source kv_spec"), rt(cal.target, "target kv_spec");
+  const bool want_raw = k_rope != nullptr;
+  const int64_t B = cal.cfg.block_tokens;
+
+  BlockQueue queue;
+  std::thread producer([&] {
+    try {
+      for (const ShardPair* p : mine) {
+        Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path), {}, {}};
+        for (int64_t j = 0; j < p->used; j += B) {
+          if (queue.abandoned()) return;
+          Block b;
+          read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, b);
+          queue.push(std::move(b));
+        }
+      }
+      queue.push(std::nullopt);
+    } catch (...) {
+      queue.fail(std::current_exception());
+    }
+  });
+  PassStats st;
+  try {
+    while (auto b = queue.pop()) {
+      k.accumulate(ctx.backend, b->xk.data(), b->yk.data(), b->rows);
+      if (k_rope) k_rope->accumulate(ctx.backend, b->xk_raw.data(), b->yk_raw.data(), b->rows);
+      v.accumulate(ctx.backend, b->xv.data(), b->yv.data(), b->rows);
+      progress.add(b->rows);
+      st.tokens += b->rows;
+    }
+  } catch (...) {
+    queue.abandon();
+    producer.join();
+    throw;
+  }
+  producer.join();
+  if (auto e = queue.error()) std::rethrow_exception(e);
+  progress.finish();
+  st.seconds = progress.seconds();
+  st.bytes = st.tokens * bytes_per_token;
+  return st;
+}
+
+}  // namespace crosskv

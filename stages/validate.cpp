@@ -1,0 +1,154 @@
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include "core/error.hpp"
+#include "core/rope.hpp"
+#include "core/sha256.hpp"
+#include "io/shard.hpp"
+#include "io/store.hpp"
+#include "stages/stages.hpp"
+
+namespace fs = std::filesystem;
+
+namespace crosskv {
+
+PairDims Calibration::dims() const {
+  return {source.n_layers, source.n_kv_heads, source.head_dim, target.n_layers, target.n_kv_heads, target.head_dim};
+}
+
+namespace {
+
+void check_output_writable(const std::string& dir) {
+  std::error_code ec;
+  fs::path p(dir);
+  if (fs::exists(p, ec)) {
+    if (!fs::is_directory(p, ec)) throw InputError("output.dir: " + dir + " exists and is not a folder");
+  } else {
+    fs::path parent = p;
+    while (!parent.empty() && !fs::exists(parent, ec)) parent = parent.parent_path();
+    if (parent.empty()) parent = ".";
+    if (!fs::is_directory(parent, ec))
+      throw InputError("output.dir: " + dir + " cannot be created (" + parent.string() + " is not a folder)");
+    p = parent;
+  }
+  if (::access(p.c_str(), W_OK | X_OK) != 0)
+    throw InputError("output.dir: " + dir + " is not writable (" + p.string() + ")");
+}
+
+}  // namespace
+
+Calibration validate(const FitConfig& cfg) {
+  Calibration cal;
+  cal.cfg = cfg;
+  check_output_writable(cfg.output_dir);
+  const auto src = list_store(cfg.source_store, "source.store");
+  const auto tgt = list_store(cfg.target_store, "target.store");
+  const std::set<std::string> src_set(src.begin(), src.end()), tgt_set(tgt.begin(), tgt.end());
+  std::set<std::string> found_domains;
+  for (const auto& r : src) found_domains.insert(shard_domain(r));
+  for (const auto& r : tgt) found_domains.insert(shard_domain(r));
+  std::vector<std::string> domains = cfg.domains;
+  if (domains.empty()) domains.assign(found_domains.begin(), found_domains.end());
+  for (const auto& d : domains)
+    if (!found_domains.count(d))
+      throw InputError("calibration.domains: domain \"" + d + "\" has no shards in " + cfg.source_store + " or " +
+                       cfg.target_store);
+  cal.domains = domains;
+  const std::set<std::string> want(domains.begin(), domains.end());
+  std::set<std::string> canonical;
+  for (const auto& side : {std::make_pair(&src, &tgt_set), std::make_pair(&tgt, &src_set)}) {
+    for (const auto& r : *side.first) {
+      if (!want.count(shard_domain(r))) continue;
+      if (!side.second->count(r)) {
+        const bool in_source = side.first == &src;
+        throw InputError((in_source ? cfg.source_store : cfg.target_store) + "/" + r + ": unpaired shard (no " + r +
+                         " in the " + (in_source ? "target" : "source") + " store " +
+                         (in_source ? cfg.target_store : cfg.source_store) + ")");
+      }
+    }
+  }
+  for (const auto& r : src) {
+    if (!want.count(shard_domain(r))) continue;
+    ShardPair p;
+    p.rel = r;
+    p.domain = shard_domain(r);
+    if (p.domain.empty())
+      throw InputError(cfg.source_store + "/" + r + ": shard is not inside a domain folder (expected <domain>/<name>.h5)");
+    p.source_path = (fs::path(cfg.source_store) / r).string();
+    p.target_path = (fs::path(cfg.target_store) / r).string();
+    for (const auto& path : {p.source_path, p.target_path}) {
+      std::error_code ec;
+      auto c = fs::weakly_canonical(path, ec).string();
+      if (!canonical.insert(c).second)
+        throw InputError(path + ": shard listed twice (the same file " + c + " appears under two paths)");
+    }
+    cal.shards.push_back(std::move(p));
+  }
+  for (const auto& d : domains) {
+    bool any = std::any_of(cal.shards.begin(), cal.shards.end(), [&](const ShardPair& s) { return s.domain == d; });
+    if (!any) throw InputError("calibration.domains: domain \"" + d + "\" has no paired shards");
+  }
+  if (cal.shards.empty()) throw InputError("source.store: no shards (*.h5) found in " + cfg.source_store);
+
+  int64_t budget = cfg.max_tokens.value_or(INT64_MAX);
+  bool first = true;
+  for (auto& p : cal.shards) {
+    ShardReader s(p.source_path), t(p.target_path);
+    const auto& hs = s.header();
+    const auto& ht = t.header();
+    if (first) {
+      cal.source = hs.spec;
+      cal.target = ht.spec;
+      cal.source_model = hs.model;
+      cal.target_model = ht.model;
+      Rope(cal.source, p.source_path);
+      Rope(cal.target, p.target_path);
+      first = false;
+    } else {
+      if (hs.spec != cal.source)
+        throw InputError(p.source_path + ": kv_spec differs from the store's first shard (" + cal.shards[0].source_path + ")");
+      if (ht.spec != cal.target)
+        throw InputError(p.target_path + ": kv_spec differs from the store's first shard (" + cal.shards[0].target_path + ")");
+    }
+    if (hs.tokens != ht.tokens)
+      throw InputError(p.target_path + ": " + std::to_string(ht.tokens) + " tokens, but the source shard has " +
+                       std::to_string(hs.tokens));
+    const auto ids_s = s.token_ids(), ids_t = t.token_ids();
+    if (ids_s != ids_t) {
+      size_t i = std::mismatch(ids_s.begin(), ids_s.end(), ids_t.begin()).first - ids_s.begin();
+      throw InputError(p.target_path + ": token_ids differ from " + p.source_path + " at token " + std::to_string(i) +
+                       " (the shards must hold the same text)");
+    }
+    for (auto* r : {&s, &t}) {
+      const auto offs = r->seq_offsets();
+      bool ok = offs.front() == 0 && offs.back() == r->header().tokens && std::is_sorted(offs.begin(), offs.end());
+      if (!ok) throw InputError(r->header().path + ": seq_offsets must rise from 0 to T = " + std::to_string(r->header().tokens));
+    }
+    const auto pos_s = s.positions(), pos_t = t.positions();
+    Sha256 h;
+    h.update(ids_s.data(), ids_s.size() * sizeof(int32_t));
+    h.update(pos_s.data(), pos_s.size() * sizeof(int32_t));
+    h.update(pos_t.data(), pos_t.size() * sizeof(int32_t));
+    p.fingerprint = h.hex();
+    p.rows = hs.tokens;
+    const int64_t available = (p.rows + cfg.token_stride - 1) / cfg.token_stride;
+    p.used = std::min(available, budget);
+    budget -= p.used;
+    cal.tokens_used += p.used;
+  }
+  if (cal.tokens_used < 2) throw InputError("calibration: fewer than 2 tokens selected (check max_tokens and the shards)");
+  if (cfg.probe == ProbeMode::same_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
+    throw ConfigError(cfg.config_path + ": fit.probe: same_head needs equal KV head counts (source " +
+                      std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
+                      "); use probe: all_heads");
+  for (const auto& k : cfg.ks)
+    if (!k.is_all() && k.value > cal.source.n_layers)
+      throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " exceeds the source's " +
+                        std::to_string(cal.source.n_layers) + " layers");
+  return cal;
+}
+
+}  // namespace crosskv

@@ -1,0 +1,41 @@
+#pragma once
+// crosskv-synth: a source and a target store with a planted relation that behaves like a model family.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/kv_spec.hpp"
+#include "io/shard.hpp"
+
+namespace crosskv {
+
+enum class SynthRelation {
+  family,  // target layer l ~ source layers of similar relative depth, mildly non-linear, with noise
+  linear   // target layer l = source layer (l mod Ls) (content space) x M_l + c_l exactly; no noise
+};
+
+struct SynthOptions {
+  std::string out;
+  KvSpec source, target;
+  std::string source_model = "synth-small", target_model = "synth-large";
+  StoredDtype dtype = StoredDtype::f32;
+  std::vector<std::string> domains = {"web"};
+  int shards_per_domain = 2;
+  int sequences_per_shard = 4;
+  int seq_len = 256;
+  uint64_t seed = 1234;
+  SynthRelation relation = SynthRelation::family;
+  double noise = 0.8;             // family: relative noise
+  double large_mean = 40.0;       // offset of the large-mean key channels (content space)
+  int large_mean_channels = 2;    // per head
+  bool gapped_positions = true;   // random start offsets and steps of 1-3 (non-contiguous positions)
+  bool with_queries = false;
+  int64_t chunk_tokens = 256;
+};
+
+// Defaults: source 8 layers x 4 heads x 32 (default rope, theta 1e4), target 12 layers x 4 x 32 (llama3 rope).
+SynthOptions default_synth_options();
+// Writes <out>/source/<domain>/shard-NNN.h5 and <out>/target/... Returns the number of tokens written.
+int64_t synthesize(const SynthOptions& o);
+
+}  // namespace crosskv
