@@ -38,8 +38,10 @@ struct Reader {
 
   void only_keys(const YAML::Node& n, const std::string& section, const std::set<std::string>& allowed) const {
     if (!n.IsMap()) fail(n, section, "expected a mapping");
+    std::set<std::string> seen;
     for (const auto& kv : n) {
       const std::string k = kv.first.as<std::string>();
+      if (!seen.insert(k).second) fail(kv.first, section.empty() ? k : section + "." + k, "duplicate key");
       if (!allowed.count(k)) {
         std::string list;
         for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;

@@ -18,7 +18,7 @@ std::vector<std::string> list_store(const std::string& store, const std::string&
        it != fs::recursive_directory_iterator(); it.increment(ec)) {
     if (ec) throw InputError(key + ": cannot list store " + store + ": " + ec.message());
     if (it->is_regular_file() && it->path().extension() == ".h5")
-      out.push_back(fs::relative(it->path(), store).generic_string());
+      out.push_back(it->path().lexically_relative(store).generic_string());
   }
   std::sort(out.begin(), out.end());
   return out;

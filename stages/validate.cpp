@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include "core/error.hpp"
@@ -58,7 +59,7 @@ Calibration validate(const FitConfig& cfg) {
                        cfg.target_store);
   cal.domains = domains;
   const std::set<std::string> want(domains.begin(), domains.end());
-  std::set<std::string> canonical;
+  std::map<std::string, std::string> canonical;  // resolved path -> the path it was first seen under
   for (const auto& side : {std::make_pair(&src, &tgt_set), std::make_pair(&tgt, &src_set)}) {
     for (const auto& r : *side.first) {
       if (!want.count(shard_domain(r))) continue;
@@ -82,8 +83,8 @@ Calibration validate(const FitConfig& cfg) {
     for (const auto& path : {p.source_path, p.target_path}) {
       std::error_code ec;
       auto c = fs::weakly_canonical(path, ec).string();
-      if (!canonical.insert(c).second)
-        throw InputError(path + ": shard listed twice (the same file " + c + " appears under two paths)");
+      auto [it, fresh] = canonical.emplace(c, path);
+      if (!fresh) throw InputError(path + ": shard listed twice (it is the same file as " + it->second + ")");
     }
     cal.shards.push_back(std::move(p));
   }

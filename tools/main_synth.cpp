@@ -60,7 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--shards", o.shards_per_domain, "shards per domain")->capture_default_str();
   app.add_option("--sequences", o.sequences_per_shard, "sequences per shard")->capture_default_str();
   app.add_option("--seq-len", o.seq_len, "tokens per sequence")->capture_default_str();
-  app.add_option("--seed", o.seed, "random seed")->capture_default_str();
+  app.add_option("--seed", o.seed, "random seed of the planted relation")->capture_default_str();
+  app.add_option("--data-seed", o.data_seed, "random seed of the tokens (0: from --seed); vary for held-out data")
+      ->capture_default_str();
   app.add_option("--relation", relation, "family (realistic) or linear (exact, for tests)")->capture_default_str();
   app.add_option("--noise", o.noise, "family: layer-private noise level")->capture_default_str();
   app.add_option("--large-mean", o.large_mean, "offset of the large-mean key channels")->capture_default_str();

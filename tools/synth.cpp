@@ -113,6 +113,7 @@ int64_t synthesize(const SynthOptions& o) {
         content[h * D + (r / 2 - 1 - c)] += static_cast<float>(o.large_mean * (1.0 + 0.1 * c));
   };
 
+  rng.seed(o.data_seed ? o.data_seed : o.seed * 0x9E3779B97F4A7C15ull + 1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> token(0, 150000), offset(0, 4000), step(1, 3);
   int64_t total = 0;

@@ -23,7 +23,8 @@ struct SynthOptions {
   int shards_per_domain = 2;
   int sequences_per_shard = 4;
   int seq_len = 256;
-  uint64_t seed = 1234;
+  uint64_t seed = 1234;       // the planted maps
+  uint64_t data_seed = 0;     // the tokens (0: derived from seed); change it for held-out data
   SynthRelation relation = SynthRelation::family;
   double noise = 0.8;             // family: relative noise
   double large_mean = 40.0;       // offset of the large-mean key channels (content space)

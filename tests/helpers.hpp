@@ -1,0 +1,111 @@
+#pragma once
+// Shared test helpers: temporary folders, synthetic stores, configs, fits through the library.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+
+#include "core/backend.hpp"
+#include "core/comm.hpp"
+#include "core/config.hpp"
+#include "core/error.hpp"
+#include "pipeline/fit_pipeline.hpp"
+#include "tools/synth.hpp"
+
+namespace crosskv::test {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    static int counter = 0;
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "crosskv";
+    for (auto& c : name)
+      if (c == '/') c = '_';
+    path_ = fs::temp_directory_path() / ("crosskv-test-" + std::to_string(::getpid()) + "-" +
+                                         std::to_string(counter++) + "-" + name);
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+  std::string str(const std::string& sub = "") const { return sub.empty() ? path_.string() : (path_ / sub).string(); }
+
+ private:
+  fs::path path_;
+};
+
+inline SynthOptions small_synth(const std::string& out, uint64_t seed = 7) {
+  SynthOptions o = default_synth_options();
+  o.out = out;
+  o.source.n_layers = 6;
+  o.source.n_kv_heads = 2;
+  o.source.head_dim = 16;
+  o.source.rope.rotary_dim = 16;
+  o.source.n_q_heads = 4;
+  o.target.n_layers = 8;
+  o.target.n_kv_heads = 2;
+  o.target.head_dim = 16;
+  o.target.rope.rotary_dim = 16;
+  o.target.n_q_heads = 4;
+  o.shards_per_domain = 2;
+  o.sequences_per_shard = 4;
+  o.seq_len = 128;
+  o.seed = seed;
+  o.chunk_tokens = 64;
+  return o;
+}
+
+inline void write_text(const std::string& path, const std::string& text) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path) << text;
+}
+
+// A config over <dir>/source and <dir>/target writing to <dir>/<out>.
+inline std::string config_yaml(const std::string& dir, const std::string& fit = "{k: [1, 2, all], lambda: 0.01}",
+                               const std::string& out = "out", const std::string& extra = "") {
+  return "source: {store: " + dir + "/source}\ntarget: {store: " + dir + "/target}\nfit: " + fit +
+         "\noutput: {dir: " + dir + "/" + out + "}\nruntime: {block_tokens: 200}\n" + extra;
+}
+
+inline FitResult fit_with(const FitConfig& cfg) {
+  static bool quiet = [] {
+    spdlog::set_level(spdlog::level::warn);
+    return true;
+  }();
+  (void)quiet;
+  auto comm = make_single_comm();
+  auto be = make_cpu_backend();
+  Context ctx{*comm, *be};
+  return run_fit(cfg, FitOptions{}, ctx);
+}
+
+inline FitResult fit_yaml(const std::string& yaml, const std::string& name = "cfg.yaml") {
+  return fit_with(parse_fit_config(yaml, name));
+}
+
+// Runs fn, expects an exception of type E whose message contains every one of `parts`.
+template <class E>
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing '" << (parts.empty() ? "" : parts[0]) << "'";
+  } catch (const E& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts) EXPECT_THAT(msg, ::testing::HasSubstr(p));
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << "error message must be one line: " << msg;
+  }
+}
+
+}  // namespace crosskv::test

@@ -1,0 +1,169 @@
+// Every bad input gets a one-line error naming the file/key and the problem, and nothing half-written is left.
+#include <cmath>
+
+#include "helpers.hpp"
+#include "io/h5.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+namespace {
+
+class BadInput : public ::testing::Test {
+ protected:
+  void SetUp() override { synthesize(small_synth(tmp.str())); }
+  std::string yaml(const std::string& extra = "") { return config_yaml(tmp.str(), "{k: [1, 2]}", "out", extra); }
+  std::string shard(const std::string& side, int i = 0) {
+    return tmp.str(side + "/web/shard-00" + std::to_string(i) + ".h5");
+  }
+  void expect_fit_error(const std::string& y, const std::vector<std::string>& parts) {
+    expect_error<UserError>([&] { fit_yaml(y); }, parts);
+    // Nothing that looks like an artifact is left behind.
+    if (fs::exists(tmp.str("out"))) {
+      for (const auto& e : fs::recursive_directory_iterator(tmp.str("out"))) {
+        EXPECT_NE(e.path().filename(), "manifest.json") << e.path();
+      }
+    }
+  }
+  h5::Handle open_rw(const std::string& path) {
+    h5::quiet();
+    return h5::Handle(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
+  }
+  void set_kv_spec(const std::string& path, const std::string& from, const std::string& to) {
+    auto f = open_rw(path);
+    std::string spec = h5::read_string_attr(f, "kv_spec", path);
+    auto pos = spec.find(from);
+    ASSERT_NE(pos, std::string::npos) << spec;
+    spec.replace(pos, from.size(), to);
+    H5Adelete(f, "kv_spec");
+    h5::write_string_attr(f, "kv_spec", spec);
+  }
+  TempDir tmp;
+};
+
+}  // namespace
+
+TEST_F(BadInput, MissingStore) {
+  fs::remove_all(tmp.str("source"));
+  expect_fit_error(yaml(), {"source.store", tmp.str("source"), "does not exist"});
+}
+
+TEST_F(BadInput, UnpairedShard) {
+  fs::remove(shard("target", 1));
+  expect_fit_error(yaml(), {shard("source", 1), "unpaired shard", "target"});
+}
+
+TEST_F(BadInput, DifferentTokenIds) {
+  {
+    auto f = open_rw(shard("target", 1));
+    h5::Handle d(H5Dopen2(f, "token_ids", H5P_DEFAULT), H5Dclose);
+    hsize_t start = 37, count = 1;
+    h5::Handle fs_(H5Dget_space(d), H5Sclose);
+    H5Sselect_hyperslab(fs_, H5S_SELECT_SET, &start, nullptr, &count, nullptr);
+    h5::Handle ms(H5Screate_simple(1, &count, nullptr), H5Sclose);
+    int32_t v = -5;
+    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_INT32, ms, fs_, H5P_DEFAULT, &v), 0);
+  }
+  expect_fit_error(yaml(), {shard("target", 1), "token_ids differ", "token 37"});
+}
+
+TEST_F(BadInput, NanInABlockNamesShardLayerAndToken) {
+  {
+    auto f = open_rw(shard("target", 1));
+    h5::Handle d(H5Dopen2(f, "values", H5P_DEFAULT), H5Dclose);
+    hsize_t start[4] = {300, 5, 1, 3}, count[4] = {1, 1, 1, 1};
+    h5::Handle fs_(H5Dget_space(d), H5Sclose);
+    H5Sselect_hyperslab(fs_, H5S_SELECT_SET, start, nullptr, count, nullptr);
+    h5::Handle ms(H5Screate_simple(4, count, nullptr), H5Sclose);
+    float v = NAN;
+    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, ms, fs_, H5P_DEFAULT, &v), 0);
+  }
+  expect_fit_error(yaml(), {shard("target", 1), "'values'", "NaN", "layer 5", "token 300"});
+}
+
+TEST_F(BadInput, InfInKeys) {
+  {
+    auto f = open_rw(shard("source", 0));
+    h5::Handle d(H5Dopen2(f, "keys", H5P_DEFAULT), H5Dclose);
+    hsize_t start[4] = {10, 2, 0, 0}, count[4] = {1, 1, 1, 1};
+    h5::Handle fs_(H5Dget_space(d), H5Sclose);
+    H5Sselect_hyperslab(fs_, H5S_SELECT_SET, start, nullptr, count, nullptr);
+    h5::Handle ms(H5Screate_simple(4, count, nullptr), H5Sclose);
+    float v = INFINITY;
+    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, ms, fs_, H5P_DEFAULT, &v), 0);
+  }
+  expect_fit_error(yaml(), {shard("source", 0), "'keys'", "Inf", "layer 2", "token 10"});
+}
+
+TEST_F(BadInput, TruncatedHdf5File) {
+  fs::resize_file(shard("target", 1), fs::file_size(shard("target", 1)) / 2);
+  expect_fit_error(yaml(), {shard("target", 1), "truncated or corrupt"});
+}
+
+TEST_F(BadInput, WrongShapes) {
+  set_kv_spec(shard("source", 1), "\"n_layers\":6", "\"n_layers\":7");
+  expect_fit_error(yaml(), {shard("source", 1), "'keys'", "shape", "expected [512, 7, 2, 16]"});
+}
+
+TEST_F(BadInput, KvSpecDiffersWithinAStore) {
+  set_kv_spec(shard("target", 1), "\"theta\":500000.0", "\"theta\":10000.0");
+  expect_fit_error(yaml(), {shard("target", 1), "kv_spec differs"});
+}
+
+TEST_F(BadInput, UnknownDtype) {
+  {
+    auto f = open_rw(shard("target", 0));
+    H5Ldelete(f, "values", H5P_DEFAULT);
+    hsize_t dims[4] = {512, 8, 2, 16};
+    h5::Handle s(H5Screate_simple(4, dims, nullptr), H5Sclose);
+    h5::Handle d(H5Dcreate2(f, "values", H5T_STD_I32LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+    ASSERT_GE(d.get(), 0);
+  }
+  expect_fit_error(yaml(), {shard("target", 0), "'values'", "unknown dtype"});
+}
+
+TEST_F(BadInput, UnsupportedRopeType) {
+  for (int i : {0, 1}) set_kv_spec(shard("target", i), "\"type\":\"llama3\"", "\"type\":\"dynamic\"");
+  expect_fit_error(yaml(), {shard("target", 0), "dynamic", "not supported"});
+}
+
+TEST_F(BadInput, ShardListedTwice) {
+  fs::create_symlink(shard("source", 0), tmp.str("source/web/shard-009.h5"));
+  fs::create_symlink(shard("target", 0), tmp.str("target/web/shard-009.h5"));
+  expect_fit_error(yaml(), {"shard-009.h5", "listed twice", "same file as", "shard-000.h5"});
+}
+
+TEST_F(BadInput, EmptyDomain) {
+  fs::create_directories(tmp.str("source/code"));
+  fs::create_directories(tmp.str("target/code"));
+  expect_fit_error(yaml("calibration: {domains: [web, code]}\n"), {"calibration.domains", "\"code\"", "no shards"});
+}
+
+TEST_F(BadInput, UnknownConfigKey) {
+  expect_fit_error(yaml("calibration: {domains: [web], stride: 3}\n"), {"cfg.yaml:6", "calibration.stride", "unknown key"});
+}
+
+TEST_F(BadInput, OutputFolderNotWritable) {
+  write_text(tmp.str("a-file"), "x");
+  const std::string y = "source: {store: " + tmp.str("source") + "}\ntarget: {store: " + tmp.str("target") +
+                        "}\noutput: {dir: " + tmp.str("a-file/out") + "}\n";
+  expect_fit_error(y, {"output.dir", tmp.str("a-file/out"), "cannot be created"});
+}
+
+TEST_F(BadInput, KLargerThanTheSource) {
+  expect_fit_error(config_yaml(tmp.str(), "{k: [2, 9]}"), {"fit.k", "k = 9", "6 layers"});
+}
+
+TEST_F(BadInput, MissingAttribute) {
+  {
+    auto f = open_rw(shard("source", 1));
+    H5Adelete(f, "kv_spec");
+  }
+  expect_fit_error(yaml(), {shard("source", 1), "kv_spec", "missing"});
+}
+
+TEST_F(BadInput, NotAShard) {
+  write_text(shard("source", 1), "this is not HDF5");
+  expect_fit_error(yaml(), {shard("source", 1), "not a readable HDF5 file"});
+}

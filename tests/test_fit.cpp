@@ -1,0 +1,279 @@
+#include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/half.hpp"
+#include "core/rope.hpp"
+#include "core/sha256.hpp"
+#include "helpers.hpp"
+#include "io/mapper.hpp"
+#include "io/r2_file.hpp"
+#include "io/safetensors.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+namespace {
+
+nlohmann::json manifest(const std::string& dir) {
+  std::ifstream in(dir + "/manifest.json");
+  return nlohmann::json::parse(in);
+}
+
+// Maps a held-out source shard with the mapper and compares with the target shard (keys post-RoPE).
+struct MapError {
+  double max_abs_k = 0, max_abs_v = 0, scale = 0;
+};
+MapError map_shard(const Mapper& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
+  ShardReader s(src), t(tgt);
+  const int64_t T = s.header().tokens;
+  const int64_t XW = m.source.n_layers * m.source.features_per_layer(), YW = m.target.n_layers * m.target.features_per_layer();
+  std::vector<float> xk(T * XW), xv(T * XW), yk(T * YW), yv(T * YW), pk(T * YW), pv(T * YW);
+  std::vector<uint16_t> scratch;
+  s.read_rows("keys", 0, T, 1, xk.data(), scratch);
+  s.read_rows("values", 0, T, 1, xv.data(), scratch);
+  t.read_rows("keys", 0, T, 1, yk.data(), scratch);
+  t.read_rows("values", 0, T, 1, yv.data(), scratch);
+  auto pos = s.positions();
+  if (strip_at_apply) Rope(m.source).strip_block(xk.data(), T, int64_t{m.source.n_layers} * m.source.n_kv_heads, pos.data());
+  map_content(m, true, xk.data(), T, pk.data());
+  map_content(m, false, xv.data(), T, pv.data());
+  Rope(m.target).apply_block(pk.data(), T, int64_t{m.target.n_layers} * m.target.n_kv_heads, pos.data());
+  MapError e;
+  for (int64_t i = 0; i < T * YW; ++i) {
+    e.max_abs_k = std::max(e.max_abs_k, std::fabs(double(pk[i]) - yk[i]));
+    e.max_abs_v = std::max(e.max_abs_v, std::fabs(double(pv[i]) - yv[i]));
+    e.scale = std::max(e.scale, std::fabs(double(yk[i])));
+  }
+  return e;
+}
+
+SynthOptions linear_synth(const std::string& out, const std::string& src_rope, const std::string& tgt_rope) {
+  SynthOptions o = small_synth(out, 31);
+  o.relation = SynthRelation::linear;
+  o.source.rope = RopeSpec{};
+  o.source.rope.type = src_rope;
+  if (src_rope == "linear") o.source.rope.factor = 2.0;
+  o.source.rope.rotary_dim = 16;
+  o.target.rope = default_synth_options().target.rope;
+  o.target.rope.type = tgt_rope;
+  o.target.rope.rotary_dim = 16;
+  if (tgt_rope == "yarn") {
+    o.target.rope.factor = 4.0;
+    o.target.rope.original_max_position_embeddings = 2048.0;
+    o.target.rope.convention = RopeConvention::interleaved;
+  }
+  o.large_mean = 50.0;
+  return o;
+}
+
+}  // namespace
+
+class ExactRecovery : public ::testing::TestWithParam<std::pair<std::string, std::string>> {};
+
+TEST_P(ExactRecovery, PlantedLinearMapThroughDifferentRopeIsRecoveredOnHeldOutTokens) {
+  TempDir tmp;
+  auto [src_rope, tgt_rope] = GetParam();
+  SynthOptions o = linear_synth(tmp.str("cal"), src_rope, tgt_rope);
+  synthesize(o);
+  o.out = tmp.str("held");
+  o.data_seed = 999;  // same maps, new tokens
+  o.domains = {"eval"};
+  o.shards_per_domain = 1;
+  synthesize(o);
+  fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0}"));
+  Mapper m = load_mapper(tmp.str("cal/out/k1"));
+  // Target layer l was planted from source layer l mod Ls: the probe must pick it.
+  for (const auto& l : m.layers) EXPECT_EQ(l.source_layers, std::vector<int>{l.target_layer % o.source.n_layers});
+  MapError e = map_shard(m, tmp.str("held/source/eval/shard-000.h5"), tmp.str("held/target/eval/shard-000.h5"));
+  EXPECT_LT(e.max_abs_k, 2e-5 * e.scale * 16) << "keys not recovered to fp32 precision";
+  EXPECT_LT(e.max_abs_v, 1e-3);
+  // Skipping the strip at apply time (the paper's "- inference RoPE") must visibly break the keys.
+  if (src_rope != "none") {
+    MapError bad = map_shard(m, tmp.str("held/source/eval/shard-000.h5"), tmp.str("held/target/eval/shard-000.h5"), false);
+    EXPECT_GT(bad.max_abs_k, 100 * std::max(e.max_abs_k, 1e-6));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RopePairs, ExactRecovery,
+                         ::testing::Values(std::make_pair(std::string("default"), std::string("llama3")),
+                                           std::make_pair(std::string("linear"), std::string("yarn")),
+                                           std::make_pair(std::string("none"), std::string("default"))));
+
+TEST(Fit, FamilyDataShowsTheDiagonalBandAndR2GrowsWithK) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  FitResult r = fit_yaml(config_yaml(tmp.str(), "{k: [1, 2, 4, all], lambda: 0.01}"));
+  ASSERT_EQ(r.artifacts.size(), 4u);
+  auto probes = read_r2_file(r.r2_path);
+  const auto& k = probes["k"];
+  // Each target layer's best source layer sits at a similar relative depth.
+  for (int l = 0; l < k.Lt; ++l) {
+    int best = 0;
+    for (int a = 1; a < k.Ls; ++a)
+      if (k.mean[a * k.Lt + l] > k.mean[best * k.Lt + l]) best = a;
+    EXPECT_LE(std::abs(best - std::lround(double(l) * (k.Ls - 1) / (k.Lt - 1))), 1) << "target layer " << l;
+  }
+  // Stripping RoPE helps: the best stripped-key R² beats the raw one.
+  double best_k = 0, best_raw = 0;
+  for (size_t i = 0; i < k.mean.size(); ++i) {
+    best_k = std::max(best_k, k.mean[i]);
+    best_raw = std::max(best_raw, probes["k_rope"].mean[i]);
+  }
+  EXPECT_GT(best_k, best_raw + 0.2);
+  double prev = -1;
+  for (const char* kd : {"k1", "k2", "k4", "kall"}) {
+    auto m = manifest(tmp.str(std::string("out/") + kd));
+    double sum = 0;
+    int n = 0;
+    for (const auto& l : m["layers"])
+      for (double v : l["r2_k"]) {
+        sum += v;
+        ++n;
+      }
+    EXPECT_GE(sum / n, prev - 1e-9) << kd;
+    prev = sum / n;
+  }
+  EXPECT_TRUE(fs::exists(r.heatmap_path));
+}
+
+TEST(Fit, ManifestDescribesTheArtifact) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2], lambda: 0.05}"));
+  auto m = manifest(tmp.str("out/k2"));
+  EXPECT_EQ(m["format"], "crosskv-mapper");
+  EXPECT_EQ(m["format_version"], 1);
+  EXPECT_EQ(m["fit"]["k"], 2);
+  EXPECT_EQ(m["fit"]["lambda"], 0.05);
+  EXPECT_EQ(m["fit"]["lambda_scale"], "covariance");
+  EXPECT_EQ(m["fit"]["content_space"], true);
+  EXPECT_EQ(m["source"]["kv_spec"]["n_layers"], 6);
+  EXPECT_EQ(m["target"]["kv_spec"]["rope"]["type"], "llama3");
+  EXPECT_EQ(m["calibration"]["tokens_used"], 2 * 4 * 128);
+  EXPECT_EQ(m["calibration"]["shards"].size(), 2u);
+  ASSERT_EQ(m["layers"].size(), 8u);
+  for (const auto& l : m["layers"]) {
+    const std::string file = tmp.str("out/k2/" + l["file"].get<std::string>());
+    EXPECT_EQ(sha256_file(file), l["sha256"]);
+    EXPECT_EQ(l["source_layers"].size(), 2u);
+    EXPECT_EQ(l["r2_k"].size(), 2u);
+    auto t = read_safetensors(file);
+    EXPECT_EQ(t["k.weight"].shape, (std::vector<int64_t>{2 * 2 * 16, 2 * 16}));
+    EXPECT_EQ(t["v.bias"].shape, (std::vector<int64_t>{2 * 16}));
+  }
+  EXPECT_FALSE(fs::exists(tmp.str("out/k2.partial")));
+}
+
+TEST(Fit, KSweepGivesTheSameArtifactsAsSeparateRuns) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1, 3, all], lambda: 0.01}", "sweep"));
+  for (const char* k : {"1", "3", "all"}) {
+    fit_yaml(config_yaml(tmp.str(), std::string("{k: ") + k + ", lambda: 0.01}", std::string("single") + k));
+    Mapper a = load_mapper(tmp.str(std::string("sweep/k") + k)), b = load_mapper(tmp.str(std::string("single") + k + "/k" + k));
+    ASSERT_EQ(a.layers.size(), b.layers.size());
+    for (size_t l = 0; l < a.layers.size(); ++l) {
+      EXPECT_EQ(a.layers[l].source_layers, b.layers[l].source_layers);
+      for (size_t i = 0; i < a.layers[l].wk.size(); ++i) ASSERT_NEAR(a.layers[l].wk[i], b.layers[l].wk[i], 1e-5);
+      for (size_t i = 0; i < a.layers[l].bv.size(); ++i) ASSERT_NEAR(a.layers[l].bv[i], b.layers[l].bv[i], 1e-4);
+    }
+  }
+}
+
+TEST(Fit, TwoPassModeMatchesSinglePass) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  FitResult one = fit_yaml(config_yaml(tmp.str(), "{k: [2, 4], lambda: 0.01}", "one"));
+  std::string y = config_yaml(tmp.str(), "{k: [2, 4], lambda: 0.01}", "two");
+  y.replace(y.find("runtime: {"), 10, "runtime: {max_moment_gib: 0.00001, ");
+  FitResult two = fit_yaml(y);
+  EXPECT_EQ(one.passes, 1);
+  EXPECT_EQ(two.passes, 2);
+  for (const char* k : {"k2", "k4"}) {
+    Mapper a = load_mapper(tmp.str(std::string("one/") + k)), b = load_mapper(tmp.str(std::string("two/") + k));
+    for (size_t l = 0; l < a.layers.size(); ++l) {
+      EXPECT_EQ(a.layers[l].source_layers, b.layers[l].source_layers);
+      for (size_t i = 0; i < a.layers[l].wv.size(); ++i) ASSERT_NEAR(a.layers[l].wv[i], b.layers[l].wv[i], 1e-5);
+    }
+  }
+}
+
+TEST(Fit, Bf16AndFp16ExportsRoundTheFp32Weights) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2], dtype: fp32}", "f32"));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2], dtype: bf16}", "b16"));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2], dtype: fp16}", "f16"));
+  for (int l = 0; l < 8; ++l) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/k2/layer-%03d.safetensors", l);
+    auto a = read_safetensors(tmp.str("f32") + name), b = read_safetensors(tmp.str("b16") + name),
+         c = read_safetensors(tmp.str("f16") + name);
+    EXPECT_EQ(b["k.weight"].dtype, "BF16");
+    EXPECT_EQ(c["v.weight"].dtype, "F16");
+    EXPECT_EQ(b["k.bias"].dtype, "F32");
+    for (size_t i = 0; i < a["k.weight"].values.size(); ++i) {
+      ASSERT_EQ(b["k.weight"].values[i], bf16_to_float(float_to_bf16(a["k.weight"].values[i])));
+      ASSERT_EQ(c["v.weight"].values[i], fp16_to_float(float_to_fp16(a["v.weight"].values[i])));
+    }
+    EXPECT_EQ(a["k.bias"].values, b["k.bias"].values);
+  }
+}
+
+class StoredDtypes : public ::testing::TestWithParam<StoredDtype> {};
+
+TEST_P(StoredDtypes, HalfPrecisionShardsFitLikeFp32) {
+  TempDir tmp;
+  SynthOptions o = small_synth(tmp.str("f32"));
+  synthesize(o);
+  o.out = tmp.str("half");
+  o.dtype = GetParam();
+  o.large_mean = 4.0;  // keep the half-precision rounding of the keys small
+  synthesize(o);
+  fit_yaml(config_yaml(tmp.str("half"), "{k: [2]}"));
+  auto m = manifest(tmp.str("half/out/k2"));
+  for (const auto& l : m["layers"])
+    for (double v : l["r2_v"]) EXPECT_GT(v, 0.3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Half, StoredDtypes, ::testing::Values(StoredDtype::f16, StoredDtype::bf16));
+
+TEST(Fit, TokenStrideAndMaxTokensSubsampleAtReadTime) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1]}", "out", "calibration: {token_stride: 3, max_tokens: 250}\n"));
+  auto m = manifest(tmp.str("out/k1"));
+  EXPECT_EQ(m["calibration"]["tokens_used"], 250);
+  EXPECT_EQ(m["calibration"]["token_stride"], 3);
+  EXPECT_EQ(m["calibration"]["shards"][0]["tokens_used"], 171);  // ceil(512 / 3)
+  EXPECT_EQ(m["calibration"]["shards"][1]["tokens_used"], 79);
+}
+
+TEST(Fit, AllHeadsProbeHandlesDifferentHeadCounts) {
+  TempDir tmp;
+  SynthOptions o = small_synth(tmp.str());
+  o.target.n_kv_heads = 4;
+  o.target.head_dim = 8;
+  o.target.rope.rotary_dim = 8;
+  synthesize(o);
+  expect_error<ConfigError>([&] { fit_yaml(config_yaml(tmp.str(), "{k: [1]}")); }, {"same_head", "all_heads"});
+  fit_yaml(config_yaml(tmp.str(), "{k: [1, 2], probe: all_heads}"));
+  auto m = manifest(tmp.str("out/k2"));
+  EXPECT_EQ(m["fit"]["probe"], "all_heads");
+  EXPECT_EQ(m["layers"][0]["r2_k"].size(), 4u);
+}
+
+TEST(Fit, DomainsSelectShards) {
+  TempDir tmp;
+  SynthOptions o = small_synth(tmp.str());
+  o.domains = {"web", "code"};
+  synthesize(o);
+  fit_yaml(config_yaml(tmp.str(), "{k: [1]}", "out", "calibration: {domains: [code]}\n"));
+  auto m = manifest(tmp.str("out/k1"));
+  EXPECT_EQ(m["calibration"]["domains"], nlohmann::json({"code"}));
+  EXPECT_EQ(m["calibration"]["shards"].size(), 2u);
+  EXPECT_EQ(m["calibration"]["shards"][0]["path"], "code/shard-000.h5");
+}

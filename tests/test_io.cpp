@@ -1,0 +1,153 @@
+#include <cmath>
+
+#include "core/half.hpp"
+#include "helpers.hpp"
+#include "io/atomic_file.hpp"
+#include "io/h5.hpp"
+#include "io/r2_file.hpp"
+#include "io/safetensors.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+namespace {
+
+KvSpec tiny_spec() {
+  KvSpec s;
+  s.n_layers = 2;
+  s.n_kv_heads = 2;
+  s.head_dim = 4;
+  s.n_q_heads = 2;
+  s.rope.rotary_dim = 4;
+  return s;
+}
+
+void write_shard(const std::string& path, StoredDtype dt, const std::vector<float>& keys, int64_t T) {
+  ShardWriter w(path, "m", "web", tiny_spec(), T, dt, false, 3);
+  std::vector<int32_t> ids(T), pos(T);
+  for (int64_t t = 0; t < T; ++t) ids[t] = pos[t] = static_cast<int32_t>(t);
+  w.write_token_ids(ids);
+  w.write_positions(pos);
+  w.write_seq_offsets({0, T});
+  w.write_rows("keys", 0, T, keys.data());
+  w.write_rows("values", 0, T, keys.data());
+  w.close();
+}
+
+}  // namespace
+
+class ShardDtypes : public ::testing::TestWithParam<StoredDtype> {};
+
+TEST_P(ShardDtypes, RoundTripWithStrideAndOffsets) {
+  TempDir tmp;
+  const int64_t T = 10, row = 2 * 2 * 4;
+  std::vector<float> keys(T * row);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = 0.37f * static_cast<float>(i) - 5.0f;
+  const std::string path = tmp.str("s.h5");
+  write_shard(path, GetParam(), keys, T);
+  ShardReader r(path);
+  EXPECT_EQ(r.header().tokens, T);
+  EXPECT_EQ(r.header().key_dtype, GetParam());
+  EXPECT_EQ(r.header().spec, tiny_spec());
+  std::vector<float> out(3 * row);
+  std::vector<uint16_t> scratch;
+  r.read_rows("keys", 1, 3, 3, out.data(), scratch);  // tokens 1, 4, 7
+  auto stored = [&](float x) {
+    switch (GetParam()) {
+      case StoredDtype::f16: return fp16_to_float(float_to_fp16(x));
+      case StoredDtype::bf16: return bf16_to_float(float_to_bf16(x));
+      default: return x;
+    }
+  };
+  for (int j = 0; j < 3; ++j)
+    for (int64_t c = 0; c < row; ++c) EXPECT_EQ(out[j * row + c], stored(keys[(1 + 3 * j) * row + c]));
+  std::vector<int32_t> pos(3);
+  r.read_positions(1, 3, 3, pos.data());
+  EXPECT_EQ(pos, (std::vector<int32_t>{1, 4, 7}));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ShardDtypes, ::testing::Values(StoredDtype::f32, StoredDtype::f16, StoredDtype::bf16));
+
+TEST(Shard, ReadsVariableLengthStringAttributesAsH5pyWritesThem) {
+  TempDir tmp;
+  const std::string path = tmp.str("s.h5");
+  std::vector<float> keys(4 * 16, 1.0f);
+  write_shard(path, StoredDtype::f32, keys, 4);
+  {  // Replace the fixed-length string attributes with variable-length UTF-8 ones (h5py's default for str).
+    h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
+    for (const char* name : {"crosskv_format", "model", "domain", "kv_spec"}) {
+      std::string value = h5::read_string_attr(f, name, path);
+      H5Adelete(f, name);
+      h5::Handle t(H5Tcopy(H5T_C_S1), H5Tclose);
+      H5Tset_size(t, H5T_VARIABLE);
+      H5Tset_cset(t, H5T_CSET_UTF8);
+      h5::Handle s(H5Screate(H5S_SCALAR), H5Sclose);
+      h5::Handle a(H5Acreate2(f, name, t, s, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+      const char* p = value.c_str();
+      ASSERT_GE(H5Awrite(a, t, &p), 0);
+    }
+  }
+  ShardReader r(path);
+  EXPECT_EQ(r.header().model, "m");
+  EXPECT_EQ(r.header().spec, tiny_spec());
+}
+
+TEST(Half, Bf16AndFp16RoundToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(bf16_to_float(float_to_bf16(3.140625f)), 3.140625f);
+  EXPECT_EQ(float_to_bf16(1.00390625f), 0x3f80);  // halfway between 0x3f80 and 0x3f81: even
+  EXPECT_EQ(float_to_bf16(1.01171875f), 0x3f82);  // halfway between 0x3f81 and 0x3f82: even
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+  EXPECT_EQ(fp16_to_float(float_to_fp16(0.5f)), 0.5f);
+  EXPECT_EQ(float_to_fp16(1.0f), 0x3c00);
+}
+
+TEST(Safetensors, RoundTripAllDtypes) {
+  TempDir tmp;
+  std::vector<float> w = {1.5f, -2.25f, 3.0f, 0.125f, 7.0f, -1.0f};
+  std::vector<uint16_t> b16(w.size()), f16(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    b16[i] = float_to_bf16(w[i]);
+    f16[i] = float_to_fp16(w[i]);
+  }
+  const std::string path = tmp.str("t.safetensors");
+  write_safetensors(path,
+                    {{"a", "F32", {2, 3}, w.data(), w.size() * 4},
+                     {"b", "BF16", {3, 2}, b16.data(), b16.size() * 2},
+                     {"c", "F16", {6}, f16.data(), f16.size() * 2}},
+                    {{"format", "test"}});
+  auto t = read_safetensors(path);
+  EXPECT_EQ(t["a"].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(t["a"].values, w);
+  EXPECT_EQ(t["b"].values, w);
+  EXPECT_EQ(t["c"].values, w);
+  EXPECT_FALSE(fs::exists(temp_name_for(path)));
+}
+
+TEST(AtomicFile, UncommittedWriteLeavesNothing) {
+  TempDir tmp;
+  const std::string path = tmp.str("x.json");
+  {
+    AtomicFile f(path);
+    f.write("partial", 7);
+  }
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_TRUE(fs::is_empty(tmp.path()));
+  write_file_atomic(path, "done");
+  std::ifstream in(path);
+  std::string s;
+  in >> s;
+  EXPECT_EQ(s, "done");
+}
+
+TEST(R2File, RoundTrip) {
+  TempDir tmp;
+  ProbeR2 p{2, 3, 2, {0.1, 0.2, 0.3, 0.4, 0.5, 0.6}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}};
+  write_r2_file(tmp.str("r2.h5"), {{"k", p}, {"v", p}, {"k_rope", p}}, {{"probe", "same_head"}});
+  auto r = read_r2_file(tmp.str("r2.h5"));
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r["k"].mean, p.mean);
+  EXPECT_EQ(r["v"].per_head, p.per_head);
+  EXPECT_EQ(r["k_rope"].H, 2);
+}

@@ -1,0 +1,266 @@
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "core/backend.hpp"
+#include "core/comm.hpp"
+#include "core/moments.hpp"
+#include "core/ridge.hpp"
+#include "core/select.hpp"
+#include "helpers.hpp"
+
+using namespace crosskv;
+using crosskv::test::expect_error;
+
+namespace {
+
+struct Data {
+  PairDims d;
+  int64_t N;
+  std::vector<float> X, Y;  // [N x Ls*F], [N x Lt*G]
+};
+
+// Y = sum over source layers of X_a A_a + c + noise.
+Data planted_data(PairDims d, int64_t N, uint64_t seed, double noise = 0.1, double offset = 0.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> n(0, 1);
+  Data r{d, N, std::vector<float>(N * d.X()), std::vector<float>(N * d.Y())};
+  std::vector<double> A(d.X() * d.Y());
+  for (auto& a : A) a = n(rng) / std::sqrt(double(d.X()));
+  for (int64_t t = 0; t < N; ++t) {
+    for (int64_t c = 0; c < d.X(); ++c) r.X[t * d.X() + c] = static_cast<float>(n(rng) + (c % 7 == 0 ? offset : 0.0));
+    for (int64_t j = 0; j < d.Y(); ++j) {
+      double y = 0.5 + noise * n(rng);
+      for (int64_t c = 0; c < d.X(); ++c) y += (r.X[t * d.X() + c] - (c % 7 == 0 ? offset : 0.0)) * A[c * d.Y() + j];
+      r.Y[t * d.Y() + j] = static_cast<float>(y);
+    }
+  }
+  return r;
+}
+
+Moments accumulate(const Data& data, int64_t block = 97, int repeat = 1) {
+  const PairDims& d = data.d;
+  std::vector<float> sx(data.X.begin(), data.X.begin() + d.X()), sy(data.Y.begin(), data.Y.begin() + d.Y());
+  Moments m(d, sx, sy);
+  m.add_plan(MomentPlan::full(d, d.Hs == d.Ht));
+  auto be = make_cpu_backend();
+  for (int r = 0; r < repeat; ++r)
+    for (int64_t t0 = 0; t0 < data.N; t0 += block) {
+      const int64_t rows = std::min(block, data.N - t0);
+      std::vector<float> X(data.X.begin() + t0 * d.X(), data.X.begin() + (t0 + rows) * d.X());
+      std::vector<float> Y(data.Y.begin() + t0 * d.Y(), data.Y.begin() + (t0 + rows) * d.Y());
+      m.accumulate(*be, X.data(), Y.data(), rows);
+    }
+  auto comm = make_single_comm();
+  m.finish_pass(*comm);
+  return m;
+}
+
+// Independent reference: centred normal equations in long double, Gauss-Jordan with partial pivoting.
+struct RefFit {
+  std::vector<long double> W, b;
+};
+RefFit reference_ridge(const Data& data, const std::vector<int>& layers, int l, double lambda) {
+  const PairDims& d = data.d;
+  const int64_t F = d.F(), G = d.G(), n = layers.size() * F;
+  std::vector<long double> mx(n, 0), my(G, 0);
+  auto xcol = [&](int64_t t, int64_t i) -> long double { return data.X[t * d.X() + layers[i / F] * F + i % F]; };
+  auto ycol = [&](int64_t t, int64_t c) -> long double { return data.Y[t * d.Y() + l * G + c]; };
+  for (int64_t t = 0; t < data.N; ++t) {
+    for (int64_t i = 0; i < n; ++i) mx[i] += xcol(t, i) / data.N;
+    for (int64_t c = 0; c < G; ++c) my[c] += ycol(t, c) / data.N;
+  }
+  std::vector<long double> M(n * (n + G), 0);  // [A | B]
+  for (int64_t t = 0; t < data.N; ++t)
+    for (int64_t i = 0; i < n; ++i) {
+      const long double xi = xcol(t, i) - mx[i];
+      for (int64_t j = 0; j < n; ++j) M[i * (n + G) + j] += xi * (xcol(t, j) - mx[j]) / data.N;
+      for (int64_t c = 0; c < G; ++c) M[i * (n + G) + n + c] += xi * (ycol(t, c) - my[c]) / data.N;
+    }
+  for (int64_t i = 0; i < n; ++i) M[i * (n + G) + i] += lambda;
+  for (int64_t col = 0; col < n; ++col) {
+    int64_t p = col;
+    for (int64_t r = col + 1; r < n; ++r)
+      if (std::fabs(M[r * (n + G) + col]) > std::fabs(M[p * (n + G) + col])) p = r;
+    for (int64_t c = 0; c < n + G; ++c) std::swap(M[col * (n + G) + c], M[p * (n + G) + c]);
+    const long double piv = M[col * (n + G) + col];
+    for (int64_t c = 0; c < n + G; ++c) M[col * (n + G) + c] /= piv;
+    for (int64_t r = 0; r < n; ++r)
+      if (r != col) {
+        const long double f = M[r * (n + G) + col];
+        for (int64_t c = 0; c < n + G; ++c) M[r * (n + G) + c] -= f * M[col * (n + G) + c];
+      }
+  }
+  RefFit out{std::vector<long double>(n * G), my};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < G; ++c) {
+      out.W[i * G + c] = M[i * (n + G) + n + c];
+      out.b[c] -= mx[i] * out.W[i * G + c];
+    }
+  return out;
+}
+
+const PairDims kDims{3, 2, 3, 2, 2, 4};  // Ls, Hs, Ds, Lt, Ht, Dt: F = 6, G = 8
+
+}  // namespace
+
+TEST(Ridge, MatchesIndependentSolverOnRandomData) {
+  Data data = planted_data(kDims, 600, 11);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  const std::vector<int> ranking = {2, 0, 1};
+  for (double lambda : {0.0, 0.01, 0.5}) {
+    auto fits = fit_sweep(m, *be, 1, ranking, {1, 2, 3}, lambda, "test");
+    ASSERT_EQ(fits.size(), 3u);
+    for (const auto& f : fits) {
+      RefFit ref = reference_ridge(data, f.layers, 1, lambda);
+      for (size_t i = 0; i < f.W.size(); ++i) EXPECT_NEAR(f.W[i], static_cast<double>(ref.W[i]), 2e-4) << "k " << f.k;
+      for (size_t c = 0; c < f.b.size(); ++c) EXPECT_NEAR(f.b[c], static_cast<double>(ref.b[c]), 2e-4);
+    }
+    EXPECT_EQ(fits[1].layers, (std::vector<int>{0, 2}));  // top-2 of the ranking, ascending
+  }
+}
+
+TEST(Ridge, InSampleR2MatchesDirectComputation) {
+  Data data = planted_data(kDims, 500, 5, 0.5);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  auto f = fit_sweep(m, *be, 0, {0, 1, 2}, {3}, 0.05, "test")[0];
+  const int64_t F = kDims.F(), G = kDims.G();
+  for (int h = 0; h < kDims.Ht; ++h) {
+    long double sse = 0, sst = 0;
+    std::vector<long double> mean(G, 0);
+    for (int64_t t = 0; t < data.N; ++t)
+      for (int64_t c = 0; c < G; ++c) mean[c] += data.Y[t * kDims.Y() + c] / (long double)data.N;
+    for (int64_t t = 0; t < data.N; ++t)
+      for (int64_t c = h * kDims.Dt; c < (h + 1) * kDims.Dt; ++c) {
+        long double pred = f.b[c];
+        for (int64_t i = 0; i < 3 * F; ++i) pred += data.X[t * kDims.X() + i] * (long double)f.W[i * G + c];
+        const long double y = data.Y[t * kDims.Y() + c];
+        sse += (y - pred) * (y - pred);
+        sst += (y - mean[c]) * (y - mean[c]);
+      }
+    EXPECT_NEAR(f.r2[h], static_cast<double>(1 - sse / sst), 1e-4);
+  }
+}
+
+TEST(Ridge, LambdaIsOnTheCovarianceScale) {
+  Data data = planted_data(kDims, 300, 9);
+  Moments once = accumulate(data), twice = accumulate(data, 97, 2);
+  EXPECT_EQ(twice.tokens(), 2 * once.tokens());
+  auto be = make_cpu_backend();
+  auto a = fit_sweep(once, *be, 1, {0, 1, 2}, {3}, 0.3, "t")[0];
+  auto b = fit_sweep(twice, *be, 1, {0, 1, 2}, {3}, 0.3, "t")[0];
+  for (size_t i = 0; i < a.W.size(); ++i) EXPECT_NEAR(a.W[i], b.W[i], 1e-6);
+  for (size_t i = 0; i < a.b.size(); ++i) EXPECT_NEAR(a.b[i], b.b[i], 1e-6);
+}
+
+TEST(Ridge, InterceptIsNotPenalised) {
+  Data data = planted_data(kDims, 400, 13);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  const auto ybar = m.mean_y(1);
+  // A huge λ shrinks W to ~0 but the intercept still carries the target's mean.
+  auto f = fit_sweep(m, *be, 1, {0, 1, 2}, {3}, 1e8, "t")[0];
+  for (float w : f.W) EXPECT_NEAR(w, 0.0f, 1e-6);
+  for (int64_t c = 0; c < kDims.G(); ++c) EXPECT_NEAR(f.b[c], ybar[c], 1e-4);
+  // For any λ the fit passes through the means: x̄ W + b = ȳ.
+  auto g = fit_sweep(m, *be, 1, {0, 1, 2}, {3}, 0.7, "t")[0];
+  std::vector<double> xbar;
+  for (int a : g.layers) {
+    auto mx = m.mean_x(a);
+    xbar.insert(xbar.end(), mx.begin(), mx.end());
+  }
+  for (int64_t c = 0; c < kDims.G(); ++c) {
+    double p = g.b[c];
+    for (size_t i = 0; i < xbar.size(); ++i) p += xbar[i] * g.W[i * kDims.G() + c];
+    EXPECT_NEAR(p, ybar[c], 1e-4);
+  }
+}
+
+TEST(Ridge, LargeMeanChannelsKeepTheirAccuracy) {
+  // Channels with mean 3e3 and unit variance: fp32 moments without the provisional shift would lose the covariance.
+  Data plain = planted_data(kDims, 500, 21, 0.1, 0.0), shifted = planted_data(kDims, 500, 21, 0.1, 3000.0);
+  Moments mp = accumulate(plain), ms = accumulate(shifted);
+  auto be = make_cpu_backend();
+  auto a = fit_sweep(mp, *be, 0, {0, 1, 2}, {3}, 0.01, "t")[0];
+  auto b = fit_sweep(ms, *be, 0, {0, 1, 2}, {3}, 0.01, "t")[0];
+  for (size_t i = 0; i < a.W.size(); ++i) EXPECT_NEAR(a.W[i], b.W[i], 1e-3) << i;
+  for (size_t h = 0; h < a.r2.size(); ++h) EXPECT_NEAR(a.r2[h], b.r2[h], 1e-4);
+}
+
+TEST(Ridge, SweepEqualsSeparateSingleKFits) {
+  Data data = planted_data(kDims, 400, 17);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  const std::vector<int> ranking = {1, 2, 0};
+  auto sweep = fit_sweep(m, *be, 0, ranking, {1, 2, 3}, 0.02, "t");
+  for (int k : {1, 2, 3}) {
+    auto single = fit_sweep(m, *be, 0, ranking, {k}, 0.02, "t")[0];
+    const auto& s = sweep[k - 1];
+    EXPECT_EQ(single.layers, s.layers);
+    for (size_t i = 0; i < s.W.size(); ++i) EXPECT_NEAR(single.W[i], s.W[i], 1e-6);
+    for (size_t i = 0; i < s.b.size(); ++i) EXPECT_NEAR(single.b[i], s.b[i], 1e-6);
+  }
+}
+
+TEST(Ridge, SingularSystemWithZeroLambdaIsReportedNotPerturbed) {
+  Data data = planted_data(kDims, 200, 23);
+  // Source layer 1 duplicates layer 0: the k = 3 system is singular, k = 1 is not.
+  for (int64_t t = 0; t < data.N; ++t)
+    for (int64_t c = 0; c < kDims.F(); ++c) data.X[t * kDims.X() + kDims.F() + c] = data.X[t * kDims.X() + c];
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  EXPECT_NO_THROW(fit_sweep(m, *be, 0, {0, 1, 2}, {1}, 0.0, "target layer 0, keys"));
+  expect_error<SolveError>([&] { fit_sweep(m, *be, 0, {0, 1, 2}, {1, 3}, 0.0, "target layer 0, keys"); },
+                           {"target layer 0, keys", "k = 3", "singular", "lambda"});
+  EXPECT_NO_THROW(fit_sweep(m, *be, 0, {0, 1, 2}, {3}, 0.01, "t"));
+}
+
+TEST(Ridge, SameHeadProbeFindsThePlantedSourceLayer) {
+  // Target layer l's head h is source layer (2 - l)'s head h, linearly; other layers are unrelated.
+  const PairDims d{3, 2, 4, 2, 2, 4};
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> n(0, 1);
+  Data data{d, 800, std::vector<float>(800 * d.X()), std::vector<float>(800 * d.Y())};
+  for (int64_t t = 0; t < data.N; ++t) {
+    for (int64_t c = 0; c < d.X(); ++c) data.X[t * d.X() + c] = static_cast<float>(n(rng));
+    for (int l = 0; l < d.Lt; ++l)
+      for (int64_t c = 0; c < d.G(); ++c)
+        data.Y[t * d.Y() + l * d.G() + c] =
+            static_cast<float>(2.0 * data.X[t * d.X() + (2 - l) * d.F() + (c / d.Dt) * d.Dt + (c + 1) % d.Dt] + 0.1 * n(rng));
+  }
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  // Extracted from the full blocks, and accumulated directly: the same probe.
+  Moments direct(d, std::vector<float>(d.X(), 0.f), std::vector<float>(d.Y(), 0.f));
+  direct.add_plan({{}, {}, true});
+  {
+    auto X = data.X;
+    auto Y = data.Y;
+    direct.accumulate(*be, X.data(), Y.data(), data.N);
+    auto comm = make_single_comm();
+    direct.finish_pass(*comm);
+  }
+  m.derive_head_probe();
+  ProbeR2 a = probe_same_head(m, *be, 0.01, "k"), b = probe_same_head(direct, *be, 0.01, "k");
+  for (size_t i = 0; i < a.per_head.size(); ++i) EXPECT_NEAR(a.per_head[i], b.per_head[i], 1e-4);
+  auto rankings = rank_sources(a.mean, a.mean, d.Ls, d.Lt);
+  EXPECT_EQ(rankings[0][0], 2);
+  EXPECT_EQ(rankings[1][0], 1);
+  EXPECT_GT(a.mean[2 * d.Lt + 0], 0.99);
+  EXPECT_LT(a.mean[0 * d.Lt + 0], 0.05);
+  ProbeR2 all = probe_all_heads(m, *be, 0.01, "k");
+  EXPECT_GT(all.mean[2 * d.Lt + 0], 0.99);
+  EXPECT_GT(all.mean[1 * d.Lt + 1], 0.99);
+}
+
+TEST(Select, TopKTiesGoToTheLowerIndexAndSortAscending) {
+  // Ls = 4, Lt = 1: scores 0.5, 0.9, 0.5, 0.9.
+  std::vector<double> k = {0.5, 0.9, 0.5, 0.9}, v = k;
+  auto r = rank_sources(k, v, 4, 1);
+  EXPECT_EQ(r[0], (std::vector<int>{1, 3, 0, 2}));
+  EXPECT_EQ(top_k(r[0], 3), (std::vector<int>{0, 1, 3}));
+  std::vector<double> nan = {NAN, 0.1, 0.2, 0.3};
+  EXPECT_EQ(rank_sources(nan, nan, 4, 1)[0].back(), 0);
+}
