@@ -4,11 +4,12 @@
 #include <cstdio>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
+// Logs go to stdout; stderr is kept for the one-line error of a failing command.
 
 namespace crosskv {
 
 void setup_logging(int rank, int size, const std::string& level) {
-  auto logger = spdlog::stderr_color_mt("crosskv-" + std::to_string(rank));
+  auto logger = spdlog::stdout_color_mt("crosskv-" + std::to_string(rank));
   if (size > 1)
     logger->set_pattern("[%H:%M:%S.%e] [rank " + std::to_string(rank) + "] [%^%l%$] %v");
   else

@@ -97,8 +97,10 @@ int64_t synthesize(const SynthOptions& o) {
     At_k[l] = random_matrix(rng, kLatent, static_cast<int>(G), zs);
     At_v[l] = random_matrix(rng, kLatent, static_cast<int>(G), zs);
     Pt[l] = random_matrix(rng, kLatent, static_cast<int>(G), zs * o.noise);
-    Ml_k[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
-    Ml_v[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
+    if (o.relation == SynthRelation::linear) {
+      Ml_k[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
+      Ml_v[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
+    }
     ct_k[l] = random_matrix(rng, 1, static_cast<int>(G), 1.0);
     ct_v[l] = random_matrix(rng, 1, static_cast<int>(G), 1.0);
   }

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# A failing command exits non-zero with exactly one line on stderr naming the file and the problem.
+source "$(dirname "$0")/common.sh"
+"$SYNTH" --out data --shards 1 --sequences 2 --seq-len 64 > /dev/null
+check() {  # check EXPECTED_CODE EXPECTED_TEXT ARGS...
+  local code=$1 text=$2; shift 2
+  set +e; "$FIT" "$@" > out.log 2> err.log; local rc=$?; set -e
+  [ "$rc" = "$code" ] || { cat out.log err.log; die "exit code $rc, expected $code for: $*"; }
+  [ "$(wc -l < err.log)" = 1 ] || { cat err.log; die "stderr must be one line for: $*"; }
+  expect_in "$text" err.log
+}
+check 2 "missing CONFIG.yaml"
+check 2 "nope.yaml: cannot open config file" nope.yaml
+printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: out}\nfit: {k: [1], lamda: 1}\n' > typo.yaml
+check 2 "typo.yaml:4: fit.lamda: unknown key" typo.yaml
+printf 'source: {store: missing}\ntarget: {store: data/target}\noutput: {dir: out}\n' > nostore.yaml
+check 2 "source.store: store folder" nostore.yaml
+printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: out}\nfit: {k: [1], lambda: 0}\nruntime: {device: cuda}\n' > cuda.yaml
+"$FIT" --version | grep -q "cuda: no" && check 2 "built without CUDA" cuda.yaml
+echo "bad inputs OK"

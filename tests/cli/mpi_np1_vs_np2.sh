@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# mpiexec -np 1 and -np 2 (token-sharded, moments reduced over MPI) give the same mapper.
+source "$(dirname "$0")/common.sh"
+[ -n "${PYTHON:-}" ] || { echo "SKIPPED: no Python with numpy and h5py to compare artifacts"; exit 77; }
+MPI=${MPIEXEC:?}
+"$SYNTH" --out data --shards 3 --sequences 2 --seq-len 128 > /dev/null
+for np in 1 2; do
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out%s}\nruntime: {block_tokens: 100}\n' $np > np$np.yaml
+  $MPI -np $np "$FIT" np$np.yaml > np$np.log 2>&1 || { cat np$np.log; die "mpiexec -np $np failed"; }
+done
+grep -q '"ranks": 2' out2/k2/manifest.json || die "manifest of the 2-rank run does not record 2 ranks"
+"$PYTHON" "$(dirname "$0")/../python/compare_artifacts.py" out1/k2 out2/k2 1e-4  # fp32 moments summed in another order, amplified by cond(Cxx)
+echo "np1 vs np2 OK"

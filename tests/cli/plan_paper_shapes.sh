@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# --plan on the paper's shapes (SPEC §8) shows the paper's mapper sizes: 1.07 B and 3.36 B parameters.
+source "$(dirname "$0")/common.sh"
+"$SYNTH" --out qwen --shards 1 --sequences 1 --seq-len 16 \
+  --source-layers 40 --source-heads 8 --source-head-dim 128 --source-theta 1000000 \
+  --target-layers 64 --target-heads 8 --target-head-dim 128 --target-rope default --target-theta 1000000 > /dev/null
+cat > qwen.yaml <<'YAML'
+source: {store: qwen/source}
+target: {store: qwen/target}
+fit: {k: 8}
+output: {dir: out-qwen}
+YAML
+"$FIT" qwen.yaml --plan > qwen.log
+expect_in "1.07 B" qwen.log
+expect_in "(1073741824)" qwen.log
+expect_in "4.00 GiB" qwen.log
+"$SYNTH" --out llama --shards 1 --sequences 1 --seq-len 16 \
+  --source-layers 32 --source-heads 8 --source-head-dim 128 --source-rope llama3 --source-theta 500000 \
+  --target-layers 80 --target-heads 8 --target-head-dim 128 --target-rope llama3 --target-theta 500000 > /dev/null
+cat > llama.yaml <<'YAML'
+source: {store: llama/source}
+target: {store: llama/target}
+fit: {k: [20]}
+output: {dir: out-llama}
+YAML
+"$FIT" llama.yaml --plan > llama.log
+expect_in "3.36 B" llama.log
+expect_in "(3355443200)" llama.log
+expect_in "12.50 GiB" llama.log
+echo "paper shapes OK"
