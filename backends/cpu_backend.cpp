@@ -35,6 +35,13 @@ class CpuBackend final : public ComputeBackend {
     CROSSKV_ASSERT(info == 0, "dpotrs failed: info=" + std::to_string(info) + " (n=" + std::to_string(n) +
                                   ", nrhs=" + std::to_string(nrhs) + ")");
   }
+
+  void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
+                        int64_t ldb) override {
+    if (n == 0 || nrhs == 0) return;
+    cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, transpose ? CblasTrans : CblasNoTrans, CblasNonUnit, n, nrhs,
+                1.0, L, lda, B, ldb);
+  }
 };
 
 }  // namespace

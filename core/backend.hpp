@@ -21,6 +21,9 @@ class ComputeBackend {
   virtual int64_t cholesky(int64_t n, double* A, int64_t lda) = 0;
   // Solves (L L^T) X = B in place, L from cholesky() (a leading n x n block of it may be used). B row-major.
   virtual void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) = 0;
+  // Solves L X = B (transpose: L^T X = B) in place with the leading n x n block of a lower factor.
+  virtual void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
+                                int64_t ldb) = 0;
 };
 
 std::unique_ptr<ComputeBackend> make_cpu_backend();

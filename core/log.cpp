@@ -47,16 +47,16 @@ std::string human_seconds(double s) {
   return buf;
 }
 
-Progress::Progress(std::string label, int64_t total, double bpt)
-    : label_(std::move(label)), total_(total), bytes_per_token_(bpt), start_(std::chrono::steady_clock::now()),
+Progress::Progress(std::string label, int64_t total, double bpt, std::string unit)
+    : label_(std::move(label)), unit_(std::move(unit)), total_(total), bytes_per_token_(bpt), start_(std::chrono::steady_clock::now()),
       last_(start_) {}
 
 double Progress::seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
 }
 
-void Progress::add(int64_t tokens) {
-  done_ += tokens;
+void Progress::add(int64_t units) {
+  done_ += units;
   auto now = std::chrono::steady_clock::now();
   if (std::chrono::duration<double>(now - last_).count() >= 5.0) {
     last_ = now;
@@ -69,14 +69,13 @@ void Progress::finish() { report(true); }
 void Progress::report(bool final) {
   const double s = std::max(seconds(), 1e-9);
   const double rate = done_ / s;
+  const std::string bytes = bytes_per_token_ > 0 ? ", " + human_bytes(rate * bytes_per_token_) + "/s" : "";
   if (final) {
-    spdlog::info("{}: {} tokens in {} ({} tokens/s, {}/s)", label_, done_, human_seconds(s), human_count(rate),
-                 human_bytes(rate * bytes_per_token_));
+    spdlog::info("{}: {} {} in {} ({} {}/s{})", label_, done_, unit_, human_seconds(s), human_count(rate), unit_, bytes);
   } else {
     const double eta = rate > 0 ? (total_ - done_) / rate : 0;
-    spdlog::info("{}: {}/{} tokens ({:.0f}%), {} tokens/s, {}/s, ETA {}", label_, done_, total_,
-                 total_ ? 100.0 * done_ / total_ : 100.0, human_count(rate), human_bytes(rate * bytes_per_token_),
-                 human_seconds(eta));
+    spdlog::info("{}: {}/{} {} ({:.0f}%), {} {}/s{}, ETA {}", label_, done_, total_, unit_,
+                 total_ ? 100.0 * done_ / total_ : 100.0, human_count(rate), unit_, bytes, human_seconds(eta));
   }
 }
 

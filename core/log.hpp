@@ -16,15 +16,15 @@ std::string human_seconds(double s);
 
 class Progress {
  public:
-  Progress(std::string label, int64_t total_tokens, double bytes_per_token);
-  // Adds tokens done (job-wide); logs at most every few seconds.
-  void add(int64_t tokens);
+  Progress(std::string label, int64_t total, double bytes_per_unit, std::string unit = "tokens");
+  // Adds units done; logs at most every few seconds.
+  void add(int64_t units);
   void finish();
   double seconds() const;
 
  private:
   void report(bool final);
-  std::string label_;
+  std::string label_, unit_;
   int64_t total_, done_ = 0;
   double bytes_per_token_;
   std::chrono::steady_clock::time_point start_, last_;

@@ -71,58 +71,104 @@ std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, i
   return r2;
 }
 
+Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda) {
+  Factor f;
+  f.order = order;
+  f.n = static_cast<int64_t>(order.size()) * m.dims().F();
+  f.L.resize(f.n * f.n);
+  m.cov_xx(order, f.L.data(), f.n);
+  f.bad_minor = factor(be, f.L, f.n, lambda);
+  return f;
+}
+
+namespace {
+
+[[noreturn]] void throw_singular(const std::string& what, int k, const Factor& f, int64_t nk, int64_t F,
+                                 double lambda) {
+  const int at = f.order[static_cast<size_t>((f.bad_minor - 1) / F)];
+  throw SolveError(what + ", k = " + std::to_string(k) + ": Cxx + lambda*I is singular or not positive definite " +
+                   "(lambda = " + std::to_string(lambda) + "; fails at feature " + std::to_string(f.bad_minor) +
+                   " of " + std::to_string(nk) + ", source layer " + std::to_string(at) +
+                   "); use fit.lambda > 0 or fewer source layers");
+}
+
+// R², bias and ascending row order for a solution W [k*F x G] over layers `top` (in factor order).
+LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const std::vector<double>& W,
+                    const std::vector<double>& Cxy, double lambda) {
+  const int64_t F = m.dims().F(), G = m.dims().G();
+  const int k = static_cast<int>(top.size());
+  const int64_t nk = k * F;
+  LayerFit f;
+  f.k = k;
+  f.r2 = r2_per_head(W.data(), Cxy.data(), nk, G, G, m.var_y(l), lambda, m.dims().Ht);
+  // Bias in fp64: b = ȳ - x̄ W (the intercept is not penalised).
+  std::vector<double> b = m.mean_y(l);
+  for (int i = 0; i < k; ++i) {
+    const auto mx = m.mean_x(top[i]);
+    for (int64_t p = 0; p < F; ++p)
+      for (int64_t c = 0; c < G; ++c) b[c] -= mx[p] * W[(i * F + p) * G + c];
+  }
+  f.b.assign(b.begin(), b.end());
+  std::vector<int> order(k);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return top[x] < top[y]; });
+  f.W.resize(nk * G);
+  for (int j = 0; j < k; ++j) {
+    f.layers.push_back(top[order[j]]);
+    const double* src = W.data() + order[j] * F * G;
+    std::transform(src, src + F * G, f.W.begin() + j * F * G, [](double v) { return static_cast<float>(v); });
+  }
+  return f;
+}
+
+}  // namespace
+
 std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
-                                const std::vector<int>& ks, double lambda, const std::string& what) {
+                                const std::vector<int>& ks, double lambda, const std::string& what,
+                                const Factor* all_layers) {
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
   CROSSKV_ASSERT(!ks.empty() && std::is_sorted(ks.begin(), ks.end()), "ks must be ascending");
   CROSSKV_ASSERT(ks.back() <= static_cast<int>(ranking.size()), "k exceeds the ranking");
-  const int kmax = ks.back();
-  const int64_t n = kmax * F;
-  const std::vector<int> top(ranking.begin(), ranking.begin() + kmax);
-  std::vector<double> A(n * n), Cxy(n * G);
-  m.cov_xx(top, A.data(), n);
-  m.cov_xy(top, l, Cxy.data(), G);
-  const int64_t bad_minor = factor(be, A, n, lambda);
-  const std::vector<double> var_y = m.var_y(l);
-  std::vector<double> mean_x(n);
-  for (int i = 0; i < kmax; ++i) {
-    auto mx = m.mean_x(top[i]);
-    std::copy(mx.begin(), mx.end(), mean_x.begin() + i * F);
-  }
-  const std::vector<double> mean_y = m.mean_y(l);
-
   std::vector<LayerFit> out;
-  for (int k : ks) {
-    const int64_t nk = k * F;
-    if (bad_minor > 0 && bad_minor <= nk) {
-      const int at = static_cast<int>((bad_minor - 1) / F);
-      throw SolveError(what + ", k = " + std::to_string(k) + ": Cxx + lambda*I is singular or not positive definite "
-                       "(lambda = " + std::to_string(lambda) + "; fails at feature " + std::to_string(bad_minor) +
-                       " of " + std::to_string(nk) + ", source layer " + std::to_string(top[at]) +
-                       "); use fit.lambda > 0 or fewer source layers");
+  std::vector<int> nested;
+  for (int k : ks)
+    if (k < d.Ls) nested.push_back(k);
+  if (!nested.empty()) {
+    const std::vector<int> top(ranking.begin(), ranking.begin() + nested.back());
+    const Factor f = factor_layers(m, be, top, lambda);
+    std::vector<double> Cxy(f.n * G);
+    m.cov_xy(top, l, Cxy.data(), G);
+    // Forward substitution once, over the leading rows every valid k shares.
+    int64_t n_ok = 0;
+    for (int k : nested)
+      if (f.bad_minor == 0 || k * F < f.bad_minor) n_ok = k * F;
+    std::vector<double> Z(Cxy);
+    be.triangular_solve(n_ok, f.L.data(), f.n, false, G, Z.data(), G);
+    for (int k : nested) {
+      const int64_t nk = k * F;
+      if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, k, f, nk, F, lambda);
+      std::vector<double> W(Z.begin(), Z.begin() + nk * G);
+      be.triangular_solve(nk, f.L.data(), f.n, true, G, W.data(), G);
+      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + k), W,
+                               std::vector<double>(Cxy.begin(), Cxy.begin() + nk * G), lambda));
     }
-    std::vector<double> W(Cxy.begin(), Cxy.begin() + nk * G);
-    be.cholesky_solve(nk, A.data(), n, G, W.data(), G);
-    LayerFit f;
-    f.k = k;
-    f.r2 = r2_per_head(W.data(), Cxy.data(), nk, G, G, var_y, lambda, d.Ht);
-    // Bias in fp64: b = ȳ - x̄ W (the intercept is not penalised).
-    std::vector<double> b(mean_y);
-    for (int64_t i = 0; i < nk; ++i)
-      for (int64_t c = 0; c < G; ++c) b[c] -= mean_x[i] * W[i * G + c];
-    f.b.assign(b.begin(), b.end());
-    // Rows from rank order to ascending source-layer order.
-    std::vector<int> order(k);
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](int x, int y) { return top[x] < top[y]; });
-    f.W.resize(nk * G);
-    for (int j = 0; j < k; ++j) {
-      f.layers.push_back(top[order[j]]);
-      const double* src = W.data() + order[j] * F * G;
-      std::transform(src, src + F * G, f.W.begin() + j * F * G, [](double v) { return static_cast<float>(v); });
+  }
+  if (ks.back() == d.Ls) {
+    Factor local;
+    if (!all_layers) {
+      std::vector<int> asc(d.Ls);
+      std::iota(asc.begin(), asc.end(), 0);
+      local = factor_layers(m, be, asc, lambda);
+      all_layers = &local;
     }
-    out.push_back(std::move(f));
+    const Factor& f = *all_layers;
+    if (f.bad_minor > 0) throw_singular(what, d.Ls, f, f.n, F, lambda);
+    std::vector<double> Cxy(f.n * G);
+    m.cov_xy(f.order, l, Cxy.data(), G);
+    std::vector<double> W(Cxy);
+    be.cholesky_solve(f.n, f.L.data(), f.n, G, W.data(), G);
+    out.push_back(finish_fit(m, l, f.order, W, Cxy, lambda));
   }
   return out;
 }

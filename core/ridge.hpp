@@ -22,11 +22,23 @@ std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, i
                                 const std::vector<double>& var_y, double lambda, int heads);
 double mean_ignoring_nan(const std::vector<double>& v);
 
-// Fits target layer `l` for every k in `ks` (ascending counts, each <= ranking.size()) from one Cholesky
-// factorisation: features are ordered by rank, so the top-k system is a leading block of the largest one.
+// Cholesky factor of Cxx + λI over source layers in the given order.
+struct Factor {
+  std::vector<int> order;  // source layers, in factor order
+  int64_t n = 0;           // order.size() * F
+  std::vector<double> L;   // [n x n], lower
+  int64_t bad_minor = 0;   // 0, or the first leading minor that is not positive definite
+};
+Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda);
+
+// Fits target layer `l` for every k in `ks` (ascending counts, each <= ranking.size()).
+// k < Ls: one factorisation in rank order serves every k (the top-k system is its leading block) and one forward
+// substitution serves every k; only the back substitution is per k. k = Ls: `all_layers` (a Factor over every source
+// layer in ascending order, the same system for every target layer) is used when given, else factored here.
 // Throws SolveError naming `what` (e.g. "target layer 3, keys") when a needed system is not positive definite.
 std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
-                                const std::vector<int>& ks, double lambda, const std::string& what);
+                                const std::vector<int>& ks, double lambda, const std::string& what,
+                                const Factor* all_layers = nullptr);
 
 struct ProbeR2 {
   int Ls = 0, Lt = 0, H = 0;

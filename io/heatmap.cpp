@@ -30,7 +30,7 @@ std::string render_heatmaps_svg(const std::vector<HeatmapPanel>& panels, const s
   const double width = margin + panels.size() * (panel + gap) + bar, height = panel + 2 * margin + 30;
   std::ostringstream o;
   o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+    << "\" font-family=\"sans-serif\" font-size=\"12\" shape-rendering=\"crispEdges\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   o << "<text x=\"" << margin << "\" y=\"18\" font-size=\"13\">" << caption << "</text>\n";
   for (size_t p = 0; p < panels.size(); ++p) {
     const ProbeR2& r = *panels[p].r2;

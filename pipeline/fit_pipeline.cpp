@@ -3,6 +3,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 
 #include "core/comm.hpp"
 #include "core/backend.hpp"
@@ -196,14 +197,24 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   if (root) {
     ArtifactWriter writer(cal, plan);
     writer.begin();
-    Progress progress("solve", d.Lt, 0);
+    // k = all is the same system for every target layer: factor it once per kind.
+    std::unique_ptr<Factor> all_k, all_v;
+    if (counts.back() == d.Ls && d.Lt > 1) {
+      std::vector<int> asc(d.Ls);
+      std::iota(asc.begin(), asc.end(), 0);
+      all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, cfg.lambda));
+      all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, cfg.lambda));
+      spdlog::info("factored the k = all system once per kind ({} features)", all_k->n);
+    }
+    Progress progress("solve", d.Lt, 0, "target layers");
     for (int l = 0; l < d.Lt; ++l) {
       const std::string what = "target layer " + std::to_string(l);
-      auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys");
-      auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values");
+      auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get());
+      auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get());
       writer.write_layer(l, fk, fv);
       progress.add(1);
     }
+    progress.finish();
     clock.stop();
     nlohmann::json extra = {
         {"timings_s", clock.json()},

@@ -40,13 +40,24 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   const double X = static_cast<double>(d.X()), Y = static_cast<double>(d.Y());
   const double head_flops = 2.0 * d.Hs * (d.Ls * d.Ds) * (d.Lt * d.Dt) + 1.0 * d.Ls * d.Hs * d.Ds * d.Ds;
   const double full_flops = X * X + 2.0 * X * Y;  // syrk (half of X^2 MACs) + cross
-  const double kmax_features = p.ks.back().features;
+  const double kmax_features = static_cast<double>(p.ks.back().features);
   const double sel_flops = d.Lt * (2.0 * kmax_features * d.G()) + std::min(X * X, d.Lt * kmax_features * kmax_features);
   p.accumulate_flops = tokens * (p.single_pass ? 2 * full_flops + head_flops : 3 * head_flops + 2 * sel_flops);
-  const double n = kmax_features;
-  double solves = 0;
-  for (const auto& k : p.ks) solves += 2.0 * k.features * k.features * d.G();
-  p.solve_flops = 2.0 * d.Lt * (n * n * n / 3.0 + solves);
+  // Per kind: k < Ls share one rank-ordered factor and forward substitution per target layer; k = Ls shares one
+  // factor across every target layer.
+  double nested_max = 0, back = 0, all = 0;
+  for (const auto& k : p.ks) {
+    const double n = static_cast<double>(k.features);
+    if (k.count < d.Ls) {
+      nested_max = n;
+      back += n * n * d.G();
+    } else {
+      all = n;
+    }
+  }
+  const double per_layer = nested_max * nested_max * nested_max / 3.0 + nested_max * nested_max * d.G() + back +
+                           (all > 0 ? 2.0 * all * all * d.G() : 0.0);
+  p.solve_flops = 2.0 * (d.Lt * per_layer + all * all * all / 3.0);
   return p;
 }
 

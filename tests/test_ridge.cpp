@@ -204,6 +204,19 @@ TEST(Ridge, SweepEqualsSeparateSingleKFits) {
   }
 }
 
+TEST(Ridge, SharedAllLayersFactorGivesTheSameFits) {
+  Data data = planted_data(kDims, 300, 29);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  const Factor all = factor_layers(m, *be, {0, 1, 2}, 0.05);
+  for (int l = 0; l < kDims.Lt; ++l) {
+    auto a = fit_sweep(m, *be, l, {2, 0, 1}, {1, 3}, 0.05, "t", &all);
+    auto b = fit_sweep(m, *be, l, {2, 0, 1}, {1, 3}, 0.05, "t");
+    for (size_t i = 0; i < a[1].W.size(); ++i) EXPECT_NEAR(a[1].W[i], b[1].W[i], 1e-6);
+    EXPECT_EQ(a[1].layers, (std::vector<int>{0, 1, 2}));
+  }
+}
+
 TEST(Ridge, SingularSystemWithZeroLambdaIsReportedNotPerturbed) {
   Data data = planted_data(kDims, 200, 23);
   // Source layer 1 duplicates layer 0: the k = 3 system is singular, k = 1 is not.
