@@ -1,4 +1,4 @@
-// CPU backend: OpenBLAS sgemm/ssyrk for moments, LAPACK dpotrf/dpotrs for fp64 solves.
+// CPU backend: OpenBLAS sgemm/ssyrk for moments, LAPACK dpotrf and BLAS dtrsm for fp64 solves.
 #include <cblas.h>
 #include <lapacke.h>
 
@@ -24,16 +24,16 @@ class CpuBackend final : public ComputeBackend {
   }
 
   int64_t cholesky(int64_t n, double* A, int64_t lda) override {
-    lapack_int info = LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', n, A, lda);
+    // A row-major lower factor is a column-major upper one: no LAPACKE transposition copies.
+    lapack_int info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', n, A, lda);
     CROSSKV_ASSERT(info >= 0, "dpotrf: illegal argument " + std::to_string(-info) + " (n=" + std::to_string(n) +
                                   ", lda=" + std::to_string(lda) + ")");
     return info;
   }
 
   void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override {
-    lapack_int info = LAPACKE_dpotrs(LAPACK_ROW_MAJOR, 'L', n, nrhs, L, lda, B, ldb);
-    CROSSKV_ASSERT(info == 0, "dpotrs failed: info=" + std::to_string(info) + " (n=" + std::to_string(n) +
-                                  ", nrhs=" + std::to_string(nrhs) + ")");
+    triangular_solve(n, L, lda, false, nrhs, B, ldb);
+    triangular_solve(n, L, lda, true, nrhs, B, ldb);
   }
 
   void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,

@@ -83,6 +83,47 @@ void BM_accumulate_full(benchmark::State& st) {
 }
 BENCHMARK(BM_accumulate_full)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// The fp64 solve kernels at the largest nested size (8 source layers) and k = all.
+std::vector<double> spd(int64_t n) {
+  auto r = random_block(n * n, 5);
+  std::vector<double> A(n * n);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) A[i * n + j] = (i == j ? n : 0.0) + 0.01 * (r[i * n + j] + r[j * n + i]);
+  return A;
+}
+
+void BM_dpotrf(benchmark::State& st) {
+  const int64_t n = st.range(0) * dims().F();
+  const auto A0 = spd(n);
+  auto be = make_cpu_backend();
+  std::vector<double> A;
+  for (auto _ : st) {
+    st.PauseTiming();
+    A = A0;
+    st.ResumeTiming();
+    be->cholesky(n, A.data(), n);
+  }
+  st.counters["flops"] = benchmark::Counter(n * n * (n / 3.0) * st.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_dpotrf)->Arg(8)->Arg(12)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_dtrsm(benchmark::State& st) {
+  const int64_t n = st.range(0) * dims().F(), m = dims().G();
+  auto L = spd(n);
+  auto be = make_cpu_backend();
+  be->cholesky(n, L.data(), n);
+  const auto r = random_block(n * m, 6);
+  std::vector<double> B0(r.begin(), r.end()), B;
+  for (auto _ : st) {
+    st.PauseTiming();
+    B = B0;
+    st.ResumeTiming();
+    be->triangular_solve(n, L.data(), n, false, m, B.data(), m);
+  }
+  st.counters["flops"] = benchmark::Counter(double(n) * n * m * st.iterations(), benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_dtrsm)->Arg(8)->Arg(12)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 }  // namespace
 
 BENCHMARK_MAIN();

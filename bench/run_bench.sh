@@ -39,27 +39,5 @@ t1=$(date +%s.%N)
 echo "{\"wall_s\": $(echo "$t1 - $t0" | bc)}" > "$OUT/fit.json"
 echo "[bench] (b) numpy baseline (the paper's way: per k, per layer ridge)"
 "$PY" "$ROOT/bench/numpy_baseline.py" "$DATA/source" "$DATA/target" 1,2,4,8,all 0.01 > "$OUT/numpy.json"
-"$PY" - "$OUT" <<'PYEOF'
-import json, sys, os, re
-out = sys.argv[1]
-k = {b["run_name"]: b for b in json.load(open(f"{out}/kernels.json"))["benchmarks"] if b.get("aggregate_name") == "median"}
-g = lambda name: k[name]["flops"] / 1e9
-acc, blk, wide = g("BM_accumulate_full"), g("BM_sgemm_block"), g("BM_sgemm_wide")
-st = json.load(open(f"{out}/stream.json"))
-fit = json.load(open(f"{out}/fit.json"))
-npy = json.load(open(f"{out}/numpy.json"))
-log = open(f"{out}/fit.log").read()
-stages = dict(re.findall(r"\]\s+(\S+)\s+([\d.]+) s\s+[\d.]+%", log))
-lines = [
-  f"tokens: {npy['tokens']}, source 12x8x64 -> target 16x8x64, bf16 shards, k sweep 1,2,4,8,all",
-  f"(a) moment accumulation {acc:.1f} GFLOP/s; OpenBLAS sgemm on the same block shape {blk:.1f} GFLOP/s "
-  f"-> {100*acc/blk:.0f}%; widest sgemm [{wide:.1f} GFLOP/s] -> {100*acc/wide:.0f}%",
-  f"(b) crosskv-fit {fit['wall_s']:.1f} s (stages: {stages}); numpy {npy['total_s']:.1f} s "
-  f"(load {npy['load_s']} s, probe {npy['probe_s']} s, fits {npy['fit_s']} s) -> {npy['total_s']/fit['wall_s']:.1f}x faster",
-  f"(c) streaming read (read + bf16->fp32 + RoPE strip + checks): {st['tokens_per_s']:.0f} tokens/s, "
-  f"{st['fp32_mb_per_s']:.0f} MB/s as fp32 ({st['fp32_mb_per_s']/2:.0f} MB/s of bf16 read)",
-]
-open(f"{out}/summary.txt", "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-PYEOF
+"$PY" "$ROOT/bench/summarize.py" "$OUT"
 rm -rf "$DATA"

@@ -35,7 +35,8 @@ std::string human_count(double n) {
   if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2f B", n / 1e9);
   else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.2f M", n / 1e6);
   else if (n >= 1e3) std::snprintf(buf, sizeof buf, "%.2f K", n / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.0f", n);
+  else if (n >= 10 || n == 0) std::snprintf(buf, sizeof buf, "%.0f", n);
+  else std::snprintf(buf, sizeof buf, "%.2f", n);
   return buf;
 }
 

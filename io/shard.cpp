@@ -187,31 +187,28 @@ void ShardWriter::create_kv(const std::string& name, int heads, int64_t chunk_to
   if (dtype_ == StoredDtype::bf16) h5::write_string_attr(d, "dtype", "bfloat16");
 }
 
-void ShardWriter::write_token_ids(const std::vector<int32_t>& ids) {
-  hsize_t n = ids.size();
-  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  h5::Handle d(h5::check(H5Dcreate2(file_, "token_ids", H5T_STD_I32LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "H5Dcreate2", path_ + ":token_ids"),
+namespace {
+
+void write_1d(hid_t file, const std::string& path, const char* name, hid_t file_type, hid_t mem_type,
+              const void* data, size_t n) {
+  hsize_t dims = n;
+  h5::Handle s(H5Screate_simple(1, &dims, nullptr), H5Sclose);
+  h5::Handle d(h5::check(H5Dcreate2(file, name, file_type, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "H5Dcreate2",
+                         path + ":" + name),
                H5Dclose);
-  h5::check(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, ids.data()), "H5Dwrite", path_);
+  h5::check(H5Dwrite(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "H5Dwrite", path + ":" + name);
 }
 
-void ShardWriter::write_positions(const std::vector<int32_t>& pos) {
-  hsize_t n = pos.size();
-  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  h5::Handle d(h5::check(H5Dcreate2(file_, "positions", H5T_STD_I32LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "H5Dcreate2", path_ + ":positions"),
-               H5Dclose);
-  h5::check(H5Dwrite(d, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, pos.data()), "H5Dwrite", path_);
-}
+}  // namespace
 
-void ShardWriter::write_seq_offsets(const std::vector<int64_t>& offs) {
-  hsize_t n = offs.size();
-  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
-  h5::Handle d(h5::check(H5Dcreate2(file_, "seq_offsets", H5T_STD_I64LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                         "H5Dcreate2", path_ + ":seq_offsets"),
-               H5Dclose);
-  h5::check(H5Dwrite(d, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offs.data()), "H5Dwrite", path_);
+void ShardWriter::write_token_ids(const std::vector<int32_t>& v) {
+  write_1d(file_, path_, "token_ids", H5T_STD_I32LE, H5T_NATIVE_INT32, v.data(), v.size());
+}
+void ShardWriter::write_positions(const std::vector<int32_t>& v) {
+  write_1d(file_, path_, "positions", H5T_STD_I32LE, H5T_NATIVE_INT32, v.data(), v.size());
+}
+void ShardWriter::write_seq_offsets(const std::vector<int64_t>& v) {
+  write_1d(file_, path_, "seq_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, v.data(), v.size());
 }
 
 void ShardWriter::write_rows(const std::string& name, int64_t t0, int64_t count, const float* data) {

@@ -134,8 +134,10 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     mk.add_plan(pp);
     mv.add_plan(pp);
   }
-  spdlog::info("moments in memory: {} (keys) + {} (values) + {} (raw keys, probe only)", human_bytes(mk.bytes()),
-               human_bytes(mv.bytes()), human_bytes(mraw->bytes()));
+  // Blocks in flight: the one being folded in and the one read ahead, each with raw and stripped keys and values.
+  const double block_bytes = 2.0 * cfg.block_tokens * 3.0 * (d.X() + d.Y()) * sizeof(float);
+  spdlog::info("memory: moments {} (keys) + {} (values) + {} (raw keys, probe only), blocks {}",
+               human_bytes(mk.bytes()), human_bytes(mv.bytes()), human_bytes(mraw->bytes()), human_bytes(block_bytes));
   PassStats p1 = stream_pass(cal, ctx, mk, mraw.get(), mv, plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
   mk.finish_pass(ctx.comm);
   mv.finish_pass(ctx.comm);

@@ -90,6 +90,18 @@ class BlockQueue {
     std::lock_guard<std::mutex> l(m_);
     return error_;
   }
+  // Blocks are recycled so that their buffers are not allocated (and page-faulted) again for every block.
+  void recycle(Block&& b) {
+    std::lock_guard<std::mutex> l(m_);
+    free_.push_back(std::move(b));
+  }
+  Block take_free() {
+    std::lock_guard<std::mutex> l(m_);
+    if (free_.empty()) return Block{};
+    Block b = std::move(free_.back());
+    free_.pop_back();
+    return b;
+  }
   void abandon() {
     std::lock_guard<std::mutex> l(m_);
     abandoned_ = true;
@@ -105,6 +117,7 @@ class BlockQueue {
   std::mutex m_;
   std::condition_variable cv_;
   std::deque<std::optional<Block>> q_;
+  std::vector<Block> free_;
   std::exception_ptr error_;
   bool abandoned_ = false;
 };
@@ -156,7 +169,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
         Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path), {}, {}};
         for (int64_t j = 0; j < p->used; j += B) {
           if (queue.abandoned()) return;
-          Block b;
+          Block b = queue.take_free();
           read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, b);
           queue.push(std::move(b));
         }
@@ -174,6 +187,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
       v.accumulate(ctx.backend, b->xv.data(), b->yv.data(), b->rows);
       progress.add(b->rows);
       st.tokens += b->rows;
+      queue.recycle(std::move(*b));
     }
   } catch (...) {
     queue.abandon();

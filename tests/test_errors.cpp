@@ -30,6 +30,17 @@ class BadInput : public ::testing::Test {
     h5::quiet();
     return h5::Handle(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
   }
+  // Overwrites one element of a dataset in place.
+  template <class T>
+  void poke(const std::string& path, const char* dataset, std::vector<hsize_t> start, hid_t mem_type, T value) {
+    auto f = open_rw(path);
+    h5::Handle d(H5Dopen2(f, dataset, H5P_DEFAULT), H5Dclose);
+    std::vector<hsize_t> count(start.size(), 1);
+    h5::Handle fspace(H5Dget_space(d), H5Sclose);
+    H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr);
+    h5::Handle mspace(H5Screate_simple(static_cast<int>(count.size()), count.data(), nullptr), H5Sclose);
+    ASSERT_GE(H5Dwrite(d, mem_type, mspace, fspace, H5P_DEFAULT, &value), 0);
+  }
   void set_kv_spec(const std::string& path, const std::string& from, const std::string& to) {
     auto f = open_rw(path);
     std::string spec = h5::read_string_attr(f, "kv_spec", path);
@@ -55,44 +66,17 @@ TEST_F(BadInput, UnpairedShard) {
 }
 
 TEST_F(BadInput, DifferentTokenIds) {
-  {
-    auto f = open_rw(shard("target", 1));
-    h5::Handle d(H5Dopen2(f, "token_ids", H5P_DEFAULT), H5Dclose);
-    hsize_t start = 37, count = 1;
-    h5::Handle fs_(H5Dget_space(d), H5Sclose);
-    H5Sselect_hyperslab(fs_, H5S_SELECT_SET, &start, nullptr, &count, nullptr);
-    h5::Handle ms(H5Screate_simple(1, &count, nullptr), H5Sclose);
-    int32_t v = -5;
-    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_INT32, ms, fs_, H5P_DEFAULT, &v), 0);
-  }
+  poke<int32_t>(shard("target", 1), "token_ids", {37}, H5T_NATIVE_INT32, -5);
   expect_fit_error(yaml(), {shard("target", 1), "token_ids differ", "token 37"});
 }
 
 TEST_F(BadInput, NanInABlockNamesShardLayerAndToken) {
-  {
-    auto f = open_rw(shard("target", 1));
-    h5::Handle d(H5Dopen2(f, "values", H5P_DEFAULT), H5Dclose);
-    hsize_t start[4] = {300, 5, 1, 3}, count[4] = {1, 1, 1, 1};
-    h5::Handle fs_(H5Dget_space(d), H5Sclose);
-    H5Sselect_hyperslab(fs_, H5S_SELECT_SET, start, nullptr, count, nullptr);
-    h5::Handle ms(H5Screate_simple(4, count, nullptr), H5Sclose);
-    float v = NAN;
-    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, ms, fs_, H5P_DEFAULT, &v), 0);
-  }
+  poke<float>(shard("target", 1), "values", {300, 5, 1, 3}, H5T_NATIVE_FLOAT, NAN);
   expect_fit_error(yaml(), {shard("target", 1), "'values'", "NaN", "layer 5", "token 300"});
 }
 
 TEST_F(BadInput, InfInKeys) {
-  {
-    auto f = open_rw(shard("source", 0));
-    h5::Handle d(H5Dopen2(f, "keys", H5P_DEFAULT), H5Dclose);
-    hsize_t start[4] = {10, 2, 0, 0}, count[4] = {1, 1, 1, 1};
-    h5::Handle fs_(H5Dget_space(d), H5Sclose);
-    H5Sselect_hyperslab(fs_, H5S_SELECT_SET, start, nullptr, count, nullptr);
-    h5::Handle ms(H5Screate_simple(4, count, nullptr), H5Sclose);
-    float v = INFINITY;
-    ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, ms, fs_, H5P_DEFAULT, &v), 0);
-  }
+  poke<float>(shard("source", 0), "keys", {10, 2, 0, 0}, H5T_NATIVE_FLOAT, INFINITY);
   expect_fit_error(yaml(), {shard("source", 0), "'keys'", "Inf", "layer 2", "token 10"});
 }
 
