@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -67,13 +68,38 @@ class MpiComm final : public Comm {
   }
 
  private:
-  static constexpr size_t kChunk = size_t{1} << 30;
+  static constexpr size_t kChunk = size_t{1} << 30;  // bytes per MPI_Bcast
+  // Sums in a fixed order, independent of MPI's reduction algorithm, so that the same job gives byte-identical
+  // results: each rank owns a contiguous chunk, receives every rank's copy of it (MPI_Alltoallv), adds them in
+  // rank order 0..P-1, and the chunks are gathered back (MPI_Allgatherv). Large buffers go in segments.
   template <class T>
   void reduce(T* d, size_t n, MPI_Datatype type) {
     if (size_ == 1) return;
-    for (size_t off = 0; off < n; off += kChunk) {
-      int c = static_cast<int>(std::min(kChunk, n - off));
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, d + off, c, type, MPI_SUM, MPI_COMM_WORLD), "MPI_Allreduce(SUM)", n);
+    const size_t P = static_cast<size_t>(size_);
+    const size_t segment = std::min(n, P * (size_t{1} << 24));
+    std::vector<int> counts(P), displs(P), rcounts(P), rdispls(P);
+    std::vector<T> mine, sum;
+    for (size_t off = 0; off < n; off += segment) {
+      const size_t len = std::min(segment, n - off);
+      for (size_t r = 0, at = 0; r < P; ++r) {
+        counts[r] = static_cast<int>(len / P + (r < len % P ? 1 : 0));
+        displs[r] = static_cast<int>(at);
+        at += counts[r];
+      }
+      const int c = counts[rank_];
+      for (size_t r = 0; r < P; ++r) {
+        rcounts[r] = c;
+        rdispls[r] = static_cast<int>(r) * c;
+      }
+      mine.resize(static_cast<size_t>(c) * P);
+      check_mpi(MPI_Alltoallv(d + off, counts.data(), displs.data(), type, mine.data(), rcounts.data(), rdispls.data(),
+                              type, MPI_COMM_WORLD),
+                "MPI_Alltoallv", len);
+      sum.assign(mine.begin(), mine.begin() + c);
+      for (size_t r = 1; r < P; ++r)
+        for (int i = 0; i < c; ++i) sum[i] += mine[r * c + i];
+      check_mpi(MPI_Allgatherv(sum.data(), c, type, d + off, counts.data(), displs.data(), type, MPI_COMM_WORLD),
+                "MPI_Allgatherv", len);
     }
   }
   int rank_ = 0, size_ = 1;

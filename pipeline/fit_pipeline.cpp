@@ -183,6 +183,10 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   if (!plan.single_pass) {
     clock.start("gram-pass");
     const MomentPlan sel = selection_plan(rankings, kmax);
+    const double sel_bytes = 2.0 * sizeof(float) * sel.floats(d);
+    if (sel_bytes > cfg.max_moment_gib * (1ull << 30))
+      spdlog::warn("the selected blocks need {} (over runtime.max_moment_gib = {} GiB); k = {} needs them all",
+                   human_bytes(sel_bytes), cfg.max_moment_gib, plan.ks.back().label);
     mk.add_plan(sel);
     mv.add_plan(sel);
     spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(mk.bytes()),

@@ -145,6 +145,11 @@ Calibration validate(const FitConfig& cfg) {
     throw ConfigError(cfg.config_path + ": fit.probe: same_head needs equal KV head counts (source " +
                       std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
                       "); use probe: all_heads");
+  const bool has_all = std::any_of(cfg.ks.begin(), cfg.ks.end(), [](const KChoice& k) { return k.is_all(); });
+  for (const auto& k : cfg.ks)
+    if (has_all && k.value == cal.source.n_layers)
+      throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " and k = all are the same fit for a " +
+                        std::to_string(cal.source.n_layers) + "-layer source; list one of them");
   for (const auto& k : cfg.ks)
     if (!k.is_all() && k.value > cal.source.n_layers)
       throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " exceeds the source's " +

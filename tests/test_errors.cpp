@@ -139,6 +139,10 @@ TEST_F(BadInput, KLargerThanTheSource) {
   expect_fit_error(config_yaml(tmp.str(), "{k: [2, 9]}"), {"fit.k", "k = 9", "6 layers"});
 }
 
+TEST_F(BadInput, KEqualToTheSourceDepthAndAllTogether) {
+  expect_fit_error(config_yaml(tmp.str(), "{k: [2, 6, all]}"), {"fit.k", "k = 6 and k = all"});
+}
+
 TEST_F(BadInput, MissingAttribute) {
   {
     auto f = open_rw(shard("source", 1));

@@ -8,6 +8,10 @@ for np in 1 2; do
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out%s}\nruntime: {block_tokens: 100}\n' $np > np$np.yaml
   $MPI -np $np "$FIT" np$np.yaml > np$np.log 2>&1 || { cat np$np.log; die "mpiexec -np $np failed"; }
 done
+# The same job twice: byte-identical layer files (the reduction order is fixed, not MPI's).
+sed 's/out2/out2b/' np2.yaml > np2b.yaml
+$MPI -np 2 "$FIT" np2b.yaml > np2b.log 2>&1 || { cat np2b.log; die "second mpiexec -np 2 failed"; }
+for f in out2/k2/layer-*.safetensors; do cmp -s "$f" "out2b/k2/$(basename "$f")" || die "$f differs between two identical runs"; done
 grep -q '"ranks": 2' out2/k2/manifest.json || die "manifest of the 2-rank run does not record 2 ranks"
 "$PYTHON" "$(dirname "$0")/../python/compare_artifacts.py" out1/k2 out2/k2 1e-4  # fp32 moments summed in another order, amplified by cond(Cxx)
 echo "np1 vs np2 OK"
