@@ -29,6 +29,10 @@ class SingleComm final : public Comm {
   void broadcast(void*, size_t, int) override {}
   void barrier() override {}
   bool all_ok(bool ok) override { return ok; }
+  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { c.assign(in, in + n); }
+  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override { c.assign(in, in + n); }
+  void allgather(const std::vector<float>& c, float* out, size_t) override { std::copy(c.begin(), c.end(), out); }
+  void allgather(const std::vector<double>& c, double* out, size_t) override { std::copy(c.begin(), c.end(), out); }
 };
 
 void check_mpi(int rc, const char* call, size_t count) {
@@ -67,40 +71,77 @@ class MpiComm final : public Comm {
     return out != 0;
   }
 
+  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { scatter(in, n, c, MPI_FLOAT); }
+  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override {
+    scatter(in, n, c, MPI_DOUBLE);
+  }
+  void allgather(const std::vector<float>& c, float* out, size_t n) override { gather(c, out, n, MPI_FLOAT); }
+  void allgather(const std::vector<double>& c, double* out, size_t n) override { gather(c, out, n, MPI_DOUBLE); }
+
  private:
   static constexpr size_t kChunk = size_t{1} << 30;  // bytes per MPI_Bcast
+
   // Sums in a fixed order, independent of MPI's reduction algorithm, so that the same job gives byte-identical
-  // results: each rank owns a contiguous chunk, receives every rank's copy of it (MPI_Alltoallv), adds them in
-  // rank order 0..P-1, and the chunks are gathered back (MPI_Allgatherv). Large buffers go in segments.
-  template <class T>
-  void reduce(T* d, size_t n, MPI_Datatype type) {
-    if (size_ == 1) return;
+  // results: buffers go in segments; in each, rank r owns a contiguous part, receives every rank's copy of it
+  // (MPI_Alltoallv) and adds them in rank order 0..P-1. allgather (MPI_Allgatherv) reverses the layout.
+  struct Segment {
+    size_t off, len;
+    std::vector<int> counts, displs;
+  };
+  std::vector<Segment> segments(size_t n) const {
     const size_t P = static_cast<size_t>(size_);
-    const size_t segment = std::min(n, P * (size_t{1} << 24));
-    std::vector<int> counts(P), displs(P), rcounts(P), rdispls(P);
-    std::vector<T> mine, sum;
-    for (size_t off = 0; off < n; off += segment) {
-      const size_t len = std::min(segment, n - off);
+    const size_t seg = std::max<size_t>(1, std::min(n, P * (size_t{1} << 24)));
+    std::vector<Segment> out;
+    for (size_t off = 0; off < n; off += seg) {
+      Segment s{off, std::min(seg, n - off), std::vector<int>(P), std::vector<int>(P)};
       for (size_t r = 0, at = 0; r < P; ++r) {
-        counts[r] = static_cast<int>(len / P + (r < len % P ? 1 : 0));
-        displs[r] = static_cast<int>(at);
-        at += counts[r];
+        s.counts[r] = static_cast<int>(s.len / P + (r < s.len % P ? 1 : 0));
+        s.displs[r] = static_cast<int>(at);
+        at += s.counts[r];
       }
-      const int c = counts[rank_];
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+  template <class T>
+  void scatter(const T* in, size_t n, std::vector<T>& chunk, MPI_Datatype type) {
+    const size_t P = static_cast<size_t>(size_);
+    chunk.clear();
+    std::vector<int> rcounts(P), rdispls(P);
+    std::vector<T> mine;
+    for (const Segment& s : segments(n)) {
+      const int c = s.counts[rank_];
       for (size_t r = 0; r < P; ++r) {
         rcounts[r] = c;
         rdispls[r] = static_cast<int>(r) * c;
       }
       mine.resize(static_cast<size_t>(c) * P);
-      check_mpi(MPI_Alltoallv(d + off, counts.data(), displs.data(), type, mine.data(), rcounts.data(), rdispls.data(),
-                              type, MPI_COMM_WORLD),
-                "MPI_Alltoallv", len);
-      sum.assign(mine.begin(), mine.begin() + c);
+      check_mpi(MPI_Alltoallv(in + s.off, s.counts.data(), s.displs.data(), type, mine.data(), rcounts.data(),
+                              rdispls.data(), type, MPI_COMM_WORLD),
+                "MPI_Alltoallv", s.len);
+      const size_t base = chunk.size();
+      chunk.insert(chunk.end(), mine.begin(), mine.begin() + c);
       for (size_t r = 1; r < P; ++r)
-        for (int i = 0; i < c; ++i) sum[i] += mine[r * c + i];
-      check_mpi(MPI_Allgatherv(sum.data(), c, type, d + off, counts.data(), displs.data(), type, MPI_COMM_WORLD),
-                "MPI_Allgatherv", len);
+        for (int i = 0; i < c; ++i) chunk[base + i] += mine[r * c + i];
     }
+  }
+  template <class T>
+  void gather(const std::vector<T>& chunk, T* out, size_t n, MPI_Datatype type) {
+    size_t at = 0;
+    for (const Segment& s : segments(n)) {
+      const int c = s.counts[rank_];
+      check_mpi(MPI_Allgatherv(chunk.data() + at, c, type, out + s.off, s.counts.data(), s.displs.data(), type,
+                               MPI_COMM_WORLD),
+                "MPI_Allgatherv", s.len);
+      at += c;
+    }
+  }
+  template <class T>
+  void reduce(T* d, size_t n, MPI_Datatype type) {
+    if (size_ == 1) return;
+    std::vector<T> chunk;
+    scatter(d, n, chunk, type);
+    gather(chunk, d, n, type);
   }
   int rank_ = 0, size_ = 1;
 };

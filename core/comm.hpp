@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace crosskv {
 
@@ -18,6 +19,12 @@ class Comm {
   virtual void barrier() = 0;
   // Logical AND of `ok` over all ranks (for "every rank succeeded" decisions).
   virtual bool all_ok(bool ok) = 0;
+  // Fixed-order reduce-scatter: `chunk` receives this rank's share of the element-wise sum over ranks (ranks added
+  // in order 0..P-1). allgather() puts the shares back together. Their layout depends only on n and P.
+  virtual void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& chunk) = 0;
+  virtual void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& chunk) = 0;
+  virtual void allgather(const std::vector<float>& chunk, float* out, size_t n) = 0;
+  virtual void allgather(const std::vector<double>& chunk, double* out, size_t n) = 0;
 };
 
 std::unique_ptr<Comm> make_single_comm();

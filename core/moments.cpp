@@ -142,6 +142,95 @@ void Moments::finish_pass(Comm& comm) {
   }
 }
 
+namespace {
+template <class Fn>
+void for_each_live(const std::vector<std::vector<float>>& gram, const std::vector<bool>& gram_live,
+                   const std::vector<std::vector<float>>& cross, const std::vector<bool>& cross_live, bool head_live,
+                   const std::vector<std::vector<float>>& head_gram, const std::vector<std::vector<float>>& head_cross,
+                   Fn fn) {
+  for (size_t i = 0; i < gram.size(); ++i)
+    if (gram_live[i]) fn(i, 0);
+  for (size_t i = 0; i < cross.size(); ++i)
+    if (cross_live[i]) fn(i, 1);
+  if (head_live) {
+    for (size_t i = 0; i < head_gram.size(); ++i) fn(i, 2);
+    for (size_t i = 0; i < head_cross.size(); ++i) fn(i, 3);
+  }
+}
+}  // namespace
+
+size_t Moments::live_floats() const {
+  size_t n = 0;
+  auto* self = this;
+  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_,
+                [&](size_t i, int which) { n += self->live_block(i, which).size(); });
+  return n;
+}
+
+size_t Moments::live_doubles() const { return stats_done_ ? 0 : 1 + sum_x_.size() + 2 * sum_y_.size(); }
+
+void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
+  f.clear();
+  f.reserve(live_floats());
+  auto* self = this;
+  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
+    const auto& b = self->live_block(i, w);
+    f.insert(f.end(), b.begin(), b.end());
+  });
+  d.clear();
+  if (!stats_done_) {
+    d.push_back(n_);
+    d.insert(d.end(), sum_x_.begin(), sum_x_.end());
+    d.insert(d.end(), sum_y_.begin(), sum_y_.end());
+    d.insert(d.end(), sq_y_.begin(), sq_y_.end());
+  }
+}
+
+void Moments::unpack_live(const float* f, const double* d) {
+  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
+    auto& b = const_cast<std::vector<float>&>(live_block(i, w));
+    std::copy_n(f, b.size(), b.begin());
+    f += b.size();
+  });
+  if (!stats_done_) {
+    n_ = *d++;
+    std::copy_n(d, sum_x_.size(), sum_x_.begin());
+    d += sum_x_.size();
+    std::copy_n(d, sum_y_.size(), sum_y_.begin());
+    d += sum_y_.size();
+    std::copy_n(d, sq_y_.size(), sq_y_.begin());
+  }
+}
+
+void Moments::zero_live() {
+  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
+    auto& b = const_cast<std::vector<float>&>(live_block(i, w));
+    std::fill(b.begin(), b.end(), 0.0f);
+  });
+  if (!stats_done_) {
+    n_ = 0;
+    std::fill(sum_x_.begin(), sum_x_.end(), 0.0);
+    std::fill(sum_y_.begin(), sum_y_.end(), 0.0);
+    std::fill(sq_y_.begin(), sq_y_.end(), 0.0);
+  }
+}
+
+void Moments::mark_pass_complete() {
+  stats_done_ = true;
+  std::fill(gram_live_.begin(), gram_live_.end(), false);
+  std::fill(cross_live_.begin(), cross_live_.end(), false);
+  head_live_ = false;
+}
+
+const std::vector<float>& Moments::live_block(size_t i, int which) const {
+  switch (which) {
+    case 0: return gram_[i];
+    case 1: return cross_[i];
+    case 2: return head_gram_[i];
+    default: return head_cross_[i];
+  }
+}
+
 void Moments::derive_head_probe() {
   CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
   const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;

@@ -47,6 +47,16 @@ class Moments {
   void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows);
   // Ends a pass: sums the pass's blocks over ranks and marks them complete.
   void finish_pass(Comm& comm);
+
+  // The live state (this pass's blocks, and the token statistics in the first pass) as flat vectors in a fixed
+  // order: for reductions in rounds and for checkpoints. unpack_live overwrites the live state.
+  size_t live_floats() const;
+  size_t live_doubles() const;
+  void pack_live(std::vector<float>& f, std::vector<double>& d) const;
+  void unpack_live(const float* f, const double* d);
+  void zero_live();
+  // Marks the live state complete without any reduction (the caller reduced it).
+  void mark_pass_complete();
   // Fills the same-head blocks from full Gram/cross blocks (when those were accumulated).
   void derive_head_probe();
 
@@ -75,6 +85,7 @@ class Moments {
 
  private:
   const std::vector<float>& gram_block(int a, int b) const;
+  const std::vector<float>& live_block(size_t i, int which) const;
   const std::vector<float>& cross_block(int a, int l) const;
   double mx(int64_t col) const { return sum_x_[col] / n_; }
   double my(int64_t col) const { return sum_y_[col] / n_; }
