@@ -14,6 +14,7 @@
 #include "io/atomic_file.hpp"
 #include "io/heatmap.hpp"
 #include "io/r2_file.hpp"
+#include "stages/checkpoint.hpp"
 #include "stages/export.hpp"
 
 namespace fs = std::filesystem;
@@ -88,6 +89,74 @@ ProbeR2 run_probe(const Moments& m, Context& ctx, ProbeMode mode, double lambda,
                                       : probe_all_heads(m, ctx.backend, lambda, kind);
 }
 
+// One streaming pass in rounds: after each round the live moments are reduced (fixed order) into this rank's
+// share of the pass's sums and checkpointed; at the end the shares are gathered back into complete moments.
+// With a checkpoint of this pass, reading resumes after its last round (or not at all if the pass was complete).
+PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
+                   const std::vector<Moments*>& ms, const std::string& label) {
+  auto& base_f = pass == 1 ? state.pass1_f : state.pass2_f;
+  auto& base_d = pass == 1 ? state.pass1_d : state.pass2_d;
+  if (state.pass < pass) {
+    state.pass = pass;
+    state.rounds_done = 0;
+    base_f.clear();
+    base_d.clear();
+  }
+  size_t nf = 0, nd = 0;
+  for (auto* m : ms) {
+    nf += m->live_floats();
+    nd += m->live_doubles();
+  }
+  const int64_t rounds = pass_rounds(cal, ctx.comm.size());
+  const bool was_complete = state.pass == pass && state.rounds_done == rounds;
+  PassStats st;
+  if (!was_complete) {
+    if (state.rounds_done > 0) spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
+    std::vector<float> F, fm, cf;
+    std::vector<double> D, dm, cd;
+    auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
+      if (!ctx.comm.all_ok(!abandoned))
+        throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
+                          std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
+      F.clear();
+      D.clear();
+      for (auto* m : ms) {
+        m->pack_live(fm, dm);
+        F.insert(F.end(), fm.begin(), fm.end());
+        D.insert(D.end(), dm.begin(), dm.end());
+        m->zero_live();
+      }
+      ctx.comm.reduce_scatter_sum(F.data(), F.size(), cf);
+      ctx.comm.reduce_scatter_sum(D.data(), D.size(), cd);
+      if (base_f.empty()) base_f.assign(cf.size(), 0.0f);
+      if (base_d.empty()) base_d.assign(cd.size(), 0.0);
+      for (size_t i = 0; i < cf.size(); ++i) base_f[i] += cf[i];
+      for (size_t i = 0; i < cd.size(); ++i) base_d[i] += cd[i];
+      state.rounds_done = round + 1;
+      if (round + 1 < R) store.save(state);
+    };
+    st = stream_pass(cal, ctx, *ms.front(), ms.size() == 3 ? ms[1] : nullptr, *ms.back(), label, state.rounds_done,
+                     on_round);
+  } else {
+    spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
+  }
+  std::vector<float> F(nf);
+  std::vector<double> D(nd);
+  ctx.comm.allgather(base_f, F.data(), nf);
+  ctx.comm.allgather(base_d, D.data(), nd);
+  const float* pf = F.data();
+  const double* pd = D.data();
+  for (auto* m : ms) {
+    const size_t mf = m->live_floats(), md = m->live_doubles();
+    m->unpack_live(pf, pd);
+    m->mark_pass_complete();
+    pf += mf;
+    pd += md;
+  }
+  if (!was_complete) store.save(state);
+  return st;
+}
+
 }  // namespace
 
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
@@ -138,10 +207,13 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   const double block_bytes = 2.0 * cfg.block_tokens * 3.0 * (d.X() + d.Y()) * sizeof(float);
   spdlog::info("memory: moments {} (keys) + {} (values) + {} (raw keys, probe only), blocks {}",
                human_bytes(mk.bytes()), human_bytes(mv.bytes()), human_bytes(mraw->bytes()), human_bytes(block_bytes));
-  PassStats p1 = stream_pass(cal, ctx, mk, mraw.get(), mv, plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
-  mk.finish_pass(ctx.comm);
-  mv.finish_pass(ctx.comm);
-  mraw->finish_pass(ctx.comm);
+  const std::string ckpt_dir =
+      cfg.checkpoint_dir.empty() ? (fs::path(cfg.output_dir) / "checkpoint").string() : cfg.checkpoint_dir;
+  CheckpointStore store(ckpt_dir, checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm);
+  PassState state = store.load(opts.fresh).value_or(PassState{});
+  PassStats p1 = run_pass(1, cal, ctx, store, state, {&mk, mraw.get(), &mv},
+                          plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
+  res.tokens_read += p1.tokens;
   res.passes = 1;
   if (plan.single_pass && cfg.probe == ProbeMode::same_head) {
     mk.derive_head_probe();
@@ -191,9 +263,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     mv.add_plan(sel);
     spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(mk.bytes()),
                  human_bytes(mv.bytes()));
-    stream_pass(cal, ctx, mk, nullptr, mv, "pass 2/2 (selected blocks)");
-    mk.finish_pass(ctx.comm);
-    mv.finish_pass(ctx.comm);
+    res.tokens_read += run_pass(2, cal, ctx, store, state, {&mk, &mv}, "pass 2/2 (selected blocks)").tokens;
     res.passes = 2;
   }
 
@@ -214,6 +284,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     }
     Progress progress("solve", d.Lt, 0, "target layers");
     for (int l = 0; l < d.Lt; ++l) {
+      if (stop_requested())
+        throw Interrupted("stopped by a signal while solving; the moments are committed in " + store.dir());
       const std::string what = "target layer " + std::to_string(l);
       auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get());
       auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get());
@@ -233,7 +305,10 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   ctx.comm.barrier();
   if (root) {
     clock.summary();
-    spdlog::info("read {} tokens ({}/s) in pass 1", p1.tokens, human_bytes(p1.bytes / std::max(p1.seconds, 1e-9)));
+    if (res.tokens_read == 0)
+      spdlog::info("refit from the stored moments in {}: no calibration data was read", store.dir());
+    else
+      spdlog::info("read {} tokens in pass 1 ({}/s)", p1.tokens, human_bytes(p1.bytes / std::max(p1.seconds, 1e-9)));
     for (const auto& a : res.artifacts) spdlog::info("artifact: {}", a);
     spdlog::info("R² matrices: {}  heatmaps: {}", res.r2_path, res.heatmap_path);
   }

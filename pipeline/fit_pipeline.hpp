@@ -10,6 +10,7 @@ namespace crosskv {
 
 struct FitOptions {
   bool plan_only = false;
+  bool fresh = false;  // ignore (and remove) committed checkpoints
 };
 
 struct FitResult {
@@ -17,6 +18,7 @@ struct FitResult {
   std::vector<std::string> artifacts;  // one folder per k
   std::string r2_path, heatmap_path;
   int passes = 0;
+  int64_t tokens_read = 0;  // calibration tokens streamed by this run (0 when everything came from a checkpoint)
 };
 
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx);

@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "pipeline/fit_pipeline.hpp"
+#include "stages/checkpoint.hpp"
 
 using namespace crosskv;
 
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   bool plan_only = false, fresh = false, version = false;
   app.add_option("config", config_path, "fit config (YAML)");
   app.add_flag("--plan", plan_only, "validate and print the plan, then stop");
-  app.add_flag("--fresh", fresh, "start over, ignoring committed checkpoints");
+  app.add_flag("--fresh", fresh, "start over: remove committed checkpoints instead of resuming from them");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
   app.add_flag("--version", version, "print the version and build features");
   CLI11_PARSE(app, argc, argv);
@@ -50,6 +51,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   MpiSession mpi(&argc, &argv);
+  install_stop_signal_handlers();
   auto comm = make_mpi_comm();
   setup_logging(comm->rank(), comm->size(), log_level);
   try {
@@ -58,9 +60,13 @@ int main(int argc, char** argv) {
     Context ctx{*comm, *backend};
     spdlog::info("crosskv-fit {}: {} rank(s) on {}, backend {}", CROSSKV_VERSION, comm->size(), host_name(),
                  backend->name());
-    FitResult r = run_fit(cfg, FitOptions{plan_only}, ctx);
+    FitResult r = run_fit(cfg, FitOptions{plan_only, fresh}, ctx);
     if (plan_only && comm->rank() == 0) std::cout << r.plan_text;
     return 0;
+  } catch (const Interrupted& e) {
+    // Every rank reaches this together (the stop decision is collective): exit for the batch system to requeue.
+    std::fprintf(stderr, "crosskv-fit: interrupted: %s; run the same command again to resume\n", e.what());
+    return kExitRequeue;
   } catch (const SolveError& e) {
     return fail(e.what(), 3, comm->size());
   } catch (const UserError& e) {

@@ -3,6 +3,7 @@
 //   validate(config) -> Calibration; make_plan(Calibration) -> FitPlan; stream_pass(...) -> moments;
 //   probe/select (core/ridge, core/select); solve + export (stages/export).
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -77,9 +78,13 @@ struct Shifts {
 // Provisional shifts: means of the first block of the first shard (the same on every rank).
 Shifts compute_shifts(const Calibration& cal);
 
-// Stage 3/5: one streaming pass over this rank's shards, folding blocks into the moments' live blocks.
+// Stage 3/5: one streaming pass, in rounds. Round r covers the shards [r*P*E, (r+1)*P*E) (E =
+// runtime.checkpoint.every_shards); rank p reads those with index % P == p. After each round `on_round` runs on
+// every rank (it reduces and checkpoints); `abandoned` is true when this rank stopped reading on a stop signal.
 // k_rope may be null (the pass then does not keep raw keys).
+using RoundHook = std::function<void(int64_t round, int64_t rounds, bool abandoned)>;
+int64_t pass_rounds(const Calibration& cal, int ranks);
 PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
-                      const std::string& label);
+                      const std::string& label, int64_t start_round = 0, const RoundHook& on_round = {});
 
 }  // namespace crosskv

@@ -11,6 +11,7 @@
 #include "core/log.hpp"
 #include "core/rope.hpp"
 #include "io/shard.hpp"
+#include "stages/checkpoint.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {
@@ -145,57 +146,74 @@ Shifts compute_shifts(const Calibration& cal) {
           column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
 }
 
+int64_t pass_rounds(const Calibration& cal, int ranks) {
+  const int64_t per_round = int64_t{ranks} * cal.cfg.checkpoint_every_shards;
+  return (static_cast<int64_t>(cal.shards.size()) + per_round - 1) / per_round;
+}
+
 PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
-                      const std::string& label) {
+                      const std::string& label, int64_t start_round, const RoundHook& on_round) {
   const int rank = ctx.comm.rank(), size = ctx.comm.size();
-  std::vector<const ShardPair*> mine;
-  int64_t my_tokens = 0;
-  for (size_t i = 0; i < cal.shards.size(); ++i)
-    if (static_cast<int>(i % size) == rank && cal.shards[i].used > 0) {
-      mine.push_back(&cal.shards[i]);
-      my_tokens += cal.shards[i].used;
-    }
+  const int64_t rounds = pass_rounds(cal, size), per_round = int64_t{size} * cal.cfg.checkpoint_every_shards;
+  int64_t todo = 0, job_todo = 0;
+  for (size_t i = static_cast<size_t>(start_round * per_round); i < cal.shards.size(); ++i) {
+    job_todo += cal.shards[i].used;
+    if (static_cast<int>(i % size) == rank) todo += cal.shards[i].used;
+  }
   const PairDims d = cal.dims();
   const double bytes_per_token = 2.0 * (d.X() * 4 + d.Y() * 4);  // fp32 equivalent of K and V, both sides
-  Progress progress(label + (size > 1 ? " (rank " + std::to_string(rank) + ")" : ""), my_tokens, bytes_per_token);
+  Progress progress(label, job_todo, bytes_per_token);
   Rope rs(cal.source, "source kv_spec"), rt(cal.target, "target kv_spec");
   const bool want_raw = k_rope != nullptr;
   const int64_t B = cal.cfg.block_tokens;
-
-  BlockQueue queue;
-  std::thread producer([&] {
+  PassStats st;
+  for (int64_t round = start_round; round < rounds; ++round) {
+    std::vector<const ShardPair*> mine;
+    for (int64_t i = round * per_round; i < std::min<int64_t>((round + 1) * per_round, cal.shards.size()); ++i)
+      if (static_cast<int>(i % size) == rank && cal.shards[i].used > 0) mine.push_back(&cal.shards[i]);
+    bool abandoned = false;
+    BlockQueue queue;
+    std::thread producer([&] {
+      try {
+        for (const ShardPair* p : mine) {
+          Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path), {}, {}};
+          for (int64_t j = 0; j < p->used; j += B) {
+            if (queue.abandoned()) return;
+            Block b = queue.take_free();
+            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, b);
+            queue.push(std::move(b));
+          }
+        }
+        queue.push(std::nullopt);
+      } catch (...) {
+        queue.fail(std::current_exception());
+      }
+    });
     try {
-      for (const ShardPair* p : mine) {
-        Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path), {}, {}};
-        for (int64_t j = 0; j < p->used; j += B) {
-          if (queue.abandoned()) return;
-          Block b = queue.take_free();
-          read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, b);
-          queue.push(std::move(b));
+      while (auto b = queue.pop()) {
+        k.accumulate(ctx.backend, b->xk.data(), b->yk.data(), b->rows);
+        if (k_rope) k_rope->accumulate(ctx.backend, b->xk_raw.data(), b->yk_raw.data(), b->rows);
+        v.accumulate(ctx.backend, b->xv.data(), b->yv.data(), b->rows);
+        // Job-wide progress, estimated from this rank's share.
+        progress.add(todo > 0 ? b->rows * job_todo / todo : b->rows);
+        st.tokens += b->rows;
+        queue.recycle(std::move(*b));
+        if (stop_requested()) {
+          abandoned = true;
+          break;
         }
       }
-      queue.push(std::nullopt);
     } catch (...) {
-      queue.fail(std::current_exception());
+      queue.abandon();
+      producer.join();
+      throw;
     }
-  });
-  PassStats st;
-  try {
-    while (auto b = queue.pop()) {
-      k.accumulate(ctx.backend, b->xk.data(), b->yk.data(), b->rows);
-      if (k_rope) k_rope->accumulate(ctx.backend, b->xk_raw.data(), b->yk_raw.data(), b->rows);
-      v.accumulate(ctx.backend, b->xv.data(), b->yv.data(), b->rows);
-      progress.add(b->rows);
-      st.tokens += b->rows;
-      queue.recycle(std::move(*b));
-    }
-  } catch (...) {
-    queue.abandon();
+    if (abandoned) queue.abandon();
     producer.join();
-    throw;
+    if (!abandoned)
+      if (auto e = queue.error()) std::rethrow_exception(e);
+    if (on_round) on_round(round, rounds, abandoned);
   }
-  producer.join();
-  if (auto e = queue.error()) std::rethrow_exception(e);
   progress.finish();
   st.seconds = progress.seconds();
   st.bytes = st.tokens * bytes_per_token;

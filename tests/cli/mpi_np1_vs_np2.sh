@@ -12,6 +12,15 @@ done
 sed 's/out2/out2b/' np2.yaml > np2b.yaml
 $MPI -np 2 "$FIT" np2b.yaml > np2b.log 2>&1 || { cat np2b.log; die "second mpiexec -np 2 failed"; }
 for f in out2/k2/layer-*.safetensors; do cmp -s "$f" "out2b/k2/$(basename "$f")" || die "$f differs between two identical runs"; done
+# kill -9 of the 2-rank job between a checkpoint's rank files and its commit; the same command again.
+printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out2c}\nruntime: {block_tokens: 100, checkpoint: {every_shards: 1}}\n' > np2c.yaml
+printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out2d}\nruntime: {block_tokens: 100, checkpoint: {every_shards: 1}}\n' > np2d.yaml
+$MPI -np 2 "$FIT" np2d.yaml > np2d.log 2>&1 || { cat np2d.log; die "reference 2-rank run failed"; }
+set +e; $MPI -np 2 -x CROSSKV_FAULT=kill_before_commit:2 "$FIT" np2c.yaml > np2c.log 2>&1; set -e
+[ -f out2c/checkpoint/commit-1.json ] && [ ! -f out2c/checkpoint/commit-2.json ] || { cat np2c.log; die "expected commit 1 only"; }
+$MPI -np 2 "$FIT" np2c.yaml > np2c.log 2>&1 || { cat np2c.log; die "2-rank resume failed"; }
+grep -q "resuming from committed checkpoint 1" np2c.log || { cat np2c.log; die "did not resume"; }
+for f in out2d/k2/layer-*.safetensors; do cmp -s "$f" "out2c/k2/$(basename "$f")" || die "$f differs after kill and resume"; done
 grep -q '"ranks": 2' out2/k2/manifest.json || die "manifest of the 2-rank run does not record 2 ranks"
 "$PYTHON" "$(dirname "$0")/../python/compare_artifacts.py" out1/k2 out2/k2 1e-4  # fp32 moments summed in another order, amplified by cond(Cxx)
 echo "np1 vs np2 OK"

@@ -1,0 +1,220 @@
+#include "stages/checkpoint.hpp"
+
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "core/sha256.hpp"
+#include "io/atomic_file.hpp"
+
+namespace fs = std::filesystem;
+
+namespace crosskv {
+namespace {
+
+volatile std::sig_atomic_t g_stop = 0;
+void on_stop_signal(int) { g_stop = 1; }
+
+constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '1'};
+
+// Test hook: CROSSKV_FAULT=kill_before_commit:SEQ (SIGKILL after the state file of SEQ, before its commit) or
+// fail_state_write:SEQ (the state write of SEQ fails, as on a full disk).
+bool fault(const char* what, int64_t seq) {
+  const char* f = std::getenv("CROSSKV_FAULT");
+  return f && std::string(f) == std::string(what) + ":" + std::to_string(seq);
+}
+
+template <class T>
+void put(std::string& b, const T& v) {
+  b.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+template <class T>
+void put_vec(std::string& b, const std::vector<T>& v) {
+  put<uint64_t>(b, v.size());
+  b.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+template <class T>
+bool get(const std::string& b, size_t& at, T& v) {
+  if (at + sizeof(T) > b.size()) return false;
+  std::memcpy(&v, b.data() + at, sizeof(T));
+  at += sizeof(T);
+  return true;
+}
+template <class T>
+bool get_vec(const std::string& b, size_t& at, std::vector<T>& v) {
+  uint64_t n;
+  if (!get(b, at, n) || n > (b.size() - at) / sizeof(T)) return false;
+  v.resize(n);
+  std::memcpy(v.data(), b.data() + at, n * sizeof(T));
+  at += n * sizeof(T);
+  return true;
+}
+
+}  // namespace
+
+void install_stop_signal_handlers() {
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+}
+bool stop_requested() { return g_stop != 0; }
+
+nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, int ranks) {
+  nlohmann::json shards = nlohmann::json::array();
+  // Sizes and modification times catch shards re-captured in place (the fingerprint covers ids and positions).
+  auto stamp = [](const std::string& path) {
+    std::error_code ec;
+    return nlohmann::json{fs::file_size(path, ec), fs::last_write_time(path, ec).time_since_epoch().count()};
+  };
+  for (const auto& s : cal.shards)
+    shards.push_back({s.rel, s.used, s.fingerprint, stamp(s.source_path), stamp(s.target_path)});
+  const auto& c = cal.cfg;
+  return {{"source_store", c.source_store}, {"target_store", c.target_store}, {"domains", cal.domains},
+          {"token_stride", c.token_stride}, {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json()},
+          {"block_tokens", c.block_tokens}, {"every_shards", c.checkpoint_every_shards},
+          {"probe", to_string(c.probe)}, {"single_pass", plan.single_pass}, {"ranks", ranks}, {"shards", shards}};
+}
+
+CheckpointStore::CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm)
+    : dir_(std::move(dir)), identity_(std::move(identity)), comm_(comm) {}
+
+std::string CheckpointStore::state_path(int64_t seq, int rank) const {
+  return (fs::path(dir_) / ("state-" + std::to_string(seq) + "-rank" + std::to_string(rank) + ".bin")).string();
+}
+std::string CheckpointStore::commit_path(int64_t seq) const {
+  return (fs::path(dir_) / ("commit-" + std::to_string(seq) + ".json")).string();
+}
+
+std::vector<int64_t> CheckpointStore::committed() const {
+  std::vector<int64_t> seqs;
+  std::error_code ec;
+  if (!fs::is_directory(dir_, ec)) return seqs;
+  static const std::regex re("commit-([0-9]+)\\.json");
+  for (const auto& e : fs::directory_iterator(dir_, ec)) {
+    std::smatch m;
+    const std::string name = e.path().filename().string();
+    if (std::regex_match(name, m, re)) seqs.push_back(std::stoll(m[1]));
+  }
+  std::sort(seqs.rbegin(), seqs.rend());
+  return seqs;
+}
+
+std::optional<PassState> CheckpointStore::load(bool fresh) {
+  const auto seqs = committed();
+  if (fresh) {
+    comm_.barrier();
+    if (comm_.rank() == 0 && fs::exists(dir_)) {
+      for (const auto& e : fs::directory_iterator(dir_)) fs::remove_all(e.path());
+      spdlog::info("--fresh: removed the checkpoints in {}", dir_);
+    }
+    comm_.barrier();
+    return std::nullopt;
+  }
+  if (seqs.empty()) return std::nullopt;
+  nlohmann::json commit;
+  std::ifstream(commit_path(seqs.front())) >> commit;
+  if (commit["identity"] != identity_) {
+    std::string diff;
+    for (auto it = identity_.begin(); it != identity_.end(); ++it)
+      if (commit["identity"].value(it.key(), nlohmann::json()) != it.value())
+        diff += (diff.empty() ? "" : ", ") + it.key() + " (checkpoint: " +
+                commit["identity"].value(it.key(), nlohmann::json()).dump().substr(0, 80) + ", now: " +
+                it.value().dump().substr(0, 80) + ")";
+    throw UserError(commit_path(seqs.front()) + ": the committed checkpoint is for another job; differs in " + diff +
+                    "; use --fresh to start over");
+  }
+  for (size_t i = 0; i < seqs.size() && i < 2; ++i) {
+    const int64_t seq = seqs[i];
+    PassState s;
+    bool ok = false;
+    std::string why;
+    {
+      std::ifstream in(state_path(seq, comm_.rank()), std::ios::binary);
+      std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (b.size() < sizeof(kMagic) + 64) {
+        why = "missing or truncated";
+      } else {
+        Sha256 h;
+        h.update(b.data(), b.size() - 64);
+        if (h.hex() != b.substr(b.size() - 64)) {
+          why = "checksum mismatch";
+        } else {
+          size_t at = sizeof(kMagic);
+          int64_t fseq = 0, rank = 0;
+          int32_t pass = 0;
+          ok = std::memcmp(b.data(), kMagic, sizeof(kMagic)) == 0 && get(b, at, fseq) && get(b, at, rank) &&
+               get(b, at, pass) && get(b, at, s.rounds_done) && get_vec(b, at, s.pass1_f) && get_vec(b, at, s.pass1_d) &&
+               get_vec(b, at, s.pass2_f) && get_vec(b, at, s.pass2_d) && fseq == seq && rank == comm_.rank();
+          s.pass = pass;
+          if (!ok) why = "malformed";
+        }
+      }
+    }
+    if (!ok) spdlog::warn("checkpoint {}: {} is {}", seq, state_path(seq, comm_.rank()), why);
+    if (comm_.all_ok(ok)) {
+      seq_ = seq;
+      spdlog::info("resuming from committed checkpoint {} in {} (pass {}, {} rounds done)", seq, dir_, s.pass,
+                   s.rounds_done);
+      return s;
+    }
+    spdlog::warn("checkpoint {} does not verify on every rank; {}", seq,
+                 i + 1 < seqs.size() ? "falling back to the previous one" : "starting over");
+  }
+  return std::nullopt;
+}
+
+void CheckpointStore::save(const PassState& s) {
+  const int64_t seq = seq_ + 1;
+  bool ok = true;
+  std::string error;
+  try {
+    fs::create_directories(dir_);
+    std::string b(kMagic, sizeof(kMagic));
+    put<int64_t>(b, seq);
+    put<int64_t>(b, comm_.rank());
+    put<int32_t>(b, s.pass);
+    put<int64_t>(b, s.rounds_done);
+    put_vec(b, s.pass1_f);
+    put_vec(b, s.pass1_d);
+    put_vec(b, s.pass2_f);
+    put_vec(b, s.pass2_d);
+    Sha256 h;
+    h.update(b.data(), b.size());
+    b += h.hex();
+    if (fault("fail_state_write", seq)) throw SystemError("injected write failure (CROSSKV_FAULT)");
+    write_file_atomic(state_path(seq, comm_.rank()), b);
+  } catch (const std::exception& e) {
+    ok = false;
+    error = e.what();
+    spdlog::warn("checkpoint {}: writing {} failed: {}", seq, state_path(seq, comm_.rank()), error);
+  }
+  if (fault("kill_before_commit", seq)) std::raise(SIGKILL);
+  if (!comm_.all_ok(ok)) {
+    // The previous commit stands; remove this attempt's files.
+    std::error_code ec;
+    fs::remove(state_path(seq, comm_.rank()), ec);
+    spdlog::warn("checkpoint {} not committed (a rank failed to write); the previous one stands", seq);
+    return;
+  }
+  if (comm_.rank() == 0)
+    write_file_atomic(commit_path(seq),
+                      nlohmann::json{{"seq", seq}, {"pass", s.pass}, {"rounds_done", s.rounds_done},
+                                     {"ranks", comm_.size()}, {"identity", identity_}}
+                              .dump(1) +
+                          "\n");
+  comm_.barrier();
+  // Keep this commit and the previous one.
+  std::error_code ec;
+  if (seq >= 3) {
+    fs::remove(state_path(seq - 2, comm_.rank()), ec);
+    if (comm_.rank() == 0) fs::remove(commit_path(seq - 2), ec);
+  }
+  seq_ = seq;
+}
+
+}  // namespace crosskv

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Checkpoint and resume: whatever stops a run, running the same command again gives byte-identical artifacts.
+source "$(dirname "$0")/common.sh"
+"$SYNTH" --out data --shards 4 --sequences 2 --seq-len 128 --seed 3 > /dev/null
+cfg() {  # cfg NAME [extra fit keys]
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, all]%s}\noutput: {dir: %s}\nruntime: {block_tokens: 64, checkpoint: {every_shards: 1}}\n' "${2:-}" "$1" > "$1.yaml"
+}
+same() {  # same DIR_A DIR_B: identical layer files for every k
+  for k in k1 kall; do
+    for f in "$1"/$k/layer-*.safetensors; do
+      cmp -s "$f" "$2/$k/$(basename "$f")" || die "$2/$k/$(basename "$f") differs from the uninterrupted run"
+    done
+  done
+}
+run() { "$FIT" "$@" > run.log 2> run.err; }
+
+cfg ref && run ref.yaml || { cat run.log run.err; die "reference run failed"; }
+ls ref/checkpoint/commit-*.json > /dev/null || die "no committed checkpoint"
+
+# kill -9 between a checkpoint's rank files and its commit record, then the same command again.
+cfg killed
+set +e; CROSSKV_FAULT=kill_before_commit:2 "$FIT" killed.yaml > run.log 2>&1; rc=$?; set -e
+[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137), got $rc"; }
+[ -f killed/checkpoint/state-2-rank0.bin ] && [ ! -f killed/checkpoint/commit-2.json ] || die "expected state 2 without commit"
+[ -e killed/k1 ] && die "an interrupted run must not leave a complete-looking artifact"
+run killed.yaml || { cat run.log run.err; die "resume failed"; }
+expect_in "resuming from committed checkpoint 1" run.log
+same ref killed
+
+# kill -9 at an arbitrary moment.
+cfg random
+"$FIT" random.yaml > run.log 2>&1 & pid=$!
+sleep 0.4; kill -9 $pid 2>/dev/null || true; wait $pid 2>/dev/null || true
+run random.yaml || { cat run.log run.err; die "resume after kill -9 failed"; }
+same ref random
+
+# SIGTERM (and Slurm's SIGUSR1): exit 75 for the batch script to requeue; then resume.
+cfg term
+"$FIT" term.yaml > run.log 2> run.err & pid=$!
+for _ in $(seq 50); do [ -f term/checkpoint/commit-1.json ] && break; sleep 0.05; done
+kill -TERM $pid; set +e; wait $pid; rc=$?; set -e
+[ "$rc" = 75 ] || { cat run.log run.err; die "SIGTERM: exit $rc, expected 75 (requeue)"; }
+expect_in "interrupted" run.err
+[ -e term/k1 ] && die "an interrupted run must not leave a complete-looking artifact"
+run term.yaml || { cat run.log run.err; die "resume after SIGTERM failed"; }
+same ref term
+
+# A bit-flipped newest checkpoint: fall back to the previous one, say so, and still match.
+cfg flip
+set +e; CROSSKV_FAULT=kill_before_commit:4 "$FIT" flip.yaml > /dev/null 2>&1; set -e
+printf '\xff' | dd of=flip/checkpoint/state-3-rank0.bin bs=1 seek=100 conv=notrunc 2> /dev/null
+run flip.yaml || { cat run.log run.err; die "resume with a corrupt checkpoint failed"; }
+expect_in "checksum mismatch" run.log
+expect_in "falling back to the previous one" run.log
+same ref flip
+
+# A truncated newest checkpoint likewise.
+cfg trunc
+set +e; CROSSKV_FAULT=kill_before_commit:4 "$FIT" trunc.yaml > /dev/null 2>&1; set -e
+truncate -s 50 trunc/checkpoint/state-3-rank0.bin
+run trunc.yaml || { cat run.log run.err; die "resume with a truncated checkpoint failed"; }
+expect_in "falling back to the previous one" run.log
+same ref trunc
+
+# A failed checkpoint write (a full disk): not committed, the run goes on, the result is the same.
+cfg full
+CROSSKV_FAULT=fail_state_write:2 "$FIT" full.yaml > run.log 2>&1 || { cat run.log; die "run with a failed write failed"; }
+expect_in "not committed" run.log
+same ref full
+
+# A changed config is refused with what differs; --fresh starts over.
+sed -i 's/runtime: {block_tokens: 64/runtime: {block_tokens: 32/' killed.yaml
+set +e; "$FIT" killed.yaml > run.log 2> run.err; rc=$?; set -e
+[ "$rc" = 2 ] || die "a changed config must be refused (exit $rc)"
+expect_in "differs in block_tokens" run.err
+"$FIT" killed.yaml --fresh > run.log 2>&1 || die "--fresh failed"
+
+# A change of lambda or k refits from the stored moments without reading the data.
+cfg ref ", lambda: 0.5"
+run ref.yaml || die "refit failed"
+expect_in "no calibration data was read" run.log
+echo "checkpoint/resume OK"
