@@ -1,5 +1,10 @@
 #include "pipeline/fit_pipeline.hpp"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <memory>
@@ -157,6 +162,35 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   return st;
 }
 
+class OutputLock {
+ public:
+  void acquire(const std::string& dir) {
+    path_ = (fs::path(dir) / ".crosskv-fit.lock").string();
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw InputError("output.dir: cannot create " + path_);
+    held_ = ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
+    if (held_) {
+      const std::string who = "pid " + std::to_string(::getpid()) + " on " + host_name();
+      if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, who.data(), who.size(), 0) < 0)
+        spdlog::warn("cannot record the holder in {}", path_);
+    } else {
+      char buf[128] = {0};
+      if (::pread(fd_, buf, sizeof buf - 1, 0) > 0) holder_ = buf;
+      while (!holder_.empty() && std::isspace(static_cast<unsigned char>(holder_.back()))) holder_.pop_back();
+    }
+  }
+  bool held() const { return held_; }
+  std::string holder() const { return holder_.empty() ? "see " + path_ : holder_; }
+  ~OutputLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+ private:
+  std::string path_, holder_;
+  int fd_ = -1;
+  bool held_ = false;
+};
+
 }  // namespace
 
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
@@ -188,6 +222,11 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
   if (ec) throw InputError("output.dir: cannot create " + cfg.output_dir + ": " + ec.message());
+  // One job per output folder: rank 0 holds an flock (released by the kernel however the job ends).
+  OutputLock lock;
+  if (root) lock.acquire(cfg.output_dir);
+  if (!ctx.comm.all_ok(!root || lock.held()))
+    throw InputError("output.dir: " + cfg.output_dir + " is in use by another crosskv-fit (" + lock.holder() + ")");
 
   clock.start("probe-pass");
   Shifts sh = compute_shifts(cal);

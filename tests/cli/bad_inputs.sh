@@ -17,4 +17,10 @@ printf 'source: {store: missing}\ntarget: {store: data/target}\noutput: {dir: ou
 check 2 "source.store: store folder" nostore.yaml
 printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: out}\nfit: {k: [1], lambda: 0}\nruntime: {device: cuda}\n' > cuda.yaml
 "$FIT" --version | grep -q "cuda: no" && check 2 "built without CUDA" cuda.yaml
+# Two jobs writing the same output folder: the second is refused.
+printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: shared-out}\nfit: {k: [1]}\n' > lock.yaml
+mkdir -p shared-out && exec 9> shared-out/.crosskv-fit.lock && flock -n 9 && echo "pid 4242 on otherhost" >&9
+check 2 "is in use by another crosskv-fit (pid 4242 on otherhost)" lock.yaml
+exec 9>&-
+"$FIT" lock.yaml > /dev/null || die "the folder must be usable once the other job has ended"
 echo "bad inputs OK"
