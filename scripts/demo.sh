@@ -11,9 +11,9 @@ echo "[demo] synthesizing a source (8 layers) and a target (12 layers) store in 
 rm -rf "$WORK/data" "$WORK/out"
 "$BIN/crosskv-synth" --out "$WORK/data" --shards 2 --sequences 8 --seq-len 512
 cp "$ROOT/configs/demo.yaml" "$WORK/fit.yaml"
-echo "[demo] fitting: mpirun -np 1 crosskv-fit $WORK/fit.yaml"
+echo "[demo] fitting: mpirun --bind-to none -np 1 crosskv-fit $WORK/fit.yaml"
 MPIRUN_FLAGS=(); [ "$(id -u)" = 0 ] && MPIRUN_FLAGS+=(--allow-run-as-root)
-mpirun "${MPIRUN_FLAGS[@]}" -np 1 "$BIN/crosskv-fit" "$WORK/fit.yaml"
+mpirun "${MPIRUN_FLAGS[@]}" --bind-to none -np 1 "$BIN/crosskv-fit" "$WORK/fit.yaml"
 echo
 echo "[demo] done. Outputs in $WORK/out:"
 echo "  mappers (one folder per k):  $(cd "$WORK/out" && ls -d k*/ | tr '\n' ' ')"

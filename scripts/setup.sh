@@ -7,7 +7,7 @@ BUILD=${1:-$ROOT/build}
 PKGS=(build-essential cmake ninja-build pkg-config
       libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libspdlog-dev libcli11-dev libyaml-cpp-dev
       nlohmann-json3-dev libopenblas-dev liblapacke-dev libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-      python3-numpy python3-h5py)
+      python3-numpy python3-h5py python3-yaml)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
