@@ -162,6 +162,19 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   return st;
 }
 
+// Every rank's string, on every rank (lengths summed over ranks, then one broadcast per rank).
+std::vector<std::string> gather_strings(Comm& comm, const std::string& mine) {
+  std::vector<double> len(comm.size(), 0.0);
+  len[comm.rank()] = static_cast<double>(mine.size());
+  comm.allreduce_sum(len.data(), len.size());
+  std::vector<std::string> out(comm.size());
+  for (int r = 0; r < comm.size(); ++r) {
+    out[r] = r == comm.rank() ? mine : std::string(static_cast<size_t>(len[r]), '\0');
+    comm.broadcast(out[r].data(), out[r].size(), r);
+  }
+  return out;
+}
+
 class OutputLock {
  public:
   void acquire(const std::string& dir) {
@@ -309,33 +322,42 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   clock.start("solve+export");
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
+  // Target layers are shared out over the ranks (layer l to rank l mod P); every rank writes its layers' files,
+  // rank 0 collects their manifest entries and writes the manifests last.
+  ArtifactWriter writer(cal, plan);
+  if (root) writer.begin();
+  ctx.comm.barrier();
+  std::vector<int> my_layers;
+  for (int l = ctx.comm.rank(); l < d.Lt; l += ctx.comm.size()) my_layers.push_back(l);
+  // k = all is the same system for every target layer: factor it once per kind (per rank).
+  std::unique_ptr<Factor> all_k, all_v;
+  if (counts.back() == d.Ls && my_layers.size() > 1) {
+    std::vector<int> asc(d.Ls);
+    std::iota(asc.begin(), asc.end(), 0);
+    all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, cfg.lambda));
+    all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, cfg.lambda));
+    spdlog::info("factored the k = all system once per kind ({} features)", all_k->n);
+  }
+  Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(my_layers.size()),
+                    0, "target layers");
+  for (int l : my_layers) {
+    if (stop_requested())
+      throw Interrupted("stopped by a signal while solving; the moments are committed in " + store.dir());
+    const std::string what = "target layer " + std::to_string(l);
+    auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get());
+    auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get());
+    writer.write_layer(l, fk, fv);
+    progress.add(1);
+  }
+  progress.finish();
+  const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (root) {
-    ArtifactWriter writer(cal, plan);
-    writer.begin();
-    // k = all is the same system for every target layer: factor it once per kind.
-    std::unique_ptr<Factor> all_k, all_v;
-    if (counts.back() == d.Ls && d.Lt > 1) {
-      std::vector<int> asc(d.Ls);
-      std::iota(asc.begin(), asc.end(), 0);
-      all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, cfg.lambda));
-      all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, cfg.lambda));
-      spdlog::info("factored the k = all system once per kind ({} features)", all_k->n);
-    }
-    Progress progress("solve", d.Lt, 0, "target layers");
-    for (int l = 0; l < d.Lt; ++l) {
-      if (stop_requested())
-        throw Interrupted("stopped by a signal while solving; the moments are committed in " + store.dir());
-      const std::string what = "target layer " + std::to_string(l);
-      auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get());
-      auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get());
-      writer.write_layer(l, fk, fv);
-      progress.add(1);
-    }
-    progress.finish();
+    for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));
     clock.stop();
     nlohmann::json extra = {
         {"timings_s", clock.json()},
-        {"grid", {{"ranks", ctx.comm.size()}, {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()}}},
+        {"grid", {{"ranks", ctx.comm.size()}, {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()},
+                  {"solve", "target layer l on rank l mod P"}}},
         {"passes", res.passes},
         {"r2_file", "../r2.h5"}};
     res.artifacts = writer.finish(extra);

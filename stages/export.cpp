@@ -1,5 +1,6 @@
 #include "stages/export.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -95,7 +96,16 @@ void ArtifactWriter::write_layer(int l, const std::vector<LayerFit>& fk, const s
   }
 }
 
+void ArtifactWriter::add_layer_entries(const nlohmann::json& per_k) {
+  CROSSKV_ASSERT(per_k.size() == layers_.size(), "layer entries for a different k list");
+  for (size_t i = 0; i < layers_.size(); ++i)
+    for (const auto& e : per_k[i]) layers_[i].push_back(e);
+}
+
 std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
+  for (auto& list : layers_)
+    std::sort(list.begin(), list.end(),
+              [](const nlohmann::json& a, const nlohmann::json& b) { return a["target_layer"] < b["target_layer"]; });
   std::vector<std::string> out;
   const auto& c = cal_.cfg;
   nlohmann::json shards = nlohmann::json::array();

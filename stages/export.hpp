@@ -19,7 +19,10 @@ class ArtifactWriter {
   void begin();
   // fits_k[i] / fits_v[i] belong to plan.ks[i].
   void write_layer(int l, const std::vector<LayerFit>& fits_k, const std::vector<LayerFit>& fits_v);
-  // Writes every manifest and moves the folders into place. Returns the final folders.
+  // The manifest entries of the layers written here (per k), and entries written by other ranks.
+  nlohmann::json layer_entries() const { return layers_; }
+  void add_layer_entries(const nlohmann::json& per_k);
+  // Writes every manifest (layers sorted by target layer) and moves the folders into place. Returns the folders.
   std::vector<std::string> finish(const nlohmann::json& extra);
 
  private:
