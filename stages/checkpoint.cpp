@@ -24,9 +24,11 @@ void on_stop_signal(int) { g_stop = 1; }
 constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '1'};
 
 // Test hook: CROSSKV_FAULT=kill_before_commit:SEQ (SIGKILL after the state file of SEQ, before its commit) or
-// fail_state_write:SEQ (the state write of SEQ fails, as on a full disk).
-bool fault(const char* what, int64_t seq) {
+// fail_state_write:SEQ (the state write of SEQ fails, as on a full disk); CROSSKV_FAULT_RANK limits it to a rank.
+bool fault(const char* what, int64_t seq, int rank) {
   const char* f = std::getenv("CROSSKV_FAULT");
+  const char* r = std::getenv("CROSSKV_FAULT_RANK");
+  if (r && std::atoi(r) != rank) return false;
   return f && std::string(f) == std::string(what) + ":" + std::to_string(seq);
 }
 
@@ -186,14 +188,14 @@ void CheckpointStore::save(const PassState& s) {
     Sha256 h;
     h.update(b.data(), b.size());
     b += h.hex();
-    if (fault("fail_state_write", seq)) throw SystemError("injected write failure (CROSSKV_FAULT)");
+    if (fault("fail_state_write", seq, comm_.rank())) throw SystemError("injected write failure (CROSSKV_FAULT)");
     write_file_atomic(state_path(seq, comm_.rank()), b);
   } catch (const std::exception& e) {
     ok = false;
     error = e.what();
     spdlog::warn("checkpoint {}: writing {} failed: {}", seq, state_path(seq, comm_.rank()), error);
   }
-  if (fault("kill_before_commit", seq)) std::raise(SIGKILL);
+  if (fault("kill_before_commit", seq, comm_.rank())) std::raise(SIGKILL);
   if (!comm_.all_ok(ok)) {
     // The previous commit stands; remove this attempt's files.
     std::error_code ec;

@@ -21,6 +21,11 @@ set +e; $MPI -np 2 -x CROSSKV_FAULT=kill_before_commit:2 "$FIT" np2c.yaml > np2c
 $MPI -np 2 "$FIT" np2c.yaml > np2c.log 2>&1 || { cat np2c.log; die "2-rank resume failed"; }
 grep -q "resuming from committed checkpoint 1" np2c.log || { cat np2c.log; die "did not resume"; }
 for f in out2d/k2/layer-*.safetensors; do cmp -s "$f" "out2c/k2/$(basename "$f")" || die "$f differs after kill and resume"; done
+# One dead rank never hangs the other: rank 1 is killed, the job ends within a bounded time naming the rank.
+printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1]}\noutput: {dir: out2e}\nruntime: {block_tokens: 100, checkpoint: {every_shards: 1}}\n' > np2e.yaml
+set +e; timeout 120 $MPI -np 2 -x CROSSKV_FAULT=kill_before_commit:1 -x CROSSKV_FAULT_RANK=1 "$FIT" np2e.yaml > np2e.log 2>&1; rc=$?; set -e
+[ "$rc" != 0 ] && [ "$rc" != 124 ] || { cat np2e.log; die "a dead rank must end the job (exit $rc; 124 = hung)"; }
+grep -qi "rank 1" np2e.log || { cat np2e.log; die "the message must name the dead rank"; }
 grep -q '"ranks": 2' out2/k2/manifest.json || die "manifest of the 2-rank run does not record 2 ranks"
 "$PYTHON" "$(dirname "$0")/../python/compare_artifacts.py" out1/k2 out2/k2 1e-4  # fp32 moments summed in another order, amplified by cond(Cxx)
 echo "np1 vs np2 OK"
