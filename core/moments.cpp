@@ -222,6 +222,26 @@ void Moments::mark_pass_complete() {
   head_live_ = false;
 }
 
+void Moments::add(const Moments& o) {
+  CROSSKV_ASSERT(shift_x_ == o.shift_x_ && shift_y_ == o.shift_y_, "moments about different shifts");
+  CROSSKV_ASSERT(gram_idx_ == o.gram_idx_ && cross_idx_ == o.cross_idx_ && head_cross_.size() == o.head_cross_.size(),
+                 "moments with different blocks");
+  auto add_all = [](std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+    for (size_t i = 0; i < a.size(); ++i)
+      for (size_t j = 0; j < a[i].size(); ++j) a[i][j] += b[i][j];
+  };
+  add_all(gram_, o.gram_);
+  add_all(cross_, o.cross_);
+  add_all(head_gram_, o.head_gram_);
+  add_all(head_cross_, o.head_cross_);
+  n_ += o.n_;
+  for (size_t i = 0; i < sum_x_.size(); ++i) sum_x_[i] += o.sum_x_[i];
+  for (size_t i = 0; i < sum_y_.size(); ++i) {
+    sum_y_[i] += o.sum_y_[i];
+    sq_y_[i] += o.sq_y_[i];
+  }
+}
+
 const std::vector<float>& Moments::live_block(size_t i, int which) const {
   switch (which) {
     case 0: return gram_[i];

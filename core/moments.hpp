@@ -57,6 +57,8 @@ class Moments {
   void zero_live();
   // Marks the live state complete without any reduction (the caller reduced it).
   void mark_pass_complete();
+  // Adds complete moments of other tokens (another calibration domain) with the same shifts and blocks.
+  void add(const Moments& other);
   // Fills the same-head blocks from full Gram/cross blocks (when those were accumulated).
   void derive_head_probe();
 

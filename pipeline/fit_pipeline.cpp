@@ -16,6 +16,7 @@
 #include "core/log.hpp"
 #include "core/ridge.hpp"
 #include "core/select.hpp"
+#include "core/sha256.hpp"
 #include "io/atomic_file.hpp"
 #include "io/heatmap.hpp"
 #include "io/r2_file.hpp"
@@ -261,10 +262,58 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
                human_bytes(mk.bytes()), human_bytes(mv.bytes()), human_bytes(mraw->bytes()), human_bytes(block_bytes));
   const std::string ckpt_dir =
       cfg.checkpoint_dir.empty() ? (fs::path(cfg.output_dir) / "checkpoint").string() : cfg.checkpoint_dir;
-  CheckpointStore store(ckpt_dir, checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm);
-  PassState state = store.load(opts.fresh).value_or(PassState{});
-  PassStats p1 = run_pass(1, cal, ctx, store, state, {&mk, mraw.get(), &mv},
-                          plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
+  // Single-pass fits keep complete moments per calibration domain (in <checkpoint>/domain-<name>), so a later fit
+  // over other domains reads only the domains it has not read before. Two-pass fits and max_tokens (which makes a
+  // domain's tokens depend on the others) checkpoint the job as a whole.
+  const bool per_domain = plan.single_pass && !cfg.max_tokens;
+  std::unique_ptr<CheckpointStore> job_store;
+  PassState state;
+  PassStats p1;
+  if (per_domain) {
+    Sha256 shift_hash;
+    for (const auto* v : {&sh.xk, &sh.yk, &sh.xk_raw, &sh.yk_raw, &sh.xv, &sh.yv})
+      shift_hash.update(v->data(), v->size() * sizeof(float));
+    const std::string shift_sha = shift_hash.hex();
+    bool first = true;
+    for (const auto& dom : cal.domains) {
+      Calibration sub = cal;
+      sub.shards.clear();
+      sub.tokens_used = 0;
+      for (const auto& p : cal.shards)
+        if (p.domain == dom) {
+          sub.shards.push_back(p);
+          sub.tokens_used += p.used;
+        }
+      sub.domains = {dom};
+      nlohmann::json id = checkpoint_identity(sub, plan, ctx.comm.size());
+      id["shift_sha256"] = shift_sha;
+      CheckpointStore ds((fs::path(ckpt_dir) / ("domain-" + dom)).string(), id, ctx.comm);
+      PassState st = ds.load(opts.fresh, /*cache=*/true).value_or(PassState{});
+      Moments dk(d, sh.xk, sh.yk), draw(d, sh.xk_raw, sh.yk_raw), dv(d, sh.xv, sh.yv);
+      dk.add_plan(MomentPlan::full(d, false));
+      dv.add_plan(MomentPlan::full(d, false));
+      draw.add_plan(pp);
+      const PassStats ps = run_pass(1, sub, ctx, ds, st, {&dk, &draw, &dv}, "pass 1/1 [domain " + dom + "]");
+      p1.tokens += ps.tokens;
+      p1.seconds += ps.seconds;
+      p1.bytes += ps.bytes;
+      if (first) {
+        mk = std::move(dk);
+        *mraw = std::move(draw);
+        mv = std::move(dv);
+        first = false;
+      } else {
+        mk.add(dk);
+        mraw->add(draw);
+        mv.add(dv);
+      }
+    }
+  } else {
+    job_store = std::make_unique<CheckpointStore>(ckpt_dir, checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm);
+    state = job_store->load(opts.fresh).value_or(PassState{});
+    p1 = run_pass(1, cal, ctx, *job_store, state, {&mk, mraw.get(), &mv},
+                  plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
+  }
   res.tokens_read += p1.tokens;
   res.passes = 1;
   if (plan.single_pass && cfg.probe == ProbeMode::same_head) {
@@ -315,7 +364,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     mv.add_plan(sel);
     spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(mk.bytes()),
                  human_bytes(mv.bytes()));
-    res.tokens_read += run_pass(2, cal, ctx, store, state, {&mk, &mv}, "pass 2/2 (selected blocks)").tokens;
+    res.tokens_read += run_pass(2, cal, ctx, *job_store, state, {&mk, &mv}, "pass 2/2 (selected blocks)").tokens;
     res.passes = 2;
   }
 
@@ -342,7 +391,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
                     0, "target layers");
   for (int l : my_layers) {
     if (stop_requested())
-      throw Interrupted("stopped by a signal while solving; the moments are committed in " + store.dir());
+      throw Interrupted("stopped by a signal while solving; the moments are committed in " + ckpt_dir);
     const std::string what = "target layer " + std::to_string(l);
     auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get());
     auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get());
@@ -367,7 +416,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   if (root) {
     clock.summary();
     if (res.tokens_read == 0)
-      spdlog::info("refit from the stored moments in {}: no calibration data was read", store.dir());
+      spdlog::info("refit from the stored moments in {}: no calibration data was read", ckpt_dir);
     else
       spdlog::info("read {} tokens in pass 1 ({}/s)", p1.tokens, human_bytes(p1.bytes / std::max(p1.seconds, 1e-9)));
     for (const auto& a : res.artifacts) spdlog::info("artifact: {}", a);

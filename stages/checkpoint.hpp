@@ -34,8 +34,9 @@ class CheckpointStore {
  public:
   CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm);
   // The newest committed checkpoint that verifies on every rank. With a committed checkpoint of another identity:
-  // UserError listing what differs, unless `fresh` (then everything is removed).
-  std::optional<PassState> load(bool fresh);
+  // UserError listing what differs, unless `fresh` (then everything is removed). With `cache`, a checkpoint that
+  // differs only in its provisional shift is removed and the data read again.
+  std::optional<PassState> load(bool fresh, bool cache = false);
   void save(const PassState& s);
   const std::string& dir() const { return dir_; }
 

@@ -37,6 +37,9 @@ struct Calibration {
   std::vector<std::string> domains;
   std::vector<ShardPair> shards;  // sorted by relative path
   int64_t tokens_used = 0;
+  // The shard pair whose first block gives the provisional shift: the store's first pair over every domain, so
+  // that the shift (and moments kept per domain) does not change with the domains a fit selects.
+  ShardPair shift_shard;
   PairDims dims() const;
 };
 
@@ -75,7 +78,8 @@ struct PassStats {
 struct Shifts {
   std::vector<float> xk, yk, xk_raw, yk_raw, xv, yv;
 };
-// Provisional shifts: means of the first block of the first shard (the same on every rank).
+// Provisional shifts: means of the first block of cal.shift_shard (the same on every rank and for every domain
+// selection).
 Shifts compute_shifts(const Calibration& cal);
 
 // Stage 3/5: one streaming pass, in rounds. Round r covers the shards [r*P*E, (r+1)*P*E) (E =

@@ -135,7 +135,7 @@ std::vector<float> column_means(const std::vector<float>& v, int64_t rows, int64
 }  // namespace
 
 Shifts compute_shifts(const Calibration& cal) {
-  const ShardPair& p = cal.shards.front();
+  const ShardPair& p = cal.shift_shard;
   Readers r{&p, ShardReader(p.source_path), ShardReader(p.target_path), {}, {}};
   Rope rs(cal.source, p.source_path), rt(cal.target, p.target_path);
   const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);

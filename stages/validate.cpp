@@ -140,6 +140,26 @@ Calibration validate(const FitConfig& cfg) {
     budget -= p.used;
     cal.tokens_used += p.used;
   }
+  cal.shift_shard = cal.shards.front();
+  for (const auto& r : src) {
+    if (!tgt_set.count(r) || shard_domain(r).empty()) continue;
+    if (r == cal.shift_shard.rel) break;
+    try {
+      ShardReader s((fs::path(cfg.source_store) / r).string()), t((fs::path(cfg.target_store) / r).string());
+      if (s.header().spec == cal.source && t.header().spec == cal.target && s.header().tokens > 0 &&
+          s.header().tokens == t.header().tokens) {
+        cal.shift_shard.rel = r;
+        cal.shift_shard.domain = shard_domain(r);
+        cal.shift_shard.source_path = s.header().path;
+        cal.shift_shard.target_path = t.header().path;
+        cal.shift_shard.rows = s.header().tokens;
+        cal.shift_shard.used = (s.header().tokens + cfg.token_stride - 1) / cfg.token_stride;
+      }
+    } catch (const UserError&) {
+      // Not usable for the shift: the first selected shard serves.
+    }
+    break;
+  }
   if (cal.tokens_used < 2) throw InputError("calibration: fewer than 2 tokens selected (check max_tokens and the shards)");
   if (cfg.probe == ProbeMode::same_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
     throw ConfigError(cfg.config_path + ": fit.probe: same_head needs equal KV head counts (source " +

@@ -15,13 +15,13 @@ same() {  # same DIR_A DIR_B: identical layer files for every k
 run() { "$FIT" "$@" > run.log 2> run.err; }
 
 cfg ref && run ref.yaml || { cat run.log run.err; die "reference run failed"; }
-ls ref/checkpoint/commit-*.json > /dev/null || die "no committed checkpoint"
+ls ref/checkpoint/domain-web/commit-*.json > /dev/null || die "no committed checkpoint"
 
 # kill -9 between a checkpoint's rank files and its commit record, then the same command again.
 cfg killed
 set +e; CROSSKV_FAULT=kill_before_commit:2 "$FIT" killed.yaml > run.log 2>&1; rc=$?; set -e
 [ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137), got $rc"; }
-[ -f killed/checkpoint/state-2-rank0.bin ] && [ ! -f killed/checkpoint/commit-2.json ] || die "expected state 2 without commit"
+[ -f killed/checkpoint/domain-web/state-2-rank0.bin ] && [ ! -f killed/checkpoint/domain-web/commit-2.json ] || die "expected state 2 without commit"
 [ -e killed/k1 ] && die "an interrupted run must not leave a complete-looking artifact"
 run killed.yaml || { cat run.log run.err; die "resume failed"; }
 expect_in "resuming from committed checkpoint 1" run.log
@@ -37,7 +37,7 @@ same ref random
 # SIGTERM (and Slurm's SIGUSR1): exit 75 for the batch script to requeue; then resume.
 cfg term
 "$FIT" term.yaml > run.log 2> run.err & pid=$!
-for _ in $(seq 50); do [ -f term/checkpoint/commit-1.json ] && break; sleep 0.05; done
+for _ in $(seq 50); do [ -f term/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
 kill -TERM $pid; set +e; wait $pid; rc=$?; set -e
 [ "$rc" = 75 ] || { cat run.log run.err; die "SIGTERM: exit $rc, expected 75 (requeue)"; }
 expect_in "interrupted" run.err
@@ -48,7 +48,7 @@ same ref term
 # A bit-flipped newest checkpoint: fall back to the previous one, say so, and still match.
 cfg flip
 set +e; CROSSKV_FAULT=kill_before_commit:4 "$FIT" flip.yaml > /dev/null 2>&1; set -e
-printf '\xff' | dd of=flip/checkpoint/state-3-rank0.bin bs=1 seek=100 conv=notrunc 2> /dev/null
+printf '\xff' | dd of=flip/checkpoint/domain-web/state-3-rank0.bin bs=1 seek=100 conv=notrunc 2> /dev/null
 run flip.yaml || { cat run.log run.err; die "resume with a corrupt checkpoint failed"; }
 expect_in "checksum mismatch" run.log
 expect_in "falling back to the previous one" run.log
@@ -57,7 +57,7 @@ same ref flip
 # A truncated newest checkpoint likewise.
 cfg trunc
 set +e; CROSSKV_FAULT=kill_before_commit:4 "$FIT" trunc.yaml > /dev/null 2>&1; set -e
-truncate -s 50 trunc/checkpoint/state-3-rank0.bin
+truncate -s 50 trunc/checkpoint/domain-web/state-3-rank0.bin
 run trunc.yaml || { cat run.log run.err; die "resume with a truncated checkpoint failed"; }
 expect_in "falling back to the previous one" run.log
 same ref trunc
@@ -79,4 +79,13 @@ expect_in "differs in block_tokens" run.err
 cfg ref ", lambda: 0.5"
 run ref.yaml || die "refit failed"
 expect_in "no calibration data was read" run.log
+# Calibration domains: a fit over [web, code] after one over [web] reads only code, and equals a fresh fit.
+"$SYNTH" --out dom --domains web code --shards 2 --sequences 2 --seq-len 64 --seed 9 > /dev/null
+dcfg() { printf 'source: {store: dom/source}\ntarget: {store: dom/target}\ncalibration: {domains: [%s]}\nfit: {k: [1, all]}\noutput: {dir: %s}\nruntime: {block_tokens: 64, checkpoint: {every_shards: 1}}\n' "$1" "$2" > "$2.yaml"; }
+dcfg web incr && run incr.yaml || die "fit over web failed"
+dcfg "web, code" incr && run incr.yaml || { cat run.log run.err; die "fit over web and code failed"; }
+expect_in "pass 1/1 [domain web]: restored from the committed checkpoint" run.log
+grep -q "pass 1/1 \[domain code\]: restored" run.log && die "the new domain must be read"
+dcfg "web, code" both && run both.yaml || die "fresh fit over web and code failed"
+same both incr
 echo "checkpoint/resume OK"

@@ -17,7 +17,7 @@ printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1,
 printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out2d}\nruntime: {block_tokens: 100, checkpoint: {every_shards: 1}}\n' > np2d.yaml
 $MPI -np 2 "$FIT" np2d.yaml > np2d.log 2>&1 || { cat np2d.log; die "reference 2-rank run failed"; }
 set +e; $MPI -np 2 -x CROSSKV_FAULT=kill_before_commit:2 "$FIT" np2c.yaml > np2c.log 2>&1; set -e
-[ -f out2c/checkpoint/commit-1.json ] && [ ! -f out2c/checkpoint/commit-2.json ] || { cat np2c.log; die "expected commit 1 only"; }
+[ -f out2c/checkpoint/domain-web/commit-1.json ] && [ ! -f out2c/checkpoint/domain-web/commit-2.json ] || { cat np2c.log; die "expected commit 1 only"; }
 $MPI -np 2 "$FIT" np2c.yaml > np2c.log 2>&1 || { cat np2c.log; die "2-rank resume failed"; }
 grep -q "resuming from committed checkpoint 1" np2c.log || { cat np2c.log; die "did not resume"; }
 for f in out2d/k2/layer-*.safetensors; do cmp -s "$f" "out2c/k2/$(basename "$f")" || die "$f differs after kill and resume"; done
