@@ -160,6 +160,14 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     pd += md;
   }
   if (!was_complete) store.save(state);
+  // Every rank's memory, logged by rank 0: the moments every rank holds, and its share of the reduced sums.
+  double mine = static_cast<double>((base_f.size()) * sizeof(float) + base_d.size() * sizeof(double));
+  for (auto* m : ms) mine += static_cast<double>(m->bytes());
+  std::vector<double> per_rank(ctx.comm.size(), 0.0);
+  per_rank[ctx.comm.rank()] = mine;
+  ctx.comm.allreduce_sum(per_rank.data(), per_rank.size());
+  if (ctx.comm.size() > 1)
+    for (int r = 0; r < ctx.comm.size(); ++r) spdlog::info("{}: rank {} holds {}", label, r, human_bytes(per_rank[r]));
   return st;
 }
 
