@@ -108,38 +108,13 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
 }
 
 void Moments::finish_pass(Comm& comm) {
-  if (!stats_done_) {
-    std::vector<double> stats;
-    stats.reserve(1 + sum_x_.size() + 2 * sum_y_.size());
-    stats.push_back(n_);
-    stats.insert(stats.end(), sum_x_.begin(), sum_x_.end());
-    stats.insert(stats.end(), sum_y_.begin(), sum_y_.end());
-    stats.insert(stats.end(), sq_y_.begin(), sq_y_.end());
-    comm.allreduce_sum(stats.data(), stats.size());
-    n_ = stats[0];
-    auto it = stats.begin() + 1;
-    std::copy_n(it, sum_x_.size(), sum_x_.begin());
-    it += sum_x_.size();
-    std::copy_n(it, sum_y_.size(), sum_y_.begin());
-    it += sum_y_.size();
-    std::copy_n(it, sq_y_.size(), sq_y_.begin());
-    stats_done_ = true;
-  }
-  for (size_t i = 0; i < gram_.size(); ++i)
-    if (gram_live_[i]) {
-      comm.allreduce_sum(gram_[i].data(), gram_[i].size());
-      gram_live_[i] = false;
-    }
-  for (size_t i = 0; i < cross_.size(); ++i)
-    if (cross_live_[i]) {
-      comm.allreduce_sum(cross_[i].data(), cross_[i].size());
-      cross_live_[i] = false;
-    }
-  if (head_live_) {
-    for (auto& b : head_gram_) comm.allreduce_sum(b.data(), b.size());
-    for (auto& b : head_cross_) comm.allreduce_sum(b.data(), b.size());
-    head_live_ = false;
-  }
+  std::vector<float> f;
+  std::vector<double> d;
+  pack_live(f, d);
+  comm.allreduce_sum(f.data(), f.size());
+  comm.allreduce_sum(d.data(), d.size());
+  unpack_live(f.data(), d.data());
+  mark_pass_complete();
 }
 
 namespace {
