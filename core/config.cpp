@@ -101,7 +101,16 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
     (std::string(side) == "source" ? c.source_store : c.target_store) = p;
   }
   if (auto cal = root["calibration"]) {
-    r.only_keys(cal, "calibration", {"domains", "token_stride", "max_tokens"});
+    r.only_keys(cal, "calibration", {"domains", "token_stride", "max_tokens", "weights"});
+    if (auto w = cal["weights"]; w && !w.IsNull()) {
+      if (!w.IsMap()) r.fail(w, "calibration.weights", "expected a mapping {domain: weight}");
+      for (const auto& kv : w) {
+        const std::string dom = kv.first.as<std::string>();
+        const double v = r.number(kv.second, "calibration.weights." + dom);
+        if (!(v >= 0.0)) r.fail(kv.second, "calibration.weights." + dom, "must be >= 0");
+        c.weights[dom] = v;
+      }
+    }
     if (auto d = cal["domains"]; d && !d.IsNull()) {
       if (!d.IsSequence()) r.fail(d, "calibration.domains", "expected a list of domain names");
       std::set<std::string> seen;

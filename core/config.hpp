@@ -2,6 +2,7 @@
 // The fit configuration (SPEC §9). Unknown keys, wrong types and out-of-range values are ConfigErrors
 // that name the file, key and line.
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@ struct FitConfig {
   std::string config_path;
   std::string source_store, target_store;
   std::vector<std::string> domains;  // empty: every domain found
+  std::map<std::string, double> weights;  // per-domain weight of the moments (default 1)
   int64_t token_stride = 1;
   std::optional<int64_t> max_tokens;
   std::vector<KChoice> ks = {{1}, {2}, {4}, {8}, {0}};

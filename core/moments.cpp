@@ -197,23 +197,36 @@ void Moments::mark_pass_complete() {
   head_live_ = false;
 }
 
-void Moments::add(const Moments& o) {
+void Moments::scale(double w) {
+  if (w == 1.0) return;
+  const float wf = static_cast<float>(w);
+  for (auto* set : {&gram_, &cross_, &head_gram_, &head_cross_})
+    for (auto& b : *set)
+      for (auto& x : b) x *= wf;
+  n_ *= w;
+  for (auto& x : sum_x_) x *= w;
+  for (auto& x : sum_y_) x *= w;
+  for (auto& x : sq_y_) x *= w;
+}
+
+void Moments::add(const Moments& o, double weight) {
   CROSSKV_ASSERT(shift_x_ == o.shift_x_ && shift_y_ == o.shift_y_, "moments about different shifts");
   CROSSKV_ASSERT(gram_idx_ == o.gram_idx_ && cross_idx_ == o.cross_idx_ && head_cross_.size() == o.head_cross_.size(),
                  "moments with different blocks");
-  auto add_all = [](std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  const float wf = static_cast<float>(weight);
+  auto add_all = [wf](std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
     for (size_t i = 0; i < a.size(); ++i)
-      for (size_t j = 0; j < a[i].size(); ++j) a[i][j] += b[i][j];
+      for (size_t j = 0; j < a[i].size(); ++j) a[i][j] += wf == 1.0f ? b[i][j] : wf * b[i][j];
   };
   add_all(gram_, o.gram_);
   add_all(cross_, o.cross_);
   add_all(head_gram_, o.head_gram_);
   add_all(head_cross_, o.head_cross_);
-  n_ += o.n_;
-  for (size_t i = 0; i < sum_x_.size(); ++i) sum_x_[i] += o.sum_x_[i];
+  n_ += weight * o.n_;
+  for (size_t i = 0; i < sum_x_.size(); ++i) sum_x_[i] += weight * o.sum_x_[i];
   for (size_t i = 0; i < sum_y_.size(); ++i) {
-    sum_y_[i] += o.sum_y_[i];
-    sq_y_[i] += o.sq_y_[i];
+    sum_y_[i] += weight * o.sum_y_[i];
+    sq_y_[i] += weight * o.sq_y_[i];
   }
 }
 

@@ -57,8 +57,11 @@ class Moments {
   void zero_live();
   // Marks the live state complete without any reduction (the caller reduced it).
   void mark_pass_complete();
-  // Adds complete moments of other tokens (another calibration domain) with the same shifts and blocks.
-  void add(const Moments& other);
+  // Adds complete moments of other tokens (another calibration domain) with the same shifts and blocks, each
+  // token counting `weight` times.
+  void add(const Moments& other, double weight = 1.0);
+  // Every token counts `weight` times (a domain weight).
+  void scale(double weight);
   // Fills the same-head blocks from full Gram/cross blocks (when those were accumulated).
   void derive_head_probe();
 

@@ -16,6 +16,7 @@
 #include "core/log.hpp"
 #include "core/ridge.hpp"
 #include "core/select.hpp"
+#include "core/config.hpp"
 #include "core/sha256.hpp"
 #include "io/atomic_file.hpp"
 #include "io/heatmap.hpp"
@@ -274,6 +275,12 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   // over other domains reads only the domains it has not read before. Two-pass fits and max_tokens (which makes a
   // domain's tokens depend on the others) checkpoint the job as a whole.
   const bool per_domain = plan.single_pass && !cfg.max_tokens;
+  if (!cfg.weights.empty() && !per_domain)
+    throw ConfigError(cfg.config_path + ": calibration.weights needs a single-pass fit (raise runtime.max_moment_gib)");
+  auto weight_of = [&](const std::string& dom) {
+    auto it = cfg.weights.find(dom);
+    return it == cfg.weights.end() ? 1.0 : it->second;
+  };
   std::unique_ptr<CheckpointStore> job_store;
   PassState state;
   PassStats p1;
@@ -305,15 +312,19 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
       p1.tokens += ps.tokens;
       p1.seconds += ps.seconds;
       p1.bytes += ps.bytes;
+      const double w = weight_of(dom);
       if (first) {
         mk = std::move(dk);
         *mraw = std::move(draw);
         mv = std::move(dv);
+        mk.scale(w);
+        mraw->scale(w);
+        mv.scale(w);
         first = false;
       } else {
-        mk.add(dk);
-        mraw->add(draw);
-        mv.add(dv);
+        mk.add(dk, w);
+        mraw->add(draw, w);
+        mv.add(dv, w);
       }
     }
   } else {

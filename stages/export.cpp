@@ -134,6 +134,7 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
         {"layers", layers_[i]},
         {"calibration",
          {{"domains", cal_.domains},
+          {"weights", c.weights},
           {"shards", shards},
           {"tokens_used", cal_.tokens_used},
           {"token_stride", c.token_stride},

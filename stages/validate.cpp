@@ -58,6 +58,9 @@ Calibration validate(const FitConfig& cfg) {
       throw InputError("calibration.domains: domain \"" + d + "\" has no shards in " + cfg.source_store + " or " +
                        cfg.target_store);
   cal.domains = domains;
+  for (const auto& [dom, w] : cfg.weights)
+    if (std::find(domains.begin(), domains.end(), dom) == domains.end())
+      throw ConfigError(cfg.config_path + ": calibration.weights: domain \"" + dom + "\" is not among the fit's domains");
   const std::set<std::string> want(domains.begin(), domains.end());
   std::map<std::string, std::string> canonical;  // resolved path -> the path it was first seen under
   for (const auto& side : {std::make_pair(&src, &tgt_set), std::make_pair(&tgt, &src_set)}) {
@@ -166,6 +169,8 @@ Calibration validate(const FitConfig& cfg) {
                       std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
                       "); use probe: all_heads");
   const bool has_all = std::any_of(cfg.ks.begin(), cfg.ks.end(), [](const KChoice& k) { return k.is_all(); });
+  if (!cfg.weights.empty() && cfg.max_tokens)
+    throw ConfigError(cfg.config_path + ": calibration.weights cannot be combined with max_tokens");
   for (const auto& k : cfg.ks)
     if (has_all && k.value == cal.source.n_layers)
       throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " and k = all are the same fit for a " +

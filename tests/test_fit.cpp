@@ -277,3 +277,30 @@ TEST(Fit, DomainsSelectShards) {
   EXPECT_EQ(m["calibration"]["shards"].size(), 2u);
   EXPECT_EQ(m["calibration"]["shards"][0]["path"], "code/shard-000.h5");
 }
+
+TEST(Fit, DomainWeightsScaleEachDomainsMoments) {
+  TempDir tmp;
+  SynthOptions o = small_synth(tmp.str());
+  o.domains = {"web", "code"};
+  synthesize(o);
+  auto layer_bytes = [&](const std::string& out) {
+    std::ifstream in(tmp.str(out + "/k2/layer-004.safetensors"), std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "web", "calibration: {domains: [web]}\n"));
+  // A zero weight leaves a domain out; the moments already read for web are reused.
+  fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "zero", "calibration: {domains: [web, code], weights: {code: 0}}\n"));
+  EXPECT_EQ(layer_bytes("web"), layer_bytes("zero"));
+  // Weighting every domain alike changes nothing (λ is on the covariance scale).
+  fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "both", "calibration: {domains: [web, code]}\n"));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "twice", "calibration: {domains: [web, code], weights: {web: 2, code: 2}}\n"));
+  EXPECT_EQ(layer_bytes("both"), layer_bytes("twice"));
+  EXPECT_NE(layer_bytes("both"), layer_bytes("web"));
+  EXPECT_EQ(manifest(tmp.str("twice/k2"))["calibration"]["weights"]["code"], 2.0);
+  expect_error<ConfigError>(
+      [&] { fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "bad", "calibration: {domains: [web], weights: {code: 1}}\n")); },
+      {"calibration.weights", "\"code\"", "not among"});
+  expect_error<ConfigError>(
+      [&] { fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "neg", "calibration: {weights: {web: -1}}\n")); },
+      {"calibration.weights.web", ">= 0"});
+}
