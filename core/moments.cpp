@@ -163,7 +163,7 @@ void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
 
 void Moments::unpack_live(const float* f, const double* d) {
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    auto& b = const_cast<std::vector<float>&>(live_block(i, w));
+    auto& b = live_block(i, w);
     std::copy_n(f, b.size(), b.begin());
     f += b.size();
   });
@@ -179,7 +179,7 @@ void Moments::unpack_live(const float* f, const double* d) {
 
 void Moments::zero_live() {
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    auto& b = const_cast<std::vector<float>&>(live_block(i, w));
+    auto& b = live_block(i, w);
     std::fill(b.begin(), b.end(), 0.0f);
   });
   if (!stats_done_) {

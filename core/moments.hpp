@@ -91,6 +91,9 @@ class Moments {
  private:
   const std::vector<float>& gram_block(int a, int b) const;
   const std::vector<float>& live_block(size_t i, int which) const;
+  std::vector<float>& live_block(size_t i, int which) {
+    return const_cast<std::vector<float>&>(static_cast<const Moments*>(this)->live_block(i, which));
+  }
   const std::vector<float>& cross_block(int a, int l) const;
   double mx(int64_t col) const { return sum_x_[col] / n_; }
   double my(int64_t col) const { return sum_y_[col] / n_; }

@@ -57,7 +57,7 @@ ShardReader::ShardReader(const std::string& path) {
   h_.key_dtype = check_kv_dataset("keys", h_.spec.n_kv_heads);
   h_.value_dtype = check_kv_dataset("values", h_.spec.n_kv_heads);
   h_.has_queries = h5::has_object(file_, "queries");
-  if (h_.has_queries) check_kv_dataset("queries", h_.spec.n_q_heads);
+  if (h_.has_queries) h_.query_dtype = check_kv_dataset("queries", h_.spec.n_q_heads);
 }
 
 StoredDtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
@@ -117,11 +117,7 @@ void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, 
   std::vector<hsize_t> mdims(shape.begin(), shape.end());
   mdims[0] = count;
   h5::Handle mspace(H5Screate_simple(static_cast<int>(mdims.size()), mdims.data(), nullptr), H5Sclose);
-  StoredDtype dt = name == "keys" ? h_.key_dtype : name == "values" ? h_.value_dtype : StoredDtype::f32;
-  if (name == "queries") {
-    h5::Handle t(H5Dget_type(d), H5Tclose);
-    dt = H5Tget_size(t) == 4 ? StoredDtype::f32 : (h5::has_attr(d, "dtype") ? StoredDtype::bf16 : StoredDtype::f16);
-  }
+  const StoredDtype dt = name == "keys" ? h_.key_dtype : name == "values" ? h_.value_dtype : h_.query_dtype;
   const size_t n = static_cast<size_t>(count * row);
   herr_t rc;
   if (dt == StoredDtype::f32) {

@@ -18,7 +18,7 @@ struct ShardHeader {
   std::string model, domain;
   KvSpec spec;
   int64_t tokens = 0;
-  StoredDtype key_dtype = StoredDtype::f32, value_dtype = StoredDtype::f32;
+  StoredDtype key_dtype = StoredDtype::f32, value_dtype = StoredDtype::f32, query_dtype = StoredDtype::f32;
   bool has_queries = false;
 };
 
