@@ -1,11 +1,13 @@
 #include "stages/checkpoint.hpp"
 
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <thread>
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
@@ -24,7 +26,8 @@ void on_stop_signal(int) { g_stop = 1; }
 constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '1'};
 
 // Test hook: CROSSKV_FAULT=kill_before_commit:SEQ (SIGKILL after the state file of SEQ, before its commit) or
-// fail_state_write:SEQ (the state write of SEQ fails, as on a full disk); CROSSKV_FAULT_RANK limits it to a rank.
+// fail_state_write:SEQ (the state write of SEQ fails, as on a full disk) or pause_after_commit:SEQ (wait up to 120 s
+// for a stop signal after commit SEQ, so a test can signal a job at a known point); CROSSKV_FAULT_RANK limits it to a rank.
 bool fault(const char* what, int64_t seq, int rank) {
   const char* f = std::getenv("CROSSKV_FAULT");
   const char* r = std::getenv("CROSSKV_FAULT_RANK");
@@ -232,6 +235,8 @@ void CheckpointStore::save(const PassState& s) {
     if (comm_.rank() == 0) fs::remove(commit_path(seq - 2), ec);
   }
   seq_ = seq;
+  if (fault("pause_after_commit", seq, comm_.rank()))
+    for (int i = 0; i < 2400 && !stop_requested(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
 }
 
 }  // namespace crosskv

@@ -7,7 +7,6 @@ WORK=${1:?usage: $0 WORKDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 FIT=${CROSSKV_FIT:?} SYNTH=${CROSSKV_SYNTH:?} PY=${PYTHON:-}
 skip() { echo "SKIPPED: $*"; exit 77; }
-die() { echo "FAIL: $*" >&2; exit 1; }
 for b in munged slurmctld slurmd sbatch scontrol squeue; do command -v $b > /dev/null || skip "$b is not installed (apt-get install slurm-wlm munge)"; done
 [ -n "$PY" ] && "$PY" -c "import yaml" 2> /dev/null || skip "no Python with yaml for slurm/check-pairs.py"
 [ "$(id -u)" = 0 ] || skip "starting slurmctld/slurmd here needs root"
@@ -39,18 +38,41 @@ export SLURM_CONF=$WORK/slurm.conf
 if [ ! -S /run/munge/munge.socket.2 ]; then
   mkdir -p /run/munge && chown munge:munge /run/munge 2> /dev/null
   [ -f /etc/munge/munge.key ] || skip "no /etc/munge/munge.key"
-  munged --force > munged.log 2>&1 || skip "munged did not start: $(tail -1 munged.log)"
+  timeout 30 munged --force > munged.log 2>&1 || skip "munged did not start: $(tail -1 munged.log)"
 fi
 cleanup() {
   for p in slurmctld slurmd; do [ -f "$WORK/$p.pid" ] && kill "$(cat "$WORK/$p.pid")" 2> /dev/null; done
 }
 trap cleanup EXIT
-slurmctld -f "$SLURM_CONF" || skip "slurmctld did not start: $(tail -2 slurmctld.log 2> /dev/null)"
-slurmd -f "$SLURM_CONF" || skip "slurmd did not start: $(tail -2 slurmd.log 2> /dev/null)"
-for _ in $(seq 60); do sinfo -h -o %t 2> /dev/null | grep -q idle && break; sleep 0.5; done
-sinfo -h -o %t | grep -q idle || skip "the Slurm node did not become idle: $(tail -2 slurmctld.log)"
+timeout 30 slurmctld -f "$SLURM_CONF" || skip "slurmctld did not start: $(tail -2 slurmctld.log 2> /dev/null)"
+timeout 30 slurmd -f "$SLURM_CONF" || skip "slurmd did not start: $(tail -2 slurmd.log 2> /dev/null)"
+for _ in $(seq 60); do timeout 10 sinfo -h -o %t 2> /dev/null | grep -q idle && break; sleep 0.5; done
+timeout 10 sinfo -h -o %t | grep -q idle || skip "the Slurm node did not become idle: $(tail -2 slurmctld.log)"
 
 export CROSSKV_FIT=$FIT
+# Every wait has a deadline; on failure the queue, the job records and the daemons' logs are printed.
+T0=$SECONDS
+diag() {
+  echo "--- after $((SECONDS - T0)) s; squeue:"; timeout 10 squeue 2>&1
+  for j in ${rid:-} ${jid:-}; do timeout 10 scontrol show job "$j" 2>&1 | grep -E "JobId|JobState|Reason|BeginTime|Restarts"; done
+  for f in crosskv-*.out; do [ -f "$f" ] && { echo "--- $f"; tail -20 "$f"; }; done
+  echo "--- slurmctld.log"; tail -25 slurmctld.log 2> /dev/null
+  echo "--- slurmd.log"; tail -25 slurmd.log 2> /dev/null
+}
+die() { echo "FAIL: $*" >&2; diag >&2; exit 1; }
+# wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND every 0.2 s until it succeeds or the time is up.
+wait_for() {
+  local limit=$1 what=$2; shift 2
+  local end=$((SECONDS + limit))
+  until "$@"; do [ $SECONDS -ge $end ] && die "timed out after ${limit} s waiting for $what"; sleep 0.2; done
+}
+queue_empty() { [ -z "$(timeout 10 squeue -h -j "$jid,$rid" 2>&1)" ]; }
+# Slurm holds a requeued job back (BeginTime); release it as soon as it is pending again.
+requeued_and_started() {
+  job_log_has "restart 1" && return 0
+  timeout 10 squeue -h -j "$rid" -o %T 2> /dev/null | grep -q PENDING && timeout 10 scontrol update JobId="$rid" StartTime=now > /dev/null 2>&1
+  return 1
+}
 SB=(--nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --time=10)
 for p in a b c; do
   "$SYNTH" --out data-$p --shards 4 --sequences 2 --seq-len 128 --seed $((7 + ${#p})) > /dev/null
@@ -58,31 +80,23 @@ for p in a b c; do
 done
 printf '%s\n' "$WORK/pair-a.yaml" "$WORK/pair-b.yaml" > pairs.txt
 
-# 1. An array of two pairs.
-jid=$("$ROOT/slurm/submit-pairs.sh" pairs.txt 2 "${SB[@]}" --parsable) || die "submit-pairs failed"
-# 2. A job that gets USR1 (as from --signal=B:USR1@120) once it has a committed checkpoint: it must exit 75, be
-#    requeued by the batch script, and resume.
-rid=$(sbatch --parsable "${SB[@]}" --export=ALL "$ROOT/slurm/fit-pair.sbatch" "$WORK/pair-c.yaml") || die "sbatch failed"
-for _ in $(seq 600); do [ -f out-c/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
-[ -f out-c/checkpoint/domain-web/commit-1.json ] || die "job $rid wrote no checkpoint"
-scancel --signal=USR1 --batch "$rid" || die "scancel --signal=USR1 failed"
-# Slurm holds a requeued job back for a while (BeginTime); let it start now once it is requeued.
-for _ in $(seq 200); do grep -q "requeueing" crosskv-${rid}*.out 2> /dev/null && break; sleep 0.1; done
-for _ in $(seq 50); do squeue -h -j "$rid" -o %T 2> /dev/null | grep -q PENDING && break; sleep 0.1; done
-scontrol update JobId="$rid" StartTime=now 2> /dev/null || true
-# Wait for everything to leave the queue (requeued jobs come back pending first).
-for _ in $(seq 240); do
-  [ -z "$(squeue -h -j "$jid,$rid" 2> /dev/null)" ] && break
-  sleep 0.5
-  reason=$(squeue -h -j "$rid" -o %r 2> /dev/null)
-done
-[ -z "$(squeue -h -j "$jid,$rid" 2> /dev/null)" ] || die "jobs still queued (reason: ${reason:-?}): $(squeue -j "$jid,$rid")"
-grep -q "exit 75: checkpoint committed; requeueing" crosskv-*.out || { cat crosskv-*.out; die "job $rid was not requeued on exit 75"; }
-grep -q "restart 1" crosskv-*.out || { cat crosskv-*.out; die "job $rid did not run again"; }
+# 1. A job that gets USR1 (as from --signal=B:USR1@120) once it has committed a checkpoint: it must exit 75, be
+#    requeued by the batch script, and resume. The fault hook holds it after its first commit until a signal comes,
+#    so the signal cannot race the end of this small fit. It is submitted first, so it starts at once.
+rid=$(CROSSKV_FAULT=pause_after_commit:1 timeout 30 sbatch --parsable "${SB[@]}" --export=ALL \
+      "$ROOT/slurm/fit-pair.sbatch" "$WORK/pair-c.yaml") || die "sbatch failed"
+# 2. An array of two pairs.
+jid=$(timeout 30 "$ROOT/slurm/submit-pairs.sh" pairs.txt 2 "${SB[@]}" --parsable) || die "submit-pairs failed"
+wait_for 120 "job $rid to commit a checkpoint" test -f out-c/checkpoint/domain-web/commit-1.json
+timeout 30 scancel --signal=USR1 --batch "$rid" || die "scancel --signal=USR1 failed"
+job_log_has() { cat crosskv-"$rid"_*.out 2> /dev/null | grep -q "$1"; }
+wait_for 60 "job $rid to exit 75 and requeue itself" job_log_has "exit 75: checkpoint committed; requeueing"
+wait_for 180 "job $rid to run again" requeued_and_started
+wait_for 240 "all jobs to leave the queue" queue_empty
 printf '%s\n' "$WORK/pair-c.yaml" >> pairs.txt
-"$PY" "$ROOT/slurm/check-pairs.py" pairs.txt || { cat crosskv-*.out; die "artifacts incomplete"; }
+"$PY" "$ROOT/slurm/check-pairs.py" pairs.txt || die "artifacts incomplete"
 # The requeued job's artifacts equal an uninterrupted run's.
 sed 's/out-c/out-c-ref/' pair-c.yaml > pair-c-ref.yaml
 OPENBLAS_NUM_THREADS=1 "$FIT" pair-c-ref.yaml > ref.log 2>&1 || die "reference run failed"  # as in the job: 1 CPU
 for f in out-c-ref/kall/layer-*.safetensors; do cmp -s "$f" "out-c/kall/$(basename "$f")" || die "$f differs after requeue"; done
-echo "slurm array + requeue OK"
+echo "slurm array + requeue OK in $((SECONDS - T0)) s"
