@@ -33,6 +33,7 @@ class SingleComm final : public Comm {
   void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override { c.assign(in, in + n); }
   void allgather(const std::vector<float>& c, float* out, size_t) override { std::copy(c.begin(), c.end(), out); }
   void allgather(const std::vector<double>& c, double* out, size_t) override { std::copy(c.begin(), c.end(), out); }
+  std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SingleComm>(); }
 };
 
 void check_mpi(int rc, const char* call, size_t count) {
@@ -48,26 +49,37 @@ void check_mpi(int rc, const char* call, size_t count) {
 
 class MpiComm final : public Comm {
  public:
-  MpiComm() {
-    check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank", 0);
-    check_mpi(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size", 0);
+  explicit MpiComm(MPI_Comm comm = MPI_COMM_WORLD, bool owned = false) : comm_(comm), owned_(owned) {
+    check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank", 0);
+    check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size", 0);
   }
+  ~MpiComm() override {
+    if (owned_) MPI_Comm_free(&comm_);
+  }
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return "mpi"; }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    MPI_Comm sub;
+    check_mpi(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", static_cast<size_t>(color));
+    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+    return std::make_unique<MpiComm>(sub, true);
+  }
   void allreduce_sum(float* d, size_t n) override { reduce(d, n, MPI_FLOAT); }
   void allreduce_sum(double* d, size_t n) override { reduce(d, n, MPI_DOUBLE); }
   void broadcast(void* d, size_t bytes, int root) override {
     auto* p = static_cast<char*>(d);
     for (size_t off = 0; off < bytes; off += kChunk) {
       int c = static_cast<int>(std::min(kChunk, bytes - off));
-      check_mpi(MPI_Bcast(p + off, c, MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast", bytes);
+      check_mpi(MPI_Bcast(p + off, c, MPI_BYTE, root, comm_), "MPI_Bcast", bytes);
     }
   }
-  void barrier() override { check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier", 0); }
+  void barrier() override { check_mpi(MPI_Barrier(comm_), "MPI_Barrier", 0); }
   bool all_ok(bool ok) override {
     int in = ok ? 1 : 0, out = 0;
-    check_mpi(MPI_Allreduce(&in, &out, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD), "MPI_Allreduce(LAND)", 1);
+    check_mpi(MPI_Allreduce(&in, &out, 1, MPI_INT, MPI_LAND, comm_), "MPI_Allreduce(LAND)", 1);
     return out != 0;
   }
 
@@ -117,7 +129,7 @@ class MpiComm final : public Comm {
       }
       mine.resize(static_cast<size_t>(c) * P);
       check_mpi(MPI_Alltoallv(in + s.off, s.counts.data(), s.displs.data(), type, mine.data(), rcounts.data(),
-                              rdispls.data(), type, MPI_COMM_WORLD),
+                              rdispls.data(), type, comm_),
                 "MPI_Alltoallv", s.len);
       const size_t base = chunk.size();
       chunk.insert(chunk.end(), mine.begin(), mine.begin() + c);
@@ -131,7 +143,7 @@ class MpiComm final : public Comm {
     for (const Segment& s : segments(n)) {
       const int c = s.counts[rank_];
       check_mpi(MPI_Allgatherv(chunk.data() + at, c, type, out + s.off, s.counts.data(), s.displs.data(), type,
-                               MPI_COMM_WORLD),
+                               comm_),
                 "MPI_Allgatherv", s.len);
       at += c;
     }
@@ -143,6 +155,8 @@ class MpiComm final : public Comm {
     scatter(d, n, chunk, type);
     gather(chunk, d, n, type);
   }
+  MPI_Comm comm_;
+  bool owned_;
   int rank_ = 0, size_ = 1;
 };
 

@@ -25,6 +25,8 @@ class Comm {
   virtual void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& chunk) = 0;
   virtual void allgather(const std::vector<float>& chunk, float* out, size_t n) = 0;
   virtual void allgather(const std::vector<double>& chunk, double* out, size_t n) = 0;
+  // A communicator of the ranks that pass the same `color`, ordered by `key` (collective over this one).
+  virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 };
 
 std::unique_ptr<Comm> make_single_comm();

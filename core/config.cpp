@@ -160,13 +160,22 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
   if (!root["output"]["dir"]) r.fail(root["output"], "output.dir", "missing (expected a path)");
   c.output_dir = r.path_relative_to_config(r.str(root["output"]["dir"], "output.dir"));
   if (auto rt = root["runtime"]) {
-    r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib"});
+    r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib", "layer_groups"});
     if (auto d = rt["device"]) {
       std::string v = r.str(d, "runtime.device");
       if (v == "auto") c.device = DeviceKind::auto_;
       else if (v == "cpu") c.device = DeviceKind::cpu;
       else if (v == "cuda") c.device = DeviceKind::cuda;
       else r.fail(d, "runtime.device", "expected auto, cpu or cuda, got \"" + v + "\"");
+    }
+    if (auto g = rt["layer_groups"]) {
+      int64_t v = 0;
+      if (g.IsScalar() && g.Scalar() == "auto")
+        c.layer_groups = 0;
+      else if (!g.IsScalar() || !YAML::convert<int64_t>::decode(g, v) || v < 1 || v > 65536)
+        r.fail(g, "runtime.layer_groups", "expected auto or an integer >= 1, got \"" + (g.IsScalar() ? g.Scalar() : "?") + "\"");
+      else
+        c.layer_groups = static_cast<int>(v);
     }
     if (auto b = rt["block_tokens"]) c.block_tokens = r.integer(b, "runtime.block_tokens", 1);
     if (auto m = rt["max_moment_gib"]) {

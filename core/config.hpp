@@ -37,7 +37,8 @@ struct FitConfig {
   std::string output_dir;
   DeviceKind device = DeviceKind::auto_;
   int64_t block_tokens = 4096;
-  double max_moment_gib = 8.0;  // above this the fit moments are gathered in a second, selective pass
+  double max_moment_gib = 8.0;  // per rank; above this the fit moments are gathered in a second, selective pass
+  int layer_groups = 0;         // ranks per token group share target layers in this many groups; 0: auto
   std::string checkpoint_dir;
   int64_t checkpoint_every_shards = 8;
 };

@@ -14,13 +14,19 @@ MomentPlan MomentPlan::full(const PairDims& d, bool head_probe) {
     for (int b = a; b < d.Ls; ++b) p.gram.emplace_back(a, b);
   for (int a = 0; a < d.Ls; ++a)
     for (int l = 0; l < d.Lt; ++l) p.cross.emplace_back(a, l);
-  p.head_probe = head_probe;
+  if (head_probe) p.probe_heads = all_heads(d);
   return p;
+}
+
+std::vector<int> MomentPlan::all_heads(const PairDims& d) {
+  std::vector<int> h(d.Hs);
+  for (int i = 0; i < d.Hs; ++i) h[i] = i;
+  return h;
 }
 
 int64_t MomentPlan::floats(const PairDims& d) const {
   int64_t n = static_cast<int64_t>(gram.size()) * d.F() * d.F() + static_cast<int64_t>(cross.size()) * d.F() * d.G();
-  if (head_probe) n += int64_t{d.Ls} * d.Hs * d.Ds * d.Ds + int64_t{d.Hs} * d.Ls * d.Ds * d.Lt * d.Dt;
+  n += static_cast<int64_t>(probe_heads.size()) * (int64_t{d.Ls} * d.Ds * d.Ds + int64_t{d.Ls} * d.Ds * d.Lt * d.Dt);
   return n;
 }
 
@@ -48,10 +54,15 @@ void Moments::add_plan(const MomentPlan& plan) {
       cross_live_.push_back(true);
     }
   }
-  if (plan.head_probe && head_cross_.empty()) {
+  if (!plan.probe_heads.empty() && head_cross_.empty()) {
     CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
-    head_gram_.assign(int64_t{d_.Ls} * d_.Hs, std::vector<float>(int64_t{d_.Ds} * d_.Ds, 0.0f));
-    head_cross_.assign(d_.Hs, std::vector<float>(int64_t{d_.Ls} * d_.Ds * d_.Lt * d_.Dt, 0.0f));
+    head_gram_.assign(int64_t{d_.Ls} * d_.Hs, {});
+    head_cross_.assign(d_.Hs, {});
+    for (int h : plan.probe_heads) {
+      CROSSKV_ASSERT(h >= 0 && h < d_.Hs, "bad probe head");
+      for (int a = 0; a < d_.Ls; ++a) head_gram_[int64_t{a} * d_.Hs + h].assign(int64_t{d_.Ds} * d_.Ds, 0.0f);
+      head_cross_[h].assign(int64_t{d_.Ls} * d_.Ds * d_.Lt * d_.Dt, 0.0f);
+    }
     head_live_ = true;
   }
 }
@@ -99,11 +110,13 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
           std::copy_n(Y + t * YW + l * G + int64_t{h} * Dt, Dt, hy_.data() + t * YW + (int64_t{h} * Lt + l) * Dt);
         }
     for (int h = 0; h < H; ++h)
-      be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * Dt, hx_.data() + int64_t{h} * Ls * Ds, XW,
-                   hy_.data() + int64_t{h} * Lt * Dt, YW, head_cross_[h].data(), int64_t{Lt} * Dt);
+      if (!head_cross_[h].empty())
+        be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * Dt, hx_.data() + int64_t{h} * Ls * Ds, XW,
+                     hy_.data() + int64_t{h} * Lt * Dt, YW, head_cross_[h].data(), int64_t{Lt} * Dt);
     for (int a = 0; a < Ls; ++a)
       for (int h = 0; h < H; ++h)
-        be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].data(), Ds);
+        if (!head_cross_[h].empty())
+          be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].data(), Ds);
   }
 }
 
@@ -252,6 +265,7 @@ void Moments::derive_head_probe() {
         for (int q = p; q < Ds; ++q)
           head_gram_[int64_t{a} * H + h][int64_t{p} * Ds + q] = g[(int64_t{h} * Ds + p) * F + int64_t{h} * Ds + q];
     for (int l = 0; l < Lt; ++l) {
+      if (!has_cross(a, l)) continue;
       const auto& c = cross_block(a, l);
       for (int h = 0; h < H; ++h)
         for (int p = 0; p < Ds; ++p)
@@ -339,9 +353,21 @@ void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t l
   }
 }
 
+std::vector<float>& Moments::complete_gram(int a, int b) {
+  CROSSKV_ASSERT(a <= b && b < d_.Ls, "bad gram pair");
+  auto [it, added] = gram_idx_.emplace(std::make_pair(a, b), gram_.size());
+  if (added) {
+    gram_.emplace_back(d_.F() * d_.F(), 0.0f);
+    gram_live_.push_back(false);
+  }
+  CROSSKV_ASSERT(!gram_live_[it->second], "complete_gram on a block being accumulated");
+  return gram_[it->second];
+}
+
 void Moments::head_cov_xx(int a, int h, double* A) const {
   const int Ds = d_.Ds;
   const auto& g = head_gram_.at(int64_t{a} * d_.Hs + h);
+  CROSSKV_ASSERT(!g.empty(), "same-head probe block of head " + std::to_string(h) + " not accumulated here");
   const int64_t base = a * d_.F() + int64_t{h} * Ds;
   for (int p = 0; p < Ds; ++p)
     for (int q = 0; q < Ds; ++q) {
@@ -353,6 +379,7 @@ void Moments::head_cov_xx(int a, int h, double* A) const {
 void Moments::head_cov_xy(int a, int h, double* B) const {
   const int Ds = d_.Ds, Dt = d_.Dt, Lt = d_.Lt;
   const auto& c = head_cross_.at(h);
+  CROSSKV_ASSERT(!c.empty(), "same-head probe block of head " + std::to_string(h) + " not accumulated here");
   const int64_t xbase = a * d_.F() + int64_t{h} * Ds;
   for (int p = 0; p < Ds; ++p)
     for (int l = 0; l < Lt; ++l)

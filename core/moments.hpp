@@ -26,10 +26,11 @@ struct PairDims {
 struct MomentPlan {
   std::vector<std::pair<int, int>> gram;   // source layer pairs (a, b), a <= b: [F x F]
   std::vector<std::pair<int, int>> cross;  // (source a, target l): [F x G]
-  bool head_probe = false;                 // same-head blocks: per (a, h) [Ds x Ds]; per h [Ls*Ds x Lt*Dt]
+  std::vector<int> probe_heads;            // same-head blocks of these heads: per (a, h) [Ds x Ds]; per h [Ls*Ds x Lt*Dt]
 
   static MomentPlan full(const PairDims& d, bool head_probe);
-  bool empty() const { return gram.empty() && cross.empty() && !head_probe; }
+  static std::vector<int> all_heads(const PairDims& d);
+  bool empty() const { return gram.empty() && cross.empty() && probe_heads.empty(); }
   int64_t floats(const PairDims& d) const;
 };
 
@@ -62,13 +63,16 @@ class Moments {
   void add(const Moments& other, double weight = 1.0);
   // Every token counts `weight` times (a domain weight).
   void scale(double weight);
-  // Fills the same-head blocks from full Gram/cross blocks (when those were accumulated).
+  // Fills the same-head blocks of every head from the Gram blocks (a, a) and the cross blocks present (those of
+  // absent cross blocks stay zero).
   void derive_head_probe();
+  // A complete Gram block (a, b), created as zeros if absent: for blocks accumulated on other ranks.
+  std::vector<float>& complete_gram(int a, int b);
 
   int64_t tokens() const { return static_cast<int64_t>(n_); }
   bool has_gram(int a, int b) const { return gram_idx_.count({a, b}) > 0; }
   bool has_cross(int a, int l) const { return cross_idx_.count({a, l}) > 0; }
-  bool has_head_probe() const { return !head_cross_.empty(); }
+  bool has_head_probe(int h) const { return h < static_cast<int>(head_cross_.size()) && !head_cross_[h].empty(); }
   int64_t bytes() const;
 
   // Centred covariances in fp64 (divided by N). Means are of the unshifted data.

@@ -173,9 +173,16 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
   return out;
 }
 
-ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind) {
+void probe_means(ProbeR2& r) {
+  const int64_t H = r.H;
+  for (int64_t i = 0; i < int64_t{r.Ls} * r.Lt; ++i)
+    r.mean[i] = mean_ignoring_nan(std::vector<double>(r.per_head.begin() + i * H, r.per_head.begin() + (i + 1) * H));
+}
+
+ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind,
+                        const ProbeShare& mine) {
   const PairDims& d = m.dims();
-  CROSSKV_ASSERT(d.Hs == d.Ht && m.has_head_probe(), "same-head probe moments missing");
+  CROSSKV_ASSERT(d.Hs == d.Ht, "same-head probe needs equal head counts");
   const int Ds = d.Ds, Dt = d.Dt, H = d.Hs;
   const int64_t Y = int64_t{d.Lt} * Dt;
   ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
@@ -184,6 +191,9 @@ ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, con
   std::vector<double> A(int64_t{Ds} * Ds), C(Ds * Y), W(Ds * Y), vy(Dt);
   for (int a = 0; a < d.Ls; ++a)
     for (int h = 0; h < H; ++h) {
+      bool any = false;
+      for (int l = 0; l < d.Lt && !any; ++l) any = !mine || mine(a, l, h);
+      if (!any) continue;
       m.head_cov_xx(a, h, A.data());
       m.head_cov_xy(a, h, C.data());
       if (int64_t bad = factor(be, A, Ds, lambda); bad > 0)
@@ -192,28 +202,33 @@ ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, con
       W = C;
       be.cholesky_solve(Ds, A.data(), Ds, Y, W.data(), Y);
       for (int l = 0; l < d.Lt; ++l) {
+        if (mine && !mine(a, l, h)) continue;
         std::copy_n(var[l].begin() + int64_t{h} * Dt, Dt, vy.begin());
         auto r2 = r2_per_head(W.data() + int64_t{l} * Dt, C.data() + int64_t{l} * Dt, Ds, Dt, Y, vy, lambda, 1);
         r.per_head[(int64_t{a} * d.Lt + l) * H + h] = r2[0];
       }
     }
-  for (int64_t i = 0; i < int64_t{d.Ls} * d.Lt; ++i)
-    r.mean[i] = mean_ignoring_nan(std::vector<double>(r.per_head.begin() + i * H, r.per_head.begin() + (i + 1) * H));
+  probe_means(r);
   return r;
 }
 
-ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind) {
+ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind,
+                        const ProbeShare& mine) {
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
   const int H = d.Ht;
   ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
   std::vector<double> A(F * F), C(F * G), W(F * G);
   for (int a = 0; a < d.Ls; ++a) {
+    bool any = false;
+    for (int l = 0; l < d.Lt && !any; ++l) any = !mine || mine(a, l, -1);
+    if (!any) continue;
     m.cov_xx({a}, A.data(), F);
     if (int64_t bad = factor(be, A, F, lambda); bad > 0)
       throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) +
                        ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
     for (int l = 0; l < d.Lt; ++l) {
+      if (mine && !mine(a, l, -1)) continue;
       m.cov_xy({a}, l, C.data(), G);
       W = C;
       be.cholesky_solve(F, A.data(), F, G, W.data(), G);

@@ -1,6 +1,7 @@
 #pragma once
 // Closed-form ridge in fp64 from stored moments (SPEC §3, §4): the k sweep and the R² probe.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -45,8 +46,15 @@ struct ProbeR2 {
   std::vector<double> mean;      // [Ls x Lt] head-averaged
   std::vector<double> per_head;  // [Ls x Lt x H]
 };
+// Which probe entries this rank computes: (source layer a, target layer l, head h) for the same-head probe,
+// (a, l, -1) for the all-heads probe. Empty: all. Entries not computed are 0, so that the sum over ranks that
+// share the entries out is exact; probe_means() then recomputes the head averages.
+using ProbeShare = std::function<bool(int a, int l, int h)>;
 // Single-source probe (SPEC §4): target head h of l from source head h of a (same_head) or all heads of a.
-ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind);
-ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind);
+ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind,
+                        const ProbeShare& mine = {});
+ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind,
+                        const ProbeShare& mine = {});
+void probe_means(ProbeR2& r);
 
 }  // namespace crosskv

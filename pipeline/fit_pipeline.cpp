@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include "io/r2_file.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/export.hpp"
+#include "stages/grid.hpp"
 
 namespace fs = std::filesystem;
 
@@ -70,7 +72,7 @@ class StageClock {
 MomentPlan probe_plan(const PairDims& d, ProbeMode mode) {
   MomentPlan p;
   if (mode == ProbeMode::same_head) {
-    p.head_probe = true;
+    p.probe_heads = MomentPlan::all_heads(d);
     return p;
   }
   for (int a = 0; a < d.Ls; ++a) p.gram.emplace_back(a, a);
@@ -84,16 +86,39 @@ MomentPlan selection_plan(const std::vector<std::vector<int>>& rankings, int kma
   for (size_t l = 0; l < rankings.size(); ++l) {
     const auto top = top_k(rankings[l], kmax);
     for (size_t i = 0; i < top.size(); ++i) {
-      for (size_t j = i; j < top.size(); ++j) p.gram.emplace_back(top[i], top[j]);
+      for (size_t j = i; j < top.size(); ++j) p.gram.emplace_back(std::min(top[i], top[j]), std::max(top[i], top[j]));
       p.cross.emplace_back(top[i], static_cast<int>(l));
     }
   }
+  std::sort(p.gram.begin(), p.gram.end());
+  p.gram.erase(std::unique(p.gram.begin(), p.gram.end()), p.gram.end());
   return p;
 }
 
-ProbeR2 run_probe(const Moments& m, Context& ctx, ProbeMode mode, double lambda, const std::string& kind) {
-  return mode == ProbeMode::same_head ? probe_same_head(m, ctx.backend, lambda, kind)
-                                      : probe_all_heads(m, ctx.backend, lambda, kind);
+// The probe, shared out over every rank: entries of the layer group's targets (or, for same-head blocks accumulated
+// per head, of its heads), source layer a on the group's reader a mod T; then summed over the job.
+ProbeR2 run_probe(const Moments& m, Context& ctx, ProbeMode mode, double lambda, const std::string& kind,
+                  bool by_head) {
+  const Grid& g = *ctx.grid;
+  const ProbeShare mine = [&g, by_head](int a, int l, int h) {
+    return (by_head ? g.owns_head(h) : g.owns_target(l)) && a % g.token_groups == g.token_group;
+  };
+  ProbeR2 r = mode == ProbeMode::same_head ? probe_same_head(m, ctx.backend, lambda, kind, mine)
+                                           : probe_all_heads(m, ctx.backend, lambda, kind, mine);
+  ctx.comm.allreduce_sum(r.per_head.data(), r.per_head.size());
+  probe_means(r);
+  return r;
+}
+
+// Every rank's memory, logged by rank 0: the moments it holds, plus `extra` bytes.
+void log_rank_memory(Context& ctx, const std::string& label, const std::vector<Moments*>& ms, double extra = 0) {
+  double mine = extra;
+  for (auto* m : ms) mine += static_cast<double>(m->bytes());
+  std::vector<double> per_rank(ctx.comm.size(), 0.0);
+  per_rank[ctx.comm.rank()] = mine;
+  ctx.comm.allreduce_sum(per_rank.data(), per_rank.size());
+  if (ctx.comm.size() == 1) return;
+  for (int r = 0; r < ctx.comm.size(); ++r) spdlog::info("{}: rank {} holds {}", label, r, human_bytes(per_rank[r]));
 }
 
 // One streaming pass in rounds: after each round the live moments are reduced (fixed order) into this rank's
@@ -114,7 +139,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     nf += m->live_floats();
     nd += m->live_doubles();
   }
-  const int64_t rounds = pass_rounds(cal, ctx.comm.size());
+  Comm& readers = ctx.readers();
+  const int64_t rounds = pass_rounds(cal, readers.size());
   const bool was_complete = state.pass == pass && state.rounds_done == rounds;
   PassStats st;
   if (!was_complete) {
@@ -133,8 +159,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
         D.insert(D.end(), dm.begin(), dm.end());
         m->zero_live();
       }
-      ctx.comm.reduce_scatter_sum(F.data(), F.size(), cf);
-      ctx.comm.reduce_scatter_sum(D.data(), D.size(), cd);
+      readers.reduce_scatter_sum(F.data(), F.size(), cf);
+      readers.reduce_scatter_sum(D.data(), D.size(), cd);
       if (base_f.empty()) base_f.assign(cf.size(), 0.0f);
       if (base_d.empty()) base_d.assign(cd.size(), 0.0);
       for (size_t i = 0; i < cf.size(); ++i) base_f[i] += cf[i];
@@ -149,8 +175,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   }
   std::vector<float> F(nf);
   std::vector<double> D(nd);
-  ctx.comm.allgather(base_f, F.data(), nf);
-  ctx.comm.allgather(base_d, D.data(), nd);
+  readers.allgather(base_f, F.data(), nf);
+  readers.allgather(base_d, D.data(), nd);
   const float* pf = F.data();
   const double* pd = D.data();
   for (auto* m : ms) {
@@ -161,14 +187,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     pd += md;
   }
   if (!was_complete) store.save(state);
-  // Every rank's memory, logged by rank 0: the moments every rank holds, and its share of the reduced sums.
-  double mine = static_cast<double>((base_f.size()) * sizeof(float) + base_d.size() * sizeof(double));
-  for (auto* m : ms) mine += static_cast<double>(m->bytes());
-  std::vector<double> per_rank(ctx.comm.size(), 0.0);
-  per_rank[ctx.comm.rank()] = mine;
-  ctx.comm.allreduce_sum(per_rank.data(), per_rank.size());
-  if (ctx.comm.size() > 1)
-    for (int r = 0; r < ctx.comm.size(); ++r) spdlog::info("{}: rank {} holds {}", label, r, human_bytes(per_rank[r]));
+  double share = static_cast<double>(base_f.size() * sizeof(float) + base_d.size() * sizeof(double));
+  log_rank_memory(ctx, label + " (moments + checkpointed share)", ms, share);
   return st;
 }
 
@@ -216,10 +236,15 @@ class OutputLock {
 
 }  // namespace
 
-FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
+FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) {
   FitResult res;
   StageClock clock;
-  const bool root = ctx.comm.rank() == 0;
+  const bool root = world.comm.rank() == 0;
+  const int P = world.comm.size();
+  const int planned = opts.plan_only && opts.plan_ranks > 0 ? opts.plan_ranks : P;
+  if (cfg.layer_groups > 0 && planned % cfg.layer_groups != 0)
+    throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.layer_groups) +
+                      " does not divide the job's " + std::to_string(planned) + " ranks");
 
   clock.start("validate");
   Calibration cal = validate(cfg);
@@ -230,7 +255,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
 
   clock.start("plan");
   const double read_bpt = 2.0 * (d.X() + d.Y()) * 4.0;
-  const FitPlan plan = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, cfg.max_moment_gib, read_bpt);
+  const FitPlan plan = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, cfg.max_moment_gib, read_bpt,
+                                 planned, cfg.layer_groups);
   res.plan_text = format_plan(plan);
   for (std::string line; const char c : res.plan_text + "\n") {
     if (c == '\n') {
@@ -241,6 +267,9 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     }
   }
   if (opts.plan_only) return res;
+  Grid grid = make_grid(world.comm, plan.layer_groups);
+  Context ctx{world.comm, world.backend, &grid};
+  if (P > 1) spdlog::info("grid: {}", grid.describe());
 
   std::error_code ec;
   fs::create_directories(cfg.output_dir, ec);
@@ -255,16 +284,13 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
   Shifts sh = compute_shifts(cal);
   Moments mk(d, sh.xk, sh.yk), mv(d, sh.xv, sh.yv);
   auto mraw = std::make_unique<Moments>(d, sh.xk_raw, sh.yk_raw);
+  // Job-wide plans; each rank accumulates its layer group's share of them.
   const MomentPlan pp = probe_plan(d, cfg.probe);
-  mraw->add_plan(pp);
-  if (plan.single_pass) {
-    const MomentPlan full = MomentPlan::full(d, false);
-    mk.add_plan(full);
-    mv.add_plan(full);
-  } else {
-    mk.add_plan(pp);
-    mv.add_plan(pp);
-  }
+  const MomentPlan full = MomentPlan::full(d, false);
+  const MomentPlan& pass1 = plan.single_pass ? full : pp;
+  mraw->add_plan(grid.share(pp, d));
+  mk.add_plan(grid.share(pass1, d));
+  mv.add_plan(grid.share(pass1, d));
   // Blocks in flight: the one being folded in and the one read ahead, each with raw and stripped keys and values.
   const double block_bytes = 2.0 * cfg.block_tokens * 3.0 * (d.X() + d.Y()) * sizeof(float);
   spdlog::info("memory: moments {} (keys) + {} (values) + {} (raw keys, probe only), blocks {}",
@@ -300,14 +326,14 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
           sub.tokens_used += p.used;
         }
       sub.domains = {dom};
-      nlohmann::json id = checkpoint_identity(sub, plan, ctx.comm.size());
+      nlohmann::json id = checkpoint_identity(sub, plan, P);
       id["shift_sha256"] = shift_sha;
       CheckpointStore ds((fs::path(ckpt_dir) / ("domain-" + dom)).string(), id, ctx.comm);
       PassState st = ds.load(opts.fresh, /*cache=*/true).value_or(PassState{});
       Moments dk(d, sh.xk, sh.yk), draw(d, sh.xk_raw, sh.yk_raw), dv(d, sh.xv, sh.yv);
-      dk.add_plan(MomentPlan::full(d, false));
-      dv.add_plan(MomentPlan::full(d, false));
-      draw.add_plan(pp);
+      dk.add_plan(grid.share(full, d));
+      dv.add_plan(grid.share(full, d));
+      draw.add_plan(grid.share(pp, d));
       const PassStats ps = run_pass(1, sub, ctx, ds, st, {&dk, &draw, &dv}, "pass 1/1 [domain " + dom + "]");
       p1.tokens += ps.tokens;
       p1.seconds += ps.seconds;
@@ -328,24 +354,29 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
       }
     }
   } else {
-    job_store = std::make_unique<CheckpointStore>(ckpt_dir, checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm);
+    job_store = std::make_unique<CheckpointStore>(ckpt_dir, checkpoint_identity(cal, plan, P), ctx.comm);
     state = job_store->load(opts.fresh).value_or(PassState{});
     p1 = run_pass(1, cal, ctx, *job_store, state, {&mk, mraw.get(), &mv},
                   plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
   }
   res.tokens_read += p1.tokens;
   res.passes = 1;
-  if (plan.single_pass && cfg.probe == ProbeMode::same_head) {
+  share_gram(grid, pp, *mraw);
+  share_gram(grid, pass1, mk);
+  share_gram(grid, pass1, mv);
+  if (grid.layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", {&mk, mraw.get(), &mv});
+  const bool same_head = cfg.probe == ProbeMode::same_head;
+  if (plan.single_pass && same_head) {
     mk.derive_head_probe();
     mv.derive_head_probe();
   }
 
   clock.start("probe");
   std::map<std::string, ProbeR2> probes;
-  probes["k_rope"] = run_probe(*mraw, ctx, cfg.probe, cfg.lambda, "k_rope");
+  probes["k_rope"] = run_probe(*mraw, ctx, cfg.probe, cfg.lambda, "k_rope", same_head);
   mraw.reset();
-  probes["k"] = run_probe(mk, ctx, cfg.probe, cfg.lambda, "k");
-  probes["v"] = run_probe(mv, ctx, cfg.probe, cfg.lambda, "v");
+  probes["k"] = run_probe(mk, ctx, cfg.probe, cfg.lambda, "k", same_head && !plan.single_pass);
+  probes["v"] = run_probe(mv, ctx, cfg.probe, cfg.lambda, "v", same_head && !plan.single_pass);
   res.r2_path = (fs::path(cfg.output_dir) / "r2.h5").string();
   res.heatmap_path = (fs::path(cfg.output_dir) / "r2_heatmap.svg").string();
   if (root) {
@@ -379,24 +410,28 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     if (sel_bytes > cfg.max_moment_gib * (1ull << 30))
       spdlog::warn("the selected blocks need {} (over runtime.max_moment_gib = {} GiB); k = {} needs them all",
                    human_bytes(sel_bytes), cfg.max_moment_gib, plan.ks.back().label);
-    mk.add_plan(sel);
-    mv.add_plan(sel);
+    mk.add_plan(grid.share(sel, d));
+    mv.add_plan(grid.share(sel, d));
     spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(mk.bytes()),
                  human_bytes(mv.bytes()));
     res.tokens_read += run_pass(2, cal, ctx, *job_store, state, {&mk, &mv}, "pass 2/2 (selected blocks)").tokens;
+    share_gram(grid, sel, mk);
+    share_gram(grid, sel, mv);
+    if (grid.layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", {&mk, &mv});
     res.passes = 2;
   }
 
   clock.start("solve+export");
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
-  // Target layers are shared out over the ranks (layer l to rank l mod P); every rank writes its layers' files,
-  // rank 0 collects their manifest entries and writes the manifests last.
+  // Target layers go to their layer group, and within it round-robin to its readers; every rank writes its layers'
+  // files, rank 0 collects their manifest entries and writes the manifests last.
   ArtifactWriter writer(cal, plan);
   if (root) writer.begin();
   ctx.comm.barrier();
   std::vector<int> my_layers;
-  for (int l = ctx.comm.rank(); l < d.Lt; l += ctx.comm.size()) my_layers.push_back(l);
+  for (int l = 0, j = 0; l < d.Lt; ++l)
+    if (grid.owns_target(l) && j++ % grid.token_groups == grid.token_group) my_layers.push_back(l);
   // k = all is the same system for every target layer: factor it once per kind (per rank).
   std::unique_ptr<Factor> all_k, all_v;
   if (counts.back() == d.Ls && my_layers.size() > 1) {
@@ -424,8 +459,9 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& ctx) {
     clock.stop();
     nlohmann::json extra = {
         {"timings_s", clock.json()},
-        {"grid", {{"ranks", ctx.comm.size()}, {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()},
-                  {"solve", "target layer l on rank l mod P"}}},
+        {"grid", {{"ranks", P}, {"layer_groups", grid.layer_groups}, {"token_groups", grid.token_groups},
+                  {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()},
+                  {"targets", "layer l to layer group l mod G, round-robin over its token groups"}}},
         {"passes", res.passes},
         {"r2_file", "../r2.h5"}};
     res.artifacts = writer.finish(extra);

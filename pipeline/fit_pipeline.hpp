@@ -11,6 +11,7 @@ namespace crosskv {
 struct FitOptions {
   bool plan_only = false;
   bool fresh = false;  // ignore (and remove) committed checkpoints
+  int plan_ranks = 0;  // with plan_only: plan a job of this many ranks (0: this job's)
 };
 
 struct FitResult {

@@ -1,4 +1,4 @@
-// crosskv-fit CONFIG.yaml [--plan] [--fresh]
+// crosskv-fit CONFIG.yaml [--plan [--ranks N]] [--fresh]
 #include <mpi.h>
 
 #include <cstdio>
@@ -36,8 +36,11 @@ int main(int argc, char** argv) {
   CLI::App app{"crosskv-fit: fit cross-model KV mappers from calibration shards"};
   std::string config_path, log_level = "info";
   bool plan_only = false, fresh = false, version = false;
+  int plan_ranks = 0;
   app.add_option("config", config_path, "fit config (YAML)");
   app.add_flag("--plan", plan_only, "validate and print the plan, then stop");
+  app.add_option("--ranks", plan_ranks, "with --plan: plan a job of this many ranks (default: this job's)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--fresh", fresh, "start over: remove committed checkpoints instead of resuming from them");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
   app.add_flag("--version", version, "print the version and build features");
@@ -60,7 +63,7 @@ int main(int argc, char** argv) {
     Context ctx{*comm, *backend};
     spdlog::info("crosskv-fit {}: {} rank(s) on {}, backend {}", CROSSKV_VERSION, comm->size(), host_name(),
                  backend->name());
-    FitResult r = run_fit(cfg, FitOptions{plan_only, fresh}, ctx);
+    FitResult r = run_fit(cfg, FitOptions{plan_only, fresh, plan_ranks}, ctx);
     if (plan_only && comm->rank() == 0) std::cout << r.plan_text;
     return 0;
   } catch (const Interrupted& e) {

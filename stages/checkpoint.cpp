@@ -82,7 +82,8 @@ nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, 
   return {{"source_store", c.source_store}, {"target_store", c.target_store}, {"domains", cal.domains},
           {"token_stride", c.token_stride}, {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json()},
           {"block_tokens", c.block_tokens}, {"every_shards", c.checkpoint_every_shards},
-          {"probe", to_string(c.probe)}, {"single_pass", plan.single_pass}, {"ranks", ranks}, {"shards", shards}};
+          {"probe", to_string(c.probe)}, {"single_pass", plan.single_pass}, {"ranks", ranks}, {"layer_groups", plan.layer_groups},
+          {"shards", shards}};
 }
 
 CheckpointStore::CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm)

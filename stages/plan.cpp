@@ -10,7 +10,7 @@ namespace crosskv {
 double weight_bytes(WeightDtype d) { return d == WeightDtype::fp32 ? 4.0 : 2.0; }
 
 FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
-                  double max_moment_gib, double read_bytes_per_token) {
+                  double max_moment_gib, double read_bytes_per_token, int ranks, int layer_groups) {
   FitPlan p;
   p.dims = d;
   p.tokens = tokens;
@@ -25,7 +25,8 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
     p.ks.push_back(kp);
   }
   std::sort(p.ks.begin(), p.ks.end(), [](const KPlan& a, const KPlan& b) { return a.count < b.count; });
-  const MomentPlan head = {{}, {}, probe == ProbeMode::same_head};
+  MomentPlan head;
+  if (probe == ProbeMode::same_head) head.probe_heads = MomentPlan::all_heads(d);
   const MomentPlan full = MomentPlan::full(d, false);
   // Probe blocks of one kind: same-head blocks, or diagonal Gram + every cross block for all_heads.
   MomentPlan probe_plan = head;
@@ -36,7 +37,32 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   const double f4 = sizeof(float);
   p.full_moment_bytes = static_cast<int64_t>(f4 * (2 * full.floats(d) + probe_plan.floats(d)));
   p.probe_moment_bytes = static_cast<int64_t>(f4 * 3 * probe_plan.floats(d));
-  p.single_pass = p.full_moment_bytes <= max_moment_gib * (1ull << 30);
+  // Per rank with G layer groups: every Gram block (exchanged after the pass), 1/G of the cross and probe blocks.
+  // One pass holds every block; two hold the probe blocks, then the blocks the top-kmax selections need.
+  const double gram = f4 * 2 * static_cast<double>(full.gram.size()) * d.F() * d.F();
+  const double kmax = p.ks.back().count;
+  const double sel_gram =
+      f4 * 2 * std::min<double>(full.gram.size(), d.Lt * kmax * (kmax + 1) / 2) * d.F() * d.F();
+  const double sel_cross = f4 * 2 * d.Lt * kmax * d.F() * d.G();
+  const double probe_bytes = f4 * 3 * probe_plan.floats(d);
+  auto one_pass = [&](int G) { return static_cast<int64_t>(gram + (p.full_moment_bytes - gram) / G); };
+  auto two_pass = [&](int G) {
+    return static_cast<int64_t>(std::max(probe_bytes / G + f4 * 3 * d.Ls * d.F() * d.F(), sel_gram + sel_cross / G));
+  };
+  const double limit = max_moment_gib * (1ull << 30);
+  p.ranks = ranks;
+  p.layer_groups_auto = layer_groups == 0;
+  if (layer_groups == 0) {
+    layer_groups = 0;
+    for (int G = 1; G <= ranks && !layer_groups; ++G)
+      if (ranks % G == 0 && one_pass(G) <= limit) layer_groups = G;
+    for (int G = 1; G <= ranks && !layer_groups; ++G)
+      if (ranks % G == 0 && two_pass(G) <= limit) layer_groups = G;
+    if (!layer_groups) layer_groups = ranks;
+  }
+  p.layer_groups = layer_groups;
+  p.single_pass = one_pass(layer_groups) <= limit;
+  p.rank_moment_bytes = p.single_pass ? one_pass(layer_groups) : two_pass(layer_groups);
   const double X = static_cast<double>(d.X()), Y = static_cast<double>(d.Y());
   const double head_flops = 2.0 * d.Hs * (d.Ls * d.Ds) * (d.Lt * d.Dt) + 1.0 * d.Ls * d.Hs * d.Ds * d.Ds;
   const double full_flops = X * X + 2.0 * X * Y;  // syrk (half of X^2 MACs) + cross
@@ -77,6 +103,9 @@ std::string format_plan(const FitPlan& p) {
     << "\n";
   o << "  moment memory: all blocks " << human_bytes(p.full_moment_bytes) << ", probe " << human_bytes(p.probe_moment_bytes)
     << "\n";
+  o << "  grid: " << p.ranks << " rank(s) = " << p.layer_groups << " layer group(s) x " << p.ranks / p.layer_groups
+    << " token group(s)" << (p.layer_groups_auto ? " (auto)" : "") << "; moments per rank at most "
+    << human_bytes(p.rank_moment_bytes) << "\n";
   std::snprintf(buf, sizeof buf, "  flops: accumulate %.3g, solve %.3g (fp64)\n", p.accumulate_flops, p.solve_flops);
   o << buf;
   o << "  k      features  mapper params        fp32          bf16/fp16\n";

@@ -17,9 +17,13 @@ namespace crosskv {
 class Comm;
 class ComputeBackend;
 
+struct Grid;
+
 struct Context {
-  Comm& comm;
+  Comm& comm;                 // every rank of the job
   ComputeBackend& backend;
+  Grid* grid = nullptr;       // the rank grid (stages/grid.hpp); none: one layer group
+  Comm& readers() const;      // the ranks that share this rank's moments and split the shards among them
 };
 
 struct ShardPair {
@@ -59,14 +63,19 @@ struct FitPlan {
   int64_t tokens = 0;
   std::vector<KPlan> ks;  // ascending by count
   bool single_pass = true;
-  int64_t full_moment_bytes = 0, probe_moment_bytes = 0;
+  int ranks = 1, layer_groups = 1;  // the grid (stages/grid.hpp)
+  bool layer_groups_auto = false;
+  int64_t full_moment_bytes = 0, probe_moment_bytes = 0;  // the job's
+  int64_t rank_moment_bytes = 0;  // most moment memory of a rank (its share of the blocks + exchanged Gram blocks)
   double accumulate_flops = 0, solve_flops = 0;
   double read_bytes_per_token = 0;
 };
 
-// Stage 2. `max_moment_gib` decides between one pass (every block) and two passes (probe, then selected blocks).
+// Stage 2. One pass (every block) when each rank's share of them fits `max_moment_gib`, else two (probe, then the
+// blocks the selections need). `layer_groups` 0 (auto): the fewest layer groups dividing `ranks` for which one pass
+// fits, else two passes fit, else as many as ranks (fewer layer groups read the calibration data fewer times).
 FitPlan make_plan(const PairDims& dims, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
-                  double max_moment_gib, double read_bytes_per_token);
+                  double max_moment_gib, double read_bytes_per_token, int ranks = 1, int layer_groups = 1);
 std::string format_plan(const FitPlan& plan);
 double weight_bytes(WeightDtype d);
 
@@ -82,8 +91,8 @@ struct Shifts {
 // selection).
 Shifts compute_shifts(const Calibration& cal);
 
-// Stage 3/5: one streaming pass, in rounds. Round r covers the shards [r*P*E, (r+1)*P*E) (E =
-// runtime.checkpoint.every_shards); rank p reads those with index % P == p. After each round `on_round` runs on
+// Stage 3/5: one streaming pass, in rounds. With T = ctx.readers().size(), round r covers the shards
+// [r*T*E, (r+1)*T*E) (E = runtime.checkpoint.every_shards); reader p reads those with index % T == p. After each round `on_round` runs on
 // every rank (it reduces and checkpoints); `abandoned` is true when this rank stopped reading on a stop signal.
 // k_rope may be null (the pass then does not keep raw keys).
 using RoundHook = std::function<void(int64_t round, int64_t rounds, bool abandoned)>;

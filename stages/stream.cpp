@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/comm.hpp"
+#include "stages/grid.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/rope.hpp"
@@ -146,6 +147,8 @@ Shifts compute_shifts(const Calibration& cal) {
           column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
 }
 
+Comm& Context::readers() const { return grid ? *grid->readers : comm; }
+
 int64_t pass_rounds(const Calibration& cal, int ranks) {
   const int64_t per_round = int64_t{ranks} * cal.cfg.checkpoint_every_shards;
   return (static_cast<int64_t>(cal.shards.size()) + per_round - 1) / per_round;
@@ -153,7 +156,7 @@ int64_t pass_rounds(const Calibration& cal, int ranks) {
 
 PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
                       const std::string& label, int64_t start_round, const RoundHook& on_round) {
-  const int rank = ctx.comm.rank(), size = ctx.comm.size();
+  const int rank = ctx.readers().rank(), size = ctx.readers().size();
   const int64_t rounds = pass_rounds(cal, size), per_round = int64_t{size} * cal.cfg.checkpoint_every_shards;
   int64_t todo = 0, job_todo = 0;
   for (size_t i = static_cast<size_t>(start_round * per_round); i < cal.shards.size(); ++i) {

@@ -97,3 +97,13 @@ TEST(Config, DuplicateKeyIsAnError) {
   expect_error<ConfigError>([] { parse_fit_config(kBase + "fit: {k: 2}\nfit: {k: 3}\n", "my.yaml"); },
                             {"my.yaml:5", "fit", "duplicate key"});
 }
+
+TEST(Config, LayerGroups) {
+  EXPECT_EQ(parse_fit_config(kBase, "c.yaml").layer_groups, 0);  // auto
+  EXPECT_EQ(parse_fit_config(kBase + "runtime: {layer_groups: auto}\n", "c.yaml").layer_groups, 0);
+  EXPECT_EQ(parse_fit_config(kBase + "runtime: {layer_groups: 4}\n", "c.yaml").layer_groups, 4);
+  expect_error<ConfigError>([] { parse_fit_config(kBase + "runtime: {layer_groups: 0}\n", "my.yaml"); },
+                            {"my.yaml:4", "runtime.layer_groups", "expected auto or an integer >= 1", "\"0\""});
+  expect_error<ConfigError>([] { parse_fit_config(kBase + "runtime: {layer_groups: many}\n", "my.yaml"); },
+                            {"runtime.layer_groups", "many"});
+}

@@ -247,7 +247,7 @@ TEST(Ridge, SameHeadProbeFindsThePlantedSourceLayer) {
   auto be = make_cpu_backend();
   // Extracted from the full blocks, and accumulated directly: the same probe.
   Moments direct(d, std::vector<float>(d.X(), 0.f), std::vector<float>(d.Y(), 0.f));
-  direct.add_plan({{}, {}, true});
+  direct.add_plan({{}, {}, MomentPlan::all_heads(d)});
   {
     auto X = data.X;
     auto Y = data.Y;

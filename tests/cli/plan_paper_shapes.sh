@@ -14,6 +14,13 @@ YAML
 expect_in "1.07 B" qwen.log
 expect_in "(1073741824)" qwen.log
 expect_in "4.00 GiB" qwen.log
+# Planning an 8-rank job from one process: the grid, and each rank's share of the moments.
+"$FIT" qwen.yaml --plan --ranks 8 > qwen8.log
+expect_in "grid: 8 rank(s) = 4 layer group(s) x 2 token group(s) (auto)" qwen8.log
+printf 'runtime: {max_moment_gib: 40, layer_groups: 2}\n' >> qwen.yaml
+"$FIT" qwen.yaml --plan --ranks 8 > qwen8b.log
+expect_in "grid: 8 rank(s) = 2 layer group(s) x 4 token group(s);" qwen8b.log
+expect_in "passes over the data: 1" qwen8b.log
 "$SYNTH" --out llama --shards 1 --sequences 1 --seq-len 16 \
   --source-layers 32 --source-heads 8 --source-head-dim 128 --source-rope llama3 --source-theta 500000 \
   --target-layers 80 --target-heads 8 --target-head-dim 128 --target-rope llama3 --target-theta 500000 > /dev/null
