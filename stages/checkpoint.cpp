@@ -11,6 +11,7 @@
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/log.hpp"
 #include "core/sha256.hpp"
 #include "io/atomic_file.hpp"
@@ -24,16 +25,6 @@ volatile std::sig_atomic_t g_stop = 0;
 void on_stop_signal(int) { g_stop = 1; }
 
 constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '1'};
-
-// Test hook: CROSSKV_FAULT=kill_before_commit:SEQ (SIGKILL after the state file of SEQ, before its commit) or
-// fail_state_write:SEQ (the state write of SEQ fails, as on a full disk) or pause_after_commit:SEQ (wait up to 120 s
-// for a stop signal after commit SEQ, so a test can signal a job at a known point); CROSSKV_FAULT_RANK limits it to a rank.
-bool fault(const char* what, int64_t seq, int rank) {
-  const char* f = std::getenv("CROSSKV_FAULT");
-  const char* r = std::getenv("CROSSKV_FAULT_RANK");
-  if (r && std::atoi(r) != rank) return false;
-  return f && std::string(f) == std::string(what) + ":" + std::to_string(seq);
-}
 
 template <class T>
 void put(std::string& b, const T& v) {
@@ -208,6 +199,11 @@ void CheckpointStore::save(const PassState& s) {
     h.update(b.data(), b.size());
     b += h.hex();
     if (fault("fail_state_write", seq, comm_.rank())) throw SystemError("injected write failure (CROSSKV_FAULT)");
+    if (fault("kill_in_state_write", seq, comm_.rank())) {  // half the bytes in the temp file, then SIGKILL
+      AtomicFile f(state_path(seq, comm_.rank()));
+      f.write(b.data(), b.size() / 2);
+      std::raise(SIGKILL);
+    }
     write_file_atomic(state_path(seq, comm_.rank()), b);
   } catch (const std::exception& e) {
     ok = false;

@@ -1,11 +1,13 @@
 #include "stages/export.hpp"
 
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/half.hpp"
 #include "core/kv_spec.hpp"
 #include "core/sha256.hpp"
@@ -55,11 +57,15 @@ std::string layer_file(int l) {
 
 }  // namespace
 
-ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan)
-    : cal_(cal), plan_(plan), layers_(plan.ks.size(), nlohmann::json::array()) {}
+ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
+    : cal_(cal), plan_(plan), layers_(plan.ks.size(), nlohmann::json::array()), rank_(rank) {}
 
 std::string ArtifactWriter::final_dir(const KPlan& k) const { return (fs::path(cal_.cfg.output_dir) / ("k" + k.label)).string(); }
 std::string ArtifactWriter::partial_dir(const KPlan& k) const { return final_dir(k) + ".partial"; }
+
+void ArtifactWriter::written() {
+  if (fault("kill_in_export", ++files_, rank_)) std::raise(SIGKILL);
+}
 
 void ArtifactWriter::begin() {
   for (const auto& k : plan_.ks) {
@@ -87,6 +93,7 @@ void ArtifactWriter::write_layer(int l, const std::vector<LayerFit>& fk, const s
                        {"v.weight", wv.dtype, wshape, wv.data, wv.bytes},
                        {"v.bias", "F32", bshape, fv[i].b.data(), fv[i].b.size() * 4}},
                       {{"format", "crosskv-mapper"}, {"target_layer", std::to_string(l)}, {"source_layers", layers_csv}});
+    written();
     layers_[i].push_back({{"target_layer", l},
                           {"source_layers", fk[i].layers},
                           {"file", file},
@@ -147,6 +154,7 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
     if (ec) throw SystemError("rename " + partial_dir(k) + " -> " + final_dir(k) + ": " + ec.message());
     fsync_dir(c.output_dir);
     out.push_back(final_dir(k));
+    written();
   }
   return out;
 }

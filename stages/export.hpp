@@ -15,7 +15,7 @@ namespace crosskv {
 
 class ArtifactWriter {
  public:
-  ArtifactWriter(const Calibration& cal, const FitPlan& plan);
+  ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank = 0);
   void begin();
   // fits_k[i] / fits_v[i] belong to plan.ks[i].
   void write_layer(int l, const std::vector<LayerFit>& fits_k, const std::vector<LayerFit>& fits_v);
@@ -31,6 +31,9 @@ class ArtifactWriter {
   const Calibration& cal_;
   const FitPlan& plan_;
   std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
+  int rank_ = 0;
+  int64_t files_ = 0;  // files written, for the kill_in_export fault hook
+  void written();
 };
 
 nlohmann::json nan_to_null(const std::vector<double>& v);

@@ -27,6 +27,27 @@ run killed.yaml || { cat run.log run.err; die "resume failed"; }
 expect_in "resuming from committed checkpoint 1" run.log
 same ref killed
 
+# kill -9 while a checkpoint's state file is half written: the temp file is never used; resume from the previous.
+cfg halfw
+set +e; CROSSKV_FAULT=kill_in_state_write:3 "$FIT" halfw.yaml > run.log 2>&1; rc=$?; set -e
+[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137), got $rc"; }
+ls halfw/checkpoint/domain-web/state-3-rank0.bin.tmp-* > /dev/null 2>&1 || die "expected a half-written temp file"
+[ ! -f halfw/checkpoint/domain-web/state-3-rank0.bin ] || die "a half-written state must not appear under its name"
+run halfw.yaml || { cat run.log run.err; die "resume after a kill in a state write failed"; }
+expect_in "resuming from committed checkpoint 2" run.log
+same ref halfw
+
+# kill -9 during export: after the first layer file, and after the first k folder is complete.
+for n in 1 $(( $(ls ref/k1/layer-*.safetensors | wc -l) * 2 + 1 )); do
+  cfg exp$n
+  set +e; CROSSKV_FAULT=kill_in_export:$n "$FIT" exp$n.yaml > run.log 2>&1; rc=$?; set -e
+  [ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137) in export, got $rc"; }
+  [ -e exp$n/kall/manifest.json ] && die "kall must not look complete after a kill in export"
+  run exp$n.yaml || { cat run.log run.err; die "rerun after a kill in export failed"; }
+  expect_in "no calibration data was read" run.log
+  same ref exp$n
+done
+
 # kill -9 at an arbitrary moment.
 cfg random
 "$FIT" random.yaml > run.log 2>&1 & pid=$!
