@@ -1,6 +1,7 @@
 #pragma once
 // Compute backend: the few dense kernels the fit needs. CPU (BLAS/LAPACK) is the reference; CUDA lives in cuda/.
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
@@ -10,6 +11,18 @@ class ComputeBackend {
  public:
   virtual ~ComputeBackend() = default;
   virtual std::string name() const = 0;
+
+  // Where the operands live. A device backend keeps every sum passed as C resident on the device from its first
+  // use until flush(), which makes the host copies current and drops the residency: call flush() before reading,
+  // packing or changing sums on the host. stage_inputs() names the host arrays that hold the coming calls' A and B
+  // operands (one block of rows), so a device backend copies each once, asynchronously, into one of two buffers.
+  // Host backends ignore both.
+  struct HostSpan {
+    const float* data;
+    int64_t count;
+  };
+  virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
+  virtual void flush() {}
 
   // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
@@ -27,9 +40,11 @@ class ComputeBackend {
 };
 
 std::unique_ptr<ComputeBackend> make_cpu_backend();
-// Defined in cuda/: the CUDA backend, or a stub that throws "built without CUDA".
-std::unique_ptr<ComputeBackend> make_cuda_backend(int device);
+// Defined in cuda/: the CUDA backend on `device` (rank `rank` names it in messages; tf32 lets cuBLAS use TF32
+// tensor cores for the fp32 moments), or a stub that throws "built without CUDA".
+std::unique_ptr<ComputeBackend> make_cuda_backend(int device, int rank = 0, bool tf32 = false);
 bool cuda_compiled_in();
+bool nccl_compiled_in();
 int cuda_device_count();  // 0 when built without CUDA or no device present
 
 }  // namespace crosskv

@@ -17,6 +17,22 @@ std::string host_name() {
   return buf;
 }
 
+std::vector<ShareSegment> share_layout(size_t n, int ranks) {
+  const size_t P = static_cast<size_t>(ranks);
+  const size_t seg = std::max<size_t>(1, std::min(n, P * (size_t{1} << 24)));
+  std::vector<ShareSegment> out;
+  for (size_t off = 0; off < n; off += seg) {
+    ShareSegment s{off, std::min(seg, n - off), std::vector<int>(P), std::vector<int>(P)};
+    for (size_t r = 0, at = 0; r < P; ++r) {
+      s.counts[r] = static_cast<int>(s.len / P + (r < s.len % P ? 1 : 0));
+      s.displs[r] = static_cast<int>(at);
+      at += s.counts[r];
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 namespace {
 
 class SingleComm final : public Comm {
@@ -96,32 +112,14 @@ class MpiComm final : public Comm {
   // Sums in a fixed order, independent of MPI's reduction algorithm, so that the same job gives byte-identical
   // results: buffers go in segments; in each, rank r owns a contiguous part, receives every rank's copy of it
   // (MPI_Alltoallv) and adds them in rank order 0..P-1. allgather (MPI_Allgatherv) reverses the layout.
-  struct Segment {
-    size_t off, len;
-    std::vector<int> counts, displs;
-  };
-  std::vector<Segment> segments(size_t n) const {
-    const size_t P = static_cast<size_t>(size_);
-    const size_t seg = std::max<size_t>(1, std::min(n, P * (size_t{1} << 24)));
-    std::vector<Segment> out;
-    for (size_t off = 0; off < n; off += seg) {
-      Segment s{off, std::min(seg, n - off), std::vector<int>(P), std::vector<int>(P)};
-      for (size_t r = 0, at = 0; r < P; ++r) {
-        s.counts[r] = static_cast<int>(s.len / P + (r < s.len % P ? 1 : 0));
-        s.displs[r] = static_cast<int>(at);
-        at += s.counts[r];
-      }
-      out.push_back(std::move(s));
-    }
-    return out;
-  }
+  std::vector<ShareSegment> segments(size_t n) const { return share_layout(n, size_); }
   template <class T>
   void scatter(const T* in, size_t n, std::vector<T>& chunk, MPI_Datatype type) {
     const size_t P = static_cast<size_t>(size_);
     chunk.clear();
     std::vector<int> rcounts(P), rdispls(P);
     std::vector<T> mine;
-    for (const Segment& s : segments(n)) {
+    for (const ShareSegment& s : segments(n)) {
       const int c = s.counts[rank_];
       for (size_t r = 0; r < P; ++r) {
         rcounts[r] = c;
@@ -140,7 +138,7 @@ class MpiComm final : public Comm {
   template <class T>
   void gather(const std::vector<T>& chunk, T* out, size_t n, MPI_Datatype type) {
     size_t at = 0;
-    for (const Segment& s : segments(n)) {
+    for (const ShareSegment& s : segments(n)) {
       const int c = s.counts[rank_];
       check_mpi(MPI_Allgatherv(chunk.data() + at, c, type, out + s.off, s.counts.data(), s.displs.data(), type,
                                comm_),
@@ -164,6 +162,19 @@ class MpiComm final : public Comm {
 
 std::unique_ptr<Comm> make_single_comm() { return std::make_unique<SingleComm>(); }
 std::unique_ptr<Comm> make_mpi_comm() { return std::make_unique<MpiComm>(); }
+
+int mpi_local_rank() {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) return 0;
+  MPI_Comm node;
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type", 0);
+  int r = 0;
+  MPI_Comm_rank(node, &r);
+  MPI_Comm_free(&node);
+  return r;
+}
 
 MpiSession::MpiSession(int* argc, char*** argv) {
   int inited = 0;

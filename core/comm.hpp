@@ -29,9 +29,20 @@ class Comm {
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 };
 
+// The layout of reduce_scatter_sum/allgather shares, the same for every Comm (so checkpointed shares do not depend
+// on the collectives): segments of at most P * 2^24 elements; in each, rank r owns counts[r] elements at displs[r].
+struct ShareSegment {
+  size_t off, len;
+  std::vector<int> counts, displs;
+};
+std::vector<ShareSegment> share_layout(size_t n, int ranks);
+
 std::unique_ptr<Comm> make_single_comm();
 // Requires MPI to be initialised (see MpiSession).
 std::unique_ptr<Comm> make_mpi_comm();
+// Defined in cuda/: NCCL collectives on `device`, bootstrapped (unique id), barriers and votes through `host`; or a
+// stub that throws "built without NCCL".
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, int device);
 
 // RAII MPI_Init/MPI_Finalize for the programs' main().
 class MpiSession {
@@ -43,5 +54,7 @@ class MpiSession {
 };
 
 std::string host_name();
+// This rank's index among the ranks on its node (MPI_Comm_split_type SHARED); 0 without MPI.
+int mpi_local_rank();
 
 }  // namespace crosskv

@@ -55,6 +55,12 @@ struct Reader {
     return n.as<std::string>();
   }
 
+  bool boolean(const YAML::Node& n, const std::string& key) const {
+    bool v;
+    if (!n.IsScalar() || !YAML::convert<bool>::decode(n, v)) fail(n, key, "expected true or false");
+    return v;
+  }
+
   int64_t integer(const YAML::Node& n, const std::string& key, int64_t min) const {
     int64_t v;
     if (!n.IsScalar() || !YAML::convert<int64_t>::decode(n, v)) fail(n, key, "expected an integer");
@@ -160,7 +166,8 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
   if (!root["output"]["dir"]) r.fail(root["output"], "output.dir", "missing (expected a path)");
   c.output_dir = r.path_relative_to_config(r.str(root["output"]["dir"], "output.dir"));
   if (auto rt = root["runtime"]) {
-    r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib", "layer_groups"});
+    r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib", "layer_groups", "tf32"});
+    if (auto t = rt["tf32"]) c.tf32 = r.boolean(t, "runtime.tf32");
     if (auto d = rt["device"]) {
       std::string v = r.str(d, "runtime.device");
       if (v == "auto") c.device = DeviceKind::auto_;

@@ -36,6 +36,7 @@ struct FitConfig {
   WeightDtype dtype = WeightDtype::fp32;
   std::string output_dir;
   DeviceKind device = DeviceKind::auto_;
+  bool tf32 = false;  // CUDA: let cuBLAS use TF32 tensor cores for the fp32 moments (10-bit mantissa products)
   int64_t block_tokens = 4096;
   double max_moment_gib = 8.0;  // per rank; above this the fit moments are gathered in a second, selective pass
   int layer_groups = 0;         // ranks per token group share target layers in this many groups; 0: auto

@@ -84,6 +84,23 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
     }
   }
   if (first_pass) n_ += static_cast<double>(rows);
+  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
+  if (head_live_) {
+    // Head-major copies: source head h of every layer side by side, likewise for the targets.
+    hx_.resize(rows * XW);
+    hy_.resize(rows * YW);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int a = 0; a < Ls; ++a)
+        for (int h = 0; h < H; ++h)
+          std::copy_n(X + t * XW + a * F + int64_t{h} * Ds, Ds, hx_.data() + t * XW + (int64_t{h} * Ls + a) * Ds);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int l = 0; l < Lt; ++l)
+        for (int h = 0; h < H; ++h)
+          std::copy_n(Y + t * YW + l * G + int64_t{h} * Dt, Dt, hy_.data() + t * YW + (int64_t{h} * Lt + l) * Dt);
+    be.stage_inputs({{X, rows * XW}, {Y, rows * YW}, {hx_.data(), rows * XW}, {hy_.data(), rows * YW}});
+  } else {
+    be.stage_inputs({{X, rows * XW}, {Y, rows * YW}});
+  }
   for (const auto& [p, i] : gram_idx_) {
     if (!gram_live_[i]) continue;
     if (p.first == p.second)
@@ -96,19 +113,6 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
     be.cross_acc(rows, F, G, X + p.first * F, XW, Y + p.second * G, YW, cross_[i].data(), G);
   }
   if (head_live_) {
-    const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-    hx_.resize(rows * XW);
-    hy_.resize(rows * YW);
-    for (int64_t t = 0; t < rows; ++t)
-      for (int a = 0; a < Ls; ++a)
-        for (int h = 0; h < H; ++h) {
-          std::copy_n(X + t * XW + a * F + int64_t{h} * Ds, Ds, hx_.data() + t * XW + (int64_t{h} * Ls + a) * Ds);
-        }
-    for (int64_t t = 0; t < rows; ++t)
-      for (int l = 0; l < Lt; ++l)
-        for (int h = 0; h < H; ++h) {
-          std::copy_n(Y + t * YW + l * G + int64_t{h} * Dt, Dt, hy_.data() + t * YW + (int64_t{h} * Lt + l) * Dt);
-        }
     for (int h = 0; h < H; ++h)
       if (!head_cross_[h].empty())
         be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * Dt, hx_.data() + int64_t{h} * Ls * Ds, XW,

@@ -44,7 +44,8 @@ class Moments {
   void add_plan(const MomentPlan& plan);
 
   // Folds in `rows` tokens: X [rows x Ls*F] and Y [rows x Lt*G], row-major, unshifted (shifted here, in place).
-  // Token sums and target variances are accumulated in the first pass only.
+  // Token sums and target variances are accumulated in the first pass only. With a device backend the sums stay on
+  // the device until be.flush().
   void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows);
   // Ends a pass: sums the pass's blocks over ranks and marks them complete.
   void finish_pass(Comm& comm);

@@ -151,6 +151,7 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
       if (!ctx.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
+      ctx.backend.flush();  // device-resident sums back to the host
       F.clear();
       D.clear();
       for (auto* m : ms) {

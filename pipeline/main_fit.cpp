@@ -17,10 +17,12 @@ using namespace crosskv;
 
 namespace {
 
-std::unique_ptr<ComputeBackend> choose_backend(DeviceKind kind, int local_rank) {
-  if (kind == DeviceKind::cpu) return make_cpu_backend();
-  if (kind == DeviceKind::cuda) return make_cuda_backend(local_rank);
-  return cuda_device_count() > 0 ? make_cuda_backend(local_rank % cuda_device_count()) : make_cpu_backend();
+// One rank per GPU: the rank's index on its node picks the device (-1: the CPU).
+int choose_device(const FitConfig& cfg, int local_rank) {
+  if (cfg.device == DeviceKind::cpu) return -1;
+  const int n = cuda_device_count();
+  if (cfg.device == DeviceKind::cuda) return n > 0 ? local_rank % n : local_rank;
+  return n > 0 ? local_rank % n : -1;
 }
 
 int fail(const std::string& line, int code, int size) {
@@ -46,7 +48,8 @@ int main(int argc, char** argv) {
   app.add_flag("--version", version, "print the version and build features");
   CLI11_PARSE(app, argc, argv);
   if (version) {
-    std::printf("crosskv-fit %s (cuda: %s, mpi: yes)\n", CROSSKV_VERSION, cuda_compiled_in() ? "yes" : "no");
+    std::printf("crosskv-fit %s (cuda: %s, nccl: %s, mpi: yes)\n", CROSSKV_VERSION, cuda_compiled_in() ? "yes" : "no",
+                nccl_compiled_in() ? "yes" : "no");
     return 0;
   }
   if (config_path.empty()) {
@@ -55,14 +58,19 @@ int main(int argc, char** argv) {
   }
   MpiSession mpi(&argc, &argv);
   install_stop_signal_handlers();
-  auto comm = make_mpi_comm();
+  std::unique_ptr<Comm> comm = make_mpi_comm();
   setup_logging(comm->rank(), comm->size(), log_level);
+  const int world = comm->size();
   try {
     FitConfig cfg = load_fit_config(config_path);
-    auto backend = choose_backend(cfg.device, comm->rank());
+    const int device = choose_device(cfg, mpi_local_rank());
+    std::unique_ptr<ComputeBackend> backend =
+        device < 0 ? make_cpu_backend() : make_cuda_backend(device, comm->rank(), cfg.tf32);
+    // GPU ranks reduce over NCCL (the same fixed-order sums as MPI).
+    if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) comm = make_nccl_comm(std::move(comm), device);
     Context ctx{*comm, *backend};
-    spdlog::info("crosskv-fit {}: {} rank(s) on {}, backend {}", CROSSKV_VERSION, comm->size(), host_name(),
-                 backend->name());
+    spdlog::info("crosskv-fit {}: {} rank(s) on {}, backend {}, collectives {}", CROSSKV_VERSION, comm->size(),
+                 host_name(), backend->name(), comm->name());
     FitResult r = run_fit(cfg, FitOptions{plan_only, fresh, plan_ranks}, ctx);
     if (plan_only && comm->rank() == 0) std::cout << r.plan_text;
     return 0;
@@ -71,10 +79,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "crosskv-fit: interrupted: %s; run the same command again to resume\n", e.what());
     return kExitRequeue;
   } catch (const SolveError& e) {
-    return fail(e.what(), 3, comm->size());
+    return fail(e.what(), 3, world);
   } catch (const UserError& e) {
-    return fail(e.what(), 2, comm->size());
+    return fail(e.what(), 2, world);
   } catch (const std::exception& e) {
-    return fail(e.what(), 1, comm->size());
+    return fail(e.what(), 1, world);
   }
 }

@@ -16,7 +16,11 @@ check 2 "typo.yaml:4: fit.lamda: unknown key" typo.yaml
 printf 'source: {store: missing}\ntarget: {store: data/target}\noutput: {dir: out}\n' > nostore.yaml
 check 2 "source.store: store folder" nostore.yaml
 printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: out}\nfit: {k: [1], lambda: 0}\nruntime: {device: cuda}\n' > cuda.yaml
-"$FIT" --version | grep -q "cuda: no" && check 2 "built without CUDA" cuda.yaml
+if "$FIT" --version | grep -q "cuda: no"; then
+  check 2 "built without CUDA" cuda.yaml
+elif ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
+  check 2 "runtime.device: cuda: no CUDA device 0 on host" cuda.yaml   # built with CUDA, no GPU here
+fi
 # Two jobs writing the same output folder: the second is refused.
 printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: shared-out}\nfit: {k: [1]}\n' > lock.yaml
 mkdir -p shared-out && exec 9> shared-out/.crosskv-fit.lock && flock -n 9 && echo "pid 4242 on otherhost" >&9
