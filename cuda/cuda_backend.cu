@@ -258,7 +258,7 @@ class CudaBackend final : public ComputeBackend {
     double diag = 0;
     DeviceBuffer<double> dev;
   };
-  static constexpr size_t kFactorsKept = 3;  // k = all for keys and values, and one target layer's
+  static constexpr size_t kFactorsKept = 4;  // k = all and one target layer's, for keys and values
   void forget_factor(const double* host) {
     factors_.erase(std::remove_if(factors_.begin(), factors_.end(), [&](const auto& f) { return f->host == host; }),
                    factors_.end());
