@@ -4,6 +4,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <regex>
+#include <set>
 
 #include "core/error.hpp"
 #include "core/sha256.hpp"
@@ -12,39 +15,171 @@
 namespace fs = std::filesystem;
 
 namespace crosskv {
+namespace {
 
-Mapper load_mapper(const std::string& dir) {
-  Mapper m;
+const nlohmann::json& field(const nlohmann::json& j, const std::string& key, const std::string& path,
+                            const std::string& prefix = "") {
+  if (!j.is_object() || !j.contains(key)) throw InputError(path + ": missing field '" + prefix + key + "'");
+  return j[key];
+}
+
+std::string str_field(const nlohmann::json& j, const std::string& key, const std::string& path,
+                      const std::string& prefix = "") {
+  const auto& v = field(j, key, path, prefix);
+  if (!v.is_string()) throw InputError(path + ": field '" + prefix + key + "' must be a string");
+  return v.get<std::string>();
+}
+
+int64_t int_field(const nlohmann::json& j, const std::string& key, const std::string& path,
+                  const std::string& prefix = "") {
+  const auto& v = field(j, key, path, prefix);
+  if (!v.is_number_integer()) throw InputError(path + ": field '" + prefix + key + "' must be an integer");
+  return v.get<int64_t>();
+}
+
+KvSpec spec_field(const nlohmann::json& side, const std::string& name, const std::string& path) {
+  KvSpec s = parse_kv_spec(field(side, "kv_spec", path, name + ".").dump(), path + " (" + name + ".kv_spec)");
+  if (s.n_layers > 4096 || s.features_per_layer() > (1 << 20))
+    throw InputError(path + ": " + name + ".kv_spec is implausibly large (" + std::to_string(s.n_layers) +
+                     " layers, " + std::to_string(s.features_per_layer()) + " features per layer)");
+  return s;
+}
+
+}  // namespace
+
+MapperManifest parse_mapper_manifest(const std::string& text, const std::string& path, const std::string& dir) {
+  MapperManifest m;
   m.dir = dir;
-  const std::string mpath = (fs::path(dir) / "manifest.json").string();
-  std::ifstream in(mpath);
-  if (!in) throw InputError(mpath + ": missing (not a complete mapper artifact)");
+  m.path = path;
   try {
-    in >> m.manifest;
+    m.json = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
-    throw InputError(mpath + ": not valid JSON: " + e.what());
+    throw InputError(path + ": not valid JSON: " + e.what());
   }
-  if (m.manifest.value("format", "") != "crosskv-mapper" || m.manifest.value("format_version", 0) != 1)
-    throw InputError(mpath + ": format must be crosskv-mapper version 1");
-  m.source = parse_kv_spec(m.manifest["source"]["kv_spec"].dump(), mpath);
-  m.target = parse_kv_spec(m.manifest["target"]["kv_spec"].dump(), mpath);
-  for (const auto& l : m.manifest["layers"]) {
-    const std::string file = (fs::path(dir) / l["file"].get<std::string>()).string();
-    if (sha256_file(file) != l["sha256"].get<std::string>())
-      throw InputError(file + ": SHA-256 does not match the manifest (corrupt or modified file)");
-    auto t = read_safetensors(file);
-    MapperLayer ml;
-    ml.target_layer = l["target_layer"].get<int>();
-    ml.source_layers = l["source_layers"].get<std::vector<int>>();
-    for (const char* name : {"k.weight", "k.bias", "v.weight", "v.bias"})
-      if (!t.count(name)) throw InputError(file + ": tensor '" + name + "' is missing");
-    ml.wk = std::move(t["k.weight"].values);
-    ml.bk = std::move(t["k.bias"].values);
-    ml.wv = std::move(t["v.weight"].values);
-    ml.bv = std::move(t["v.bias"].values);
-    m.layers.push_back(std::move(ml));
+  if (!m.json.is_object()) throw InputError(path + ": must be a JSON object");
+  const std::string format = str_field(m.json, "format", path);
+  if (format != "crosskv-mapper") throw InputError(path + ": format is '" + format + "', expected 'crosskv-mapper'");
+  const int64_t version = int_field(m.json, "format_version", path);
+  if (version != 1)
+    throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version 1)");
+  const auto& src = field(m.json, "source", path);
+  const auto& tgt = field(m.json, "target", path);
+  m.source_model = str_field(src, "model", path, "source.");
+  m.target_model = str_field(tgt, "model", path, "target.");
+  m.source = spec_field(src, "source", path);
+  m.target = spec_field(tgt, "target", path);
+  const auto& fit = field(m.json, "fit", path);
+  m.k_count = static_cast<int>(int_field(fit, "k_count", path, "fit."));
+  if (m.k_count < 1 || m.k_count > m.source.n_layers)
+    throw InputError(path + ": fit.k_count " + std::to_string(m.k_count) + " is outside 1.." +
+                     std::to_string(m.source.n_layers));
+  m.dtype = str_field(fit, "dtype", path, "fit.");
+  if (m.dtype != "fp32" && m.dtype != "bf16" && m.dtype != "fp16")
+    throw InputError(path + ": fit.dtype is '" + m.dtype + "', expected fp32, bf16 or fp16");
+  const auto& layers = field(m.json, "layers", path);
+  if (!layers.is_array() || layers.size() != static_cast<size_t>(m.target.n_layers))
+    throw InputError(path + ": layers must list each of the target's " + std::to_string(m.target.n_layers) +
+                     " layers once");
+  m.layers.resize(m.target.n_layers);
+  std::vector<bool> seen(m.target.n_layers, false);
+  static const std::regex file_re(R"(layer-\d{3,}\.safetensors)"), sha_re("[0-9a-f]{64}");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::string pre = "layers[" + std::to_string(i) + "].";
+    const auto& l = layers[i];
+    MapperLayerEntry e;
+    const int64_t t = int_field(l, "target_layer", path, pre);
+    if (t < 0 || t >= m.target.n_layers || seen[t])
+      throw InputError(path + ": " + pre + "target_layer " + std::to_string(t) + " is out of range or repeated");
+    seen[t] = true;
+    e.target_layer = static_cast<int>(t);
+    const auto& sl = field(l, "source_layers", path, pre);
+    if (!sl.is_array() || sl.size() != static_cast<size_t>(m.k_count))
+      throw InputError(path + ": " + pre + "source_layers must list fit.k_count = " + std::to_string(m.k_count) +
+                       " layers");
+    for (const auto& a : sl) {
+      if (!a.is_number_integer()) throw InputError(path + ": " + pre + "source_layers must be integers");
+      const int64_t v = a.get<int64_t>();
+      if (v < 0 || v >= m.source.n_layers || (!e.source_layers.empty() && v <= e.source_layers.back()))
+        throw InputError(path + ": " + pre + "source_layers must be ascending source layers in 0.." +
+                         std::to_string(m.source.n_layers - 1) + ", got " + sl.dump());
+      e.source_layers.push_back(static_cast<int>(v));
+    }
+    e.file = str_field(l, "file", path, pre);
+    if (!std::regex_match(e.file, file_re))
+      throw InputError(path + ": " + pre + "file '" + e.file + "' is not a layer-NNN.safetensors name in the folder");
+    e.sha256 = str_field(l, "sha256", path, pre);
+    if (!std::regex_match(e.sha256, sha_re)) throw InputError(path + ": " + pre + "sha256 is not 64 hex digits");
+    m.layers[t] = std::move(e);
   }
   return m;
+}
+
+MapperManifest read_mapper_manifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "manifest.json").string();
+  std::ifstream in(path);
+  if (!in) throw InputError(path + ": missing (not a complete mapper artifact)");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_mapper_manifest(text, path, dir);
+}
+
+MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool verify) {
+  CROSSKV_ASSERT(target_layer >= 0 && target_layer < static_cast<int>(m.layers.size()), "target layer out of range");
+  const MapperLayerEntry& e = m.layers[target_layer];
+  const std::string file = (fs::path(m.dir) / e.file).string();
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw InputError(file + ": missing (named by " + m.path + ")");
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Sha256 h;
+  h.update(bytes.data(), bytes.size());
+  if (verify && h.hex() != e.sha256)
+    throw InputError(file + ": SHA-256 does not match the manifest (corrupt or modified file)");
+  auto t = parse_safetensors(bytes, file);
+  const int64_t F = m.source.features_per_layer(), G = m.target.features_per_layer();
+  const int64_t rows = static_cast<int64_t>(e.source_layers.size()) * F;
+  auto take = [&](const char* name, std::vector<int64_t> shape, bool weight) {
+    auto it = t.find(name);
+    if (it == t.end()) throw InputError(file + ": tensor '" + name + "' is missing");
+    if (it->second.shape != shape) {
+      std::string want, got;
+      for (auto d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+      for (auto d : it->second.shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
+      throw InputError(file + ": tensor '" + name + "' has shape [" + got + "], expected [" + want + "]");
+    }
+    if (!weight && it->second.dtype != "F32") throw InputError(file + ": tensor '" + std::string(name) + "' must be F32");
+    return std::move(it->second.values);
+  };
+  MapperLayer l;
+  l.target_layer = target_layer;
+  l.source_layers = e.source_layers;
+  l.wk = take("k.weight", {rows, G}, true);
+  l.bk = take("k.bias", {G}, false);
+  l.wv = take("v.weight", {rows, G}, true);
+  l.bv = take("v.bias", {G}, false);
+  return l;
+}
+
+Mapper load_mapper(const std::string& dir) {
+  MapperManifest mm = read_mapper_manifest(dir);
+  Mapper m;
+  m.dir = dir;
+  m.manifest = mm.json;
+  m.source = mm.source;
+  m.target = mm.target;
+  for (int l = 0; l < mm.target.n_layers; ++l) m.layers.push_back(load_mapper_layer(mm, l));
+  return m;
+}
+
+void check_kv_spec(const MapperManifest& m, bool source_side, const KvSpec& spec, const std::string& where) {
+  const KvSpec& want = source_side ? m.source : m.target;
+  if (spec == want) return;
+  const nlohmann::json a = kv_spec_to_json(spec), b = kv_spec_to_json(want);
+  std::string diff;
+  for (auto it = b.begin(); it != b.end(); ++it)
+    if (!a.contains(it.key()) || a[it.key()] != it.value())
+      diff += (diff.empty() ? "" : ", ") + it.key() + " " + (a.contains(it.key()) ? a[it.key()].dump() : "?") +
+              " (mapper: " + it.value().dump() + ")";
+  throw InputError(where + ": kv_spec does not match the mapper's " + (source_side ? "source" : "target") + " (" +
+                   m.path + "): " + diff);
 }
 
 void map_content(const Mapper& m, bool keys, const float* X, int64_t rows, float* out) {

@@ -1,5 +1,6 @@
 #pragma once
-// Reading a mapper artifact (SPEC §6) back, and mapping content-space KV with it.
+// Reading a mapper artifact (SPEC §6) back, validated: a mapper is a file from elsewhere. Every problem is an
+// InputError naming the file and the field.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -9,6 +10,22 @@
 #include "core/kv_spec.hpp"
 
 namespace crosskv {
+
+struct MapperLayerEntry {
+  int target_layer = 0;
+  std::vector<int> source_layers;  // ascending, distinct, < source n_layers
+  std::string file, sha256;
+};
+
+struct MapperManifest {
+  std::string dir, path;  // the artifact folder and its manifest.json
+  nlohmann::json json;
+  std::string source_model, target_model;
+  KvSpec source, target;
+  int k_count = 0;
+  std::string dtype;
+  std::vector<MapperLayerEntry> layers;  // one per target layer, in target-layer order
+};
 
 struct MapperLayer {
   int target_layer = 0;
@@ -23,8 +40,15 @@ struct Mapper {
   std::vector<MapperLayer> layers;
 };
 
-// Loads every layer and checks each file's SHA-256 against the manifest. InputError names the file.
+// Validates a manifest's text (`path` names it in messages; `dir` is where its layer files are).
+MapperManifest parse_mapper_manifest(const std::string& text, const std::string& path, const std::string& dir);
+MapperManifest read_mapper_manifest(const std::string& dir);
+// Loads one target layer's tensors (checking the file's SHA-256 when `verify`) and their shapes.
+MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool verify = true);
+// Every layer.
 Mapper load_mapper(const std::string& dir);
+// InputError naming `where` unless `spec` is the mapper's source (or target) kv_spec, saying what differs.
+void check_kv_spec(const MapperManifest& m, bool source_side, const KvSpec& spec, const std::string& where);
 
 // X: source content [rows x Ls*F] (RoPE-stripped keys, or values); out: target content [rows x Lt*G].
 void map_content(const Mapper& m, bool keys, const float* X, int64_t rows, float* out);

@@ -1,6 +1,10 @@
 #include "io/safetensors.hpp"
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <limits>
+#include <set>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -32,50 +36,162 @@ void write_safetensors(const std::string& path, const std::vector<TensorOut>& te
   f.commit();
 }
 
+namespace {
+
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+bool valid_utf8(const std::string& s) {
+  size_t i = 0;
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  while (i < s.size()) {
+    const unsigned char c = p[i];
+    int n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3;
+      cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + static_cast<size_t>(n) >= s.size()) return false;
+    for (int k = 1; k <= n; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && (cp < 0x10000 || cp > 0x10FFFF)) ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+    i += static_cast<size_t>(n) + 1;
+  }
+  return true;
+}
+
+size_t dtype_size(const std::string& d) {
+  if (d == "F32") return 4;
+  if (d == "BF16" || d == "F16") return 2;
+  return 0;
+}
+
+}  // namespace
+
+std::map<std::string, TensorIn> parse_safetensors(const std::string& bytes, const std::string& path) {
+  auto bad = [&](const std::string& what) -> InputError { return InputError(path + ": " + what); };
+  if (bytes.size() < 8) throw bad("not a safetensors file (" + std::to_string(bytes.size()) + " bytes, header length missing)");
+  uint64_t len = 0;
+  for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  if (len > kMaxHeaderBytes) throw bad("safetensors header length " + std::to_string(len) + " is over the 100 MB limit");
+  if (len > bytes.size() - 8)
+    throw bad("safetensors header length " + std::to_string(len) + " runs past the end of the file (" +
+              std::to_string(bytes.size()) + " bytes)");
+  const std::string h = bytes.substr(8, len);
+  if (!valid_utf8(h)) throw bad("safetensors header is not UTF-8");
+  if (h.empty() || h[0] != '{') throw bad("safetensors header does not start with '{'");
+  // Duplicate tensor names would be merged silently by a JSON object: catch them while parsing.
+  std::string duplicate;
+  std::set<std::string> top_keys;
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(h, [&](int depth, nlohmann::json::parse_event_t ev, nlohmann::json& j) {
+      if (ev == nlohmann::json::parse_event_t::key && depth == 1 && !top_keys.insert(j.get<std::string>()).second &&
+          duplicate.empty())
+        duplicate = j.get<std::string>();
+      return true;
+    });
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(std::string("safetensors header is not valid JSON: ") + e.what());
+  }
+  if (!duplicate.empty()) throw bad("safetensors header names tensor '" + duplicate + "' twice");
+  if (!header.is_object()) throw bad("safetensors header is not a JSON object");
+  const uint64_t data_bytes = bytes.size() - 8 - len;
+  struct Entry {
+    std::string name;
+    uint64_t begin, end;
+  };
+  std::vector<Entry> entries;
+  std::map<std::string, TensorIn> out;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) throw bad("__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m)
+        if (!m.value().is_string()) throw bad("__metadata__ value '" + m.key() + "' is not a string");
+      continue;
+    }
+    const std::string where = "tensor '" + name + "'";
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+      throw bad(where + " needs dtype, shape and data_offsets");
+    if (!v["dtype"].is_string()) throw bad(where + ": dtype is not a string");
+    TensorIn t;
+    t.dtype = v["dtype"].get<std::string>();
+    const size_t esize = dtype_size(t.dtype);
+    if (esize == 0) throw bad(where + " has unknown or unsupported dtype '" + t.dtype + "' (expected F32, BF16 or F16)");
+    if (!v["shape"].is_array()) throw bad(where + ": shape is not an array");
+    uint64_t count = 1;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) throw bad(where + ": shape has a non-integer or negative dimension");
+      const uint64_t n = d.get<uint64_t>();
+      if (n != 0 && count > std::numeric_limits<uint64_t>::max() / esize / n)
+        throw bad(where + ": shape's element count overflows");
+      count *= n;
+      t.shape.push_back(static_cast<int64_t>(n));
+    }
+    const auto& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      throw bad(where + ": data_offsets must be two non-negative integers");
+    const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+    if (b > e) throw bad(where + ": data_offsets begin after they end");
+    if (e > data_bytes)
+      throw bad(where + ": data_offsets run past the end of the file (" + std::to_string(e) + " > " +
+                std::to_string(data_bytes) + " data bytes)");
+    if (count * esize != e - b)
+      throw bad(where + ": shape holds " + std::to_string(count) + " " + t.dtype + " elements (" +
+                std::to_string(count * esize) + " bytes) but data_offsets span " + std::to_string(e - b) + " bytes");
+    entries.push_back({name, b, e});
+    out.emplace(name, std::move(t));
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
+  uint64_t at = 0;
+  for (const auto& e : entries) {
+    if (e.begin < at) throw bad("tensor '" + e.name + "' overlaps the previous tensor's data");
+    if (e.begin > at) throw bad("gap of " + std::to_string(e.begin - at) + " bytes before tensor '" + e.name + "'");
+    at = e.end;
+  }
+  if (at != data_bytes) throw bad(std::to_string(data_bytes - at) + " trailing bytes after the last tensor");
+  const char* data = bytes.data() + 8 + len;
+  for (const auto& e : entries) {
+    TensorIn& t = out[e.name];
+    const char* raw = data + e.begin;
+    if (t.dtype == "F32") {
+      t.values.resize((e.end - e.begin) / 4);
+      std::memcpy(t.values.data(), raw, e.end - e.begin);
+    } else {
+      t.values.resize((e.end - e.begin) / 2);
+      for (size_t i = 0; i < t.values.size(); ++i) {
+        uint16_t u;
+        std::memcpy(&u, raw + 2 * i, 2);
+        t.values[i] = t.dtype == "BF16" ? bf16_to_float(u) : fp16_to_float(u);
+      }
+    }
+  }
+  return out;
+}
+
 std::map<std::string, TensorIn> read_safetensors(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(path + ": cannot open safetensors file");
-  unsigned char len_le[8];
-  if (!in.read(reinterpret_cast<char*>(len_le), 8)) throw InputError(path + ": truncated safetensors header");
-  uint64_t len = 0;
-  for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(len_le[i]) << (8 * i);
-  if (len > (uint64_t{1} << 30)) throw InputError(path + ": implausible safetensors header length");
-  std::string h(len, '\0');
-  if (!in.read(h.data(), static_cast<std::streamsize>(len))) throw InputError(path + ": truncated safetensors header");
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(h);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path + ": safetensors header is not JSON: " + e.what());
-  }
-  std::map<std::string, TensorIn> out;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
-    TensorIn t;
-    t.dtype = it.value().at("dtype").get<std::string>();
-    t.shape = it.value().at("shape").get<std::vector<int64_t>>();
-    auto off = it.value().at("data_offsets").get<std::vector<uint64_t>>();
-    const size_t bytes = off.at(1) - off.at(0);
-    std::vector<char> raw(bytes);
-    in.seekg(static_cast<std::streamoff>(8 + len + off[0]));
-    if (!in.read(raw.data(), static_cast<std::streamsize>(bytes)))
-      throw InputError(path + ": tensor '" + it.key() + "' is truncated");
-    if (t.dtype == "F32") {
-      t.values.resize(bytes / 4);
-      std::memcpy(t.values.data(), raw.data(), bytes);
-    } else if (t.dtype == "BF16" || t.dtype == "F16") {
-      t.values.resize(bytes / 2);
-      for (size_t i = 0; i < t.values.size(); ++i) {
-        uint16_t u;
-        std::memcpy(&u, raw.data() + 2 * i, 2);
-        t.values[i] = t.dtype == "BF16" ? bf16_to_float(u) : fp16_to_float(u);
-      }
-    } else {
-      throw InputError(path + ": tensor '" + it.key() + "' has unsupported dtype " + t.dtype);
-    }
-    out.emplace(it.key(), std::move(t));
-  }
-  return out;
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw InputError(path + ": read error");
+  return parse_safetensors(bytes, path);
 }
 
 }  // namespace crosskv

@@ -24,6 +24,10 @@ struct TensorIn {
   std::vector<int64_t> shape;
   std::vector<float> values;  // converted to fp32
 };
+// Reads and validates a whole file: header length within the file and at most 100 MB, UTF-8 JSON object, no
+// duplicate names, known dtypes, shapes whose byte size matches their offsets, tensors tiling the data exactly.
+// Anything else is an InputError naming `path` and the problem.
 std::map<std::string, TensorIn> read_safetensors(const std::string& path);
+std::map<std::string, TensorIn> parse_safetensors(const std::string& bytes, const std::string& path);
 
 }  // namespace crosskv

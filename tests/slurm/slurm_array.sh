@@ -12,10 +12,22 @@ for b in munged slurmctld slurmd sbatch scontrol squeue; do command -v $b > /dev
 [ "$(id -u)" = 0 ] || skip "starting slurmctld/slurmd here needs root"
 rm -rf "$WORK" && mkdir -p "$WORK"/{state,spool} && cd "$WORK"
 H=$(hostname -s)
+# Ports of our own, so that another Slurm on this machine (or a concurrent run of this test) cannot answer for ours.
+free_port() {
+  local p
+  for _ in $(seq 50); do
+    p=$((20000 + RANDOM % 30000))
+    ss -ltn 2> /dev/null | awk '{print $4}' | grep -q ":$p\$" || { echo $p; return; }
+  done
+  echo 6817
+}
+CTLD_PORT=$(free_port) SLURMD_PORT=$(free_port)
 cat > slurm.conf <<CONF
 ClusterName=crosskvtest
 SlurmctldHost=$H
 SlurmUser=root
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -46,6 +58,10 @@ cleanup() {
 trap cleanup EXIT
 timeout 30 slurmctld -f "$SLURM_CONF" || skip "slurmctld did not start: $(tail -2 slurmctld.log 2> /dev/null)"
 timeout 30 slurmd -f "$SLURM_CONF" || skip "slurmd did not start: $(tail -2 slurmd.log 2> /dev/null)"
+sleep 0.5
+for p in slurmctld slurmd; do
+  kill -0 "$(cat "$WORK/$p.pid" 2> /dev/null)" 2> /dev/null || skip "$p exited after starting: $(tail -1 $p.log 2> /dev/null)"
+done
 for _ in $(seq 60); do timeout 10 sinfo -h -o %t 2> /dev/null | grep -q idle && break; sleep 0.5; done
 timeout 10 sinfo -h -o %t | grep -q idle || skip "the Slurm node did not become idle: $(tail -2 slurmctld.log)"
 
