@@ -18,6 +18,12 @@ class CpuBackend final : public ComputeBackend {
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, rows, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
   }
 
+  void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
+                  float* C, int64_t ldc) override {
+    if (rows == 0 || k == 0 || n == 0) return;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, n, k, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
+  }
+
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     if (rows == 0 || m == 0) return;
     cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, m, rows, 1.0f, A, lda, 1.0f, C, ldc);

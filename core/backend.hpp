@@ -27,6 +27,9 @@ class ComputeBackend {
   // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
                          int64_t ldb, float* C, int64_t ldc) = 0;
+  // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; no residency). fp32.
+  virtual void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
+                          int64_t ldb, float* C, int64_t ldc) = 0;
   // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
   // In-place lower Cholesky of a symmetric row-major fp64 matrix (lower triangle read). Returns 0, or the

@@ -157,6 +157,24 @@ class CudaBackend final : public ComputeBackend {
        dims({{"m", m}, {"n", n}, {"rows", rows}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}}));
   }
 
+  void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
+                  float* C, int64_t ldc) override {
+    if (rows == 0 || k == 0 || n == 0) return;
+    const std::string ops = dims({{"rows", rows}, {"k", k}, {"n", n}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}});
+    const size_t na = static_cast<size_t>((rows - 1) * lda + k), nb = static_cast<size_t>((k - 1) * ldb + n),
+                 nc = static_cast<size_t>((rows - 1) * ldc + n);
+    float* d = apply_.get(na + nb + nc, where_);
+    CK(cudaMemcpyAsync(d, A, na * 4, cudaMemcpyHostToDevice, compute_), ops);
+    CK(cudaMemcpyAsync(d + na, B, nb * 4, cudaMemcpyHostToDevice, compute_), ops);
+    CK(cudaMemcpyAsync(d + na + nb, C, nc * 4, cudaMemcpyHostToDevice, compute_), ops);
+    const float one = 1.0f;
+    // Row-major C = A B is column-major C' = B' A'.
+    CK(cublasSgemm_64(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one, d + na, ldb, d, lda, &one, d + na + nb, ldc),
+       ops);
+    CK(cudaMemcpyAsync(C, d + na + nb, nc * 4, cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
+  }
+
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     if (rows == 0 || m == 0) return;
     const float* dA = staged(A, (rows - 1) * lda + m);
@@ -308,6 +326,7 @@ class CudaBackend final : public ComputeBackend {
   std::unordered_map<float*, Sum> sums_;
   std::vector<std::unique_ptr<DeviceFactor>> factors_;
   DeviceBuffer<double> other_, rhs_;
+  DeviceBuffer<float> apply_;
   DeviceBuffer<char> work_;
   std::vector<char> host_work_;
   int* info_ = nullptr;

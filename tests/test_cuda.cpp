@@ -70,6 +70,15 @@ TEST_F(Cuda, MomentsMatchTheCpuOverManyBlocks) {
   EXPECT_EQ(da, db);  // token statistics are summed on the host either way
 }
 
+TEST_F(Cuda, MatmulMatchesTheCpu) {
+  const int64_t rows = 77, k = 130, n = 45, lda = 140, ldb = 50, ldc = 60;
+  auto A = random_rows(rows * lda, 1, 0.2f), B = random_rows(k * ldb, 2, -0.1f), C = random_rows(rows * ldc, 3, 0.f);
+  auto Cc = C, Cg = C;
+  cpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cc.data(), ldc);
+  gpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cg.data(), ldc);
+  for (size_t i = 0; i < Cc.size(); ++i) ASSERT_NEAR(Cc[i], Cg[i], 1e-4f * (1 + std::fabs(Cc[i])));
+}
+
 TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
   const int64_t n = 300, lda = 310, nrhs = 7, ldb = 9;
   std::mt19937_64 rng(5);
@@ -166,6 +175,10 @@ class ShadowBackend final : public ComputeBackend {
                  float* C, int64_t ldc) override {
     cpu_->cross_acc(rows, m, n, staged(A, (rows - 1) * lda + m), lda, staged(B, (rows - 1) * ldb + n), ldb,
                     resident(C, (m - 1) * ldc + n), ldc);
+  }
+  void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
+                  float* C, int64_t ldc) override {
+    cpu_->matmul_acc(rows, k, n, A, lda, B, ldb, C, ldc);
   }
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     cpu_->gram_acc(rows, m, staged(A, (rows - 1) * lda + m), lda, resident(C, (m - 1) * ldc + m), ldc);

@@ -229,6 +229,25 @@ int64_t synthesize(const SynthOptions& o) {
             }
           }
         }
+        if (o.with_queries) {
+          // Queries (content space): half the token's own key content in its KV group, large-mean channels left
+          // out, plus noise; then RoPE as for the keys. Tokens attend to tokens with similar keys.
+          auto make_q = [&](const std::vector<float>& k, const KvSpec& spec, std::vector<float>& q) {
+            const int H = spec.n_kv_heads, Hq = spec.n_q_heads, D = spec.head_dim;
+            const int r = spec.rope.rotary_dim > 0 ? spec.rope.rotary_dim : D, grp = std::max(1, Hq / H);
+            for (int l = 0; l < spec.n_layers; ++l)
+              for (int j = 0; j < Hq; ++j)
+                for (int d = 0; d < D; ++d) {
+                  const bool big = d < r / 2 && d >= r / 2 - o.large_mean_channels;
+                  const float kc = big ? 0.0f : k[(int64_t{l} * H + std::min(j / grp, H - 1)) * D + d];
+                  q[(int64_t{l} * Hq + j) * D + d] = 0.5f * kc + normal(rng);
+                }
+          };
+          make_q(ks, o.source, qs);
+          make_q(kt, o.target, qt);
+          rope_s.apply_block(qs.data(), 1, int64_t{Ls} * o.source.n_q_heads, &pos_s[t]);
+          rope_t.apply_block(qt.data(), 1, int64_t{Lt} * o.target.n_q_heads, &pos_t[t]);
+        }
         rope_s.apply_block(ks.data(), 1, int64_t{Ls} * o.source.n_kv_heads, &pos_s[t]);
         rope_t.apply_block(kt.data(), 1, int64_t{Lt} * o.target.n_kv_heads, &pos_t[t]);
         std::copy(ks.begin(), ks.end(), bks.begin() + filled * S.width());
@@ -236,8 +255,6 @@ int64_t synthesize(const SynthOptions& o) {
         std::copy(kt.begin(), kt.end(), bkt.begin() + filled * T.width());
         std::copy(vt.begin(), vt.end(), bvt.begin() + filled * T.width());
         if (o.with_queries) {
-          for (auto& x : qs) x = normal(rng);
-          for (auto& x : qt) x = normal(rng);
           std::copy(qs.begin(), qs.end(), bqs.begin() + filled * qs.size());
           std::copy(qt.begin(), qt.end(), bqt.begin() + filled * qt.size());
         }

@@ -1,0 +1,325 @@
+#include "apply/diagnose.hpp"
+
+#include <lapacke.h>
+
+#include <cmath>
+#include <limits>
+
+#include "core/error.hpp"
+#include "core/rope.hpp"
+#include "io/shard.hpp"
+
+namespace crosskv {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double mean_of(const std::vector<double>& v) {
+  double s = 0;
+  int n = 0;
+  for (double x : v)
+    if (!std::isnan(x)) {
+      s += x;
+      ++n;
+    }
+  return n ? s / n : kNaN;
+}
+
+nlohmann::json num(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
+nlohmann::json nums(const std::vector<double>& v) {
+  nlohmann::json a = nlohmann::json::array();
+  for (double x : v) a.push_back(num(x));
+  return a;
+}
+
+// 1 - SSE/SST per head over tokens and the head's dims (SST about the per-column mean). NaN where SST = 0.
+std::vector<double> r2_heads(const float* pred, const float* truth, int64_t T, int64_t row, int64_t col0, int H,
+                             int D) {
+  std::vector<double> out(H);
+  for (int h = 0; h < H; ++h) {
+    double sse = 0, sst = 0;
+    for (int d = 0; d < D; ++d) {
+      const int64_t c = col0 + int64_t{h} * D + d;
+      double mean = 0;
+      for (int64_t t = 0; t < T; ++t) mean += truth[t * row + c];
+      mean /= static_cast<double>(T);
+      for (int64_t t = 0; t < T; ++t) {
+        const double y = truth[t * row + c], e = pred[t * row + c] - y;
+        sse += e * e;
+        sst += (y - mean) * (y - mean);
+      }
+    }
+    out[h] = sst > 0 ? 1.0 - sse / sst : kNaN;
+  }
+  return out;
+}
+
+}  // namespace
+
+Cache read_cache(const std::string& path, bool want_queries) {
+  ShardReader r(path);
+  const ShardHeader& h = r.header();
+  Cache c;
+  c.spec = h.spec;
+  c.tokens = h.tokens;
+  const int64_t W = int64_t{h.spec.n_layers} * h.spec.features_per_layer();
+  std::vector<uint16_t> scratch;
+  c.keys.resize(c.tokens * W);
+  c.values.resize(c.tokens * W);
+  r.read_rows("keys", 0, c.tokens, 1, c.keys.data(), scratch);
+  r.read_rows("values", 0, c.tokens, 1, c.values.data(), scratch);
+  if (want_queries && h.has_queries) {
+    c.queries.resize(c.tokens * int64_t{h.spec.n_layers} * h.spec.n_q_heads * h.spec.head_dim);
+    r.read_rows("queries", 0, c.tokens, 1, c.queries.data(), scratch);
+  }
+  c.positions = r.positions();
+  c.seq_offsets = r.seq_offsets();
+  return c;
+}
+
+Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const std::vector<float>& values) {
+  const KvSpec& s = truth.spec;
+  const int L = s.n_layers, H = s.n_kv_heads, D = s.head_dim, Hq = s.n_q_heads;
+  const int64_t T = truth.tokens, G = s.features_per_layer(), W = L * G;
+  CROSSKV_ASSERT(static_cast<int64_t>(keys.size()) == T * W && static_cast<int64_t>(values.size()) == T * W,
+                 "prediction shape");
+  // R² in content space: both sides' keys with the target RoPE stripped at the same positions.
+  Rope rope(s);
+  std::vector<float> ck = keys, tk = truth.keys;
+  rope.strip_block(ck.data(), T, int64_t{L} * H, truth.positions.data());
+  rope.strip_block(tk.data(), T, int64_t{L} * H, truth.positions.data());
+  const bool attention = !truth.queries.empty();
+  if (attention && (Hq < H || Hq % H != 0))
+    throw InputError("target kv_spec: n_q_heads " + std::to_string(Hq) + " is not a multiple of n_kv_heads " +
+                     std::to_string(H) + " (needed for the attention diagnostics)");
+  const int group = attention ? Hq / H : 1;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Diagnostics out;
+  out.tokens = T;
+  std::vector<double> wq(T), p_true, p_pred;
+  for (int l = 0; l < L; ++l) {
+    LayerDiagnostics ld;
+    ld.layer = l;
+    ld.r2_k = r2_heads(ck.data(), tk.data(), T, W, int64_t{l} * G, H, D);
+    ld.r2_v = r2_heads(values.data(), truth.values.data(), T, W, int64_t{l} * G, H, D);
+    ld.r2_k_mean = mean_of(ld.r2_k);
+    ld.r2_v_mean = mean_of(ld.r2_v);
+    if (attention) {
+      const int64_t QW = int64_t{L} * Hq * D;
+      for (int j = 0; j < Hq; ++j) {
+        const int g = j / group;
+        const float* q = truth.queries.data() + (int64_t{l} * Hq + j) * D;
+        auto kt = [&](int64_t t) { return truth.keys.data() + t * W + l * G + int64_t{g} * D; };
+        auto kp = [&](int64_t t) { return keys.data() + t * W + l * G + int64_t{g} * D; };
+        auto vt = [&](int64_t t) { return truth.values.data() + t * W + l * G + int64_t{g} * D; };
+        auto vp = [&](int64_t t) { return values.data() + t * W + l * G + int64_t{g} * D; };
+        // Attention outputs over the true and the predicted cache; cosine per token; w_s for V-concentration.
+        std::fill(wq.begin(), wq.end(), 0.0);
+        double cos_sum = 0;
+        std::vector<double> ot(D), op(D);
+        for (size_t sq = 0; sq + 1 < truth.seq_offsets.size(); ++sq) {
+          const int64_t a = truth.seq_offsets[sq], b = truth.seq_offsets[sq + 1];
+          for (int64_t t = a; t < b; ++t) {
+            const float* qt = q + t * QW;
+            const int64_t n = t - a + 1;
+            p_true.assign(n, 0.0);
+            p_pred.assign(n, 0.0);
+            double mt = -INFINITY, mp = -INFINITY;
+            for (int64_t u = 0; u < n; ++u) {
+              double st = 0, sp = 0;
+              const float* k1 = kt(a + u);
+              const float* k2 = kp(a + u);
+              for (int d = 0; d < D; ++d) {
+                st += static_cast<double>(qt[d]) * k1[d];
+                sp += static_cast<double>(qt[d]) * k2[d];
+              }
+              p_true[u] = st * scale;
+              p_pred[u] = sp * scale;
+              mt = std::max(mt, p_true[u]);
+              mp = std::max(mp, p_pred[u]);
+            }
+            double zt = 0, zp = 0;
+            for (int64_t u = 0; u < n; ++u) {
+              p_true[u] = std::exp(p_true[u] - mt);
+              p_pred[u] = std::exp(p_pred[u] - mp);
+              zt += p_true[u];
+              zp += p_pred[u];
+            }
+            std::fill(ot.begin(), ot.end(), 0.0);
+            std::fill(op.begin(), op.end(), 0.0);
+            for (int64_t u = 0; u < n; ++u) {
+              const double at = p_true[u] / zt, ap = p_pred[u] / zp;
+              wq[a + u] += at * at;
+              const float* v1 = vt(a + u);
+              const float* v2 = vp(a + u);
+              for (int d = 0; d < D; ++d) {
+                ot[d] += at * v1[d];
+                op[d] += ap * v2[d];
+              }
+            }
+            double dot = 0, n1 = 0, n2 = 0;
+            for (int d = 0; d < D; ++d) {
+              dot += ot[d] * op[d];
+              n1 += ot[d] * ot[d];
+              n2 += op[d] * op[d];
+            }
+            cos_sum += (n1 > 0 && n2 > 0) ? dot / std::sqrt(n1 * n2) : (n1 == n2 ? 1.0 : 0.0);
+          }
+        }
+        ld.cosine.push_back(cos_sum / static_cast<double>(T));
+        // K-concentration: the key error along the right singular vectors of this head's queries.
+        std::vector<double> M(int64_t{D} * D, 0.0), sig2(D);
+        for (int64_t t = 0; t < T; ++t) {
+          const float* qt = q + t * QW;
+          for (int d = 0; d < D; ++d)
+            for (int e = d; e < D; ++e) M[int64_t{d} * D + e] += static_cast<double>(qt[d]) * qt[e];
+        }
+        const lapack_int info = LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'V', 'U', D, M.data(), D, sig2.data());
+        CROSSKV_ASSERT(info == 0, "dsyev failed (" + std::to_string(info) + ")");
+        std::vector<double> E(D, 0.0);
+        for (int64_t t = 0; t < T; ++t) {
+          const float* k1 = kt(t);
+          const float* k2 = kp(t);
+          for (int i = 0; i < D; ++i) {  // eigenvector i is column i
+            double proj = 0;
+            for (int d = 0; d < D; ++d) proj += (static_cast<double>(k2[d]) - k1[d]) * M[int64_t{d} * D + i];
+            E[i] += proj * proj / static_cast<double>(T);
+          }
+        }
+        double num_k = 0, den_k = 0, mean_e = 0;
+        for (int i = 0; i < D; ++i) {
+          num_k += std::max(sig2[i], 0.0) * E[i];
+          den_k += std::max(sig2[i], 0.0);
+          mean_e += E[i] / D;
+        }
+        ld.k_concentration.push_back(mean_e > 0 && den_k > 0 ? (num_k / den_k) / mean_e : 1.0);
+        // V-concentration: the value error where the true attention reads.
+        double num_v = 0, den_v = 0, mean_v = 0;
+        for (int64_t t = 0; t < T; ++t) {
+          const float* v1 = vt(t);
+          const float* v2 = vp(t);
+          double e = 0;
+          for (int d = 0; d < D; ++d) e += (static_cast<double>(v2[d]) - v1[d]) * (static_cast<double>(v2[d]) - v1[d]);
+          num_v += wq[t] * e;
+          den_v += wq[t];
+          mean_v += e / static_cast<double>(T);
+        }
+        ld.v_concentration.push_back(mean_v > 0 && den_v > 0 ? (num_v / den_v) / mean_v : 1.0);
+      }
+      ld.cosine_mean = mean_of(ld.cosine);
+      ld.k_concentration_mean = mean_of(ld.k_concentration);
+      ld.v_concentration_mean = mean_of(ld.v_concentration);
+    }
+    out.layers.push_back(std::move(ld));
+  }
+  std::vector<double> rk, rv, c, kc, vc;
+  for (const auto& ld : out.layers) {
+    rk.push_back(ld.r2_k_mean);
+    rv.push_back(ld.r2_v_mean);
+    c.push_back(ld.cosine_mean);
+    kc.push_back(ld.k_concentration_mean);
+    vc.push_back(ld.v_concentration_mean);
+  }
+  out.r2_k = mean_of(rk);
+  out.r2_v = mean_of(rv);
+  if (attention) {
+    out.attention_cosine = mean_of(c);
+    out.k_concentration = mean_of(kc);
+    out.v_concentration = mean_of(vc);
+  }
+  return out;
+}
+
+nlohmann::json Diagnostics::json() const {
+  auto opt = [](const std::optional<double>& x) { return x ? num(*x) : nlohmann::json(nullptr); };
+  nlohmann::json j = {{"tokens", tokens},
+                      {"r2_k", num(r2_k)},
+                      {"r2_v", num(r2_v)},
+                      {"attention_cosine", opt(attention_cosine)},
+                      {"k_concentration", opt(k_concentration)},
+                      {"v_concentration", opt(v_concentration)}};
+  nlohmann::json ls = nlohmann::json::array();
+  const bool att = attention_cosine.has_value();
+  for (const auto& l : layers)
+    ls.push_back({{"layer", l.layer},
+                  {"r2_k", num(l.r2_k_mean)},
+                  {"r2_v", num(l.r2_v_mean)},
+                  {"attention_cosine", att ? num(l.cosine_mean) : nlohmann::json(nullptr)},
+                  {"k_concentration", att ? num(l.k_concentration_mean) : nlohmann::json(nullptr)},
+                  {"v_concentration", att ? num(l.v_concentration_mean) : nlohmann::json(nullptr)},
+                  {"per_head", {{"r2_k", nums(l.r2_k)},
+                                {"r2_v", nums(l.r2_v)},
+                                {"attention_cosine", nums(l.cosine)},
+                                {"k_concentration", nums(l.k_concentration)},
+                                {"v_concentration", nums(l.v_concentration)}}}});
+  j["layers"] = ls;
+  return j;
+}
+
+nlohmann::json Evaluation::json() const {
+  nlohmann::json j = mapper.json();
+  j["baselines"] = {{"mean_only", mean_only.json()}, {"no_target_rope", no_target_rope.json()}};
+  j["verdict"] = verdict;
+  j["ok"] = ok;
+  return j;
+}
+
+Evaluation evaluate(Transfer& tr, const Cache& source, const Cache& target) {
+  check_kv_spec(tr.manifest(), true, source.spec, "source cache");
+  check_kv_spec(tr.manifest(), false, target.spec, "target cache");
+  if (source.tokens != target.tokens || source.seq_offsets != target.seq_offsets)
+    throw InputError("source and target caches hold different tokens (" + std::to_string(source.tokens) + " vs " +
+                     std::to_string(target.tokens) + ", or different sequences)");
+  const KvSpec &S = tr.source(), &Tg = tr.target();
+  const int64_t T = source.tokens, XW = S.n_layers * S.features_per_layer(), YW = Tg.n_layers * Tg.features_per_layer();
+  std::vector<float> xk = source.keys;
+  Rope(S).strip_block(xk.data(), T, int64_t{S.n_layers} * S.n_kv_heads, source.positions.data());
+  std::vector<float> ck(T * YW), cv(T * YW);
+  tr.map_content(xk.data(), source.values.data(), T, ck.data(), cv.data());
+  Rope rt(Tg);
+  const int64_t heads = int64_t{Tg.n_layers} * Tg.n_kv_heads;
+  Evaluation ev;
+  std::vector<float> pk = ck;
+  rt.apply_block(pk.data(), T, heads, target.positions.data());
+  ev.mapper = diagnose(target, pk, cv);
+  ev.no_target_rope = diagnose(target, ck, cv);
+  // Mean-only: the mapper applied to the mean source content of these tokens, for every token.
+  std::vector<float> mk(XW, 0.0f), mv(XW, 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < XW; ++c) {
+      mk[c] += xk[t * XW + c] / static_cast<float>(T);
+      mv[c] += source.values[t * XW + c] / static_cast<float>(T);
+    }
+  std::vector<float> yk(YW), yv(YW);
+  tr.map_content(mk.data(), mv.data(), 1, yk.data(), yv.data());
+  std::vector<float> bk(T * YW), bv(T * YW);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy(yk.begin(), yk.end(), bk.begin() + t * YW);
+    std::copy(yv.begin(), yv.end(), bv.begin() + t * YW);
+  }
+  rt.apply_block(bk.data(), T, heads, target.positions.data());
+  ev.mean_only = diagnose(target, bk, bv);
+  // The verdict.
+  const VerdictThresholds th;
+  char buf[512];
+  if (ev.mapper.attention_cosine) {
+    const double c = *ev.mapper.attention_cosine, c0 = ev.mean_only.attention_cosine.value_or(0);
+    ev.ok = c >= th.min_cosine && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    std::snprintf(buf, sizeof buf,
+                  "%s: attention-output cosine %.3f (needs >= %.2f and above the mean-only %.3f); held-out R2 "
+                  "k %.3f, v %.3f (needs >= %.2f)",
+                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", c, th.min_cosine, c0, ev.mapper.r2_k, ev.mapper.r2_v,
+                  th.min_r2);
+  } else {
+    ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    std::snprintf(buf, sizeof buf,
+                  "%s (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
+                  "v %.3f (needs >= %.2f)",
+                  ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
+    ev.ok = false;  // without attention figures nothing says it transfers
+  }
+  ev.verdict = buf;
+  return ev;
+}
+
+}  // namespace crosskv

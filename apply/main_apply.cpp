@@ -1,0 +1,94 @@
+// crosskv-apply --mapper DIR --source SHARD.h5 --out SHARD.h5: a source model's captured KV cache mapped into a
+// shard in the target model's format (keys post target-RoPE), ready to compare with the target's own capture.
+#include <cstdio>
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+
+#include "apply/transfer.hpp"
+#include "core/backend.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "io/atomic_file.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+
+int main(int argc, char** argv) {
+  CLI::App app{"crosskv-apply: map a source model's KV shard into the target model's format"};
+  std::string mapper, source, out, positions_from, dtype_name, device = "cpu";
+  int64_t block = 4096;
+  bool no_rope = false, resident = false;
+  app.add_option("--mapper", mapper, "mapper artifact folder (k<K>/)")->required();
+  app.add_option("--source", source, "source model's shard (HDF5, SPEC §5)")->required();
+  app.add_option("--out", out, "shard to write in the target's format")->required();
+  app.add_option("--target-positions", positions_from,
+                 "take the target's RoPE positions from this shard (default: the source shard's positions)");
+  app.add_option("--dtype", dtype_name, "stored dtype of the output: float32, float16, bfloat16 (default: the source's)");
+  app.add_option("--block-tokens", block, "tokens per block")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--device", device, "cpu or cuda")->capture_default_str();
+  app.add_flag("--resident", resident, "keep every layer's weights in memory (default: one layer at a time)");
+  app.add_flag("--no-target-rope", no_rope, "diagnostics only: leave the mapped keys without the target RoPE");
+  CLI11_PARSE(app, argc, argv);
+  setup_logging(0, 1, "info");
+  try {
+    auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
+    Transfer tr(mapper, *be, TransferOptions{resident, !no_rope, true});
+    ShardReader src(source);
+    const ShardHeader& h = src.header();
+    check_kv_spec(tr.manifest(), true, h.spec, source);
+    if (h.model != tr.manifest().source_model)
+      spdlog::warn("{}: model '{}' differs from the mapper's source model '{}'", source, h.model,
+                   tr.manifest().source_model);
+    const int64_t T = h.tokens;
+    std::vector<int32_t> spos = src.positions(), tpos = spos;
+    if (!positions_from.empty()) {
+      ShardReader p(positions_from);
+      if (p.token_ids() != src.token_ids())
+        throw InputError(positions_from + ": token_ids differ from " + source + " (not the same tokens)");
+      tpos = p.positions();
+    }
+    StoredDtype dt = h.key_dtype;
+    if (dtype_name == "float32") dt = StoredDtype::f32;
+    else if (dtype_name == "float16") dt = StoredDtype::f16;
+    else if (dtype_name == "bfloat16") dt = StoredDtype::bf16;
+    else if (!dtype_name.empty()) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype_name + "\"");
+    const std::string tmp = temp_name_for(out);
+    {
+      ShardWriter w(tmp, tr.manifest().target_model, h.domain, tr.target(), T, dt);
+      w.write_token_ids(src.token_ids());
+      w.write_positions(tpos);
+      w.write_seq_offsets(src.seq_offsets());
+      const int64_t XW = h.spec.n_layers * h.spec.features_per_layer();
+      const int64_t YW = tr.target().n_layers * tr.target().features_per_layer();
+      std::vector<float> k, v, ok, ov;
+      std::vector<uint16_t> scratch;
+      Progress progress("apply", T, 0, "tokens");
+      for (int64_t t0 = 0; t0 < T; t0 += block) {
+        const int64_t n = std::min(block, T - t0);
+        k.resize(n * XW);
+        v.resize(n * XW);
+        ok.resize(n * YW);
+        ov.resize(n * YW);
+        src.read_rows("keys", t0, n, 1, k.data(), scratch);
+        src.read_rows("values", t0, n, 1, v.data(), scratch);
+        tr.apply(k.data(), v.data(), spos.data() + t0, tpos.data() + t0, n, ok.data(), ov.data());
+        w.write_rows("keys", t0, n, ok.data());
+        w.write_rows("values", t0, n, ov.data());
+        progress.add(n);
+      }
+      progress.finish();
+      w.close();
+    }
+    commit_file(tmp, out);
+    spdlog::info("wrote {} ({} tokens, {} layers x {} KV heads x {}, {}; {} layer file reads)", out, T,
+                 tr.target().n_layers, tr.target().n_kv_heads, tr.target().head_dim, to_string(dt), tr.layer_loads());
+    return 0;
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "crosskv-apply: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "crosskv-apply: error: %s\n", e.what());
+    return 1;
+  }
+}

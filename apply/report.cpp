@@ -1,0 +1,200 @@
+#include "apply/report.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace crosskv {
+namespace {
+
+std::string esc(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    switch (c) {
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '&': o += "&amp;"; break;
+      case '"': o += "&quot;"; break;
+      default: o += c;
+    }
+  }
+  return o;
+}
+
+std::string fmt(double x, int digits = 3) {
+  if (!std::isfinite(x)) return "n/a";
+  char b[64];
+  std::snprintf(b, sizeof b, "%.*f", digits, x);
+  return b;
+}
+
+struct Series {
+  std::string name, color;
+  std::vector<double> y;
+  bool dashed = false;
+};
+
+// A line chart of per-layer values (x = target layer), with a legend; NaN points are skipped.
+std::string chart(const std::string& title, const std::vector<Series>& series, double ref = NAN) {
+  const int W = 580, H = 220, L = 48, R = 12, T = 40, B = 30;
+  double lo = INFINITY, hi = -INFINITY;
+  size_t n = 0;
+  for (const auto& s : series) {
+    n = std::max(n, s.y.size());
+    for (double v : s.y)
+      if (std::isfinite(v)) {
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+  }
+  if (std::isfinite(ref)) {
+    lo = std::min(lo, ref);
+    hi = std::max(hi, ref);
+  }
+  if (!std::isfinite(lo)) lo = 0, hi = 1;
+  if (hi - lo < 1e-9) hi = lo + 1;
+  const double pad = 0.05 * (hi - lo);
+  lo -= pad;
+  hi += pad;
+  auto X = [&](size_t i) { return L + (n > 1 ? double(i) / double(n - 1) : 0.5) * (W - L - R); };
+  auto Y = [&](double v) { return T + (1.0 - (v - lo) / (hi - lo)) * (H - T - B); };
+  std::ostringstream o;
+  o << "<svg xmlns='http://www.w3.org/2000/svg' width='" << W << "' height='" << H << "' font-family='sans-serif' "
+    << "font-size='11'><text x='" << L << "' y='32' font-size='13' font-weight='bold'>" << esc(title) << "</text>";
+  o << "<rect x='" << L << "' y='" << T << "' width='" << W - L - R << "' height='" << H - T - B
+    << "' fill='none' stroke='#999'/>";
+  for (int k = 0; k <= 4; ++k) {
+    const double v = lo + (hi - lo) * k / 4.0;
+    o << "<text x='" << L - 4 << "' y='" << Y(v) + 4 << "' text-anchor='end'>" << fmt(v, 2) << "</text>";
+  }
+  for (size_t i = 0; i < n; i += std::max<size_t>(1, n / 10))
+    o << "<text x='" << X(i) << "' y='" << H - 12 << "' text-anchor='middle'>" << i << "</text>";
+  o << "<text x='" << (L + W - R) / 2 << "' y='" << H - 1 << "' text-anchor='middle'>target layer</text>";
+  if (std::isfinite(ref))
+    o << "<line x1='" << L << "' x2='" << W - R << "' y1='" << Y(ref) << "' y2='" << Y(ref)
+      << "' stroke='#c00' stroke-dasharray='2,3'/>";
+  int li = 0;
+  for (const auto& s : series) {
+    std::string pts;
+    for (size_t i = 0; i < s.y.size(); ++i)
+      if (std::isfinite(s.y[i])) pts += std::to_string(X(i)) + "," + std::to_string(Y(s.y[i])) + " ";
+    o << "<polyline fill='none' stroke='" << s.color << "' stroke-width='1.8'" << (s.dashed ? " stroke-dasharray='5,3'" : "")
+      << " points='" << pts << "'/>";
+    const int lx = W - R - 115 * static_cast<int>(series.size()) + 115 * li++;  // legend on the title line
+    o << "<line x1='" << lx << "' x2='" << lx + 18 << "' y1='12' y2='12' stroke='" << s.color << "' stroke-width='2'"
+      << (s.dashed ? " stroke-dasharray='5,3'" : "") << "/><text x='" << lx + 22 << "' y='16'>" << esc(s.name)
+      << "</text>";
+  }
+  o << "</svg>";
+  return o.str();
+}
+
+std::vector<double> per_layer(const Diagnostics& d, double LayerDiagnostics::*f) {
+  std::vector<double> v;
+  for (const auto& l : d.layers) v.push_back(l.*f);
+  return v;
+}
+
+std::string opt(const std::optional<double>& x) { return x ? fmt(*x) : "n/a"; }
+
+}  // namespace
+
+std::string render_report(const ReportInput& in) {
+  std::ostringstream o;
+  o << "<!DOCTYPE html><html><head><meta charset='utf-8'><title>crosskv report: " << esc(in.title) << "</title>"
+    << "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
+       ".ok{background:#e6f4e6;border:1px solid #7b7;padding:8px}.bad{background:#fbe9e9;border:1px solid #d88;"
+       "padding:8px}.charts svg{margin:4px}</style></head><body>";
+  o << "<h1>crosskv: " << esc(in.title) << "</h1>";
+  if (in.evaluations.empty()) o << "<p>No held-out evaluation.</p>";
+  for (size_t i = 0; i < in.evaluations.size(); ++i) {
+    const Evaluation& ev = in.evaluations[i];
+    const nlohmann::json& m = i < in.manifests.size() ? in.manifests[i] : nlohmann::json::object();
+    const auto fit = m.value("fit", nlohmann::json::object());
+    const std::string k = fit.contains("k") ? fit["k"].dump() : "?";
+    o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
+      << esc(ev.verdict) << "</p>";
+    o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
+         "<th>K-concentration</th><th>V-concentration</th></tr>";
+    for (const auto& [name, d] : {std::pair<const char*, const Diagnostics*>{"mapper", &ev.mapper},
+                                  {"mean-only (constant)", &ev.mean_only},
+                                  {"mapper without target RoPE", &ev.no_target_rope}})
+      o << "<tr><th>" << name << "</th><td>" << fmt(d->r2_k) << "</td><td>" << fmt(d->r2_v) << "</td><td>"
+        << opt(d->attention_cosine) << "</td><td>" << opt(d->k_concentration) << "</td><td>"
+        << opt(d->v_concentration) << "</td></tr>";
+    o << "</table><p>" << ev.mapper.tokens << " held-out tokens (" << esc(in.eval_source)
+      << "). Concentrations above 1: the error sits where attention reads.</p><div class='charts'>";
+    o << chart("held-out R² per layer, keys",
+               {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::r2_k_mean)},
+                {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::r2_k_mean), true}},
+               0.0);
+    o << chart("held-out R² per layer, values",
+               {{"mapper", "#2ca02c", per_layer(ev.mapper, &LayerDiagnostics::r2_v_mean)},
+                {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::r2_v_mean), true}},
+               0.0);
+    if (ev.mapper.attention_cosine) {
+      o << chart("attention-output cosine per layer",
+                 {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::cosine_mean)},
+                  {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::cosine_mean), true},
+                  {"no target RoPE", "#d62728", per_layer(ev.no_target_rope, &LayerDiagnostics::cosine_mean), true}},
+                 VerdictThresholds{}.min_cosine);
+      o << chart("K- and V-concentration per layer",
+                 {{"K", "#9467bd", per_layer(ev.mapper, &LayerDiagnostics::k_concentration_mean)},
+                  {"V", "#8c564b", per_layer(ev.mapper, &LayerDiagnostics::v_concentration_mean)}},
+                 1.0);
+    }
+    o << "</div>";
+    if (m.contains("layers")) {
+      o << "<details><summary>selected source layers per target layer</summary><table><tr><th>target layer</th>"
+           "<th>source layers</th><th>in-sample R² k (head mean)</th><th>held-out R² k</th><th>held-out R² v</th></tr>";
+      for (const auto& l : m["layers"]) {
+        const int t = l.value("target_layer", -1);
+        double in_k = NAN;
+        if (l.contains("r2_k") && l["r2_k"].is_array()) {
+          double s = 0;
+          int c = 0;
+          for (const auto& x : l["r2_k"])
+            if (x.is_number()) s += x.get<double>(), ++c;
+          if (c) in_k = s / c;
+        }
+        const bool ok = t >= 0 && t < static_cast<int>(ev.mapper.layers.size());
+        o << "<tr><td>" << t << "</td><td style='text-align:left'>" << esc(l.value("source_layers", nlohmann::json::array()).dump())
+          << "</td><td>" << fmt(in_k) << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_k_mean) : "")
+          << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td></tr>";
+      }
+      o << "</table></details>";
+    }
+  }
+  if (!in.heatmap_svg.empty()) {
+    std::string svg = in.heatmap_svg;
+    if (svg.rfind("<?xml", 0) == 0) svg = svg.substr(svg.find("?>") + 2);
+    o << "<h2>Probe R² (calibration)</h2>" << svg;
+  }
+  if (!in.manifests.empty()) {
+    const auto& m = in.manifests.front();
+    o << "<h2>The pair and its settings</h2><table>";
+    auto row = [&](const std::string& k, const std::string& v) {
+      o << "<tr><th style='text-align:left'>" << esc(k) << "</th><td style='text-align:left'>" << esc(v) << "</td></tr>";
+    };
+    if (m.contains("source")) row("source", m["source"].value("model", "") + " " + m["source"].value("kv_spec", nlohmann::json()).dump());
+    if (m.contains("target")) row("target", m["target"].value("model", "") + " " + m["target"].value("kv_spec", nlohmann::json()).dump());
+    if (m.contains("fit")) row("fit", m["fit"].dump());
+    if (m.contains("calibration")) {
+      auto c = m["calibration"];
+      c.erase("shards");
+      row("calibration", c.dump());
+    }
+    if (m.contains("tool")) row("tool", m["tool"].dump());
+    const VerdictThresholds th;
+    row("verdict thresholds", "attention-output cosine >= " + fmt(th.min_cosine, 2) +
+                                  " and above the mean-only baseline; held-out R² of keys and values >= " +
+                                  fmt(th.min_r2, 2));
+    o << "</table>";
+  }
+  o << "</body></html>\n";
+  return o.str();
+}
+
+}  // namespace crosskv

@@ -1,0 +1,67 @@
+#include "apply/transfer.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "core/rope.hpp"
+
+namespace crosskv {
+
+Transfer::Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts)
+    : m_(read_mapper_manifest(mapper_dir)), be_(be), opts_(opts), verified_(m_.target.n_layers, false) {
+  // Both RoPE settings are checked (dynamic and unknown types are refused) before any data is touched.
+  Rope(m_.source, m_.path + " (source.kv_spec)");
+  Rope(m_.target, m_.path + " (target.kv_spec)");
+}
+
+const MapperLayer& Transfer::layer(int l) {
+  auto it = loaded_.find(l);
+  if (it != loaded_.end()) return it->second;
+  MapperLayer w = load_mapper_layer(m_, l, opts_.verify && !verified_[l]);
+  verified_[l] = true;
+  ++loads_;
+  return loaded_.emplace(l, std::move(w)).first->second;
+}
+
+void Transfer::release(int l) {
+  if (!opts_.resident) loaded_.erase(l);
+}
+
+void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out) {
+  const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
+  const int64_t XW = m_.source.n_layers * F, YW = m_.target.n_layers * G;
+  const auto& W = keys ? w.wk : w.wv;
+  const auto& b = keys ? w.bk : w.bv;
+  float* Y = out + int64_t{w.target_layer} * G;
+  for (int64_t t = 0; t < rows; ++t) std::copy(b.begin(), b.end(), Y + t * YW);
+  for (size_t j = 0; j < w.source_layers.size(); ++j)
+    be_.matmul_acc(rows, F, G, X + w.source_layers[j] * F, XW, W.data() + static_cast<int64_t>(j) * F * G, G, Y, YW);
+}
+
+void Transfer::map_content(bool keys, const float* X, int64_t rows, float* out) {
+  for (int l = 0; l < m_.target.n_layers; ++l) {
+    map_layer(layer(l), keys, X, rows, out);
+    release(l);
+  }
+}
+
+void Transfer::map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v) {
+  for (int l = 0; l < m_.target.n_layers; ++l) {
+    const MapperLayer& w = layer(l);
+    map_layer(w, true, Xk, rows, out_k);
+    map_layer(w, false, Xv, rows, out_v);
+    release(l);
+  }
+}
+
+void Transfer::apply(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos,
+                     int64_t rows, float* out_keys, float* out_values) {
+  const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
+  std::vector<float> content(keys, keys + rows * XW);
+  Rope(m_.source).strip_block(content.data(), rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads, src_pos);
+  map_content(content.data(), values, rows, out_keys, out_values);
+  if (opts_.target_rope)
+    Rope(m_.target).apply_block(out_keys, rows, int64_t{m_.target.n_layers} * m_.target.n_kv_heads, tgt_pos);
+}
+
+}  // namespace crosskv

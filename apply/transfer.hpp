@@ -1,0 +1,54 @@
+#pragma once
+// Applying a mapper — the library API that serving code links: a source model's KV cache for a batch of tokens in,
+// the target model's KV cache out. Per target layer: strip the source RoPE, one GEMM per selected source layer,
+// bias, then the target RoPE (SPEC §2, §6).
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "io/mapper.hpp"
+
+namespace crosskv {
+
+struct TransferOptions {
+  bool resident = false;     // keep every layer's weights in memory; else one layer at a time (peak: one layer)
+  bool target_rope = true;   // false leaves the mapped keys in content space: the "- inference RoPE" bug
+  bool verify = true;        // check each layer file's SHA-256 the first time it is read
+};
+
+class Transfer {
+ public:
+  // Reads and validates the manifest now; layer files when first needed.
+  Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts = {});
+
+  const MapperManifest& manifest() const { return m_; }
+  const KvSpec& source() const { return m_.source; }
+  const KvSpec& target() const { return m_.target; }
+
+  // keys, values: [rows, Ls, Hs, Ds] as the source model caches them (keys post-RoPE at src_pos).
+  // out_keys, out_values: [rows, Lt, Ht, Dt] as the target model would cache them (keys post-RoPE at tgt_pos).
+  void apply(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos, int64_t rows,
+             float* out_keys, float* out_values);
+  // Content space: X [rows, Ls*F] (RoPE-stripped keys, or values) -> out [rows, Lt*G]; no RoPE on either side.
+  void map_content(bool keys, const float* X, int64_t rows, float* out);
+  // Both kinds at once (one read of each layer's weights).
+  void map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v);
+
+  int64_t layer_loads() const { return loads_; }  // layer files read so far
+
+ private:
+  const MapperLayer& layer(int l);
+  void release(int l);
+  void map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out);
+
+  MapperManifest m_;
+  ComputeBackend& be_;
+  TransferOptions opts_;
+  std::map<int, MapperLayer> loaded_;
+  std::vector<bool> verified_;
+  int64_t loads_ = 0;
+};
+
+}  // namespace crosskv
