@@ -1,0 +1,322 @@
+// Applying and diagnosing mappers: the transfer library, the diagnostics on cases with known answers, the
+// baselines, hardened manifests.
+#include <cmath>
+#include <fstream>
+#include <random>
+
+#include "apply/diagnose.hpp"
+#include "apply/report.hpp"
+#include "apply/transfer.hpp"
+#include "core/rope.hpp"
+#include "helpers.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+namespace {
+
+SynthOptions linear_pair(const std::string& out, uint64_t data_seed = 0) {
+  SynthOptions o = small_synth(out, 31);
+  o.relation = SynthRelation::linear;
+  o.source.rope = RopeSpec{};
+  o.source.rope.type = "default";
+  o.source.rope.rotary_dim = 16;
+  o.target.rope = default_synth_options().target.rope;
+  o.target.rope.type = "llama3";
+  o.target.rope.rotary_dim = 16;
+  o.with_queries = true;
+  o.data_seed = data_seed;
+  return o;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
+  return m;
+}
+
+double max_abs(const std::vector<float>& a) {
+  double m = 0;
+  for (float x : a) m = std::max(m, std::fabs(double(x)));
+  return m;
+}
+
+}  // namespace
+
+TEST(Transfer, PlantedMapIsRecoveredOnHeldOutTokensThroughTheLibrary) {
+  TempDir tmp;
+  synthesize(linear_pair(tmp.str("cal")));
+  SynthOptions h = linear_pair(tmp.str("held"), 999);
+  h.domains = {"eval"};
+  h.shards_per_domain = 1;
+  synthesize(h);
+  fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0}"));
+  auto be = make_cpu_backend();
+  Transfer tr(tmp.str("cal/out/k1"), *be);
+  Cache s = read_cache(tmp.str("held/source/eval/shard-000.h5"), false);
+  Cache t = read_cache(tmp.str("held/target/eval/shard-000.h5"));
+  std::vector<float> k(t.keys.size()), v(t.values.size());
+  tr.apply(s.keys.data(), s.values.data(), s.positions.data(), t.positions.data(), s.tokens, k.data(), v.data());
+  // Keys come out post target-RoPE, exactly as the target caches them.
+  EXPECT_LT(max_abs_diff(k, t.keys), 2e-5 * max_abs(t.keys) * 16);
+  EXPECT_LT(max_abs_diff(v, t.values), 1e-3);
+  // Peak memory is one layer: each layer file was read once for this call.
+  EXPECT_EQ(tr.layer_loads(), h.target.n_layers);
+  // And the diagnostics say so: R² ~ 1, cosine ~ 1.
+  Evaluation ev = evaluate(tr, s, t);
+  EXPECT_GT(ev.mapper.r2_k, 0.9999);
+  EXPECT_GT(ev.mapper.r2_v, 0.9999);
+  ASSERT_TRUE(ev.mapper.attention_cosine.has_value());
+  EXPECT_GT(*ev.mapper.attention_cosine, 0.9999);
+  EXPECT_TRUE(ev.ok) << ev.verdict;
+  // The "- inference RoPE" bug is caught by every figure.
+  EXPECT_LT(ev.no_target_rope.r2_k, 0.5);
+  EXPECT_LT(*ev.no_target_rope.attention_cosine, *ev.mapper.attention_cosine - 0.05);
+  // The mean-only baseline explains nothing held out.
+  EXPECT_LT(std::fabs(ev.mean_only.r2_k), 0.05);
+  EXPECT_LT(*ev.mean_only.attention_cosine, *ev.mapper.attention_cosine);
+}
+
+TEST(Transfer, ApplyEqualsTheFitsOwnPredictionOnTheCalibrationTokens) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2], lambda: 0.01}"));
+  auto be = make_cpu_backend();
+  Transfer tr(tmp.str("out/k2"), *be, TransferOptions{true});
+  // In-sample R² per head from the moments (the manifest) vs the R² of the applied mapper on every calibration token.
+  std::vector<double> sse_k(tr.target().n_layers * tr.target().n_kv_heads, 0.0), sse_v = sse_k, sst_k = sse_k,
+                      sst_v = sse_k, sum_k = sse_k;
+  std::vector<Cache> sources, targets;
+  for (const char* sh : {"web/shard-000.h5", "web/shard-001.h5"}) {
+    sources.push_back(read_cache(tmp.str(std::string("source/") + sh), false));
+    targets.push_back(read_cache(tmp.str(std::string("target/") + sh), false));
+  }
+  const KvSpec& Tg = tr.target();
+  const int L = Tg.n_layers, H = Tg.n_kv_heads, D = Tg.head_dim;
+  const int64_t W = int64_t{L} * H * D;
+  // Column means over all calibration tokens, content space.
+  std::vector<double> mk(W, 0.0), mv(W, 0.0);
+  int64_t N = 0;
+  std::vector<std::vector<float>> ck, pk, pv;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const Cache &s = sources[i], &t = targets[i];
+    std::vector<float> k(t.keys.size()), v(t.values.size()), tk = t.keys;
+    tr.apply(s.keys.data(), s.values.data(), s.positions.data(), t.positions.data(), s.tokens, k.data(), v.data());
+    Rope(Tg).strip_block(k.data(), s.tokens, int64_t{L} * H, t.positions.data());
+    Rope(Tg).strip_block(tk.data(), s.tokens, int64_t{L} * H, t.positions.data());
+    for (int64_t r = 0; r < t.tokens; ++r)
+      for (int64_t c = 0; c < W; ++c) {
+        mk[c] += tk[r * W + c];
+        mv[c] += t.values[r * W + c];
+      }
+    N += t.tokens;
+    ck.push_back(std::move(tk));
+    pk.push_back(std::move(k));
+    pv.push_back(std::move(v));
+  }
+  for (int64_t c = 0; c < W; ++c) {
+    mk[c] /= N;
+    mv[c] /= N;
+  }
+  for (size_t i = 0; i < sources.size(); ++i)
+    for (int64_t r = 0; r < targets[i].tokens; ++r)
+      for (int64_t c = 0; c < W; ++c) {
+        const int64_t head = c / D;
+        const double yk = ck[i][r * W + c], yv = targets[i].values[r * W + c];
+        sse_k[head] += (pk[i][r * W + c] - yk) * (pk[i][r * W + c] - yk);
+        sse_v[head] += (pv[i][r * W + c] - yv) * (pv[i][r * W + c] - yv);
+        sst_k[head] += (yk - mk[c]) * (yk - mk[c]);
+        sst_v[head] += (yv - mv[c]) * (yv - mv[c]);
+      }
+  const auto& layers = tr.manifest().json["layers"];
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h) {
+      const int i = l * H + h;
+      EXPECT_NEAR(1 - sse_k[i] / sst_k[i], layers[l]["r2_k"][h].get<double>(), 2e-4) << "layer " << l << " head " << h;
+      EXPECT_NEAR(1 - sse_v[i] / sst_v[i], layers[l]["r2_v"][h].get<double>(), 2e-4) << "layer " << l << " head " << h;
+    }
+}
+
+TEST(Transfer, ResidentOptionReadsEachLayerOnce) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1], lambda: 0.01}"));
+  auto be = make_cpu_backend();
+  Cache s = read_cache(tmp.str("source/web/shard-000.h5"), false);
+  for (bool resident : {false, true}) {
+    Transfer tr(tmp.str("out/k1"), *be, TransferOptions{resident});
+    const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+    std::vector<float> k(s.tokens * W), v(s.tokens * W);
+    for (int rep = 0; rep < 3; ++rep)
+      tr.apply(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), s.tokens, k.data(), v.data());
+    EXPECT_EQ(tr.layer_loads(), tr.target().n_layers * (resident ? 1 : 3));
+  }
+}
+
+// ---- Diagnostics on hand-made caches with known answers.
+namespace {
+
+Cache toy_cache(int L, int H, int Hq, int D, int T, uint64_t seed) {
+  Cache c;
+  c.spec.n_layers = L;
+  c.spec.n_kv_heads = H;
+  c.spec.n_q_heads = Hq;
+  c.spec.head_dim = D;
+  c.spec.rope.type = "none";
+  c.spec.rope.rotary_dim = D;
+  c.tokens = T;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0, 1);
+  c.keys.resize(int64_t{T} * L * H * D);
+  c.values.resize(c.keys.size());
+  c.queries.resize(int64_t{T} * L * Hq * D);
+  for (auto& x : c.keys) x = n(rng);
+  for (auto& x : c.values) x = n(rng);
+  for (auto& x : c.queries) x = n(rng);
+  c.positions.resize(T);
+  for (int t = 0; t < T; ++t) c.positions[t] = t % (T / 2);
+  c.seq_offsets = {0, T / 2, T};
+  return c;
+}
+
+}  // namespace
+
+TEST(Diagnostics, IdenticalCachesGiveCosineOneAndDefinedConcentrations) {
+  Cache c = toy_cache(2, 2, 4, 8, 64, 1);
+  Diagnostics d = diagnose(c, c.keys, c.values);
+  EXPECT_DOUBLE_EQ(d.r2_k, 1.0);
+  EXPECT_DOUBLE_EQ(d.r2_v, 1.0);
+  ASSERT_TRUE(d.attention_cosine && d.k_concentration && d.v_concentration);
+  EXPECT_NEAR(*d.attention_cosine, 1.0, 1e-12);
+  EXPECT_TRUE(std::isfinite(*d.k_concentration));
+  EXPECT_TRUE(std::isfinite(*d.v_concentration));
+  EXPECT_EQ(d.layers.size(), 2u);
+  EXPECT_EQ(d.layers[0].cosine.size(), 4u);  // per query head
+}
+
+TEST(Diagnostics, IsotropicErrorHasConcentrationNearOne) {
+  Cache c = toy_cache(1, 1, 2, 16, 4000, 2);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> n(0, 0.1f);
+  auto k = c.keys, v = c.values;
+  for (auto& x : k) x += n(rng);
+  for (auto& x : v) x += n(rng);
+  Diagnostics d = diagnose(c, k, v);
+  EXPECT_NEAR(*d.k_concentration, 1.0, 0.1);
+  EXPECT_NEAR(*d.v_concentration, 1.0, 0.1);
+  EXPECT_LT(*d.attention_cosine, 1.0);
+}
+
+TEST(Diagnostics, ErrorAlongTheQueriesTopDirectionRaisesKConcentration) {
+  const int D = 8;
+  Cache c = toy_cache(1, 1, 1, D, 2000, 4);
+  // Queries with most of their energy along dim 0.
+  for (int64_t t = 0; t < c.tokens; ++t) c.queries[t * D + 0] *= 10.0f;
+  auto along = c.keys, across = c.keys;
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    along[t * D + 0] += 0.3f;   // error where the queries look
+    across[t * D + 5] += 0.3f;  // error where they do not
+  }
+  const double k_along = *diagnose(c, along, c.values).k_concentration;
+  const double k_across = *diagnose(c, across, c.values).k_concentration;
+  EXPECT_GT(k_along, 3.0);
+  EXPECT_LT(k_across, 0.5);
+}
+
+TEST(Diagnostics, ValueErrorWhereAttentionReadsRaisesVConcentration) {
+  const int D = 8;
+  Cache c = toy_cache(1, 1, 1, D, 400, 5);
+  // Every query looks at the first token of its sequence: huge key there along the queries' mean direction.
+  for (int64_t t = 0; t < c.tokens; ++t) c.queries[t * D + 1] = 4.0f;
+  for (int64_t a : {int64_t{0}, c.tokens / 2}) c.keys[a * D + 1] = 10.0f;
+  auto read = c.values, unread = c.values;
+  read[0 * D + 2] += 1.0f;                     // error on a token every query attends to
+  unread[(c.tokens / 2 - 1) * D + 2] += 1.0f;  // error on the last token of a sequence: one query sees it
+  EXPECT_GT(*diagnose(c, c.keys, read).v_concentration, 10.0);
+  EXPECT_LT(*diagnose(c, c.keys, unread).v_concentration, 1.0);
+}
+
+TEST(Diagnostics, ReportIsOneSelfContainedHtmlFile) {
+  Cache c = toy_cache(2, 2, 2, 8, 64, 6);
+  Evaluation ev;
+  ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, c.keys, c.values);
+  ev.verdict = "LIKELY TO TRANSFER: test";
+  ev.ok = true;
+  ReportInput in;
+  in.title = "a -> b";
+  in.manifests.push_back({{"fit", {{"k", 2}}}, {"layers", nlohmann::json::array()}});
+  in.evaluations.push_back(ev);
+  const std::string html = render_report(in);
+  EXPECT_NE(html.find("<!DOCTYPE html>"), std::string::npos);
+  EXPECT_NE(html.find("LIKELY TO TRANSFER: test"), std::string::npos);
+  EXPECT_NE(html.find("<svg"), std::string::npos);
+  EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));  // no links but the SVG namespace
+  EXPECT_EQ(html.find("<script"), std::string::npos);
+}
+
+// ---- Hardened manifests.
+namespace {
+
+struct Artifact {
+  TempDir tmp;
+  std::string dir;
+  nlohmann::json manifest;
+  Artifact() {
+    synthesize(small_synth(tmp.str()));
+    fit_yaml(config_yaml(tmp.str(), "{k: [2], lambda: 0.01}"));
+    dir = tmp.str("out/k2");
+    std::ifstream in(dir + "/manifest.json");
+    in >> manifest;
+  }
+  void write(const nlohmann::json& m) const { std::ofstream(dir + "/manifest.json") << m.dump(); }
+};
+
+}  // namespace
+
+TEST(HardenedManifest, EveryBadFieldIsNamed) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  auto expect_bad = [&](const std::function<void(nlohmann::json&)>& edit, const std::vector<std::string>& parts) {
+    nlohmann::json m = a.manifest;
+    edit(m);
+    a.write(m);
+    expect_error<InputError>([&] { Transfer tr(a.dir, *be); }, parts);
+  };
+  expect_bad([](auto& m) { m.erase("layers"); }, {"manifest.json", "missing field 'layers'"});
+  expect_bad([](auto& m) { m["format_version"] = 7; }, {"unknown format_version 7"});
+  expect_bad([](auto& m) { m["format"] = "other"; }, {"format is 'other'"});
+  expect_bad([](auto& m) { m["source"].erase("kv_spec"); }, {"missing field 'source.kv_spec'"});
+  expect_bad([](auto& m) { m["fit"].erase("k_count"); }, {"missing field 'fit.k_count'"});
+  expect_bad([](auto& m) { m["layers"][1]["source_layers"] = {0, 99}; }, {"layers[1].source_layers", "ascending"});
+  expect_bad([](auto& m) { m["layers"][1]["source_layers"] = {3, 1}; }, {"layers[1].source_layers"});
+  expect_bad([](auto& m) { m["layers"][2]["target_layer"] = 1; }, {"layers[2].target_layer 1", "repeated"});
+  expect_bad([](auto& m) { m["layers"][0]["file"] = "../../etc/passwd"; }, {"layers[0].file", "not a layer-NNN"});
+  expect_bad([](auto& m) { m["layers"][0]["sha256"] = "xyz"; }, {"layers[0].sha256"});
+  expect_bad([](auto& m) { m["layers"].erase(m["layers"].begin()); }, {"each of the target's"});
+  expect_bad([](auto& m) { m["source"]["kv_spec"]["n_layers"] = 100000; }, {"implausibly large"});
+  // Invalid JSON.
+  std::ofstream(a.dir + "/manifest.json") << "{ not json";
+  expect_error<InputError>([&] { Transfer tr(a.dir, *be); }, {"manifest.json", "not valid JSON"});
+  // A layer file that does not match its SHA-256 is refused when it is read.
+  a.write(a.manifest);
+  {
+    std::fstream f(a.dir + "/layer-003.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  Transfer tr(a.dir, *be);
+  std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
+      Y(10 * tr.target().n_layers * tr.target().features_per_layer());
+  expect_error<InputError>([&] { tr.map_content(true, X.data(), 10, Y.data()); },
+                           {"layer-003.safetensors", "SHA-256 does not match"});
+}
+
+TEST(HardenedManifest, ACacheOfAnotherModelIsRefusedWithWhatDiffers) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  Transfer tr(a.dir, *be);
+  Cache wrong = read_cache(a.tmp.str("target/web/shard-000.h5"), true);  // the target's cache as the source
+  Cache t = wrong;
+  expect_error<InputError>([&] { evaluate(tr, wrong, t); }, {"source cache", "kv_spec does not match", "n_layers"});
+}
