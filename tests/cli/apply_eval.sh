@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# crosskv-apply and crosskv-eval as a user runs them: held-out tokens, the numpy reference of apply, the report,
+# the baselines, and bad inputs (one line on stderr, exit 2).
+source "$(dirname "$0")/common.sh"
+[ -n "${PYTHON:-}" ] || { echo "SKIPPED: no Python with numpy and h5py"; exit 77; }
+APPLY=${CROSSKV_APPLY:?} EVAL=${CROSSKV_EVAL:?}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+SYN=(--shards 2 --sequences 2 --seq-len 128 --with-queries --target-rope yarn --target-rope-convention interleaved)
+"$SYNTH" --out cal "${SYN[@]}" > /dev/null
+"$SYNTH" --out held "${SYN[@]:2}" --shards 1 --domains heldout --data-seed 77 > /dev/null
+printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [2, all], dtype: %s}\noutput: {dir: out-%s}\n' fp32 fp32 > f32.yaml
+printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [2], dtype: %s}\noutput: {dir: out-%s}\n' bf16 bf16 > b16.yaml
+"$FIT" f32.yaml > fit.log 2>&1 || { cat fit.log; die "fit failed"; }
+"$FIT" b16.yaml > fit.log 2>&1 || { cat fit.log; die "bf16 fit failed"; }
+SRC=held/source/heldout/shard-000.h5 TGT=held/target/heldout/shard-000.h5
+
+# Apply, and the numpy reference of apply on the same artifact: the same keys (post target-RoPE) and values.
+for a in out-fp32/k2 out-bf16/k2; do
+  "$APPLY" --mapper $a --source $SRC --out mapped.h5 > apply.log 2>&1 || { cat apply.log; die "crosskv-apply $a failed"; }
+  "$PYTHON" "$ROOT/tools/crosskv_apply.py" --mapper $a --source $SRC --out ref.npz || die "the numpy reference failed"
+  "$PYTHON" - <<'PY' || die "crosskv-apply and the numpy reference disagree on $a"
+import h5py, json, numpy as np
+f = h5py.File("mapped.h5")
+r = np.load("ref.npz")
+assert json.loads(f.attrs["kv_spec"])["n_layers"] == r["keys"].shape[1]
+for name in ("keys", "values"):
+    a = f[name][()].astype(np.float64)
+    b = r[name].astype(np.float64)
+    d = np.abs(a - b).max() / max(1.0, np.abs(b).max())
+    print(f"{name}: max relative difference {d:.2e}")
+    assert d < 1e-4, d
+assert (f["positions"][()] == r["positions"]).all()
+PY
+done
+
+# Eval: the SPEC keys, the baselines catching the missing target RoPE, and a report.
+"$EVAL" --mapper out-fp32/k2 --source $SRC --target $TGT --json eval.json --html report.html > eval.log 2>&1 \
+  || { cat eval.log; die "crosskv-eval failed"; }
+expect_in "verdict:" eval.log
+"$PYTHON" - <<'PY' || die "eval.json is not as SPEC §9 says"
+import json
+j = json.load(open("eval.json"))
+for k in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration", "layers"):
+    assert k in j, k
+assert len(j["layers"]) == 12 and all("attention_cosine" in l for l in j["layers"])
+b = j["baselines"]
+assert b["no_target_rope"]["r2_k"] < j["r2_k"] - 0.3, (b["no_target_rope"]["r2_k"], j["r2_k"])
+assert b["no_target_rope"]["attention_cosine"] < j["attention_cosine"], "the missing RoPE must show"
+assert abs(b["mean_only"]["r2_k"]) < 0.05 and b["mean_only"]["attention_cosine"] < j["attention_cosine"]
+print("eval:", {k: round(j[k], 3) for k in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration")})
+PY
+grep -q "Verdict:" report.html && grep -q "<svg" report.html || die "report.html lacks the verdict or charts"
+
+# A mapper applied without the target RoPE, evaluated as if it were right: --require-ok fails it.
+"$APPLY" --mapper out-fp32/k2 --source $SRC --out norope.h5 --no-target-rope > /dev/null 2>&1 || die "--no-target-rope failed"
+
+# Bad inputs: one line on stderr naming the file and the problem, exit 2.
+bad() {  # bad EXPECTED-TEXT COMMAND...
+  local want=$1; shift
+  set +e; "$@" > out.log 2> err.log; local rc=$?; set -e
+  [ "$rc" = 2 ] || { cat out.log err.log; die "expected exit 2 from $*, got $rc"; }
+  [ "$(wc -l < err.log)" = 1 ] || { cat err.log; die "expected one line on stderr from $*"; }
+  grep -qF -- "$want" err.log || { cat err.log; die "expected '$want' from $*"; }
+}
+bad "kv_spec does not match the mapper's source" "$APPLY" --mapper out-fp32/k2 --source $TGT --out x.h5
+bad "manifest.json: missing" "$APPLY" --mapper nowhere --source $SRC --out x.h5
+cp -r out-fp32/k2 broken && truncate -s -4 broken/layer-005.safetensors
+bad "layer-005.safetensors: SHA-256 does not match" "$APPLY" --mapper broken --source $SRC --out x.h5
+bad "kv_spec does not match the mapper's target" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $SRC --json x.json
+[ ! -e x.h5 ] && [ ! -e x.json ] || die "a failed command must not leave an output behind"
+echo "apply + eval OK"
