@@ -54,6 +54,14 @@ int main(int argc, char** argv) {
     else if (dtype_name == "bfloat16") dt = StoredDtype::bf16;
     else if (!dtype_name.empty()) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype_name + "\"");
     const std::string tmp = temp_name_for(out);
+    struct RemoveUnlessCommitted {  // a failed run leaves no partial shard behind
+      std::string path;
+      bool keep = false;
+      ~RemoveUnlessCommitted() {
+        std::error_code ec;
+        if (!keep) std::filesystem::remove(path, ec);
+      }
+    } guard{tmp};
     {
       ShardWriter w(tmp, tr.manifest().target_model, h.domain, tr.target(), T, dt);
       w.write_token_ids(src.token_ids());
@@ -81,6 +89,7 @@ int main(int argc, char** argv) {
       w.close();
     }
     commit_file(tmp, out);
+    guard.keep = true;
     spdlog::info("wrote {} ({} tokens, {} layers x {} KV heads x {}, {}; {} layer file reads)", out, T,
                  tr.target().n_layers, tr.target().n_kv_heads, tr.target().head_dim, to_string(dt), tr.layer_loads());
     return 0;

@@ -67,5 +67,5 @@ bad "manifest.json: missing" "$APPLY" --mapper nowhere --source $SRC --out x.h5
 cp -r out-fp32/k2 broken && truncate -s -4 broken/layer-005.safetensors
 bad "layer-005.safetensors: SHA-256 does not match" "$APPLY" --mapper broken --source $SRC --out x.h5
 bad "kv_spec does not match the mapper's target" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $SRC --json x.json
-[ ! -e x.h5 ] && [ ! -e x.json ] || die "a failed command must not leave an output behind"
+[ -z "$(ls x.h5* x.json* 2> /dev/null)" ] || die "a failed command must not leave an output behind: $(ls x.h5* x.json*)"
 echo "apply + eval OK"
