@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang (ASan + UBSan) and runs each for a while, seeded with a real artifact.
+#   fuzz/run_fuzz.sh WORKDIR [SECONDS per target, 20]    env: CROSSKV_FIT, CROSSKV_SYNTH (to make the seeds)
+# Exit 77 (SKIPPED) where clang or libFuzzer is missing; 1 on a crash (the reproducer is left in WORKDIR).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WORK=${1:?usage: $0 WORKDIR [SECONDS]}
+SECS=${2:-20}
+CXX=$(command -v clang++ || command -v clang++-14 || true)
+[ -n "$CXX" ] || { echo "SKIPPED: clang++ is not installed (apt-get install clang)"; exit 77; }
+echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' > /tmp/crosskv-fz-probe.cpp
+"$CXX" -fsanitize=fuzzer /tmp/crosskv-fz-probe.cpp -o /tmp/crosskv-fz-probe 2> /dev/null \
+  || { echo "SKIPPED: $CXX cannot link libFuzzer (apt-get install libclang-rt-14-dev or clang)"; exit 77; }
+rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK"
+FLAGS=(-std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$ROOT"
+       -DCROSSKV_VERSION=\"fuzz\")
+COMMON=("$ROOT/core/error.cpp" "$ROOT/core/kv_spec.cpp" "$ROOT/core/sha256.cpp" "$ROOT/io/atomic_file.cpp")
+"$CXX" "${FLAGS[@]}" "$ROOT/fuzz/fuzz_safetensors.cpp" "$ROOT/io/safetensors.cpp" "${COMMON[@]}" -lcrypto \
+  -o fuzz_safetensors
+"$CXX" "${FLAGS[@]}" "$ROOT/fuzz/fuzz_manifest.cpp" "$ROOT/io/mapper.cpp" "$ROOT/io/safetensors.cpp" "${COMMON[@]}" \
+  -lcrypto $(pkg-config --libs openblas) -o fuzz_manifest
+mkdir -p seeds-st seeds-mf
+if [ -n "${CROSSKV_FIT:-}" ] && [ -n "${CROSSKV_SYNTH:-}" ]; then
+  "$CROSSKV_SYNTH" --out data --shards 1 --sequences 1 --seq-len 64 --source-layers 3 --target-layers 2 \
+    --source-heads 1 --target-heads 1 --source-head-dim 8 --target-head-dim 8 > /dev/null
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1]}\noutput: {dir: out}\n' > f.yaml
+  "$CROSSKV_FIT" f.yaml > /dev/null 2>&1
+  cp out/k1/layer-000.safetensors seeds-st/
+  cp out/k1/manifest.json seeds-mf/
+fi
+printf '\x10\x00\x00\x00\x00\x00\x00\x00{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}\x00\x00\x80\x3f' > seeds-st/tiny
+export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
+for t in safetensors manifest; do
+  seeds=seeds-st
+  [ $t = manifest ] && seeds=seeds-mf
+  echo "[fuzz] $t for ${SECS}s"
+  ./fuzz_$t -max_total_time="$SECS" -max_len=65536 -print_final_stats=1 "$seeds" > fuzz_$t.log 2>&1 \
+    || { tail -40 fuzz_$t.log; echo "FAIL: fuzz_$t crashed (reproducer in $WORK)"; exit 1; }
+  grep -E "stat::number_of_executed_units" fuzz_$t.log || true
+done
+echo "fuzz OK"
