@@ -77,6 +77,24 @@ Cache read_cache(const std::string& path, bool want_queries) {
   return c;
 }
 
+Cache read_caches(const std::vector<std::string>& paths, bool want_queries) {
+  CROSSKV_ASSERT(!paths.empty(), "no shards");
+  Cache all = read_cache(paths[0], want_queries);
+  for (size_t i = 1; i < paths.size(); ++i) {
+    Cache c = read_cache(paths[i], want_queries);
+    if (c.spec != all.spec) throw InputError(paths[i] + ": kv_spec differs from " + paths[0]);
+    if (c.queries.empty() != all.queries.empty())
+      throw InputError(paths[i] + ": has " + (c.queries.empty() ? "no " : "") + "queries, unlike " + paths[0]);
+    all.keys.insert(all.keys.end(), c.keys.begin(), c.keys.end());
+    all.values.insert(all.values.end(), c.values.begin(), c.values.end());
+    all.queries.insert(all.queries.end(), c.queries.begin(), c.queries.end());
+    all.positions.insert(all.positions.end(), c.positions.begin(), c.positions.end());
+    for (size_t s = 1; s < c.seq_offsets.size(); ++s) all.seq_offsets.push_back(all.tokens + c.seq_offsets[s]);
+    all.tokens += c.tokens;
+  }
+  return all;
+}
+
 Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const std::vector<float>& values) {
   const KvSpec& s = truth.spec;
   const int L = s.n_layers, H = s.n_kv_heads, D = s.head_dim, Hq = s.n_q_heads;

@@ -22,6 +22,8 @@ struct Cache {
   int64_t tokens = 0;
 };
 Cache read_cache(const std::string& shard_path, bool want_queries = true);
+// Several shards of one model as one cache (their sequences one after another).
+Cache read_caches(const std::vector<std::string>& shard_paths, bool want_queries = true);
 
 struct LayerDiagnostics {
   int layer = 0;

@@ -98,7 +98,19 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
   }
   FitConfig c;
   c.config_path = path;
-  r.only_keys(root, "", {"source", "target", "calibration", "fit", "output", "runtime"});
+  r.only_keys(root, "", {"source", "target", "calibration", "fit", "output", "runtime", "eval"});
+  if (auto ev = root["eval"]) {
+    r.only_keys(ev, "eval", {"shards"});
+    if (auto sh = ev["shards"]; sh && !sh.IsNull()) {
+      if (!sh.IsSequence()) r.fail(sh, "eval.shards", "expected a list of shard paths (<domain>/<name>.h5)");
+      std::set<std::string> seen;
+      for (const auto& e : sh) {
+        std::string rel = r.str(e, "eval.shards");
+        if (!seen.insert(rel).second) r.fail(e, "eval.shards", "\"" + rel + "\" listed twice");
+        c.eval_shards.push_back(rel);
+      }
+    }
+  }
   for (const char* side : {"source", "target"}) {
     if (!root[side]) r.fail(root, side, "missing (expected {store: PATH})");
     r.only_keys(root[side], side, {"store"});

@@ -35,6 +35,8 @@ struct FitConfig {
   ProbeMode probe = ProbeMode::same_head;
   WeightDtype dtype = WeightDtype::fp32;
   std::string output_dir;
+  // Held-out shard pairs (paths relative to the stores): left out of the fit, diagnosed after it (report.html).
+  std::vector<std::string> eval_shards;
   DeviceKind device = DeviceKind::auto_;
   bool tf32 = false;  // CUDA: let cuBLAS use TF32 tensor cores for the fp32 moments (10-bit mantissa products)
   int64_t block_tokens = 4096;

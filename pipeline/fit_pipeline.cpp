@@ -8,6 +8,8 @@
 #include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <numeric>
 
@@ -25,6 +27,9 @@
 #include "stages/checkpoint.hpp"
 #include "stages/export.hpp"
 #include "stages/grid.hpp"
+#include "apply/diagnose.hpp"
+#include "apply/report.hpp"
+#include "apply/transfer.hpp"
 
 namespace fs = std::filesystem;
 
@@ -234,6 +239,39 @@ class OutputLock {
   int fd_ = -1;
   bool held_ = false;
 };
+
+// Diagnoses every k on the held-out shards (eval.shards): <output.dir>/eval-k<K>.json and report.html.
+std::string evaluate_held_out(const Calibration& cal, const std::vector<std::string>& artifacts,
+                              const std::string& heatmap_path, ComputeBackend& be) {
+  std::vector<std::string> src, tgt;
+  std::string names;
+  for (const auto& p : cal.eval_shards) {
+    src.push_back(p.source_path);
+    tgt.push_back(p.target_path);
+    names += (names.empty() ? "" : ", ") + p.rel;
+  }
+  const Cache s = read_caches(src, false), t = read_caches(tgt, true);
+  ReportInput in;
+  in.eval_source = names;
+  for (const auto& dir : artifacts) {
+    Transfer tr(dir, be, TransferOptions{true, true, false});
+    Evaluation ev = evaluate(tr, s, t);
+    const std::string k = fs::path(dir).filename().string();
+    nlohmann::json j = ev.json();
+    j["mapper"] = dir;
+    j["held_out_shards"] = names;
+    write_file_atomic((fs::path(cal.cfg.output_dir) / ("eval-" + k + ".json")).string(), j.dump(2) + "\n");
+    spdlog::info("held-out {} ({} tokens): {}", k, s.tokens, ev.verdict);
+    if (in.title.empty()) in.title = tr.manifest().source_model + " -> " + tr.manifest().target_model;
+    in.manifests.push_back(tr.manifest().json);
+    in.evaluations.push_back(std::move(ev));
+  }
+  std::ifstream svg(heatmap_path);
+  in.heatmap_svg.assign(std::istreambuf_iterator<char>(svg), std::istreambuf_iterator<char>());
+  const std::string report = (fs::path(cal.cfg.output_dir) / "report.html").string();
+  write_file_atomic(report, render_report(in));
+  return report;
+}
 
 }  // namespace
 
@@ -466,6 +504,10 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
         {"passes", res.passes},
         {"r2_file", "../r2.h5"}};
     res.artifacts = writer.finish(extra);
+    if (!cal.eval_shards.empty()) {
+      clock.start("eval");
+      res.report_path = evaluate_held_out(cal, res.artifacts, res.heatmap_path, ctx.backend);
+    }
   }
   clock.stop();
   ctx.comm.barrier();
@@ -477,6 +519,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
       spdlog::info("read {} tokens in pass 1 ({}/s)", p1.tokens, human_bytes(p1.bytes / std::max(p1.seconds, 1e-9)));
     for (const auto& a : res.artifacts) spdlog::info("artifact: {}", a);
     spdlog::info("R² matrices: {}  heatmaps: {}", res.r2_path, res.heatmap_path);
+    if (!res.report_path.empty()) spdlog::info("report: {}", res.report_path);
   }
   return res;
 }

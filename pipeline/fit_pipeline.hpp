@@ -18,6 +18,7 @@ struct FitResult {
   std::string plan_text;
   std::vector<std::string> artifacts;  // one folder per k
   std::string r2_path, heatmap_path;
+  std::string report_path;  // report.html, when the config names held-out shards (eval.shards)
   int passes = 0;
   int64_t tokens_read = 0;  // calibration tokens streamed by this run (0 when everything came from a checkpoint)
 };

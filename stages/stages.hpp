@@ -40,6 +40,7 @@ struct Calibration {
   std::string source_model, target_model;
   std::vector<std::string> domains;
   std::vector<ShardPair> shards;  // sorted by relative path
+  std::vector<ShardPair> eval_shards;  // held out (eval.shards): not read by the fit
   int64_t tokens_used = 0;
   // The shard pair whose first block gives the provisional shift: the store's first pair over every domain, so
   // that the shift (and moments kept per domain) does not change with the domains a fit selects.

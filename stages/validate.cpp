@@ -48,9 +48,12 @@ Calibration validate(const FitConfig& cfg) {
   const auto src = list_store(cfg.source_store, "source.store");
   const auto tgt = list_store(cfg.target_store, "target.store");
   const std::set<std::string> src_set(src.begin(), src.end()), tgt_set(tgt.begin(), tgt.end());
+  // Domains with shards left for the fit (held-out shards, eval.shards, are not read by it).
+  const std::set<std::string> eval_set(cfg.eval_shards.begin(), cfg.eval_shards.end());
   std::set<std::string> found_domains;
-  for (const auto& r : src) found_domains.insert(shard_domain(r));
-  for (const auto& r : tgt) found_domains.insert(shard_domain(r));
+  for (const auto* side : {&src, &tgt})
+    for (const auto& r : *side)
+      if (!eval_set.count(r)) found_domains.insert(shard_domain(r));
   std::vector<std::string> domains = cfg.domains;
   if (domains.empty()) domains.assign(found_domains.begin(), found_domains.end());
   for (const auto& d : domains)
@@ -74,8 +77,20 @@ Calibration validate(const FitConfig& cfg) {
       }
     }
   }
+  const std::set<std::string> held(cfg.eval_shards.begin(), cfg.eval_shards.end());
+  for (const auto& r : cfg.eval_shards) {
+    if (!src_set.count(r) || !tgt_set.count(r))
+      throw InputError("eval.shards: \"" + r + "\" is not a shard of both " + cfg.source_store + " and " +
+                       cfg.target_store);
+    ShardPair p;
+    p.rel = r;
+    p.domain = shard_domain(r);
+    p.source_path = (fs::path(cfg.source_store) / r).string();
+    p.target_path = (fs::path(cfg.target_store) / r).string();
+    cal.eval_shards.push_back(std::move(p));
+  }
   for (const auto& r : src) {
-    if (!want.count(shard_domain(r))) continue;
+    if (!want.count(shard_domain(r)) || held.count(r)) continue;
     ShardPair p;
     p.rel = r;
     p.domain = shard_domain(r);

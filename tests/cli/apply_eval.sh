@@ -68,4 +68,15 @@ cp -r out-fp32/k2 broken && truncate -s -4 broken/layer-005.safetensors
 bad "layer-005.safetensors: SHA-256 does not match" "$APPLY" --mapper broken --source $SRC --out x.h5
 bad "kv_spec does not match the mapper's target" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $SRC --json x.json
 [ -z "$(ls x.h5* x.json* 2> /dev/null)" ] || die "a failed command must not leave an output behind: $(ls x.h5* x.json*)"
+# A fit that names held-out shards leaves them out and diagnoses every k on them: eval-k<K>.json, report.html.
+for side in source target; do mkdir -p cal/$side/heldout && cp held/$side/heldout/shard-000.h5 cal/$side/heldout/; done
+printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [1, all]}\noutput: {dir: out-eval}\neval: {shards: [heldout/shard-000.h5]}\n' > ev.yaml
+"$FIT" ev.yaml > ev.log 2>&1 || { cat ev.log; die "fit with eval.shards failed"; }
+expect_in "held-out kall" ev.log
+[ -f out-eval/eval-k1.json ] && [ -f out-eval/eval-kall.json ] && grep -q "Probe R" out-eval/report.html \
+  || die "the fit did not write eval-k*.json and report.html"
+grep -q heldout out-eval/kall/manifest.json && die "a held-out shard was used for the fit"
+printf 'source: {store: cal/source}\ntarget: {store: cal/target}\noutput: {dir: o}\neval: {shards: [heldout/nope.h5]}\n' > ev2.yaml
+set +e; "$FIT" ev2.yaml > /dev/null 2> err.log; rc=$?; set -e
+[ "$rc" = 2 ] && grep -q 'eval.shards: "heldout/nope.h5" is not a shard of both' err.log || { cat err.log; die "a missing eval shard must be refused"; }
 echo "apply + eval OK"
