@@ -8,10 +8,11 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${BUILD:-$ROOT/build}
 cd "$ROOT"
 "$BUILD/crosskv-fit" --version | grep -q "cuda: yes" || { echo "gpu_bundle: $BUILD was built without CUDA" >&2; exit 1; }
-cmake --build "$BUILD" --target test_cuda crosskv-bench-gpu crosskv-synth > /dev/null
+cmake --build "$BUILD" --target test_cuda crosskv-bench-gpu crosskv-bench-apply crosskv-synth > /dev/null
 STAGE=$(mktemp -d)
 mkdir -p "$STAGE/bin" "$STAGE/lib"
-cp "$BUILD/tests/test_cuda" "$BUILD/bench/crosskv-bench-gpu" "$BUILD/crosskv-synth" "$STAGE/bin/"
+cp "$BUILD/tests/test_cuda" "$BUILD/bench/crosskv-bench-gpu" "$BUILD/bench/crosskv-bench-apply" "$BUILD/crosskv-synth" \
+  "$STAGE/bin/"
 for b in "$STAGE"/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
   case "$lib" in
     */libc.so*|*/libm.so*|*/libdl.so*|*/librt.so*|*/libpthread.so*|*/ld-linux*|*/libstdc++.so*|*/libgcc_s.so*) ;;

@@ -4,7 +4,8 @@
 # Run there:      bash bench/gpu_check.sh "$OUT"          (carry .gpu-bundle.tar.xz)
 # Writes to OUT:  summary.txt, nvidia-smi.txt, test_cuda.log + .xml (GPU vs CPU backend), bench_gpu.json
 #                 (accumulation vs cuBLAS SGEMM, Qwen3 14B -> 32B shapes), fit_gpu.json + fit_gpu.log (a paper-shaped
-#                 fit on one GPU, TOKENS tokens, k sweep 1,2,4,8,all).
+#                 fit on one GPU, TOKENS tokens, k sweep 1,2,4,8,all), apply_gpu.json (apply throughput of one
+#                 Qwen3-8B -> 32B-shaped layer).
 # env: TOKENS (8192), BUNDLE (.gpu-bundle.tar.xz)
 set -uo pipefail
 OUT=${1:-${OUT:-gpu-check-out}}
@@ -26,6 +27,10 @@ note "test_cuda: exit $? in $((SECONDS - t0)) s; $(grep -E '^\[  (PASSED|FAILED|
 t0=$SECONDS
 timeout 180 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu.json" 2> "$OUT/bench_gpu.err"
 note "bench_gpu: exit $? in $((SECONDS - t0)) s: $(cat "$OUT/bench_gpu.json")"
+
+t0=$SECONDS
+timeout 120 "$B/bin/crosskv-bench-apply" cuda > "$OUT/apply_gpu.json" 2> "$OUT/apply_gpu.err"
+note "apply on the GPU: exit $? in $((SECONDS - t0)) s: $(cat "$OUT/apply_gpu.json")"
 
 W=$(mktemp -d)
 SEQ=1024 SHARDS=$(( (TOKENS + 2047) / 2048 ))
