@@ -1,7 +1,9 @@
 // crosskv-eval --mapper DIR --source SHARD.h5 --target SHARD.h5 --json OUT.json [--html OUT.html]: held-out
 // diagnostics of a mapper (SPEC §7) against the target's own capture of the same tokens, with baselines.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include <CLI/CLI.hpp>
 
@@ -43,6 +45,9 @@ int main(int argc, char** argv) {
       in.manifests.push_back(tr.manifest().json);
       in.evaluations.push_back(ev);
       in.eval_source = source;
+      // The fit's R² heatmaps, when the mapper still sits in its output folder.
+      std::ifstream svg(std::filesystem::path(mapper) / ".." / "r2_heatmap.svg");
+      if (svg) in.heatmap_svg.assign(std::istreambuf_iterator<char>(svg), std::istreambuf_iterator<char>());
       write_file_atomic(html_path, render_report(in));
     }
     auto f = [](const std::optional<double>& x) { return x ? std::to_string(*x) : std::string("n/a"); };

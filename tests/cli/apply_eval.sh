@@ -49,7 +49,8 @@ assert b["no_target_rope"]["attention_cosine"] < j["attention_cosine"], "the mis
 assert abs(b["mean_only"]["r2_k"]) < 0.05 and b["mean_only"]["attention_cosine"] < j["attention_cosine"]
 print("eval:", {k: round(j[k], 3) for k in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration")})
 PY
-grep -q "Verdict:" report.html && grep -q "<svg" report.html || die "report.html lacks the verdict or charts"
+grep -q "Verdict:" report.html && grep -q "<svg" report.html && grep -q "Probe R" report.html \
+  || die "report.html lacks the verdict, the charts or the R² heatmaps"
 
 # A mapper applied without the target RoPE, evaluated as if it were right: --require-ok fails it.
 "$APPLY" --mapper out-fp32/k2 --source $SRC --out norope.h5 --no-target-rope > /dev/null 2>&1 || die "--no-target-rope failed"
