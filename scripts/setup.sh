@@ -7,7 +7,7 @@ BUILD=${1:-$ROOT/build}
 PKGS=(build-essential cmake ninja-build pkg-config
       libopenmpi-dev openmpi-bin libhdf5-dev hdf5-tools libspdlog-dev libcli11-dev libyaml-cpp-dev
       nlohmann-json3-dev libopenblas-dev liblapacke-dev libgtest-dev libgmock-dev libbenchmark-dev libssl-dev
-      python3-numpy python3-h5py python3-yaml)
+      python3-numpy python3-h5py python3-yaml python3-venv)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,3 +23,5 @@ mkdir -p "$BUILD"
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release > "$BUILD/configure.log" 2>&1 \
   || { cat "$BUILD/configure.log"; exit 1; }
 cmake --build "$BUILD" -j"$(nproc)"
+# The capture tool's Python environment (torch, transformers), unless CROSSKV_NO_CAPTURE=1.
+[ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || "$ROOT/scripts/setup-capture.sh"

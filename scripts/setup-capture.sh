@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The Python side (crosskv-capture and its Hugging Face conformity test): a virtualenv in .venv-capture with torch
+# and transformers from PyPI (pinned; a few GB). Failure is reported, not fatal: the capture tests then SKIP.
+# Usage: scripts/setup-capture.sh          env: CROSSKV_CAPTURE_VENV (default: <repo>/.venv-capture)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
+REQ=(torch==2.7.1 transformers==4.53.3 tokenizers safetensors numpy h5py)
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null; then
+  exit 0
+fi
+if ! python3 -c "import venv, ensurepip" 2> /dev/null; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  (DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends python3-venv > /dev/null 2>&1) || true
+fi
+echo "[setup] creating $VENV for crosskv-capture (torch, transformers; a few minutes the first time)"
+rm -rf "$VENV"
+if /usr/bin/python3 -m venv "$VENV" && "$VENV/bin/pip" install -q --disable-pip-version-check "${REQ[@]}" \
+     > "$ROOT/.venv-capture.log" 2>&1; then
+  echo "[setup] crosskv-capture ready: tools/capture/crosskv-capture --help"
+else
+  echo "[setup] could not install the capture environment (see .venv-capture.log): its tests will be SKIPPED"
+  rm -rf "$VENV"
+fi
+exit 0
