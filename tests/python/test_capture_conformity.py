@@ -69,6 +69,10 @@ for name, (cls, cfg) in MODELS.items():
                        str(stride), "--dtype", dtype, "--out", out, "--queries", "--batch", "2"])
         check(rc == 0, f"{name} {dtype}: capture")
         shard = f"{out}/shard-000.h5"
+        before = os.stat(shard).st_mtime_ns
+        rc = cap.main(["--model", path, "--text", "text.txt", "--seq-len", "96", "--n-seq", "3", "--stride",
+                       str(stride), "--dtype", dtype, "--out", out, "--queries", "--batch", "2"])
+        check(rc == 0 and os.stat(shard).st_mtime_ns == before, f"{name} {dtype}: a rerun keeps complete shards")
         subprocess.run([strip_bin, "--shard", shard, "--out", f"strip-{name}-{dtype}.h5"], check=True)
         with h5py.File(shard, "r") as f, h5py.File(f"strip-{name}-{dtype}.h5", "r") as s:
             spec = json.loads(f.attrs["kv_spec"])
