@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.hpp"
+#include "core/ridge.hpp"
 #include "core/rope.hpp"
 #include "io/shard.hpp"
 
@@ -14,16 +15,7 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-double mean_of(const std::vector<double>& v) {
-  double s = 0;
-  int n = 0;
-  for (double x : v)
-    if (!std::isnan(x)) {
-      s += x;
-      ++n;
-    }
-  return n ? s / n : kNaN;
-}
+double mean_of(const std::vector<double>& v) { return mean_ignoring_nan(v); }
 
 nlohmann::json num(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
 nlohmann::json nums(const std::vector<double>& v) {
