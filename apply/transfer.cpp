@@ -7,6 +7,22 @@
 
 namespace crosskv {
 
+void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::vector<int>& layers, int64_t F,
+                   const float* W, const float* b, int64_t G, int64_t rows, float* Y, int64_t YW,
+                   std::vector<float>& scratch) {
+  const int64_t K = static_cast<int64_t>(layers.size()) * F;
+  for (int64_t t = 0; t < rows; ++t) std::copy(b, b + G, Y + t * YW);
+  if (layers.size() == 1) {
+    be.matmul_acc(rows, F, G, X + layers[0] * F, XW, W, G, Y, YW);
+    return;
+  }
+  scratch.resize(rows * K);
+  for (int64_t t = 0; t < rows; ++t)
+    for (size_t j = 0; j < layers.size(); ++j)
+      std::copy_n(X + t * XW + layers[j] * F, F, scratch.data() + t * K + static_cast<int64_t>(j) * F);
+  be.matmul_acc(rows, K, G, scratch.data(), K, W, G, Y, YW);
+}
+
 Transfer::Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts)
     : m_(read_mapper_manifest(mapper_dir)), be_(be), opts_(opts), verified_(m_.target.n_layers, false) {
   // Both RoPE settings are checked (dynamic and unknown types are refused) before any data is touched.
@@ -30,12 +46,8 @@ void Transfer::release(int l) {
 void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out) {
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
   const int64_t XW = m_.source.n_layers * F, YW = m_.target.n_layers * G;
-  const auto& W = keys ? w.wk : w.wv;
-  const auto& b = keys ? w.bk : w.bv;
-  float* Y = out + int64_t{w.target_layer} * G;
-  for (int64_t t = 0; t < rows; ++t) std::copy(b.begin(), b.end(), Y + t * YW);
-  for (size_t j = 0; j < w.source_layers.size(); ++j)
-    be_.matmul_acc(rows, F, G, X + w.source_layers[j] * F, XW, W.data() + static_cast<int64_t>(j) * F * G, G, Y, YW);
+  map_one_layer(be_, X, XW, w.source_layers, F, (keys ? w.wk : w.wv).data(), (keys ? w.bk : w.bv).data(), G, rows,
+                out + int64_t{w.target_layer} * G, YW, scratch_);
 }
 
 void Transfer::map_content(bool keys, const float* X, int64_t rows, float* out) {

@@ -18,6 +18,12 @@ struct TransferOptions {
   bool verify = true;        // check each layer file's SHA-256 the first time it is read
 };
 
+// One target layer of one kind: Y[rows, G] (row stride YW) = X[:, selected source layers] W + b. The selected
+// layers' columns are gathered into `scratch` first, so the product is one GEMM over k*F features.
+void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::vector<int>& layers, int64_t F,
+                   const float* W, const float* b, int64_t G, int64_t rows, float* Y, int64_t YW,
+                   std::vector<float>& scratch);
+
 class Transfer {
  public:
   // Reads and validates the manifest now; layer files when first needed.
@@ -48,6 +54,7 @@ class Transfer {
   TransferOptions opts_;
   std::map<int, MapperLayer> loaded_;
   std::vector<bool> verified_;
+  std::vector<float> scratch_;
   int64_t loads_ = 0;
 };
 

@@ -13,6 +13,7 @@
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
+#include "apply/transfer.hpp"
 
 using namespace crosskv;
 using Clock = std::chrono::steady_clock;
@@ -90,16 +91,12 @@ int main(int argc, char** argv) {
     for (auto& x : Xv) x = nd(rng);
     std::vector<int32_t> pos(T);
     for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t);
-    auto one = [&] {
-      for (int64_t t = 0; t < T; ++t) {
-        std::memcpy(Yk.data() + t * G, bk.data(), G * sizeof(float));
-        std::memcpy(Yv.data() + t * G, bv.data(), G * sizeof(float));
-      }
-      for (int j = 0; j < k; ++j) {
-        const int a = (j * Ls) / k;  // spread over the source layers
-        be->matmul_acc(T, F, G, Xk.data() + a * F, XW, Wk.data() + j * F * G, G, Yk.data(), G);
-        be->matmul_acc(T, F, G, Xv.data() + a * F, XW, Wv.data() + j * F * G, G, Yv.data(), G);
-      }
+    std::vector<int> layers;
+    for (int j = 0; j < k; ++j) layers.push_back((j * Ls) / k);  // spread over the source layers
+    std::vector<float> scratch;
+    auto one = [&] {  // what Transfer does for one target layer
+      map_one_layer(*be, Xk.data(), XW, layers, F, Wk.data(), bk.data(), G, T, Yk.data(), G, scratch);
+      map_one_layer(*be, Xv.data(), XW, layers, F, Wv.data(), bv.data(), G, T, Yv.data(), G, scratch);
       rope.apply_block(Yk.data(), T, H, pos.data());
     };
     one();
