@@ -56,8 +56,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "crosskv-fit: error: missing CONFIG.yaml (see --help)\n");
     return 2;
   }
+  install_stop_signal_handlers();  // before MPI_Init, which can take seconds: a signal then is still a clean stop
   MpiSession mpi(&argc, &argv);
-  install_stop_signal_handlers();
   std::unique_ptr<Comm> comm = make_mpi_comm();
   setup_logging(comm->rank(), comm->size(), log_level);
   const int world = comm->size();

@@ -57,8 +57,10 @@ same ref random
 
 # SIGTERM (and Slurm's SIGUSR1): exit 75 for the batch script to requeue; then resume.
 cfg term
-"$FIT" term.yaml > run.log 2> run.err & pid=$!
-for _ in $(seq 50); do [ -f term/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
+# The pause hook holds the run after its first commit until a signal comes, so the signal never races its end.
+CROSSKV_FAULT=pause_after_commit:1 "$FIT" term.yaml > run.log 2> run.err & pid=$!
+for _ in $(seq 1200); do [ -f term/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
+[ -f term/checkpoint/domain-web/commit-1.json ] || { kill -9 $pid; cat run.log run.err; die "no commit within 60 s"; }
 kill -TERM $pid; set +e; wait $pid; rc=$?; set -e
 [ "$rc" = 75 ] || { cat run.log run.err; die "SIGTERM: exit $rc, expected 75 (requeue)"; }
 expect_in "interrupted" run.err
