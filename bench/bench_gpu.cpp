@@ -68,10 +68,12 @@ int main(int argc, char** argv) {
   // Baseline: the backend's cuBLAS SGEMM on staged inputs into one resident [F x G] sum, repeated.
   const int64_t F = d.F(), G = d.G();
   std::vector<float> C(F * G, 0.0f);
-  be->stage_inputs({{X.data(), rows * d.X()}, {Y.data(), rows * d.Y()}});
+  be->begin_inputs();
+  be->stage_inputs({ComputeBackend::floats(X.data(), rows * d.X()), ComputeBackend::floats(Y.data(), rows * d.Y())});
   be->cross_acc(rows, F, G, X.data(), d.X(), Y.data(), d.Y(), C.data(), G);  // warm-up
   be->flush();
-  be->stage_inputs({{X.data(), rows * d.X()}, {Y.data(), rows * d.Y()}});
+  be->begin_inputs();
+  be->stage_inputs({ComputeBackend::floats(X.data(), rows * d.X()), ComputeBackend::floats(Y.data(), rows * d.Y())});
   const int reps = 50;
   auto t0 = Clock::now();
   for (int r = 0; r < reps; ++r)

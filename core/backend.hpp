@@ -4,25 +4,58 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace crosskv {
+
+class Rope;
 
 class ComputeBackend {
  public:
   virtual ~ComputeBackend() = default;
   virtual std::string name() const = 0;
 
-  // Where the operands live. A device backend keeps every sum passed as C resident on the device from its first
-  // use until flush(), which makes the host copies current and drops the residency: call flush() before reading,
-  // packing or changing sums on the host. stage_inputs() names the host arrays that hold the coming calls' A and B
-  // operands (one block of rows), so a device backend copies each once, asynchronously, into one of two buffers.
-  // Host backends ignore both.
+  // Where the operands live. A device backend keeps every sum passed as C (or to column_stats) resident on the
+  // device from its first use until flush(), which makes the host copies current and drops the residency: call
+  // flush() before reading, packing or changing sums on the host.
+  // Inputs come in rounds (one block of rows): begin_inputs() starts one; stage_inputs() names host arrays that the
+  // round's calls read (a device backend copies each once, asynchronously, into one of two buffer sets); prepare()
+  // and gather_heads() return operands made by the backend (a device backend makes them on the device). Operands
+  // stay valid until the next round but one. Host backends ignore staging.
   struct HostSpan {
-    const float* data;
-    int64_t count;
+    const void* data;
+    int64_t bytes;
   };
+  static HostSpan floats(const float* p, int64_t count) { return {p, count * 4}; }
+  virtual void begin_inputs() {}
   virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
   virtual void flush() {}
+  // True when prepare() and gather_heads() make their results on the device (the host vectors are then left alone).
+  virtual bool prepares_on_device() const { return false; }
+
+  // Stored values of one block as read from a shard, staged: [rows x cols] of bf16 / fp16 bits or fp32.
+  enum class Stored { f32, f16, bf16 };
+  struct StoredBlock {
+    const void* data;
+    Stored dtype;
+    int64_t rows, cols;
+  };
+  // RoPE to strip from keys (SPEC §2): `rope` per head of every row, at the row's position (a staged int32 array).
+  struct Strip {
+    const Rope* rope;
+    const int32_t* positions;
+  };
+  // The moments' inputs from stored values in one pass (SPEC §2-3): fp32, RoPE stripped (strip may be null), minus
+  // shift[cols]. Returns the operand: `host` (resized, filled) on a host backend, device memory on a device one.
+  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, std::vector<float>& host);
+  // Head-major copy of X [rows x L*H*D]: out[t, (h*L + a)*D + j] = X[t, a*H*D + h*D + j]. Returns the operand.
+  virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host);
+  // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 sums, resident like C).
+  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq);
+  // Copies `count` values of an operand (or a staged host array) of the current round to `host` (tests, diagnostics).
+  virtual void download(const float* operand, int64_t count, float* host);
+  // fp32 -> bf16 or fp16 bits (round to nearest even, NaN kept), for export.
+  virtual void to_half(const float* in, int64_t n, bool bf16, uint16_t* out);
 
   // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
@@ -41,6 +74,11 @@ class ComputeBackend {
   virtual void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                                 int64_t ldb) = 0;
 };
+
+// prepare() on the host: the CPU backend's, the reference for device backends, and what a reader thread runs when
+// the backend prepares on the host (it is thread-safe).
+const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
+                             const float* shift, std::vector<float>& host);
 
 std::unique_ptr<ComputeBackend> make_cpu_backend();
 // Defined in cuda/: the CUDA backend on `device` (rank `rank` names it in messages; tf32 lets cuBLAS use TF32

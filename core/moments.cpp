@@ -68,39 +68,27 @@ void Moments::add_plan(const MomentPlan& plan) {
 }
 
 void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
-  const bool first_pass = !stats_done_;
-  const int64_t XW = d_.X(), YW = d_.Y(), F = d_.F(), G = d_.G();
+  const int64_t XW = d_.X(), YW = d_.Y();
   for (int64_t t = 0; t < rows; ++t) {
-    float* x = X + t * XW;
-    float* y = Y + t * YW;
-    for (int64_t c = 0; c < XW; ++c) x[c] -= shift_x_[c];
-    for (int64_t c = 0; c < YW; ++c) y[c] -= shift_y_[c];
-    if (first_pass) {
-      for (int64_t c = 0; c < XW; ++c) sum_x_[c] += x[c];
-      for (int64_t c = 0; c < YW; ++c) {
-        sum_y_[c] += y[c];
-        sq_y_[c] += static_cast<double>(y[c]) * y[c];
-      }
-    }
+    for (int64_t c = 0; c < XW; ++c) X[t * XW + c] -= shift_x_[c];
+    for (int64_t c = 0; c < YW; ++c) Y[t * YW + c] -= shift_y_[c];
   }
-  if (first_pass) n_ += static_cast<double>(rows);
-  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-  if (head_live_) {
-    // Head-major copies: source head h of every layer side by side, likewise for the targets.
-    hx_.resize(rows * XW);
-    hy_.resize(rows * YW);
-    for (int64_t t = 0; t < rows; ++t)
-      for (int a = 0; a < Ls; ++a)
-        for (int h = 0; h < H; ++h)
-          std::copy_n(X + t * XW + a * F + int64_t{h} * Ds, Ds, hx_.data() + t * XW + (int64_t{h} * Ls + a) * Ds);
-    for (int64_t t = 0; t < rows; ++t)
-      for (int l = 0; l < Lt; ++l)
-        for (int h = 0; h < H; ++h)
-          std::copy_n(Y + t * YW + l * G + int64_t{h} * Dt, Dt, hy_.data() + t * YW + (int64_t{h} * Lt + l) * Dt);
-    be.stage_inputs({{X, rows * XW}, {Y, rows * YW}, {hx_.data(), rows * XW}, {hy_.data(), rows * YW}});
-  } else {
-    be.stage_inputs({{X, rows * XW}, {Y, rows * YW}});
+  be.begin_inputs();
+  be.stage_inputs({ComputeBackend::floats(X, rows * XW), ComputeBackend::floats(Y, rows * YW)});
+  accumulate_staged(be, X, Y, rows);
+}
+
+void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows) {
+  const int64_t XW = d_.X(), YW = d_.Y(), F = d_.F(), G = d_.G();
+  if (!stats_done_) {
+    be.column_stats(rows, XW, X, XW, sum_x_.data(), nullptr);
+    be.column_stats(rows, YW, Y, YW, sum_y_.data(), sq_y_.data());
+    n_ += static_cast<double>(rows);
   }
+  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds;
+  // Head-major copies: source head h of every layer side by side, likewise for the targets.
+  const float* hx = head_live_ ? be.gather_heads(rows, Ls, H, Ds, X, hx_) : nullptr;
+  const float* hy = head_live_ ? be.gather_heads(rows, Lt, d_.Ht, d_.Dt, Y, hy_) : nullptr;
   for (const auto& [p, i] : gram_idx_) {
     if (!gram_live_[i]) continue;
     if (p.first == p.second)
@@ -115,8 +103,8 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
   if (head_live_) {
     for (int h = 0; h < H; ++h)
       if (!head_cross_[h].empty())
-        be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * Dt, hx_.data() + int64_t{h} * Ls * Ds, XW,
-                     hy_.data() + int64_t{h} * Lt * Dt, YW, head_cross_[h].data(), int64_t{Lt} * Dt);
+        be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * d_.Dt, hx + int64_t{h} * Ls * Ds, XW,
+                     hy + int64_t{h} * Lt * d_.Dt, YW, head_cross_[h].data(), int64_t{Lt} * d_.Dt);
     for (int a = 0; a < Ls; ++a)
       for (int h = 0; h < H; ++h)
         if (!head_cross_[h].empty())

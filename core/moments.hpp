@@ -47,6 +47,9 @@ class Moments {
   // Token sums and target variances are accumulated in the first pass only. With a device backend the sums stay on
   // the device until be.flush().
   void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows);
+  // The same for inputs already shifted (by shift_x()/shift_y()) and staged or prepared in the backend's current
+  // round (ComputeBackend::begin_inputs): X and Y are the backend's operands, possibly device memory.
+  void accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows);
   // Ends a pass: sums the pass's blocks over ranks and marks them complete.
   void finish_pass(Comm& comm);
 

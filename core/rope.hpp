@@ -16,6 +16,9 @@ class Rope {
   double attention_factor() const { return attention_factor_; }
   bool identity() const { return identity_; }
   int half() const { return rotary_dim_ / 2; }
+  int head_dim() const { return head_dim_; }
+  int rotary_dim() const { return rotary_dim_; }
+  RopeConvention convention() const { return convention_; }
 
   // cos/sin of position `pos` for each frequency (rotary_dim/2 values each); angles in fp64.
   void angles(int64_t pos, float* cos_out, float* sin_out) const;

@@ -10,7 +10,9 @@
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
+#include "core/rope.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/kernels.hpp"
 
 namespace crosskv {
 namespace cuda {
@@ -58,9 +60,64 @@ class DeviceBuffer {
   size_t cap_ = 0;
 };
 
+// A bump allocator over pinned host or device chunks, reset once per round of inputs. A round that outgrew it leaves
+// several chunks; the next reset replaces them by one chunk of the total, so steady state is one allocation.
+class Arena {
+ public:
+  Arena(bool pinned, const Where& where) : pinned_(pinned), where_(where) {}
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena() { release(); }
+  void* alloc(size_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;
+    if (chunks_.empty() || chunks_.back().used + bytes > chunks_.back().cap) {
+      Chunk c;
+      c.cap = std::max(bytes, chunks_.empty() ? size_t{64} << 20 : chunks_.back().cap);
+      if (pinned_)
+        CK(cudaMallocHost(&c.p, c.cap), dims({{"pinned bytes", static_cast<int64_t>(c.cap)}}));
+      else
+        CK(cudaMalloc(&c.p, c.cap), dims({{"device bytes", static_cast<int64_t>(c.cap)}}));
+      chunks_.push_back(c);
+    }
+    Chunk& c = chunks_.back();
+    void* p = static_cast<char*>(c.p) + c.used;
+    c.used += bytes;
+    return p;
+  }
+  // Only once nothing reads the memory any more.
+  void reset() {
+    if (chunks_.size() > 1) {
+      size_t total = 0;
+      for (const Chunk& c : chunks_) total += c.used;
+      release();
+      alloc(total);
+    }
+    if (!chunks_.empty()) chunks_.back().used = 0;
+  }
+  bool contains(const void* p, size_t bytes) const {
+    for (const Chunk& c : chunks_)
+      if (p >= c.p && static_cast<const char*>(p) + bytes <= static_cast<const char*>(c.p) + c.used) return true;
+    return false;
+  }
+
+ private:
+  struct Chunk {
+    void* p = nullptr;
+    size_t cap = 0, used = 0;
+  };
+  void release() {
+    for (const Chunk& c : chunks_) pinned_ ? cudaFreeHost(c.p) : cudaFree(c.p);
+    chunks_.clear();
+  }
+  bool pinned_;
+  Where where_;
+  std::vector<Chunk> chunks_;
+};
+
 class CudaBackend final : public ComputeBackend {
  public:
-  CudaBackend(int device, int rank, bool tf32) : where_{rank, device} {
+  CudaBackend(int device, int rank, bool tf32)
+      : where_{rank, device}, slots_{Slot(where_), Slot(where_)} {
     int n = 0;
     const cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) n = 0;
@@ -91,9 +148,8 @@ class CudaBackend final : public ComputeBackend {
     cudaStreamSynchronize(compute_);
     cudaStreamSynchronize(copy_);
     for (auto& [h, s] : sums_) cudaFree(s.dev);
+    for (auto& [h, s] : dsums_) cudaFree(s.dev);
     for (auto& s : slots_) {
-      if (s.pinned) cudaFreeHost(s.pinned);
-      s.dev.release();
       cudaEventDestroy(s.copied);
       cudaEventDestroy(s.used);
     }
@@ -107,32 +163,93 @@ class CudaBackend final : public ComputeBackend {
 
   std::string name() const override { return name_; }
 
-  void stage_inputs(std::initializer_list<HostSpan> spans) override {
+  void begin_inputs() override {
     if (cur_ >= 0) CK(cudaEventRecord(slots_[cur_].used, compute_), "");
     cur_ = (cur_ + 1) % 2;
     Slot& s = slots_[cur_];
-    // The block before the previous one used these buffers; wait until its products are done.
+    // The round before the previous one used these buffers; wait until its products are done.
     CK(cudaEventSynchronize(s.used), "");
-    size_t total = 0;
-    for (const auto& sp : spans) total += static_cast<size_t>(sp.count);
-    if (total > s.cap) {
-      if (s.pinned) CK(cudaFreeHost(s.pinned), "");
-      s.pinned = nullptr;
-      CK(cudaMallocHost(&s.pinned, total * sizeof(float)), dims({{"bytes", static_cast<int64_t>(total * 4)}}));
-      s.cap = total;
-    }
-    float* dev = s.dev.get(total, where_);
+    s.host.reset();
+    s.dev.reset();
     s.spans.clear();
-    size_t at = 0;
+  }
+
+  void stage_inputs(std::initializer_list<HostSpan> spans) override {
+    CROSSKV_ASSERT(cur_ >= 0, "CUDA backend: stage_inputs before begin_inputs");
+    Slot& s = slots_[cur_];
     for (const auto& sp : spans) {
-      std::memcpy(s.pinned + at, sp.data, static_cast<size_t>(sp.count) * sizeof(float));
-      s.spans.push_back({sp.data, sp.count, at});
-      at += static_cast<size_t>(sp.count);
+      const size_t bytes = static_cast<size_t>(sp.bytes);
+      void* pinned = s.host.alloc(bytes);
+      void* dev = s.dev.alloc(bytes);
+      std::memcpy(pinned, sp.data, bytes);
+      CK(cudaMemcpyAsync(dev, pinned, bytes, cudaMemcpyHostToDevice, copy_), dims({{"bytes", sp.bytes}}));
+      s.spans.push_back({static_cast<const char*>(sp.data), bytes, static_cast<char*>(dev)});
     }
-    CK(cudaMemcpyAsync(dev, s.pinned, total * sizeof(float), cudaMemcpyHostToDevice, copy_),
-       dims({{"bytes", static_cast<int64_t>(total * 4)}}));
     CK(cudaEventRecord(s.copied, copy_), "");
     CK(cudaStreamWaitEvent(compute_, s.copied, 0), "");
+  }
+
+  bool prepares_on_device() const override { return true; }
+
+  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+                       std::vector<float>& host) override {
+    const size_t elt = in.dtype == Stored::f32 ? 4 : 2, n = static_cast<size_t>(in.rows * in.cols);
+    const std::string ops = dims({{"rows", in.rows}, {"cols", in.cols}, {"bytes per value", static_cast<int64_t>(elt)}});
+    const void* d_in = operand(in.data, n * elt);
+    float* out = static_cast<float*>(slots_[cur_].dev.alloc(n * 4));
+    cuda::StripArgs sa;
+    if (strip && !strip->rope->identity()) {
+      const Rope& r = *strip->rope;
+      CROSSKV_ASSERT(in.cols % r.head_dim() == 0, "prepare: row width is not a multiple of head_dim");
+      sa.inv_freq = static_cast<const double*>(upload(r.inv_freq().data(), r.inv_freq().size() * sizeof(double)));
+      sa.positions = static_cast<const int32_t*>(operand(strip->positions, static_cast<size_t>(in.rows) * 4));
+      sa.head_dim = r.head_dim();
+      sa.rotary_dim = r.rotary_dim();
+      sa.interleaved = r.convention() == RopeConvention::interleaved;
+      sa.inv_attention = static_cast<float>(1.0 / r.attention_factor());
+    }
+    const float* d_shift = shift ? static_cast<const float*>(upload(shift, static_cast<size_t>(in.cols) * 4)) : nullptr;
+    const auto kind = in.dtype == Stored::f32   ? cuda::StoredKind::f32
+                      : in.dtype == Stored::f16 ? cuda::StoredKind::f16
+                                                : cuda::StoredKind::bf16;
+    CK(cuda::launch_prepare(d_in, kind, in.rows, in.cols, sa, d_shift, out, compute_), "prepare kernel, " + ops);
+    return out;
+  }
+
+  const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) override {
+    const size_t n = static_cast<size_t>(rows * L * H * D);
+    const float* d_x = static_cast<const float*>(operand(X, n * 4));
+    float* out = static_cast<float*>(slots_[cur_].dev.alloc(n * 4));
+    CK(cuda::launch_gather_heads(d_x, rows, L, H, D, out, compute_),
+       "gather_heads kernel, " + dims({{"rows", rows}, {"L", L}, {"H", H}, {"D", D}}));
+    return out;
+  }
+
+  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) override {
+    if (rows == 0 || cols == 0) return;
+    const float* d_x = static_cast<const float*>(operand(X, static_cast<size_t>((rows - 1) * ldx + cols) * 4));
+    double* d_sum = resident(sum, cols);
+    double* d_sq = sumsq ? resident(sumsq, cols) : nullptr;
+    CK(cuda::launch_column_stats(d_x, rows, cols, ldx, d_sum, d_sq, compute_),
+       "column_stats kernel, " + dims({{"rows", rows}, {"cols", cols}, {"ldx", ldx}}));
+  }
+
+  void download(const float* p, int64_t count, float* host) override {
+    const void* d = operand(p, static_cast<size_t>(count) * 4);
+    CK(cudaMemcpyAsync(host, d, static_cast<size_t>(count) * 4, cudaMemcpyDeviceToHost, compute_),
+       dims({{"elements", count}}));
+    CK(cudaStreamSynchronize(compute_), dims({{"elements", count}}));
+  }
+
+  void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) override {
+    if (n == 0) return;
+    const std::string ops = dims({{"n", n}});
+    float* d = apply_.get(static_cast<size_t>(n) + static_cast<size_t>(n + 1) / 2, where_);
+    uint16_t* d_out = reinterpret_cast<uint16_t*>(d + n);
+    CK(cudaMemcpyAsync(d, in, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, compute_), ops);
+    CK(cuda::launch_to_half(d, n, bf16, d_out, compute_), "to_half kernel, " + ops);
+    CK(cudaMemcpyAsync(out, d_out, static_cast<size_t>(n) * 2, cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
   }
 
   void flush() override {
@@ -140,16 +257,21 @@ class CudaBackend final : public ComputeBackend {
     for (auto& [host, s] : sums_)
       CK(cudaMemcpyAsync(host, s.dev, s.count * sizeof(float), cudaMemcpyDeviceToHost, compute_),
          dims({{"elements", s.count}}));
+    for (auto& [host, s] : dsums_)
+      CK(cudaMemcpyAsync(host, s.dev, s.count * sizeof(double), cudaMemcpyDeviceToHost, compute_),
+         dims({{"elements", s.count}}));
     CK(cudaStreamSynchronize(compute_), "");
     for (auto& [host, s] : sums_) CK(cudaFree(s.dev), "");
+    for (auto& [host, s] : dsums_) CK(cudaFree(s.dev), "");
     sums_.clear();
+    dsums_.clear();
   }
 
   void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
                  float* C, int64_t ldc) override {
     if (rows == 0 || m == 0 || n == 0) return;
-    const float* dA = staged(A, (rows - 1) * lda + m);
-    const float* dB = staged(B, (rows - 1) * ldb + n);
+    const float* dA = static_cast<const float*>(operand(A, static_cast<size_t>((rows - 1) * lda + m) * 4));
+    const float* dB = static_cast<const float*>(operand(B, static_cast<size_t>((rows - 1) * ldb + n) * 4));
     float* dC = resident(C, (m - 1) * ldc + n);
     const float one = 1.0f;
     // Row-major C[m x n] += A^T B is column-major C' [n x m] += B' A'^T.
@@ -177,7 +299,7 @@ class CudaBackend final : public ComputeBackend {
 
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     if (rows == 0 || m == 0) return;
-    const float* dA = staged(A, (rows - 1) * lda + m);
+    const float* dA = static_cast<const float*>(operand(A, static_cast<size_t>((rows - 1) * lda + m) * 4));
     float* dC = resident(C, (m - 1) * ldc + m);
     const float one = 1.0f;
     // Row-major upper triangle of A^T A = column-major lower triangle of A' A'^T.
@@ -229,42 +351,58 @@ class CudaBackend final : public ComputeBackend {
 
  private:
   struct Span {
-    const float* host;
-    int64_t count;
-    size_t offset;
+    const char* host;
+    size_t bytes;
+    char* dev;
   };
   struct Slot {
-    float* pinned = nullptr;
-    size_t cap = 0;
-    DeviceBuffer<float> dev;
+    explicit Slot(const Where& w) : host(true, w), dev(false, w) {}
+    Arena host, dev;  // pinned staging and device memory of this round's inputs and products
     std::vector<Span> spans;
     cudaEvent_t copied{}, used{};
   };
+  template <class T>
   struct Sum {
-    float* dev;
+    T* dev;
     int64_t count;
   };
 
-  const float* staged(const float* host, int64_t extent) {
-    CROSSKV_ASSERT(cur_ >= 0, "CUDA backend: an operand was not staged (stage_inputs)");
-    Slot& s = slots_[cur_];
-    float* dev = s.dev.get(0, where_);
+  // The device address of an operand of this round: a staged host array, or a product made on the device.
+  const void* operand(const void* p, size_t bytes) {
+    CROSSKV_ASSERT(cur_ >= 0, "CUDA backend: an operand was not staged (begin_inputs)");
+    const Slot& s = slots_[cur_];
+    const char* c = static_cast<const char*>(p);
     for (const Span& sp : s.spans)
-      if (host >= sp.host && host + extent <= sp.host + sp.count) return dev + sp.offset + (host - sp.host);
-    CROSSKV_ASSERT(false, "CUDA backend: an operand lies outside the staged inputs");
+      if (c >= sp.host && c + bytes <= sp.host + sp.bytes) return sp.dev + (c - sp.host);
+    if (s.dev.contains(p, bytes)) return p;
+    CROSSKV_ASSERT(false, "CUDA backend: an operand lies outside this round's inputs (" +
+                              dims({{"bytes", static_cast<int64_t>(bytes)}}) + ")");
     return nullptr;
   }
 
-  float* resident(float* host, int64_t count) {
-    auto it = sums_.find(host);
-    if (it != sums_.end()) {
+  // A small host array copied to the device in stream order (shifts, frequency tables).
+  const void* upload(const void* host, size_t bytes) {
+    Slot& s = slots_[cur_];
+    void* pinned = s.host.alloc(bytes);
+    void* dev = s.dev.alloc(bytes);
+    std::memcpy(pinned, host, bytes);
+    CK(cudaMemcpyAsync(dev, pinned, bytes, cudaMemcpyHostToDevice, compute_), dims({{"bytes", static_cast<int64_t>(bytes)}}));
+    return dev;
+  }
+
+  float* resident(float* host, int64_t count) { return resident_in(sums_, host, count); }
+  double* resident(double* host, int64_t count) { return resident_in(dsums_, host, count); }
+  template <class T>
+  T* resident_in(std::unordered_map<T*, Sum<T>>& sums, T* host, int64_t count) {
+    auto it = sums.find(host);
+    if (it != sums.end()) {
       CROSSKV_ASSERT(it->second.count >= count, "CUDA backend: a resident sum grew");
       return it->second.dev;
     }
-    float* dev = nullptr;
-    CK(cudaMalloc(&dev, count * sizeof(float)), dims({{"elements", count}}));
-    CK(cudaMemcpyAsync(dev, host, count * sizeof(float), cudaMemcpyHostToDevice, compute_), dims({{"elements", count}}));
-    sums_.emplace(host, Sum{dev, count});
+    T* dev = nullptr;
+    CK(cudaMalloc(&dev, count * sizeof(T)), dims({{"elements", count}}));
+    CK(cudaMemcpyAsync(dev, host, count * sizeof(T), cudaMemcpyHostToDevice, compute_), dims({{"elements", count}}));
+    sums.emplace(host, Sum<T>{dev, count});
     return dev;
   }
 
@@ -323,7 +461,8 @@ class CudaBackend final : public ComputeBackend {
   cusolverDnParams_t params_{};
   Slot slots_[2];
   int cur_ = -1;
-  std::unordered_map<float*, Sum> sums_;
+  std::unordered_map<float*, Sum<float>> sums_;
+  std::unordered_map<double*, Sum<double>> dsums_;
   std::vector<std::unique_ptr<DeviceFactor>> factors_;
   DeviceBuffer<double> other_, rhs_;
   DeviceBuffer<float> apply_;

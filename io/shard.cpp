@@ -105,8 +105,8 @@ h5::Handle row_selection(hid_t dset, int64_t t0, int64_t count, int64_t stride, 
 
 }  // namespace
 
-void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, int64_t stride, float* out,
-                            std::vector<uint16_t>& raw) const {
+StoredDtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_t count, int64_t stride,
+                                     std::vector<float>& f32, std::vector<uint16_t>& u16) const {
   const std::string where = h_.path + ":" + name;
   CROSSKV_ASSERT(count > 0 && t0 >= 0 && t0 + (count - 1) * stride < h_.tokens, "row range out of bounds: " + where);
   h5::Handle d = h5::open_dataset(file_, name, h_.path);
@@ -121,23 +121,36 @@ void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, 
   const size_t n = static_cast<size_t>(count * row);
   herr_t rc;
   if (dt == StoredDtype::f32) {
-    rc = H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, out);
+    f32.resize(n);
+    rc = H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, f32.data());
   } else {
-    raw.resize(n);
+    u16.resize(n);
     if (dt == StoredDtype::bf16) {
-      rc = H5Dread(d, H5T_NATIVE_UINT16, mspace, fspace, H5P_DEFAULT, raw.data());
+      rc = H5Dread(d, H5T_NATIVE_UINT16, mspace, fspace, H5P_DEFAULT, u16.data());
     } else {
       h5::Handle ft(H5Dget_type(d), H5Tclose);
-      rc = H5Dread(d, ft, mspace, fspace, H5P_DEFAULT, raw.data());
+      rc = H5Dread(d, ft, mspace, fspace, H5P_DEFAULT, u16.data());
     }
   }
   if (rc < 0)
     throw InputError(h_.path + ": cannot read tokens " + std::to_string(t0) + ".." +
                      std::to_string(t0 + (count - 1) * stride) + " of dataset '" + name +
                      "' (truncated or corrupt file?)");
+  return dt;
+}
+
+void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, int64_t stride, float* out,
+                            std::vector<uint16_t>& raw) const {
+  std::vector<float> f32;
+  const StoredDtype dt = read_stored(name, t0, count, stride, f32, raw);
+  if (dt == StoredDtype::f32) {
+    std::copy(f32.begin(), f32.end(), out);
+    return;
+  }
+  const size_t n = raw.size();
   if (dt == StoredDtype::bf16)
     for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(raw[i]);
-  else if (dt == StoredDtype::f16)
+  else
     for (size_t i = 0; i < n; ++i) out[i] = fp16_to_float(raw[i]);
 }
 

@@ -36,6 +36,9 @@ class ShardReader {
   // `raw` is scratch for the stored bytes.
   void read_rows(const std::string& dataset, int64_t t0, int64_t count, int64_t stride, float* out,
                  std::vector<uint16_t>& raw) const;
+  // The same rows as stored, without conversion: fp32 into f32, bf16/fp16 bits into u16 (the other is left alone).
+  StoredDtype read_stored(const std::string& dataset, int64_t t0, int64_t count, int64_t stride,
+                          std::vector<float>& f32, std::vector<uint16_t>& u16) const;
   // The same rows of `positions`.
   void read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const;
 

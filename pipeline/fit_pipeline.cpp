@@ -465,7 +465,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   for (const auto& k : plan.ks) counts.push_back(k.count);
   // Target layers go to their layer group, and within it round-robin to its readers; every rank writes its layers'
   // files, rank 0 collects their manifest entries and writes the manifests last.
-  ArtifactWriter writer(cal, plan, ctx.comm.rank());
+  ArtifactWriter writer(cal, plan, ctx.backend, ctx.comm.rank());
   if (root) writer.begin();
   ctx.comm.barrier();
   std::vector<int> my_layers;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "core/backend.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/half.hpp"
@@ -33,7 +34,7 @@ struct Converted {
   size_t bytes;
 };
 
-Converted convert(const std::vector<float>& w, WeightDtype d) {
+Converted convert(ComputeBackend& be, const std::vector<float>& w, WeightDtype d) {
   Converted c;
   if (d == WeightDtype::fp32) {
     c.dtype = "F32";
@@ -43,7 +44,7 @@ Converted convert(const std::vector<float>& w, WeightDtype d) {
   }
   c.dtype = d == WeightDtype::bf16 ? "BF16" : "F16";
   c.half.resize(w.size());
-  for (size_t i = 0; i < w.size(); ++i) c.half[i] = d == WeightDtype::bf16 ? float_to_bf16(w[i]) : float_to_fp16(w[i]);
+  be.to_half(w.data(), static_cast<int64_t>(w.size()), d == WeightDtype::bf16, c.half.data());
   c.data = c.half.data();
   c.bytes = c.half.size() * 2;
   return c;
@@ -57,8 +58,8 @@ std::string layer_file(int l) {
 
 }  // namespace
 
-ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
-    : cal_(cal), plan_(plan), layers_(plan.ks.size(), nlohmann::json::array()), rank_(rank) {}
+ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, ComputeBackend& be, int rank)
+    : cal_(cal), plan_(plan), be_(be), layers_(plan.ks.size(), nlohmann::json::array()), rank_(rank) {}
 
 std::string ArtifactWriter::final_dir(const KPlan& k) const { return (fs::path(cal_.cfg.output_dir) / ("k" + k.label)).string(); }
 std::string ArtifactWriter::partial_dir(const KPlan& k) const { return final_dir(k) + ".partial"; }
@@ -81,7 +82,7 @@ void ArtifactWriter::write_layer(int l, const std::vector<LayerFit>& fk, const s
   for (size_t i = 0; i < plan_.ks.size(); ++i) {
     const KPlan& k = plan_.ks[i];
     CROSSKV_ASSERT(fk[i].k == k.count && fv[i].k == k.count && fk[i].layers == fv[i].layers, "fit/plan mismatch");
-    const Converted wk = convert(fk[i].W, cal_.cfg.dtype), wv = convert(fv[i].W, cal_.cfg.dtype);
+    const Converted wk = convert(be_, fk[i].W, cal_.cfg.dtype), wv = convert(be_, fv[i].W, cal_.cfg.dtype);
     const std::vector<int64_t> wshape = {k.features, d.G()}, bshape = {d.G()};
     std::string layers_csv;
     for (int a : fk[i].layers) layers_csv += (layers_csv.empty() ? "" : ",") + std::to_string(a);

@@ -13,9 +13,12 @@
 
 namespace crosskv {
 
+class ComputeBackend;
+
 class ArtifactWriter {
  public:
-  ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank = 0);
+  // `be` converts weights to bf16/fp16 (on the device where there is one).
+  ArtifactWriter(const Calibration& cal, const FitPlan& plan, ComputeBackend& be, int rank = 0);
   void begin();
   // fits_k[i] / fits_v[i] belong to plan.ks[i].
   void write_layer(int l, const std::vector<LayerFit>& fits_k, const std::vector<LayerFit>& fits_v);
@@ -30,6 +33,7 @@ class ArtifactWriter {
   std::string partial_dir(const KPlan& k) const;
   const Calibration& cal_;
   const FitPlan& plan_;
+  ComputeBackend& be_;
   std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
   int rank_ = 0;
   int64_t files_ = 0;  // files written, for the kill_in_export fault hook

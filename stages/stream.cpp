@@ -6,63 +6,114 @@
 #include <optional>
 #include <thread>
 
+#include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "stages/grid.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/rope.hpp"
 #include "io/shard.hpp"
 #include "stages/checkpoint.hpp"
+#include "stages/grid.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {
 namespace {
 
+// One dataset of one block as stored: fp32 in f32, bf16/fp16 bits in u16.
+struct Stored {
+  StoredDtype dtype = StoredDtype::f32;
+  std::vector<float> f32;
+  std::vector<uint16_t> u16;
+  int64_t cols = 0;
+  ComputeBackend::StoredBlock block(int64_t rows) const {
+    using S = ComputeBackend::Stored;
+    const S t = dtype == StoredDtype::f32 ? S::f32 : dtype == StoredDtype::f16 ? S::f16 : S::bf16;
+    return {dtype == StoredDtype::f32 ? static_cast<const void*>(f32.data()) : u16.data(), t, rows, cols};
+  }
+  ComputeBackend::HostSpan span() const {
+    return dtype == StoredDtype::f32 ? ComputeBackend::floats(f32.data(), static_cast<int64_t>(f32.size()))
+                                     : ComputeBackend::HostSpan{u16.data(), static_cast<int64_t>(u16.size() * 2)};
+  }
+};
+
+// A block of rows: stored keys and values of both sides and their positions; on a host backend also the moments'
+// inputs (fp32, keys RoPE-stripped, shifted), prepared by the reader thread.
 struct Block {
   int64_t rows = 0;
+  Stored sk, sv, tk, tv;
+  std::vector<int32_t> spos, tpos;
   std::vector<float> xk, xk_raw, xv, yk, yk_raw, yv;
 };
 
 struct Readers {
   const ShardPair* pair;
   ShardReader source, target;
-  std::vector<uint16_t> scratch;
-  std::vector<int32_t> pos;
 };
 
-void check_finite(const std::vector<float>& v, int64_t rows, int layers, int64_t per_layer, const std::string& path,
-                  const char* dataset, int64_t t0, int64_t stride) {
-  const int64_t row = layers * per_layer;
-  for (int64_t i = 0; i < rows * row; ++i)
-    if (!std::isfinite(v[i])) {
-      const int64_t t = i / row, layer = (i % row) / per_layer;
-      throw InputError(path + ": dataset '" + dataset + "' has " + (std::isnan(v[i]) ? "NaN" : "Inf") + " at layer " +
-                       std::to_string(layer) + ", token " + std::to_string(t0 + t * stride));
-    }
+// Non-finite values are found on the stored bits (an all-ones exponent), before any conversion.
+template <class U>
+int64_t first_nonfinite(const U* v, int64_t n, U exponent) {
+  U any = 0;
+  for (int64_t i = 0; i < n; ++i) any |= static_cast<U>(((v[i] & exponent) == exponent) ? 1 : 0);
+  if (!any) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if ((v[i] & exponent) == exponent) return i;
+  return -1;
 }
 
-// Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair; keys RoPE-stripped.
+void check_finite(const Stored& s, int64_t rows, int64_t per_layer, const std::string& path, const char* dataset,
+                  int64_t t0, int64_t stride) {
+  int64_t i;
+  bool nan;
+  if (s.dtype == StoredDtype::f32) {
+    const auto* u = reinterpret_cast<const uint32_t*>(s.f32.data());
+    i = first_nonfinite<uint32_t>(u, static_cast<int64_t>(s.f32.size()), 0x7f800000u);
+    nan = i >= 0 && (u[i] & 0x007fffffu) != 0;
+  } else {
+    const uint16_t exponent = s.dtype == StoredDtype::bf16 ? 0x7f80 : 0x7c00;
+    i = first_nonfinite<uint16_t>(s.u16.data(), static_cast<int64_t>(s.u16.size()), exponent);
+    nan = i >= 0 && (s.u16[i] & static_cast<uint16_t>(~exponent & 0x7fff)) != 0;
+  }
+  if (i < 0) return;
+  const int64_t t = i / s.cols, layer = (i % s.cols) / per_layer;
+  throw InputError(path + ": dataset '" + dataset + "' has " + (nan ? "NaN" : "Inf") + " at layer " +
+                   std::to_string(layer) + ", token " + std::to_string(t0 + t * stride));
+}
+
+// Shifts of the moments being accumulated (null: unshifted, for computing the shifts themselves).
+struct BlockShifts {
+  const float *xk, *yk, *xk_raw, *yk_raw, *xv, *yv;
+};
+
+// Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair as stored; with `host`, also prepares
+// the moments' inputs on the host (raw keys only when want_raw).
 void read_block(Readers& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
-                bool want_raw, Block& b) {
+                bool want_raw, const BlockShifts* host, Block& b) {
   const int64_t stride = cal.cfg.token_stride, t0 = j0 * stride;
   const PairDims d = cal.dims();
   b.rows = rows;
-  auto side = [&](ShardReader& sr, const Rope& rope, int layers, int heads, int64_t per_layer, std::vector<float>& k,
-                  std::vector<float>& raw, std::vector<float>& v) {
+  auto side = [&](ShardReader& sr, int64_t per_layer, int layers, Stored& k, Stored& v, std::vector<int32_t>& pos) {
     const std::string& path = sr.header().path;
-    k.resize(rows * layers * per_layer);
-    v.resize(rows * layers * per_layer);
-    sr.read_rows("keys", t0, rows, stride, k.data(), r.scratch);
-    check_finite(k, rows, layers, per_layer, path, "keys", t0, stride);
-    sr.read_rows("values", t0, rows, stride, v.data(), r.scratch);
-    check_finite(v, rows, layers, per_layer, path, "values", t0, stride);
-    if (want_raw) raw = k;
-    r.pos.resize(rows);
-    sr.read_positions(t0, rows, stride, r.pos.data());
-    rope.strip_block(k.data(), rows, int64_t{layers} * heads, r.pos.data());
+    k.cols = v.cols = layers * per_layer;
+    k.dtype = sr.read_stored("keys", t0, rows, stride, k.f32, k.u16);
+    check_finite(k, rows, per_layer, path, "keys", t0, stride);
+    v.dtype = sr.read_stored("values", t0, rows, stride, v.f32, v.u16);
+    check_finite(v, rows, per_layer, path, "values", t0, stride);
+    pos.resize(rows);
+    sr.read_positions(t0, rows, stride, pos.data());
   };
-  side(r.source, rs, d.Ls, d.Hs, d.F(), b.xk, b.xk_raw, b.xv);
-  side(r.target, rt, d.Lt, d.Ht, d.G(), b.yk, b.yk_raw, b.yv);
+  side(r.source, d.F(), d.Ls, b.sk, b.sv, b.spos);
+  side(r.target, d.G(), d.Lt, b.tk, b.tv, b.tpos);
+  if (!host) return;
+  const ComputeBackend::Strip ss{&rs, b.spos.data()}, st{&rt, b.tpos.data()};
+  prepare_on_host(b.sk.block(rows), &ss, host->xk, b.xk);
+  prepare_on_host(b.tk.block(rows), &st, host->yk, b.yk);
+  if (want_raw) {
+    prepare_on_host(b.sk.block(rows), nullptr, host->xk_raw, b.xk_raw);
+    prepare_on_host(b.tk.block(rows), nullptr, host->yk_raw, b.yk_raw);
+  }
+  prepare_on_host(b.sv.block(rows), nullptr, host->xv, b.xv);
+  prepare_on_host(b.tv.block(rows), nullptr, host->yv, b.yv);
 }
 
 // One producer thread reads blocks ahead; the consumer folds them in. HDF5 is only ever called from the producer.
@@ -137,11 +188,12 @@ std::vector<float> column_means(const std::vector<float>& v, int64_t rows, int64
 
 Shifts compute_shifts(const Calibration& cal) {
   const ShardPair& p = cal.shift_shard;
-  Readers r{&p, ShardReader(p.source_path), ShardReader(p.target_path), {}, {}};
+  Readers r{&p, ShardReader(p.source_path), ShardReader(p.target_path)};
   Rope rs(cal.source, p.source_path), rt(cal.target, p.target_path);
   const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
   Block b;
-  read_block(r, rs, rt, cal, 0, rows, true, b);
+  const BlockShifts none{};
+  read_block(r, rs, rt, cal, 0, rows, true, &none, b);
   const PairDims d = cal.dims();
   return {column_means(b.xk, rows, d.X()),     column_means(b.yk, rows, d.Y()), column_means(b.xk_raw, rows, d.X()),
           column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
@@ -169,6 +221,45 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
   Rope rs(cal.source, "source kv_spec"), rt(cal.target, "target kv_spec");
   const bool want_raw = k_rope != nullptr;
   const int64_t B = cal.cfg.block_tokens;
+  // A device backend converts, strips RoPE and shifts on the device (half the bytes to copy, no host arithmetic);
+  // otherwise the reader thread does it.
+  ComputeBackend& be = ctx.backend;
+  const bool on_device = be.prepares_on_device();
+  const BlockShifts shifts{k.shift_x().data(),
+                           k.shift_y().data(),
+                           want_raw ? k_rope->shift_x().data() : nullptr,
+                           want_raw ? k_rope->shift_y().data() : nullptr,
+                           v.shift_x().data(),
+                           v.shift_y().data()};
+  auto fold = [&](Block& b) {
+    be.begin_inputs();
+    const int64_t n = b.rows;
+    if (!on_device) {
+      be.stage_inputs({ComputeBackend::floats(b.xk.data(), n * d.X()), ComputeBackend::floats(b.yk.data(), n * d.Y()),
+                       ComputeBackend::floats(b.xv.data(), n * d.X()), ComputeBackend::floats(b.yv.data(), n * d.Y())});
+      if (want_raw)
+        be.stage_inputs({ComputeBackend::floats(b.xk_raw.data(), n * d.X()),
+                         ComputeBackend::floats(b.yk_raw.data(), n * d.Y())});
+      k.accumulate_staged(be, b.xk.data(), b.yk.data(), n);
+      if (want_raw) k_rope->accumulate_staged(be, b.xk_raw.data(), b.yk_raw.data(), n);
+      v.accumulate_staged(be, b.xv.data(), b.yv.data(), n);
+      return;
+    }
+    be.stage_inputs({b.sk.span(), b.sv.span(), b.tk.span(), b.tv.span(),
+                     {b.spos.data(), n * 4}, {b.tpos.data(), n * 4}});
+    const ComputeBackend::Strip ss{&rs, b.spos.data()}, tt{&rt, b.tpos.data()};
+    const float* xk = be.prepare(b.sk.block(n), &ss, shifts.xk, b.xk);
+    const float* yk = be.prepare(b.tk.block(n), &tt, shifts.yk, b.yk);
+    k.accumulate_staged(be, xk, yk, n);
+    if (want_raw) {
+      const float* xr = be.prepare(b.sk.block(n), nullptr, shifts.xk_raw, b.xk_raw);
+      const float* yr = be.prepare(b.tk.block(n), nullptr, shifts.yk_raw, b.yk_raw);
+      k_rope->accumulate_staged(be, xr, yr, n);
+    }
+    const float* xv = be.prepare(b.sv.block(n), nullptr, shifts.xv, b.xv);
+    const float* yv = be.prepare(b.tv.block(n), nullptr, shifts.yv, b.yv);
+    v.accumulate_staged(be, xv, yv, n);
+  };
   PassStats st;
   for (int64_t round = start_round; round < rounds; ++round) {
     std::vector<const ShardPair*> mine;
@@ -179,11 +270,11 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
     std::thread producer([&] {
       try {
         for (const ShardPair* p : mine) {
-          Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path), {}, {}};
+          Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path)};
           for (int64_t j = 0; j < p->used; j += B) {
             if (queue.abandoned()) return;
             Block b = queue.take_free();
-            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, b);
+            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, on_device ? nullptr : &shifts, b);
             queue.push(std::move(b));
           }
         }
@@ -194,9 +285,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
     });
     try {
       while (auto b = queue.pop()) {
-        k.accumulate(ctx.backend, b->xk.data(), b->yk.data(), b->rows);
-        if (k_rope) k_rope->accumulate(ctx.backend, b->xk_raw.data(), b->yk_raw.data(), b->rows);
-        v.accumulate(ctx.backend, b->xv.data(), b->yv.data(), b->rows);
+        fold(*b);
         // Job-wide progress, estimated from this rank's share.
         progress.add(todo > 0 ? b->rows * job_todo / todo : b->rows);
         st.tokens += b->rows;

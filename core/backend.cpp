@@ -1,0 +1,69 @@
+// Host implementations of the backend's input preparation: the CPU backend's, and the reference for device ones.
+#include "core/backend.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "core/half.hpp"
+#include "core/rope.hpp"
+
+namespace crosskv {
+
+const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
+                             const float* shift, std::vector<float>& host) {
+  using Stored = ComputeBackend::Stored;
+  const int64_t cols = in.cols;
+  if (strip) CROSSKV_ASSERT(cols % strip->rope->head_dim() == 0, "prepare: row width is not a multiple of head_dim");
+  host.resize(static_cast<size_t>(in.rows * cols));
+  for (int64_t t = 0; t < in.rows; ++t) {
+    float* o = host.data() + t * cols;
+    if (in.dtype == Stored::f32) {
+      std::copy_n(static_cast<const float*>(in.data) + t * cols, cols, o);
+    } else {
+      const uint16_t* r = static_cast<const uint16_t*>(in.data) + t * cols;
+      if (in.dtype == Stored::bf16)
+        for (int64_t c = 0; c < cols; ++c) o[c] = bf16_to_float(r[c]);
+      else
+        for (int64_t c = 0; c < cols; ++c) o[c] = fp16_to_float(r[c]);
+    }
+    if (strip) strip->rope->strip_block(o, 1, cols / strip->rope->head_dim(), strip->positions + t);
+    if (shift)
+      for (int64_t c = 0; c < cols; ++c) o[c] -= shift[c];
+  }
+  return host.data();
+}
+
+const float* ComputeBackend::prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+                                     std::vector<float>& host) {
+  return prepare_on_host(in, strip, shift, host);
+}
+
+const float* ComputeBackend::gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) {
+  const int64_t W = int64_t{L} * H * D;
+  host.resize(static_cast<size_t>(rows * W));
+  for (int64_t t = 0; t < rows; ++t)
+    for (int a = 0; a < L; ++a)
+      for (int h = 0; h < H; ++h)
+        std::copy_n(X + t * W + (int64_t{a} * H + h) * D, D, host.data() + t * W + (int64_t{h} * L + a) * D);
+  return host.data();
+}
+
+void ComputeBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum,
+                                  double* sumsq) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* x = X + t * ldx;
+    for (int64_t c = 0; c < cols; ++c) sum[c] += x[c];
+    if (sumsq)
+      for (int64_t c = 0; c < cols; ++c) sumsq[c] += static_cast<double>(x[c]) * x[c];
+  }
+}
+
+void ComputeBackend::download(const float* operand, int64_t count, float* host) {
+  std::copy_n(operand, count, host);
+}
+
+void ComputeBackend::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? float_to_bf16(in[i]) : float_to_fp16(in[i]);
+}
+
+}  // namespace crosskv

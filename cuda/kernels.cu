@@ -1,0 +1,134 @@
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/kernels.hpp"
+
+namespace crosskv::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535L * 16)));
+}
+
+__device__ __forceinline__ float load(const void* p, StoredKind kind, int64_t i) {
+  if (kind == StoredKind::f32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  if (kind == StoredKind::bf16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  return __half2float(__ushort_as_half(h));
+}
+
+__global__ void prepare_kernel(const void* in, StoredKind kind, int64_t rows, int64_t cols, StripArgs s,
+                               const float* shift, float* out) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / cols, c = i - t * cols;
+    float x = load(in, kind, i);
+    if (s.inv_freq) {
+      const int j = static_cast<int>(c % s.head_dim);
+      if (j < s.rotary_dim) {
+        // Pairs (i, i + half) or (2i, 2i + 1); the first of a pair gets u c + v s, the second v c - u s (SPEC §2).
+        const int half = s.rotary_dim / 2;
+        bool first;
+        int f;
+        int64_t partner;
+        if (s.interleaved) {
+          first = (j & 1) == 0;
+          f = j >> 1;
+          partner = first ? i + 1 : i - 1;
+        } else {
+          first = j < half;
+          f = first ? j : j - half;
+          partner = first ? i + half : i - half;
+        }
+        const float p = load(in, kind, partner);
+        double sd, cd;
+        sincos(static_cast<double>(s.positions[t]) * s.inv_freq[f], &sd, &cd);
+        const float cs = static_cast<float>(cd), sn = static_cast<float>(sd);
+        x = first ? __fmul_rn(__fadd_rn(__fmul_rn(x, cs), __fmul_rn(p, sn)), s.inv_attention)
+                  : __fmul_rn(__fsub_rn(__fmul_rn(x, cs), __fmul_rn(p, sn)), s.inv_attention);
+      }
+    }
+    if (shift) x = __fsub_rn(x, shift[c]);
+    out[i] = x;
+  }
+}
+
+__global__ void gather_heads_kernel(const float* X, int64_t rows, int L, int H, int D, float* out) {
+  const int64_t W = int64_t{L} * H * D, n = rows * W;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / W, r = i - t * W;
+    const int64_t j = r % D, ha = r / D;  // ha = h*L + a
+    const int64_t a = ha % L, h = ha / L;
+    out[i] = X[t * W + (a * H + h) * D + j];
+  }
+}
+
+// One thread per column over every row, in order: deterministic (no atomics), and coalesced across a warp.
+constexpr int kStatsThreads = 128;
+__global__ void column_stats_kernel(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum,
+                                    double* sumsq) {
+  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (c >= cols) return;
+  double s = 0, q = 0;
+  for (int64_t t = 0; t < rows; ++t) {
+    const double x = X[t * ldx + c];
+    s += x;
+    q += x * x;
+  }
+  sum[c] += s;
+  if (sumsq) sumsq[c] += q;
+}
+
+__global__ void to_half_kernel(const float* in, int64_t n, bool bf16, uint16_t* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float f = in[i];
+    uint32_t u = __float_as_uint(f);
+    if (bf16) {
+      if ((u & 0x7fffffffu) > 0x7f800000u) {
+        out[i] = static_cast<uint16_t>((u >> 16) | 0x40u);
+      } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        out[i] = static_cast<uint16_t>(u >> 16);
+      }
+    } else if ((u & 0x7fffffffu) > 0x7f800000u) {
+      out[i] = static_cast<uint16_t>(0x7e00u | ((u >> 16) & 0x8000u));
+    } else {
+      out[i] = __half_as_ushort(__float2half_rn(f));
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_prepare(const void* in, StoredKind kind, int64_t rows, int64_t cols, const StripArgs& strip,
+                           const float* shift, float* out, cudaStream_t stream) {
+  if (rows * cols == 0) return cudaSuccess;
+  prepare_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(in, kind, rows, cols, strip, shift, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int D, float* out, cudaStream_t stream) {
+  const int64_t n = rows * L * H * D;
+  if (n == 0) return cudaSuccess;
+  gather_heads_kernel<<<blocks_for(n), kThreads, 0, stream>>>(X, rows, L, H, D, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum, double* sumsq,
+                                cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>((cols + kStatsThreads - 1) / kStatsThreads);
+  column_stats_kernel<<<grid, kStatsThreads, 0, stream>>>(X, rows, cols, ldx, sum, sumsq);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_to_half(const float* in, int64_t n, bool bf16, uint16_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  to_half_kernel<<<blocks_for(n), kThreads, 0, stream>>>(in, n, bf16, out);
+  return cudaGetLastError();
+}
+
+}  // namespace crosskv::cuda

@@ -1,0 +1,32 @@
+#pragma once
+// Element-wise kernels of the CUDA backend (launchers; all asynchronous on `stream`). Each matches the host code it
+// replaces (core/backend.cpp, core/half.hpp); tests/test_cuda.cpp holds them to it.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace crosskv::cuda {
+
+enum class StoredKind : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// RoPE strip tables on the device: inv_freq [rotary/2] (fp64, as the host computes angles), per-row positions.
+struct StripArgs {
+  const double* inv_freq = nullptr;  // null: no strip
+  const int32_t* positions = nullptr;
+  int head_dim = 0, rotary_dim = 0;
+  bool interleaved = false;
+  float inv_attention = 1.0f;
+};
+
+// out[rows x cols] = fp32(in) (RoPE stripped per head when strip.inv_freq) - shift[cols] (shift may be null).
+cudaError_t launch_prepare(const void* in, StoredKind kind, int64_t rows, int64_t cols, const StripArgs& strip,
+                           const float* shift, float* out, cudaStream_t stream);
+// out[t, (h*L + a)*D + j] = X[t, (a*H + h)*D + j].
+cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int D, float* out, cudaStream_t stream);
+// sum[c] += sum_t X[t*ldx + c]; sumsq[c] += sum_t X^2 when sumsq (fp64).
+cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum, double* sumsq,
+                                cudaStream_t stream);
+// fp32 -> bf16 / fp16 bits, round to nearest even, NaN quieted as on the host.
+cudaError_t launch_to_half(const float* in, int64_t n, bool bf16, uint16_t* out, cudaStream_t stream);
+
+}  // namespace crosskv::cuda
