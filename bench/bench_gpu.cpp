@@ -1,6 +1,6 @@
-// GPU benchmark (issue 4): moment accumulation through Moments on the CUDA backend (host shift, staging copies,
-// cuBLAS on device-resident sums) against the cuBLAS SGEMM rate of the same backend on staged inputs, same run,
-// same shapes. Prints one JSON object. Without a GPU it prints the reason and exits 77.
+// GPU benchmark (issue 4): moment accumulation through Moments on the CUDA backend against the cuBLAS SGEMM rate of
+// the same backend on staged inputs, same run, same shapes: (1) fp32 inputs shifted on the host and copied; (2) the
+// fit's path, stored bf16 keys converted, RoPE-stripped and shifted on the device. Prints one JSON object. Without a GPU it prints the reason and exits 77.
 //   crosskv-bench-gpu [Ls Hs Ds Lt Ht Dt rows blocks]   (default: Qwen3 14B -> 32B, 40x8x128 -> 64x8x128, 4096, 3)
 //   crosskv-bench-gpu --fit CONFIG.yaml [cpu|cuda]      a whole fit in this process (no MPI), timed
 #include <chrono>
@@ -12,6 +12,9 @@
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/config.hpp"
+#include "core/half.hpp"
+#include "core/kv_spec.hpp"
+#include "core/rope.hpp"
 #include "core/moments.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "stages/stages.hpp"
@@ -49,7 +52,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (!cuda_compiled_in() || cuda_device_count() == 0) {
+  // CROSSKV_BENCH_CPU=1 runs the same code on the CPU backend (a check of the benchmark itself, small shapes).
+  const bool on_cpu = std::getenv("CROSSKV_BENCH_CPU") != nullptr;
+  if (!on_cpu && (!cuda_compiled_in() || cuda_device_count() == 0)) {
     std::printf("SKIPPED: %s\n", cuda_compiled_in() ? "no CUDA device" : "built without CUDA");
     return 77;
   }
@@ -58,7 +63,8 @@ int main(int argc, char** argv) {
   const PairDims d{v[0], v[1], v[2], v[3], v[4], v[5]};
   const int64_t rows = v[6];
   const int blocks = v[7];
-  auto be = make_cuda_backend(0);
+  // CROSSKV_TF32=1: cuBLAS may use TF32 tensor cores (runtime.tf32: true).
+  auto be = on_cpu ? make_cpu_backend() : make_cuda_backend(0, 0, std::getenv("CROSSKV_TF32") != nullptr);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> X(rows * d.X()), Y(rows * d.Y());
@@ -99,11 +105,41 @@ int main(int argc, char** argv) {
   const double Xw = static_cast<double>(d.X()), Yw = static_cast<double>(d.Y());
   const double acc_flops = blocks * 2.0 * rows * (Xw * (Xw + F) / 2.0 + Xw * Yw);  // syrk-equivalent + cross
   const double acc_gflops = acc_flops / acc_s / 1e9;
+
+  // The fit's own path: stored bf16 keys staged as they come from the shards (half the bytes), converted, RoPE
+  // stripped and shifted on the device (the fused kernel), then the same blocks.
+  std::vector<uint16_t> Xs(X.size()), Ys(Y.size());
+  for (size_t i = 0; i < X.size(); ++i) Xs[i] = float_to_bf16(X[i]);
+  for (size_t i = 0; i < Y.size(); ++i) Ys[i] = float_to_bf16(Y[i]);
+  std::vector<int32_t> pos(rows);
+  for (int64_t t = 0; t < rows; ++t) pos[t] = static_cast<int32_t>(t);
+  KvSpec ss{d.Ls, d.Hs, d.Ds, d.Hs, {}}, ts{d.Lt, d.Ht, d.Dt, d.Ht, {}};
+  ss.rope.theta = ts.rope.theta = 1e6;
+  const Rope rs(ss), rt(ts);
+  const std::vector<float> shx(d.X(), 0.1f), shy(d.Y(), -0.1f);
+  std::vector<float> hx, hy;
+  auto prepared_block = [&] {
+    be->begin_inputs();
+    be->stage_inputs({{Xs.data(), rows * d.X() * 2}, {Ys.data(), rows * d.Y() * 2}, {pos.data(), rows * 4}});
+    const ComputeBackend::Strip sx{&rs, pos.data()}, sy{&rt, pos.data()};
+    const float* x = be->prepare({Xs.data(), ComputeBackend::Stored::bf16, rows, d.X()}, &sx, shx.data(), hx);
+    const float* y = be->prepare({Ys.data(), ComputeBackend::Stored::bf16, rows, d.Y()}, &sy, shy.data(), hy);
+    m.accumulate_staged(*be, x, y, rows);
+  };
+  prepared_block();
+  be->flush();
+  t0 = Clock::now();
+  for (int b = 0; b < blocks; ++b) prepared_block();
+  be->flush();
+  const double prep_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double prep_gflops = acc_flops / prep_s / 1e9;
   std::printf(
       "{\"device\": \"%s\", \"shape\": [%d, %d, %d, %d, %d, %d], \"rows\": %lld, \"blocks\": %d, "
       "\"sgemm_gflops\": %.1f, \"accumulate_gflops\": %.1f, \"ratio\": %.3f, \"accumulate_s_per_block\": %.3f, "
-      "\"tokens_per_s\": %.0f}\n",
+      "\"tokens_per_s\": %.0f, \"prepared_bf16_gflops\": %.1f, \"prepared_ratio\": %.3f, "
+      "\"prepared_s_per_block\": %.3f, \"prepared_tokens_per_s\": %.0f}\n",
       be->name().c_str(), d.Ls, d.Hs, d.Ds, d.Lt, d.Ht, d.Dt, static_cast<long long>(rows), blocks, sgemm_gflops,
-      acc_gflops, acc_gflops / sgemm_gflops, acc_s / blocks, blocks * rows / acc_s);
+      acc_gflops, acc_gflops / sgemm_gflops, acc_s / blocks, blocks * rows / acc_s, prep_gflops,
+      prep_gflops / sgemm_gflops, prep_s / blocks, blocks * rows / prep_s);
   return 0;
 }

@@ -1,6 +1,9 @@
 // The CUDA backend against the CPU backend (the oracle). Without CUDA or a GPU every test is SKIPPED with the
 // reason (ctest reports it as skipped, never as passed).
 #include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <random>
@@ -147,6 +150,15 @@ TEST_F(Cuda, FitMatchesTheCpuFit) {
   };
   fit(*cpu_, "cpu");
   fit(*gpu_, "gpu");
+  fit(*gpu_, "gpu2");
+  // Same device, same config: byte-identical artifacts (fixed kernels and reduction order, no atomics).
+  for (const std::string k : {"k1", "k3", "kall"})
+    for (const auto& e : std::filesystem::directory_iterator(dir.str("gpu/" + k))) {
+      if (e.path().extension() != ".safetensors") continue;
+      std::ifstream a(e.path(), std::ios::binary), b(dir.str("gpu2/" + k + "/" + e.path().filename().string()), std::ios::binary);
+      const std::string sa((std::istreambuf_iterator<char>(a)), {}), sb((std::istreambuf_iterator<char>(b)), {});
+      EXPECT_TRUE(!sa.empty() && sa == sb) << e.path() << " differs between two GPU fits";
+    }
   for (const std::string k : {"k1", "k3", "kall"}) {
     Mapper c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("gpu/" + k));
     ASSERT_EQ(c.layers.size(), g.layers.size());
