@@ -58,6 +58,11 @@ void ComputeBackend::column_stats(int64_t rows, int64_t cols, const float* X, in
   }
 }
 
+void ComputeBackend::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms,
+                                     int64_t lda, int64_t ldb, int64_t ldc) {
+  for (const CrossTerm& t : terms) cross_acc(rows, m, n, t.A, lda, t.B, ldb, t.C, ldc);
+}
+
 void ComputeBackend::download(const float* operand, int64_t count, float* host) {
   std::copy_n(operand, count, host);
 }

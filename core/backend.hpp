@@ -63,6 +63,15 @@ class ComputeBackend {
   // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; no residency). fp32.
   virtual void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
                           int64_t ldb, float* C, int64_t ldc) = 0;
+  // A batch of cross_acc calls of one shape and leading dims: C_i[m x n] += A_i^T B_i (every moment block of one block
+  // of rows; a device backend runs them as one batched GEMM, which fills the device where one block does not).
+  struct CrossTerm {
+    const float* A;
+    const float* B;
+    float* C;
+  };
+  virtual void cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms, int64_t lda,
+                               int64_t ldb, int64_t ldc);
   // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
   // In-place lower Cholesky of a symmetric row-major fp64 matrix (lower triangle read). Returns 0, or the

@@ -8,6 +8,9 @@
 
 namespace crosskv {
 
+// Below this many elements the host loops run on one thread (a parallel region costs more than it saves).
+constexpr int64_t kParallelMin = int64_t{1} << 22;
+
 MomentPlan MomentPlan::full(const PairDims& d, bool head_probe) {
   MomentPlan p;
   for (int a = 0; a < d.Ls; ++a)
@@ -89,17 +92,18 @@ void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float*
   // Head-major copies: source head h of every layer side by side, likewise for the targets.
   const float* hx = head_live_ ? be.gather_heads(rows, Ls, H, Ds, X, hx_) : nullptr;
   const float* hy = head_live_ ? be.gather_heads(rows, Lt, d_.Ht, d_.Dt, Y, hy_) : nullptr;
+  std::vector<ComputeBackend::CrossTerm> grams, crosses;
   for (const auto& [p, i] : gram_idx_) {
     if (!gram_live_[i]) continue;
     if (p.first == p.second)
       be.gram_acc(rows, F, X + p.first * F, XW, gram_[i].data(), F);
     else
-      be.cross_acc(rows, F, F, X + p.first * F, XW, X + p.second * F, XW, gram_[i].data(), F);
+      grams.push_back({X + p.first * F, X + p.second * F, gram_[i].data()});
   }
-  for (const auto& [p, i] : cross_idx_) {
-    if (!cross_live_[i]) continue;
-    be.cross_acc(rows, F, G, X + p.first * F, XW, Y + p.second * G, YW, cross_[i].data(), G);
-  }
+  for (const auto& [p, i] : cross_idx_)
+    if (cross_live_[i]) crosses.push_back({X + p.first * F, Y + p.second * G, cross_[i].data()});
+  be.cross_acc_batch(rows, F, F, grams, XW, XW, F);
+  be.cross_acc_batch(rows, F, G, crosses, XW, YW, G);
   if (head_live_) {
     for (int h = 0; h < H; ++h)
       if (!head_cross_[h].empty())
@@ -313,35 +317,44 @@ std::vector<double> Moments::var_y(int l) const {
 void Moments::cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const {
   const int64_t F = d_.F();
   const double inv_n = 1.0 / n_;
-  for (size_t i = 0; i < layers.size(); ++i)
-    for (size_t j = 0; j < layers.size(); ++j) {
-      const int a = layers[i], b = layers[j];
-      const auto& g = gram_block(std::min(a, b), std::max(a, b));
-      for (int64_t p = 0; p < F; ++p) {
-        double* row = A + (i * F + p) * lda + j * F;
-        const double mp = mx(a * F + p);
-        for (int64_t q = 0; q < F; ++q) {
-          float v;
-          if (a < b) v = g[p * F + q];
-          else if (a > b) v = g[q * F + p];
-          else v = p <= q ? g[p * F + q] : g[q * F + p];
-          row[q] = v * inv_n - mp * mx(b * F + q);
-        }
+  const int64_t nl = static_cast<int64_t>(layers.size());
+  // Blocks looked up first (a missing one throws here, not inside the parallel loop).
+  std::vector<const float*> blocks(nl * nl);
+  for (int64_t i = 0; i < nl; ++i)
+    for (int64_t j = 0; j < nl; ++j)
+      blocks[i * nl + j] = gram_block(std::min(layers[i], layers[j]), std::max(layers[i], layers[j])).data();
+#pragma omp parallel for schedule(dynamic) if (nl * nl * F * F > kParallelMin)
+  for (int64_t ij = 0; ij < nl * nl; ++ij) {
+    const int64_t i = ij / nl, j = ij % nl;
+    const int a = layers[i], b = layers[j];
+    const float* g = blocks[ij];
+    for (int64_t p = 0; p < F; ++p) {
+      double* row = A + (i * F + p) * lda + j * F;
+      const double mp = mx(a * F + p);
+      for (int64_t q = 0; q < F; ++q) {
+        float v;
+        if (a < b) v = g[p * F + q];
+        else if (a > b) v = g[q * F + p];
+        else v = p <= q ? g[p * F + q] : g[q * F + p];
+        row[q] = v * inv_n - mp * mx(b * F + q);
       }
     }
+  }
 }
 
 void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t ldb) const {
   const int64_t F = d_.F(), G = d_.G();
   const double inv_n = 1.0 / n_;
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const int a = layers[i];
-    const auto& c = cross_block(a, l);
-    for (int64_t p = 0; p < F; ++p) {
-      double* row = B + (i * F + p) * ldb;
-      const double mp = mx(a * F + p);
-      for (int64_t q = 0; q < G; ++q) row[q] = c[p * G + q] * inv_n - mp * my(l * G + q);
-    }
+  const int64_t nl = static_cast<int64_t>(layers.size());
+  std::vector<const float*> blocks(nl);
+  for (int64_t i = 0; i < nl; ++i) blocks[i] = cross_block(layers[i], l).data();
+#pragma omp parallel for schedule(static) if (nl * F * G > kParallelMin)
+  for (int64_t ip = 0; ip < nl * F; ++ip) {
+    const int64_t i = ip / F, p = ip % F;
+    const float* c = blocks[i];
+    double* row = B + (i * F + p) * ldb;
+    const double mp = mx(layers[i] * F + p);
+    for (int64_t q = 0; q < G; ++q) row[q] = c[p * G + q] * inv_n - mp * my(l * G + q);
   }
 }
 

@@ -10,6 +10,9 @@
 #include "core/moments.hpp"
 
 namespace crosskv {
+
+// Below this many elements the host loops run on one thread (a parallel region costs more than it saves).
+constexpr int64_t kParallelMin = int64_t{1} << 22;
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -51,11 +54,15 @@ std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, i
   const int64_t D = G / heads;
   std::vector<double> sse(G, 0.0);
   for (int64_t c = 0; c < G; ++c) sse[c] = var_y[c];
-  for (int64_t i = 0; i < n; ++i) {
-    const double* w = W + i * ld;
-    const double* x = Cxy + i * ld;
-    for (int64_t c = 0; c < G; ++c) sse[c] -= w[c] * x[c] + lambda * w[c] * w[c];
-  }
+  // Column chunks in parallel, rows in order within each: the same sums as a serial loop.
+  constexpr int64_t kChunk = 64;
+#pragma omp parallel for schedule(static) if (n * G > kParallelMin)
+  for (int64_t c0 = 0; c0 < G; c0 += kChunk)
+    for (int64_t i = 0; i < n; ++i) {
+      const double* w = W + i * ld;
+      const double* x = Cxy + i * ld;
+      for (int64_t c = c0; c < std::min(G, c0 + kChunk); ++c) sse[c] -= w[c] * x[c] + lambda * w[c] * w[c];
+    }
   // SST = 0 columns are excluded; a column with variance far below the head's is numerically SST = 0 too.
   std::vector<double> r2(heads, kNaN);
   for (int h = 0; h < heads; ++h) {
@@ -103,11 +110,14 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
   f.r2 = r2_per_head(W.data(), Cxy.data(), nk, G, G, m.var_y(l), lambda, m.dims().Ht);
   // Bias in fp64: b = ȳ - x̄ W (the intercept is not penalised).
   std::vector<double> b = m.mean_y(l);
-  for (int i = 0; i < k; ++i) {
-    const auto mx = m.mean_x(top[i]);
-    for (int64_t p = 0; p < F; ++p)
-      for (int64_t c = 0; c < G; ++c) b[c] -= mx[p] * W[(i * F + p) * G + c];
-  }
+  std::vector<std::vector<double>> mxs;
+  for (int i = 0; i < k; ++i) mxs.push_back(m.mean_x(top[i]));
+  constexpr int64_t kChunk = 64;
+#pragma omp parallel for schedule(static) if (k * F * G > kParallelMin)
+  for (int64_t c0 = 0; c0 < G; c0 += kChunk)
+    for (int i = 0; i < k; ++i)
+      for (int64_t p = 0; p < F; ++p)
+        for (int64_t c = c0; c < std::min(G, c0 + kChunk); ++c) b[c] -= mxs[i][p] * W[(i * F + p) * G + c];
   f.b.assign(b.begin(), b.end());
   std::vector<int> order(k);
   std::iota(order.begin(), order.end(), 0);
@@ -116,7 +126,9 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
   for (int j = 0; j < k; ++j) {
     f.layers.push_back(top[order[j]]);
     const double* src = W.data() + order[j] * F * G;
-    std::transform(src, src + F * G, f.W.begin() + j * F * G, [](double v) { return static_cast<float>(v); });
+    float* dst = f.W.data() + j * F * G;
+#pragma omp parallel for schedule(static) if (F * G > kParallelMin)
+    for (int64_t e = 0; e < F * G; ++e) dst[e] = static_cast<float>(src[e]);
   }
   return f;
 }

@@ -2,6 +2,8 @@
 // block on a copy stream into one of two pinned/device buffer pairs), fp64 Cholesky with cuSOLVER's 64-bit API and
 // triangular solves with cuBLAS. One backend per rank, on one device.
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -277,6 +279,30 @@ class CudaBackend final : public ComputeBackend {
     // Row-major C[m x n] += A^T B is column-major C' [n x m] += B' A'^T.
     CK(cublasSgemm_64(blas_, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, dB, ldb, dA, lda, &one, dC, ldc),
        dims({{"m", m}, {"n", n}, {"rows", rows}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}}));
+  }
+
+  void cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms, int64_t lda,
+                       int64_t ldb, int64_t ldc) override {
+    if (terms.empty() || rows == 0 || m == 0 || n == 0) return;
+    const std::string ops = dims({{"batch", static_cast<int64_t>(terms.size())}, {"m", m}, {"n", n}, {"rows", rows},
+                                  {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}});
+    CROSSKV_ASSERT(rows <= INT32_MAX && m <= INT32_MAX && n <= INT32_MAX && lda <= INT32_MAX && ldb <= INT32_MAX &&
+                       ldc <= INT32_MAX && terms.size() <= INT32_MAX,
+                   "cross_acc_batch: operands beyond 32-bit sizes (" + ops + ")");
+    // Row-major C_i[m x n] += A_i^T B_i is column-major C_i' [n x m] += B_i' A_i'^T, as in cross_acc.
+    std::vector<const float*> ptrs(3 * terms.size());
+    const size_t nt = terms.size();
+    for (size_t i = 0; i < nt; ++i) {
+      ptrs[i] = static_cast<const float*>(operand(terms[i].B, static_cast<size_t>((rows - 1) * ldb + n) * 4));
+      ptrs[nt + i] = static_cast<const float*>(operand(terms[i].A, static_cast<size_t>((rows - 1) * lda + m) * 4));
+      ptrs[2 * nt + i] = resident(terms[i].C, (m - 1) * ldc + n);
+    }
+    const auto* d = static_cast<const float* const*>(upload(ptrs.data(), ptrs.size() * sizeof(float*)));
+    const float one = 1.0f;
+    CK(cublasSgemmBatched(blas_, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(n), static_cast<int>(m),
+                          static_cast<int>(rows), &one, d, static_cast<int>(ldb), d + nt, static_cast<int>(lda), &one,
+                          const_cast<float* const*>(d + 2 * nt), static_cast<int>(ldc), static_cast<int>(nt)),
+       ops);
   }
 
   void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
