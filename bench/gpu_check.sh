@@ -8,10 +8,12 @@
 #                 path with the fused kernel), apply_gpu.json (apply throughput of one Qwen3-8B -> 32B layer),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
-# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), SKIP_APPLY=1 leaves the apply benchmark out.
+# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench apply fit tf32").
 set -uo pipefail
 OUT=${1:-${OUT:-gpu-check-out}}
 TOKENS=${TOKENS:-2048}
+STEPS=" ${STEPS:-test bench apply fit tf32} "
+want() { [[ $STEPS == *" $1 "* ]]; }
 BUNDLE=${BUNDLE:-.gpu-bundle.tar.xz}
 mkdir -p "$OUT"
 S=$OUT/summary.txt
@@ -41,20 +43,25 @@ step() {  # step NAME SECONDS COMMAND...: runs with a limit, notes exit status a
   return $rc
 }
 
-step test_cuda 80 "$B/bin/test_cuda" > "$OUT/test_cuda.log" 2>&1
-grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[       OK \]|^\[  FAILED  \]' "$OUT/test_cuda.log" | sed 's/^/  /' >> "$S"
-grep -B2 -A8 'Failure' "$OUT/test_cuda.log" | head -60 >> "$S"
+if want test; then
+  step test_cuda 80 "$B/bin/test_cuda" > "$OUT/test_cuda.log" 2>&1
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) |^\[       OK \]|^\[  FAILED  \]' "$OUT/test_cuda.log" | sed 's/^/  /' >> "$S"
+  grep -B2 -A8 'Failure' "$OUT/test_cuda.log" | head -60 >> "$S"
+fi
 
 E=$(mktemp)
-step bench_gpu 75 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu.json" 2> "$E"
-note "  $(cat "$OUT/bench_gpu.json") $(tail -3 "$E")"
+if want bench; then
+  step bench_gpu 75 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu.json" 2> "$E"
+  note "  $(cat "$OUT/bench_gpu.json") $(tail -3 "$E")"
+fi
 
-if [ -z "${SKIP_APPLY:-}" ]; then
+if want apply; then
   step apply_gpu 40 "$B/bin/crosskv-bench-apply" cuda > "$OUT/apply_gpu.json" 2> "$E"
   note "  $(cat "$OUT/apply_gpu.json") $(tail -3 "$E")"
 fi
 
 W=$(mktemp -d)
+if want fit; then
 SEQ=1024 SHARDS=$(( (TOKENS + 2047) / 2048 ))
 step synth 45 "$B/bin/crosskv-synth" --out "$W/data" --dtype bfloat16 --shards "$SHARDS" --sequences 2 --seq-len $SEQ \
   --source-layers 40 --source-heads 8 --source-head-dim 128 --source-theta 1000000 \
@@ -71,7 +78,10 @@ YAML
 grep -E "flops:|memory:|== |pass [0-9]|factored|solve:|summary|\]   [a-z+-]+ +[0-9.]+ s|error|warn" "$OUT/fit_gpu.log" |
   sed 's/^\[[^]]*\] //' | tail -40 >> "$S"
 tail -1 "$OUT/fit_gpu.log" >> "$S"
+fi
 
-CROSSKV_TF32=1 step bench_gpu_tf32 45 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu_tf32.json" 2> "$E"
-note "  $(cat "$OUT/bench_gpu_tf32.json") $(tail -3 "$E")"
+if want tf32; then
+  CROSSKV_TF32=1 step bench_gpu_tf32 45 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu_tf32.json" 2> "$E"
+  note "  $(cat "$OUT/bench_gpu_tf32.json") $(tail -3 "$E")"
+fi
 rm -rf "$W" "$B" "$E"

@@ -154,19 +154,22 @@ size_t Moments::live_floats() const {
 size_t Moments::live_doubles() const { return stats_done_ ? 0 : 1 + sum_x_.size() + 2 * sum_y_.size(); }
 
 void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
-  f.clear();
-  f.reserve(live_floats());
+  f.resize(live_floats());
+  d.resize(live_doubles());
+  pack_live(f.data(), d.data());
+}
+
+void Moments::pack_live(float* f, double* d) const {
   auto* self = this;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
     const auto& b = self->live_block(i, w);
-    f.insert(f.end(), b.begin(), b.end());
+    f = std::copy(b.begin(), b.end(), f);
   });
-  d.clear();
   if (!stats_done_) {
-    d.push_back(n_);
-    d.insert(d.end(), sum_x_.begin(), sum_x_.end());
-    d.insert(d.end(), sum_y_.begin(), sum_y_.end());
-    d.insert(d.end(), sq_y_.begin(), sq_y_.end());
+    *d++ = n_;
+    d = std::copy(sum_x_.begin(), sum_x_.end(), d);
+    d = std::copy(sum_y_.begin(), sum_y_.end(), d);
+    std::copy(sq_y_.begin(), sq_y_.end(), d);
   }
 }
 

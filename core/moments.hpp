@@ -58,6 +58,8 @@ class Moments {
   size_t live_floats() const;
   size_t live_doubles() const;
   void pack_live(std::vector<float>& f, std::vector<double>& d) const;
+  // The same into f[live_floats()] and d[live_doubles()] (no allocation).
+  void pack_live(float* f, double* d) const;
   void unpack_live(const float* f, const double* d);
   void zero_live();
   // Marks the live state complete without any reduction (the caller reduced it).

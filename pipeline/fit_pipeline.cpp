@@ -150,27 +150,38 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   PassStats st;
   if (!was_complete) {
     if (state.rounds_done > 0) spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
-    std::vector<float> F, fm, cf;
-    std::vector<double> D, dm, cd;
     auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
       if (!ctx.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
       ctx.backend.flush();  // device-resident sums back to the host
-      F.clear();
-      D.clear();
+      // Host memory at its peak here: the moments, this round's packed copy, and the reduced share (the packed copy
+      // and the reduction's output are released before the checkpoint is written).
+      std::vector<float> F(nf), cf;
+      std::vector<double> D(nd), cd;
+      size_t of = 0, od = 0;
       for (auto* m : ms) {
-        m->pack_live(fm, dm);
-        F.insert(F.end(), fm.begin(), fm.end());
-        D.insert(D.end(), dm.begin(), dm.end());
+        m->pack_live(F.data() + of, D.data() + od);
+        of += m->live_floats();
+        od += m->live_doubles();
         m->zero_live();
       }
-      readers.reduce_scatter_sum(F.data(), F.size(), cf);
-      readers.reduce_scatter_sum(D.data(), D.size(), cd);
-      if (base_f.empty()) base_f.assign(cf.size(), 0.0f);
-      if (base_d.empty()) base_d.assign(cd.size(), 0.0);
-      for (size_t i = 0; i < cf.size(); ++i) base_f[i] += cf[i];
-      for (size_t i = 0; i < cd.size(); ++i) base_d[i] += cd[i];
+      auto add = [](auto& base, const auto& part) {
+        if (base.empty()) base.assign(part.size(), 0);
+        for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
+      };
+      if (readers.size() == 1) {
+        add(base_f, F);
+        add(base_d, D);
+      } else {
+        readers.reduce_scatter_sum(F.data(), F.size(), cf);
+        std::vector<float>().swap(F);
+        add(base_f, cf);
+        readers.reduce_scatter_sum(D.data(), D.size(), cd);
+        add(base_d, cd);
+      }
+      std::vector<float>().swap(F);
+      std::vector<float>().swap(cf);
       state.rounds_done = round + 1;
       if (round + 1 < R) store.save(state);
     };
@@ -179,12 +190,18 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   } else {
     spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
   }
-  std::vector<float> F(nf);
-  std::vector<double> D(nd);
-  readers.allgather(base_f, F.data(), nf);
-  readers.allgather(base_d, D.data(), nd);
-  const float* pf = F.data();
-  const double* pd = D.data();
+  std::vector<float> F;
+  std::vector<double> D;
+  const float* pf = base_f.data();
+  const double* pd = base_d.data();
+  if (readers.size() > 1) {  // one reader holds every sum already
+    F.resize(nf);
+    D.resize(nd);
+    readers.allgather(base_f, F.data(), nf);
+    readers.allgather(base_d, D.data(), nd);
+    pf = F.data();
+    pd = D.data();
+  }
   for (auto* m : ms) {
     const size_t mf = m->live_floats(), md = m->live_doubles();
     m->unpack_live(pf, pd);

@@ -31,11 +31,6 @@ void put(std::string& b, const T& v) {
   b.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
 template <class T>
-void put_vec(std::string& b, const std::vector<T>& v) {
-  put<uint64_t>(b, v.size());
-  b.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-}
-template <class T>
 bool get(const std::string& b, size_t& at, T& v) {
   if (at + sizeof(T) > b.size()) return false;
   std::memcpy(&v, b.data() + at, sizeof(T));
@@ -186,25 +181,46 @@ void CheckpointStore::save(const PassState& s) {
   std::string error;
   try {
     fs::create_directories(dir_);
-    std::string b(kMagic, sizeof(kMagic));
-    put<int64_t>(b, seq);
-    put<int64_t>(b, comm_.rank());
-    put<int32_t>(b, s.pass);
-    put<int64_t>(b, s.rounds_done);
-    put_vec(b, s.pass1_f);
-    put_vec(b, s.pass1_d);
-    put_vec(b, s.pass2_f);
-    put_vec(b, s.pass2_d);
-    Sha256 h;
-    h.update(b.data(), b.size());
-    b += h.hex();
+    // Streamed to the temp file piece by piece (the state can be as large as the moments): header, vectors, then
+    // the SHA-256 of everything before it, in hex.
+    std::string head(kMagic, sizeof(kMagic));
+    put<int64_t>(head, seq);
+    put<int64_t>(head, comm_.rank());
+    put<int32_t>(head, s.pass);
+    put<int64_t>(head, s.rounds_done);
+    struct Piece {
+      const void* data;
+      size_t bytes;
+    };
+    uint64_t counts[4] = {s.pass1_f.size(), s.pass1_d.size(), s.pass2_f.size(), s.pass2_d.size()};
+    const Piece pieces[] = {{head.data(), head.size()},
+                            {&counts[0], 8}, {s.pass1_f.data(), s.pass1_f.size() * 4},
+                            {&counts[1], 8}, {s.pass1_d.data(), s.pass1_d.size() * 8},
+                            {&counts[2], 8}, {s.pass2_f.data(), s.pass2_f.size() * 4},
+                            {&counts[3], 8}, {s.pass2_d.data(), s.pass2_d.size() * 8}};
+    size_t total = 0;
+    for (const Piece& p : pieces) total += p.bytes;
     if (fault("fail_state_write", seq, comm_.rank())) throw SystemError("injected write failure (CROSSKV_FAULT)");
-    if (fault("kill_in_state_write", seq, comm_.rank())) {  // half the bytes in the temp file, then SIGKILL
-      AtomicFile f(state_path(seq, comm_.rank()));
-      f.write(b.data(), b.size() / 2);
-      std::raise(SIGKILL);
-    }
-    write_file_atomic(state_path(seq, comm_.rank()), b);
+    const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // half the bytes, then SIGKILL
+    AtomicFile f(state_path(seq, comm_.rank()));
+    Sha256 h;
+    size_t written = 0;
+    constexpr size_t kChunk = size_t{64} << 20;
+    for (const Piece& p : pieces)
+      for (size_t at = 0; at < p.bytes; at += kChunk) {
+        const char* d = static_cast<const char*>(p.data) + at;
+        size_t n = std::min(kChunk, p.bytes - at);
+        if (kill_half && written + n >= total / 2) {
+          f.write(d, total / 2 - written);
+          std::raise(SIGKILL);
+        }
+        h.update(d, n);
+        f.write(d, n);
+        written += n;
+      }
+    const std::string hex = h.hex();
+    f.write(hex.data(), hex.size());
+    f.commit();
   } catch (const std::exception& e) {
     ok = false;
     error = e.what();
