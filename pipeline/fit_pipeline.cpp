@@ -157,20 +157,29 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
       ctx.backend.flush();  // device-resident sums back to the host
       // Host memory at its peak here: the moments, this round's packed copy, and the reduced share (the packed copy
       // and the reduction's output are released before the checkpoint is written).
-      std::vector<float> F(nf), cf;
-      std::vector<double> D(nd), cd;
-      size_t of = 0, od = 0;
+      // A single reader's first round is its share as it stands: packed straight into it.
+      const bool direct = readers.size() == 1 && base_f.empty() && base_d.empty();
+      std::vector<float> F(direct ? 0 : nf), cf;
+      std::vector<double> D(direct ? 0 : nd), cd;
+      if (direct) {
+        base_f.resize(nf);
+        base_d.resize(nd);
+      }
+      float* pf = direct ? base_f.data() : F.data();
+      double* pd = direct ? base_d.data() : D.data();
       for (auto* m : ms) {
-        m->pack_live(F.data() + of, D.data() + od);
-        of += m->live_floats();
-        od += m->live_doubles();
+        m->pack_live(pf, pd);
+        pf += m->live_floats();
+        pd += m->live_doubles();
         m->zero_live();
       }
       auto add = [](auto& base, const auto& part) {
         if (base.empty()) base.assign(part.size(), 0);
         for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
       };
-      if (readers.size() == 1) {
+      if (direct) {
+        // nothing to add
+      } else if (readers.size() == 1) {
         add(base_f, F);
         add(base_d, D);
       } else {

@@ -24,7 +24,44 @@ namespace {
 volatile std::sig_atomic_t g_stop = 0;
 void on_stop_signal(int) { g_stop = 1; }
 
-constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '1'};
+constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '2'};
+
+// A state file is a sequence of pieces (header, counts, vectors) followed by its checksum: the SHA-256 of the
+// SHA-256 digests of its 64 MiB chunks, the chunks hashed in parallel (a state is as large as the job's moments).
+struct Piece {
+  const void* data;
+  size_t bytes;
+};
+constexpr size_t kDigestChunk = size_t{64} << 20;
+
+std::string chunked_sha256(const std::vector<Piece>& pieces) {
+  size_t total = 0;
+  for (const Piece& p : pieces) total += p.bytes;
+  const int64_t chunks = static_cast<int64_t>((total + kDigestChunk - 1) / kDigestChunk);
+  std::vector<std::string> digests(chunks);
+  bool failed = false;
+#pragma omp parallel for schedule(dynamic) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    try {
+      const size_t lo = c * kDigestChunk, hi = std::min(total, lo + kDigestChunk);
+      Sha256 h;
+      size_t at = 0;
+      for (const Piece& p : pieces) {
+        const size_t a = std::max(lo, at), b = std::min(hi, at + p.bytes);
+        if (a < b) h.update(static_cast<const char*>(p.data) + (a - at), b - a);
+        at += p.bytes;
+      }
+      digests[c] = h.hex();
+    } catch (...) {
+#pragma omp atomic write
+      failed = true;
+    }
+  }
+  if (failed) throw SystemError("SHA-256 of a checkpoint state failed");
+  Sha256 h;
+  for (const std::string& d : digests) h.update(d.data(), d.size());
+  return h.hex();
+}
 
 template <class T>
 void put(std::string& b, const T& v) {
@@ -146,9 +183,9 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache) {
       if (b.size() < sizeof(kMagic) + 64) {
         why = "missing or truncated";
       } else {
-        Sha256 h;
-        h.update(b.data(), b.size() - 64);
-        if (h.hex() != b.substr(b.size() - 64)) {
+        if (std::memcmp(b.data(), kMagic, sizeof(kMagic)) != 0) {
+          why = "not a state file of this crosskv version";
+        } else if (chunked_sha256({{b.data(), b.size() - 64}}) != b.substr(b.size() - 64)) {
           why = "checksum mismatch";
         } else {
           size_t at = sizeof(kMagic);
@@ -182,18 +219,14 @@ void CheckpointStore::save(const PassState& s) {
   try {
     fs::create_directories(dir_);
     // Streamed to the temp file piece by piece (the state can be as large as the moments): header, vectors, then
-    // the SHA-256 of everything before it, in hex.
+    // the checksum of everything before it (chunked_sha256), in hex.
     std::string head(kMagic, sizeof(kMagic));
     put<int64_t>(head, seq);
     put<int64_t>(head, comm_.rank());
     put<int32_t>(head, s.pass);
     put<int64_t>(head, s.rounds_done);
-    struct Piece {
-      const void* data;
-      size_t bytes;
-    };
     uint64_t counts[4] = {s.pass1_f.size(), s.pass1_d.size(), s.pass2_f.size(), s.pass2_d.size()};
-    const Piece pieces[] = {{head.data(), head.size()},
+    const std::vector<Piece> pieces = {{head.data(), head.size()},
                             {&counts[0], 8}, {s.pass1_f.data(), s.pass1_f.size() * 4},
                             {&counts[1], 8}, {s.pass1_d.data(), s.pass1_d.size() * 8},
                             {&counts[2], 8}, {s.pass2_f.data(), s.pass2_f.size() * 4},
@@ -202,8 +235,8 @@ void CheckpointStore::save(const PassState& s) {
     for (const Piece& p : pieces) total += p.bytes;
     if (fault("fail_state_write", seq, comm_.rank())) throw SystemError("injected write failure (CROSSKV_FAULT)");
     const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // half the bytes, then SIGKILL
+    const std::string hex = chunked_sha256(pieces);
     AtomicFile f(state_path(seq, comm_.rank()));
-    Sha256 h;
     size_t written = 0;
     constexpr size_t kChunk = size_t{64} << 20;
     for (const Piece& p : pieces)
@@ -214,11 +247,9 @@ void CheckpointStore::save(const PassState& s) {
           f.write(d, total / 2 - written);
           std::raise(SIGKILL);
         }
-        h.update(d, n);
         f.write(d, n);
         written += n;
       }
-    const std::string hex = h.hex();
     f.write(hex.data(), hex.size());
     f.commit();
   } catch (const std::exception& e) {

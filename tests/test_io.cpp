@@ -1,5 +1,8 @@
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
+#include "core/comm.hpp"
 #include "core/half.hpp"
 #include "helpers.hpp"
 #include "io/atomic_file.hpp"
@@ -7,6 +10,7 @@
 #include "io/r2_file.hpp"
 #include "io/safetensors.hpp"
 #include "io/shard.hpp"
+#include "stages/checkpoint.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;
@@ -216,4 +220,41 @@ TEST(Half, Fp16MatchesTheHardwareFormatOnEveryHalfAndOnRoundingCases) {
   EXPECT_EQ(float_to_fp16(2.9802322e-8f), 0x0000);                 // half of it: ties to even (0)
   EXPECT_EQ(float_to_fp16(-0.0f), 0x8000);
   EXPECT_EQ(fp16_to_float(0xfc00), -INFINITY);
+}
+
+// A state larger than one checksum chunk (64 MiB) round-trips, and a flipped byte in a later chunk is caught.
+TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
+  TempDir dir;
+  auto comm = make_single_comm();
+  const nlohmann::json identity = {{"job", "test"}};
+  PassState s;
+  s.pass = 1;
+  s.rounds_done = 3;
+  s.pass1_f.resize(40u << 20);  // 160 MiB: three chunks, pieces spanning chunk boundaries
+  for (size_t i = 0; i < s.pass1_f.size(); ++i) s.pass1_f[i] = static_cast<float>(i % 1000003) * 0.5f;
+  s.pass1_d = {1.0, 2.0, 3.0};
+  {
+    CheckpointStore store(dir.str("ck"), identity, *comm);
+    ASSERT_FALSE(store.load(false).has_value());
+    store.save(s);
+  }
+  {
+    CheckpointStore store(dir.str("ck"), identity, *comm);
+    auto got = store.load(false);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->rounds_done, 3);
+    EXPECT_EQ(got->pass1_f, s.pass1_f);
+    EXPECT_EQ(got->pass1_d, s.pass1_d);
+  }
+  std::string state;
+  for (const auto& e : std::filesystem::directory_iterator(dir.str("ck")))
+    if (e.path().filename().string().rfind("state-", 0) == 0) state = e.path().string();
+  ASSERT_FALSE(state.empty());
+  {
+    std::fstream f(state, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(130u << 20);  // in the third chunk
+    f.put('\x7f');
+  }
+  CheckpointStore store(dir.str("ck"), identity, *comm);
+  EXPECT_FALSE(store.load(false).has_value());  // the only checkpoint does not verify: start over
 }
