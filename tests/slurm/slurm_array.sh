@@ -47,13 +47,18 @@ NodeName=$H CPUs=$(nproc) State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$WORK/slurm.conf
-if [ ! -S /run/munge/munge.socket.2 ]; then
+# A working munged, not just its socket (a stale socket from a dead munged makes slurmd hang at start).
+munge_ok() { timeout 5 bash -c 'munge -n | unmunge' > /dev/null 2>&1; }
+if ! munge_ok; then
   mkdir -p /run/munge && chown munge:munge /run/munge 2> /dev/null
   [ -f /etc/munge/munge.key ] || skip "no /etc/munge/munge.key"
   timeout 30 munged --force > munged.log 2>&1 || skip "munged did not start: $(tail -1 munged.log)"
+  munge_ok || skip "munge does not work after starting munged: $(tail -1 munged.log)"
 fi
 cleanup() {
   for p in slurmctld slurmd; do [ -f "$WORK/$p.pid" ] && kill "$(cat "$WORK/$p.pid")" 2> /dev/null; done
+  sleep 1
+  for p in slurmctld slurmd; do [ -f "$WORK/$p.pid" ] && kill -9 "$(cat "$WORK/$p.pid")" 2> /dev/null; done
 }
 trap cleanup EXIT
 timeout 30 slurmctld -f "$SLURM_CONF" || skip "slurmctld did not start: $(tail -2 slurmctld.log 2> /dev/null)"
