@@ -21,7 +21,7 @@ class ComputeBackend {
   // Inputs come in rounds (one block of rows): begin_inputs() starts one; stage_inputs() names host arrays that the
   // round's calls read (a device backend copies each once, asynchronously, into one of two buffer sets); prepare()
   // and gather_heads() return operands made by the backend (a device backend makes them on the device). Operands
-  // stay valid until the next round but one. Host backends ignore staging.
+  // are named in calls until the next begin_inputs(). Host backends ignore staging.
   struct HostSpan {
     const void* data;
     int64_t bytes;
