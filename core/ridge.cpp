@@ -22,6 +22,7 @@ constexpr double kSingularPivot = 1e-12;
 // Adds λ to the diagonal, factors, and returns the order of the first leading minor that is not (numerically)
 // positive definite, or 0.
 int64_t factor(ComputeBackend& be, std::vector<double>& A, int64_t n, double lambda) {
+  CROSSKV_ASSERT(static_cast<int64_t>(A.size()) >= n * n, "factor: the matrix is smaller than n x n");
   std::vector<double> diag(n);
   for (int64_t i = 0; i < n; ++i) {
     A[i * n + i] += lambda;
@@ -80,12 +81,16 @@ std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, i
 
 Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda) {
   Factor f;
+  factor_layers(m, be, order, lambda, f);
+  return f;
+}
+
+void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f) {
   f.order = order;
   f.n = static_cast<int64_t>(order.size()) * m.dims().F();
-  f.L.resize(f.n * f.n);
+  f.L.resize(f.n * f.n);  // every element is written by cov_xx
   m.cov_xx(order, f.L.data(), f.n);
   f.bad_minor = factor(be, f.L, f.n, lambda);
-  return f;
 }
 
 namespace {
@@ -100,14 +105,14 @@ namespace {
 }
 
 // R², bias and ascending row order for a solution W [k*F x G] over layers `top` (in factor order).
-LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const std::vector<double>& W,
-                    const std::vector<double>& Cxy, double lambda) {
+LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const double* W, const double* Cxy,
+                    double lambda) {
   const int64_t F = m.dims().F(), G = m.dims().G();
   const int k = static_cast<int>(top.size());
   const int64_t nk = k * F;
   LayerFit f;
   f.k = k;
-  f.r2 = r2_per_head(W.data(), Cxy.data(), nk, G, G, m.var_y(l), lambda, m.dims().Ht);
+  f.r2 = r2_per_head(W, Cxy, nk, G, G, m.var_y(l), lambda, m.dims().Ht);
   // Bias in fp64: b = ȳ - x̄ W (the intercept is not penalised).
   std::vector<double> b = m.mean_y(l);
   std::vector<std::vector<double>> mxs;
@@ -125,7 +130,7 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
   f.W.resize(nk * G);
   for (int j = 0; j < k; ++j) {
     f.layers.push_back(top[order[j]]);
-    const double* src = W.data() + order[j] * F * G;
+    const double* src = W + order[j] * F * G;
     float* dst = f.W.data() + j * F * G;
 #pragma omp parallel for schedule(static) if (F * G > kParallelMin)
     for (int64_t e = 0; e < F * G; ++e) dst[e] = static_cast<float>(src[e]);
@@ -137,33 +142,38 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
 
 std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
                                 const std::vector<int>& ks, double lambda, const std::string& what,
-                                const Factor* all_layers) {
+                                const Factor* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
   CROSSKV_ASSERT(!ks.empty() && std::is_sorted(ks.begin(), ks.end()), "ks must be ascending");
   CROSSKV_ASSERT(ks.back() <= static_cast<int>(ranking.size()), "k exceeds the ranking");
+  SolveWorkspace local_ws;
+  SolveWorkspace& ws = workspace ? *workspace : local_ws;
   std::vector<LayerFit> out;
   std::vector<int> nested;
   for (int k : ks)
     if (k < d.Ls) nested.push_back(k);
   if (!nested.empty()) {
     const std::vector<int> top(ranking.begin(), ranking.begin() + nested.back());
-    const Factor f = factor_layers(m, be, top, lambda);
-    std::vector<double> Cxy(f.n * G);
+    Factor& f = ws.nested;
+    factor_layers(m, be, top, lambda, f);
+    std::vector<double>& Cxy = ws.cxy;
+    Cxy.resize(f.n * G);
     m.cov_xy(top, l, Cxy.data(), G);
     // Forward substitution once, over the leading rows every valid k shares.
     int64_t n_ok = 0;
     for (int k : nested)
       if (f.bad_minor == 0 || k * F < f.bad_minor) n_ok = k * F;
-    std::vector<double> Z(Cxy);
+    std::vector<double>& Z = ws.z;
+    Z.assign(Cxy.begin(), Cxy.end());
     be.triangular_solve(n_ok, f.L.data(), f.n, false, G, Z.data(), G);
     for (int k : nested) {
       const int64_t nk = k * F;
       if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, k, f, nk, F, lambda);
-      std::vector<double> W(Z.begin(), Z.begin() + nk * G);
+      std::vector<double>& W = ws.w;
+      W.assign(Z.begin(), Z.begin() + nk * G);
       be.triangular_solve(nk, f.L.data(), f.n, true, G, W.data(), G);
-      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + k), W,
-                               std::vector<double>(Cxy.begin(), Cxy.begin() + nk * G), lambda));
+      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + k), W.data(), Cxy.data(), lambda));
     }
   }
   if (ks.back() == d.Ls) {
@@ -176,11 +186,13 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     }
     const Factor& f = *all_layers;
     if (f.bad_minor > 0) throw_singular(what, d.Ls, f, f.n, F, lambda);
-    std::vector<double> Cxy(f.n * G);
+    std::vector<double>& Cxy = ws.cxy;
+    Cxy.resize(f.n * G);
     m.cov_xy(f.order, l, Cxy.data(), G);
-    std::vector<double> W(Cxy);
+    std::vector<double>& W = ws.w;
+    W.assign(Cxy.begin(), Cxy.end());
     be.cholesky_solve(f.n, f.L.data(), f.n, G, W.data(), G);
-    out.push_back(finish_fit(m, l, f.order, W, Cxy, lambda));
+    out.push_back(finish_fit(m, l, f.order, W.data(), Cxy.data(), lambda));
   }
   return out;
 }

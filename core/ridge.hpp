@@ -31,6 +31,15 @@ struct Factor {
   int64_t bad_minor = 0;   // 0, or the first leading minor that is not positive definite
 };
 Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda);
+// The same into `f`, reusing its memory.
+void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f);
+
+// Buffers fit_sweep reuses from one target layer to the next (at paper scale hundreds of MB each: allocating them
+// per layer costs a page fault per page every time).
+struct SolveWorkspace {
+  Factor nested;
+  std::vector<double> cxy, z, w;
+};
 
 // Fits target layer `l` for every k in `ks` (ascending counts, each <= ranking.size()).
 // k < Ls: one factorisation in rank order serves every k (the top-k system is its leading block) and one forward
@@ -39,7 +48,7 @@ Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int
 // Throws SolveError naming `what` (e.g. "target layer 3, keys") when a needed system is not positive definite.
 std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
                                 const std::vector<int>& ks, double lambda, const std::string& what,
-                                const Factor* all_layers = nullptr);
+                                const Factor* all_layers = nullptr, SolveWorkspace* workspace = nullptr);
 
 struct ProbeR2 {
   int Ls = 0, Lt = 0, H = 0;

@@ -508,12 +508,13 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   }
   Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(my_layers.size()),
                     0, "target layers");
+  SolveWorkspace workspace;  // reused by every target layer, keys and values
   for (int l : my_layers) {
     if (stop_requested())
       throw Interrupted("stopped by a signal while solving; the moments are committed in " + ckpt_dir);
     const std::string what = "target layer " + std::to_string(l);
-    auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get());
-    auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get());
+    auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get(), &workspace);
+    auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get(), &workspace);
     writer.write_layer(l, fk, fv);
     progress.add(1);
   }
