@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check of issue 4, one prepared script for a bare GPU machine (nothing to install; ~3-4 minutes on an H200).
+# The GPU check of issue 4, one prepared script for a bare GPU machine (nothing to install). On an H200: tests,
+# benchmarks and apply ~2 minutes; the paper-shaped fit (40x8x128 -> 64x8x128, k = 1, 2, 4, 8, all) alone took
+# ~6.5 minutes in 2026-11 (most of it host work per target layer), so give it its own call: STEPS=fit.
 # Prepare here:   bench/gpu_bundle.sh                     (-> .gpu-bundle.tar.xz, programs built with nvcc here)
 # Run there:      bash bench/gpu_check.sh "$OUT"          (carry .gpu-bundle.tar.xz)
 # Writes to OUT (7 files; the device tool returns at most 8): summary.txt (everything below in short, with each
@@ -74,7 +76,7 @@ fit: {k: [1, 2, 4, 8, all], lambda: 0.01, dtype: bf16}
 output: {dir: out}
 runtime: {device: cuda, block_tokens: 2048, max_moment_gib: 100, checkpoint: {every_shards: 64}}
 YAML
-(cd "$W" && step fit_gpu 300 "$B/bin/crosskv-bench-gpu" --fit fit.yaml cuda > "$OUT/fit_gpu.log" 2>&1)
+(cd "$W" && step fit_gpu 540 "$B/bin/crosskv-bench-gpu" --fit fit.yaml cuda > "$OUT/fit_gpu.log" 2>&1)
 grep -E "flops:|memory:|== |pass [0-9]|factored|solve:|summary|\]   [a-z+-]+ +[0-9.]+ s|error|warn" "$OUT/fit_gpu.log" |
   sed 's/^\[[^]]*\] //' | tail -40 >> "$S"
 tail -1 "$OUT/fit_gpu.log" >> "$S"
