@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-target-rope", no_rope, "diagnostics only: leave the mapped keys without the target RoPE");
   CLI11_PARSE(app, argc, argv);
   setup_logging(0, 1, "info");
-  try {
+  return run_tool("crosskv-apply", [&]() -> int {
     auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
     Transfer tr(mapper, *be, TransferOptions{resident, !no_rope, true});
     ShardReader src(source);
@@ -93,11 +93,5 @@ int main(int argc, char** argv) {
     spdlog::info("wrote {} ({} tokens, {} layers x {} KV heads x {}, {}; {} layer file reads)", out, T,
                  tr.target().n_layers, tr.target().n_kv_heads, tr.target().head_dim, to_string(dt), tr.layer_loads());
     return 0;
-  } catch (const UserError& e) {
-    std::fprintf(stderr, "crosskv-apply: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "crosskv-apply: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

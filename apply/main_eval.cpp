@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   app.add_flag("--require-ok", require_ok, "exit 4 when the verdict is not LIKELY TO TRANSFER");
   CLI11_PARSE(app, argc, argv);
   setup_logging(0, 1, "info");
-  try {
+  return run_tool("crosskv-eval", [&]() -> int {
     auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
     Transfer tr(mapper, *be, TransferOptions{true, true, true});
     Cache s = read_cache(source, false), t = read_cache(target, true);
@@ -58,11 +58,5 @@ int main(int argc, char** argv) {
                  f(ev.no_target_rope.attention_cosine));
     spdlog::info("verdict: {}", ev.verdict);
     return require_ok && !ev.ok ? 4 : 0;
-  } catch (const UserError& e) {
-    std::fprintf(stderr, "crosskv-eval: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "crosskv-eval: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

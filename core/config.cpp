@@ -68,6 +68,19 @@ struct Reader {
     return v;
   }
 
+  // A list of distinct strings (`what` names an entry in the message about a repeat).
+  std::vector<std::string> distinct_strings(const YAML::Node& n, const std::string& key, const std::string& expected,
+                                            const std::string& what) const {
+    if (!n.IsSequence()) fail(n, key, expected);
+    std::vector<std::string> out;
+    std::set<std::string> seen;
+    for (const auto& e : n) {
+      std::string v = str(e, key);
+      if (!seen.insert(v).second) fail(e, key, what + "\"" + v + "\" listed twice");
+      out.push_back(v);
+    }
+    return out;
+  }
   double number(const YAML::Node& n, const std::string& key) const {
     double v;
     if (!n.IsScalar() || !YAML::convert<double>::decode(n, v)) fail(n, key, "expected a number");
@@ -101,15 +114,8 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
   r.only_keys(root, "", {"source", "target", "calibration", "fit", "output", "runtime", "eval"});
   if (auto ev = root["eval"]) {
     r.only_keys(ev, "eval", {"shards"});
-    if (auto sh = ev["shards"]; sh && !sh.IsNull()) {
-      if (!sh.IsSequence()) r.fail(sh, "eval.shards", "expected a list of shard paths (<domain>/<name>.h5)");
-      std::set<std::string> seen;
-      for (const auto& e : sh) {
-        std::string rel = r.str(e, "eval.shards");
-        if (!seen.insert(rel).second) r.fail(e, "eval.shards", "\"" + rel + "\" listed twice");
-        c.eval_shards.push_back(rel);
-      }
-    }
+    if (auto sh = ev["shards"]; sh && !sh.IsNull())
+      c.eval_shards = r.distinct_strings(sh, "eval.shards", "expected a list of shard paths (<domain>/<name>.h5)", "");
   }
   for (const char* side : {"source", "target"}) {
     if (!root[side]) r.fail(root, side, "missing (expected {store: PATH})");
@@ -129,15 +135,8 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
         c.weights[dom] = v;
       }
     }
-    if (auto d = cal["domains"]; d && !d.IsNull()) {
-      if (!d.IsSequence()) r.fail(d, "calibration.domains", "expected a list of domain names");
-      std::set<std::string> seen;
-      for (const auto& e : d) {
-        std::string name = r.str(e, "calibration.domains");
-        if (!seen.insert(name).second) r.fail(e, "calibration.domains", "domain \"" + name + "\" listed twice");
-        c.domains.push_back(name);
-      }
-    }
+    if (auto d = cal["domains"]; d && !d.IsNull())
+      c.domains = r.distinct_strings(d, "calibration.domains", "expected a list of domain names", "domain ");
     if (auto s = cal["token_stride"]) c.token_stride = r.integer(s, "calibration.token_stride", 1);
     if (auto m = cal["max_tokens"]; m && !m.IsNull()) c.max_tokens = r.integer(m, "calibration.max_tokens", 1);
   }

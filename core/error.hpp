@@ -1,5 +1,6 @@
 #pragma once
 // Typed errors for user mistakes, and CROSSKV_ASSERT for broken invariants.
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -30,6 +31,21 @@ class SystemError : public std::runtime_error {
 };
 
 [[noreturn]] void assertion_failed(const char* expr, const char* file, int line, const std::string& msg);
+
+// A command-line tool's body with the tools' exit codes: 2 for a user's mistake (UserError), 1 for anything else,
+// each with one line on stderr naming the tool.
+template <class Body>
+int run_tool(const char* tool, Body&& body) {
+  try {
+    return body();
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", tool, e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", tool, e.what());
+    return 1;
+  }
+}
 
 }  // namespace crosskv
 

@@ -107,6 +107,14 @@ h5::Handle row_selection(hid_t dset, int64_t t0, int64_t count, int64_t stride, 
 
 StoredDtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_t count, int64_t stride,
                                      std::vector<float>& f32, std::vector<uint16_t>& u16) const {
+  return read_into(name, t0, count, stride, [&](size_t n) {
+    f32.resize(n);
+    return f32.data();
+  }, u16);
+}
+
+StoredDtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
+                                   const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16) const {
   const std::string where = h_.path + ":" + name;
   CROSSKV_ASSERT(count > 0 && t0 >= 0 && t0 + (count - 1) * stride < h_.tokens, "row range out of bounds: " + where);
   h5::Handle d = h5::open_dataset(file_, name, h_.path);
@@ -121,8 +129,7 @@ StoredDtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_
   const size_t n = static_cast<size_t>(count * row);
   herr_t rc;
   if (dt == StoredDtype::f32) {
-    f32.resize(n);
-    rc = H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, f32.data());
+    rc = H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, f32_dest(n));
   } else {
     u16.resize(n);
     if (dt == StoredDtype::bf16) {
@@ -141,12 +148,8 @@ StoredDtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_
 
 void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, int64_t stride, float* out,
                             std::vector<uint16_t>& raw) const {
-  std::vector<float> f32;
-  const StoredDtype dt = read_stored(name, t0, count, stride, f32, raw);
-  if (dt == StoredDtype::f32) {
-    std::copy(f32.begin(), f32.end(), out);
-    return;
-  }
+  const StoredDtype dt = read_into(name, t0, count, stride, [&](size_t) { return out; }, raw);
+  if (dt == StoredDtype::f32) return;
   const size_t n = raw.size();
   if (dt == StoredDtype::bf16)
     for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(raw[i]);

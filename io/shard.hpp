@@ -1,6 +1,7 @@
 #pragma once
 // Calibration shards (SPEC §5): HDF5 files of [T, L, H, D] keys/values with token ids and positions.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,9 @@ class ShardReader {
 
  private:
   StoredDtype check_kv_dataset(const std::string& name, int heads);
+  // fp32 rows go to f32_dest(count of values), half rows into u16.
+  StoredDtype read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
+                        const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16) const;
   ShardHeader h_;
   h5::Handle file_;
 };

@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   app.add_option("--shard", shard, "shard (SPEC §5)")->required();
   app.add_option("--out", out, "HDF5 file to write")->required();
   CLI11_PARSE(app, argc, argv);
-  try {
+  return run_tool("crosskv-strip", [&]() -> int {
     ShardReader r(shard);
     const ShardHeader& h = r.header();
     const KvSpec& s = h.spec;
@@ -40,11 +40,5 @@ int main(int argc, char** argv) {
     strip("keys", s.n_kv_heads, "content_keys");
     if (h.has_queries) strip("queries", s.n_q_heads, "content_queries");
     return 0;
-  } catch (const UserError& e) {
-    std::fprintf(stderr, "crosskv-strip: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "crosskv-strip: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }

@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   app.add_flag("--with-queries", o.with_queries, "also write queries");
   app.add_flag("!--contiguous-positions", o.gapped_positions, "positions 0,1,2,... in every sequence");
   CLI11_PARSE(app, argc, argv);
-  try {
+  return run_tool("crosskv-synth", [&]() -> int {
     finish_side(o.source, conv_s, "source");
     finish_side(o.target, conv_t, "target");
     if (dtype == "float32") o.dtype = StoredDtype::f32;
@@ -83,11 +83,5 @@ int main(int argc, char** argv) {
     std::printf("wrote %lld tokens per store: %s/source and %s/target\n", static_cast<long long>(n), o.out.c_str(),
                 o.out.c_str());
     return 0;
-  } catch (const UserError& e) {
-    std::fprintf(stderr, "crosskv-synth: error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "crosskv-synth: error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
