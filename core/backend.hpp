@@ -27,6 +27,10 @@ class ComputeBackend {
     int64_t bytes;
   };
   static HostSpan floats(const float* p, int64_t count) { return {p, count * 4}; }
+  // A hint that C arguments will fall in host sums [p, p + count) until flush(): a device backend makes the range
+  // resident as one allocation now, zeroed on the device when `host_is_zero` (the caller's promise), else copied up.
+  // Calls for a range already resident do nothing.
+  virtual void keep_resident(float* p, int64_t count, bool host_is_zero) {}
   virtual void begin_inputs() {}
   virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
   virtual void flush() {}

@@ -1,6 +1,9 @@
 #include "core/moments.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <new>
+#include <set>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -10,6 +13,15 @@ namespace crosskv {
 
 // Below this many elements the host loops run on one thread (a parallel region costs more than it saves).
 constexpr int64_t kParallelMin = int64_t{1} << 22;
+
+FloatArena::FloatArena(int64_t count) : n_(count) {
+  CROSSKV_ASSERT(count >= 0, "negative arena size");
+  // calloc: large requests are fresh zero pages from the kernel, not written until used.
+  p_.reset(static_cast<float*>(std::calloc(static_cast<size_t>(std::max<int64_t>(count, 1)), sizeof(float))));
+  if (!p_) throw std::bad_alloc();
+}
+
+void FloatArena::Free::operator()(float* p) const { std::free(p); }
 
 MomentPlan MomentPlan::full(const PairDims& d, bool head_probe) {
   MomentPlan p;
@@ -42,30 +54,68 @@ Moments::Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<f
   sq_y_.assign(d_.Y(), 0.0);
 }
 
+std::vector<BlockRef> Moments::new_blocks(const std::vector<int64_t>& sizes, const FloatArena** arena) {
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  std::vector<BlockRef> out;
+  if (total == 0) return std::vector<BlockRef>(sizes.size());
+  arenas_.push_back(std::make_unique<FloatArena>(total));
+  if (arena) *arena = arenas_.back().get();
+  float* p = arenas_.back()->data();
+  for (int64_t n : sizes) {
+    out.push_back({n ? p : nullptr, n});
+    p += n;
+  }
+  return out;
+}
+
 void Moments::add_plan(const MomentPlan& plan) {
+  // Every new block of this plan in one arena: Gram, cross, then same-head blocks (the order pack_live uses).
+  std::vector<std::pair<int, int>> grams, crosses;
+  std::set<std::pair<int, int>> seen_gram, seen_cross;
   for (auto p : plan.gram) {
     CROSSKV_ASSERT(p.first <= p.second && p.second < d_.Ls, "bad gram pair");
-    if (gram_idx_.emplace(p, gram_.size()).second) {
-      gram_.emplace_back(d_.F() * d_.F(), 0.0f);
-      gram_live_.push_back(true);
-    }
+    if (!gram_idx_.count(p) && seen_gram.insert(p).second) grams.push_back(p);
   }
   for (auto p : plan.cross) {
     CROSSKV_ASSERT(p.first < d_.Ls && p.second < d_.Lt, "bad cross pair");
-    if (cross_idx_.emplace(p, cross_.size()).second) {
-      cross_.emplace_back(d_.F() * d_.G(), 0.0f);
-      cross_live_.push_back(true);
-    }
+    if (!cross_idx_.count(p) && seen_cross.insert(p).second) crosses.push_back(p);
   }
-  if (!plan.probe_heads.empty() && head_cross_.empty()) {
+  const bool heads = !plan.probe_heads.empty() && head_cross_.empty();
+  std::vector<bool> probe(d_.Hs, false);
+  if (heads) {
     CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
-    head_gram_.assign(int64_t{d_.Ls} * d_.Hs, {});
-    head_cross_.assign(d_.Hs, {});
     for (int h : plan.probe_heads) {
       CROSSKV_ASSERT(h >= 0 && h < d_.Hs, "bad probe head");
-      for (int a = 0; a < d_.Ls; ++a) head_gram_[int64_t{a} * d_.Hs + h].assign(int64_t{d_.Ds} * d_.Ds, 0.0f);
-      head_cross_[h].assign(int64_t{d_.Ls} * d_.Ds * d_.Lt * d_.Dt, 0.0f);
+      probe[h] = true;
     }
+  }
+  std::vector<int64_t> sizes(grams.size(), d_.F() * d_.F());
+  sizes.insert(sizes.end(), crosses.size(), d_.F() * d_.G());
+  if (heads) {
+    for (int a = 0; a < d_.Ls; ++a)
+      for (int h = 0; h < d_.Hs; ++h) sizes.push_back(probe[h] ? int64_t{d_.Ds} * d_.Ds : 0);
+    for (int h = 0; h < d_.Hs; ++h) sizes.push_back(probe[h] ? int64_t{d_.Ls} * d_.Ds * d_.Lt * d_.Dt : 0);
+  }
+  if (sizes.empty()) return;
+  const FloatArena* arena = nullptr;
+  const std::vector<BlockRef> blocks = new_blocks(sizes, &arena);
+  if (arena) live_arenas_.push_back(arena);
+  size_t i = 0;
+  for (auto p : grams) {
+    gram_idx_.emplace(p, gram_.size());
+    gram_.push_back(blocks[i++]);
+    gram_live_.push_back(true);
+  }
+  for (auto p : crosses) {
+    cross_idx_.emplace(p, cross_.size());
+    cross_.push_back(blocks[i++]);
+    cross_live_.push_back(true);
+  }
+  if (heads) {
+    head_gram_.assign(blocks.begin() + i, blocks.begin() + i + int64_t{d_.Ls} * d_.Hs);
+    i += int64_t{d_.Ls} * d_.Hs;
+    head_cross_.assign(blocks.begin() + i, blocks.end());
     head_live_ = true;
   }
 }
@@ -83,6 +133,8 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
 
 void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows) {
   const int64_t XW = d_.X(), YW = d_.Y(), F = d_.F(), G = d_.G();
+  for (const FloatArena* a : live_arenas_) be.keep_resident(a->data(), a->size(), live_zero_);
+  live_zero_ = false;
   if (!stats_done_) {
     be.column_stats(rows, XW, X, XW, sum_x_.data(), nullptr);
     be.column_stats(rows, YW, Y, YW, sum_y_.data(), sq_y_.data());
@@ -128,10 +180,9 @@ void Moments::finish_pass(Comm& comm) {
 
 namespace {
 template <class Fn>
-void for_each_live(const std::vector<std::vector<float>>& gram, const std::vector<bool>& gram_live,
-                   const std::vector<std::vector<float>>& cross, const std::vector<bool>& cross_live, bool head_live,
-                   const std::vector<std::vector<float>>& head_gram, const std::vector<std::vector<float>>& head_cross,
-                   Fn fn) {
+void for_each_live(const std::vector<BlockRef>& gram, const std::vector<bool>& gram_live,
+                   const std::vector<BlockRef>& cross, const std::vector<bool>& cross_live, bool head_live,
+                   const std::vector<BlockRef>& head_gram, const std::vector<BlockRef>& head_cross, Fn fn) {
   for (size_t i = 0; i < gram.size(); ++i)
     if (gram_live[i]) fn(i, 0);
   for (size_t i = 0; i < cross.size(); ++i)
@@ -174,8 +225,9 @@ void Moments::pack_live(float* f, double* d) const {
 }
 
 void Moments::unpack_live(const float* f, const double* d) {
+  live_zero_ = false;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    auto& b = live_block(i, w);
+    const BlockRef& b = live_block(i, w);
     std::copy_n(f, b.size(), b.begin());
     f += b.size();
   });
@@ -190,10 +242,14 @@ void Moments::unpack_live(const float* f, const double* d) {
 }
 
 void Moments::zero_live() {
-  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    auto& b = live_block(i, w);
-    std::fill(b.begin(), b.end(), 0.0f);
-  });
+  std::vector<const BlockRef*> live;
+  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_,
+                [&](size_t i, int w) { live.push_back(&live_block(i, w)); });
+  int64_t total = 0;
+  for (const BlockRef* b : live) total += b->n;
+#pragma omp parallel for schedule(dynamic) if (total > kParallelMin)
+  for (size_t i = 0; i < live.size(); ++i) std::fill(live[i]->begin(), live[i]->end(), 0.0f);
+  live_zero_ = true;
   if (!stats_done_) {
     n_ = 0;
     std::fill(sum_x_.begin(), sum_x_.end(), 0.0);
@@ -207,6 +263,8 @@ void Moments::mark_pass_complete() {
   std::fill(gram_live_.begin(), gram_live_.end(), false);
   std::fill(cross_live_.begin(), cross_live_.end(), false);
   head_live_ = false;
+  live_arenas_.clear();
+  live_zero_ = true;
 }
 
 void Moments::scale(double w) {
@@ -226,7 +284,8 @@ void Moments::add(const Moments& o, double weight) {
   CROSSKV_ASSERT(gram_idx_ == o.gram_idx_ && cross_idx_ == o.cross_idx_ && head_cross_.size() == o.head_cross_.size(),
                  "moments with different blocks");
   const float wf = static_cast<float>(weight);
-  auto add_all = [wf](std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  live_zero_ = false;
+  auto add_all = [wf](std::vector<BlockRef>& a, const std::vector<BlockRef>& b) {
     for (size_t i = 0; i < a.size(); ++i)
       for (size_t j = 0; j < a[i].size(); ++j) a[i][j] += wf == 1.0f ? b[i][j] : wf * b[i][j];
   };
@@ -242,7 +301,7 @@ void Moments::add(const Moments& o, double weight) {
   }
 }
 
-const std::vector<float>& Moments::live_block(size_t i, int which) const {
+const BlockRef& Moments::live_block(size_t i, int which) const {
   switch (which) {
     case 0: return gram_[i];
     case 1: return cross_[i];
@@ -255,8 +314,11 @@ void Moments::derive_head_probe() {
   CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
   const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
   const int64_t F = d_.F(), G = d_.G();
-  head_gram_.assign(int64_t{Ls} * H, std::vector<float>(int64_t{Ds} * Ds, 0.0f));
-  head_cross_.assign(H, std::vector<float>(int64_t{Ls} * Ds * Lt * Dt, 0.0f));
+  std::vector<int64_t> sizes(int64_t{Ls} * H, int64_t{Ds} * Ds);
+  sizes.insert(sizes.end(), H, int64_t{Ls} * Ds * Lt * Dt);
+  const std::vector<BlockRef> blocks = new_blocks(sizes);
+  head_gram_.assign(blocks.begin(), blocks.begin() + int64_t{Ls} * H);
+  head_cross_.assign(blocks.begin() + int64_t{Ls} * H, blocks.end());
   for (int a = 0; a < Ls; ++a) {
     const auto& g = gram_block(a, a);
     for (int h = 0; h < H; ++h)
@@ -284,13 +346,13 @@ int64_t Moments::bytes() const {
   return b;
 }
 
-const std::vector<float>& Moments::gram_block(int a, int b) const {
+const BlockRef& Moments::gram_block(int a, int b) const {
   auto it = gram_idx_.find({a, b});
   CROSSKV_ASSERT(it != gram_idx_.end(), "gram block (" + std::to_string(a) + "," + std::to_string(b) + ") missing");
   return gram_[it->second];
 }
 
-const std::vector<float>& Moments::cross_block(int a, int l) const {
+const BlockRef& Moments::cross_block(int a, int l) const {
   auto it = cross_idx_.find({a, l});
   CROSSKV_ASSERT(it != cross_idx_.end(), "cross block (" + std::to_string(a) + "," + std::to_string(l) + ") missing");
   return cross_[it->second];
@@ -361,11 +423,11 @@ void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t l
   }
 }
 
-std::vector<float>& Moments::complete_gram(int a, int b) {
+BlockRef Moments::complete_gram(int a, int b) {
   CROSSKV_ASSERT(a <= b && b < d_.Ls, "bad gram pair");
   auto [it, added] = gram_idx_.emplace(std::make_pair(a, b), gram_.size());
   if (added) {
-    gram_.emplace_back(d_.F() * d_.F(), 0.0f);
+    gram_.push_back(new_blocks({d_.F() * d_.F()}).front());
     gram_live_.push_back(false);
   }
   CROSSKV_ASSERT(!gram_live_[it->second], "complete_gram on a block being accumulated");

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -11,6 +12,34 @@ namespace crosskv {
 
 class ComputeBackend;
 class Comm;
+
+// fp32 moment blocks live in a few large zero-initialised allocations (one per add_plan): untouched pages cost
+// nothing until written, and a device backend keeps a pass's blocks resident as one allocation.
+class FloatArena {
+ public:
+  explicit FloatArena(int64_t count);
+  float* data() const { return p_.get(); }
+  int64_t size() const { return n_; }
+
+ private:
+  struct Free {
+    void operator()(float* p) const;
+  };
+  std::unique_ptr<float, Free> p_;
+  int64_t n_ = 0;
+};
+
+// A moment block: a view of arena memory (empty for an absent block).
+struct BlockRef {
+  float* p = nullptr;
+  int64_t n = 0;
+  float* data() const { return p; }
+  size_t size() const { return static_cast<size_t>(n); }
+  bool empty() const { return n == 0; }
+  float* begin() const { return p; }
+  float* end() const { return p + n; }
+  float& operator[](int64_t i) const { return p[i]; }
+};
 
 // Shapes of one kind (keys stripped, keys raw, or values) of a model pair.
 struct PairDims {
@@ -73,7 +102,7 @@ class Moments {
   // absent cross blocks stay zero).
   void derive_head_probe();
   // A complete Gram block (a, b), created as zeros if absent: for blocks accumulated on other ranks.
-  std::vector<float>& complete_gram(int a, int b);
+  BlockRef complete_gram(int a, int b);
 
   int64_t tokens() const { return static_cast<int64_t>(n_); }
   bool has_gram(int a, int b) const { return gram_idx_.count({a, b}) > 0; }
@@ -99,12 +128,11 @@ class Moments {
   const std::vector<float>& shift_y() const { return shift_y_; }
 
  private:
-  const std::vector<float>& gram_block(int a, int b) const;
-  const std::vector<float>& live_block(size_t i, int which) const;
-  std::vector<float>& live_block(size_t i, int which) {
-    return const_cast<std::vector<float>&>(static_cast<const Moments*>(this)->live_block(i, which));
-  }
-  const std::vector<float>& cross_block(int a, int l) const;
+  const BlockRef& gram_block(int a, int b) const;
+  const BlockRef& live_block(size_t i, int which) const;
+  const BlockRef& cross_block(int a, int l) const;
+  // Carves blocks of `sizes` floats out of one new arena (zeros), returned in `arena` (none if all are empty).
+  std::vector<BlockRef> new_blocks(const std::vector<int64_t>& sizes, const FloatArena** arena = nullptr);
   double mx(int64_t col) const { return sum_x_[col] / n_; }
   double my(int64_t col) const { return sum_y_[col] / n_; }
 
@@ -113,13 +141,17 @@ class Moments {
   std::vector<float> shift_x_, shift_y_;
   std::vector<double> sum_x_, sum_y_, sq_y_;
   std::map<std::pair<int, int>, std::size_t> gram_idx_, cross_idx_;
-  std::vector<std::vector<float>> gram_, cross_;
-  std::vector<std::vector<float>> head_gram_;   // [Ls*Hs] of Ds x Ds (upper)
-  std::vector<std::vector<float>> head_cross_;  // [Hs] of (Ls*Ds) x (Lt*Dt)
-  std::vector<float> hx_, hy_;                  // head-major scratch
-  // Blocks being accumulated in the current pass (the rest are complete).
+  std::vector<std::unique_ptr<FloatArena>> arenas_;
+  std::vector<BlockRef> gram_, cross_;
+  std::vector<BlockRef> head_gram_;   // [Ls*Hs] of Ds x Ds (upper)
+  std::vector<BlockRef> head_cross_;  // [Hs] of (Ls*Ds) x (Lt*Dt)
+  std::vector<float> hx_, hy_;        // head-major scratch
+  // Blocks being accumulated in the current pass (the rest are complete), the arenas that hold them, and whether
+  // they are all zero on the host (just made, or zeroed after a round).
   std::vector<bool> gram_live_, cross_live_;
   bool head_live_ = false, stats_done_ = false;
+  std::vector<const FloatArena*> live_arenas_;
+  bool live_zero_ = true;
 };
 
 }  // namespace crosskv

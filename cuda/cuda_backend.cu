@@ -5,8 +5,8 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
 #include "core/backend.hpp"
@@ -164,6 +164,16 @@ class CudaBackend final : public ComputeBackend {
   }
 
   std::string name() const override { return name_; }
+
+  void keep_resident(float* p, int64_t count, bool host_is_zero) override {
+    if (count <= 0 || find_resident(sums_, p, count)) return;
+    float* dev = new_resident(sums_, p, count);
+    const std::string ops = dims({{"elements", count}});
+    if (host_is_zero)
+      CK(cudaMemsetAsync(dev, 0, count * sizeof(float), compute_), ops);
+    else
+      CK(cudaMemcpyAsync(dev, p, count * sizeof(float), cudaMemcpyHostToDevice, compute_), ops);
+  }
 
   void begin_inputs() override {
     if (cur_ >= 0) CK(cudaEventRecord(slots_[cur_].used, compute_), "");
@@ -416,19 +426,37 @@ class CudaBackend final : public ComputeBackend {
     return dev;
   }
 
+  // Resident sums: host ranges and their device copies. A C argument may be any part of a range.
+  template <class T>
+  using Residents = std::map<T*, Sum<T>>;
   float* resident(float* host, int64_t count) { return resident_in(sums_, host, count); }
   double* resident(double* host, int64_t count) { return resident_in(dsums_, host, count); }
   template <class T>
-  T* resident_in(std::unordered_map<T*, Sum<T>>& sums, T* host, int64_t count) {
-    auto it = sums.find(host);
-    if (it != sums.end()) {
-      CROSSKV_ASSERT(it->second.count >= count, "CUDA backend: a resident sum grew");
-      return it->second.dev;
-    }
+  T* find_resident(Residents<T>& sums, T* host, int64_t count) {
+    auto it = sums.upper_bound(host);
+    if (it == sums.begin()) return nullptr;
+    --it;
+    if (host >= it->first + it->second.count) return nullptr;
+    CROSSKV_ASSERT(host + count <= it->first + it->second.count,
+                   "CUDA backend: a sum reaches beyond its resident range (" + dims({{"elements", count}}) + ")");
+    return it->second.dev + (host - it->first);
+  }
+  template <class T>
+  T* new_resident(Residents<T>& sums, T* host, int64_t count) {
+    auto next = sums.upper_bound(host);
+    CROSSKV_ASSERT(next == sums.end() || host + count <= next->first,
+                   "CUDA backend: a new resident range overlaps one already resident (" +
+                       dims({{"elements", count}}) + ")");
     T* dev = nullptr;
-    CK(cudaMalloc(&dev, count * sizeof(T)), dims({{"elements", count}}));
-    CK(cudaMemcpyAsync(dev, host, count * sizeof(T), cudaMemcpyHostToDevice, compute_), dims({{"elements", count}}));
+    CK(cudaMalloc(&dev, count * sizeof(T)), dims({{"elements", count}, {"bytes", count * int64_t{sizeof(T)}}}));
     sums.emplace(host, Sum<T>{dev, count});
+    return dev;
+  }
+  template <class T>
+  T* resident_in(Residents<T>& sums, T* host, int64_t count) {
+    if (T* d = find_resident(sums, host, count)) return d;
+    T* dev = new_resident(sums, host, count);
+    CK(cudaMemcpyAsync(dev, host, count * sizeof(T), cudaMemcpyHostToDevice, compute_), dims({{"elements", count}}));
     return dev;
   }
 
@@ -487,8 +515,8 @@ class CudaBackend final : public ComputeBackend {
   cusolverDnParams_t params_{};
   Slot slots_[2];
   int cur_ = -1;
-  std::unordered_map<float*, Sum<float>> sums_;
-  std::unordered_map<double*, Sum<double>> dsums_;
+  Residents<float> sums_;
+  Residents<double> dsums_;
   std::vector<std::unique_ptr<DeviceFactor>> factors_;
   DeviceBuffer<double> other_, rhs_;
   DeviceBuffer<float> apply_;

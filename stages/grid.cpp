@@ -46,7 +46,7 @@ void share_gram(Grid& grid, const MomentPlan& plan, Moments& m) {
   for (const auto& [a, b] : plan.gram) {
     const int owner = grid.gram_group(a, b, Ls);
     CROSSKV_ASSERT(owner != grid.layer_group || m.has_gram(a, b), "own Gram block missing");
-    auto& block = m.complete_gram(a, b);
+    const BlockRef block = m.complete_gram(a, b);
     grid.peers->broadcast(block.data(), block.size() * sizeof(float), owner);
   }
 }

@@ -51,8 +51,7 @@ float max_abs(const std::vector<float>& v) {
 TEST_F(Cuda, MomentsMatchTheCpuOverManyBlocks) {
   const PairDims d{3, 2, 8, 4, 2, 8};
   MomentPlan plan = MomentPlan::full(d, true);
-  Moments a(d, std::vector<float>(d.X(), 0.5f), std::vector<float>(d.Y(), -0.5f));
-  Moments b = a;
+  Moments a(d, std::vector<float>(d.X(), 0.5f), std::vector<float>(d.Y(), -0.5f)), b(d, a.shift_x(), a.shift_y());
   a.add_plan(plan);
   b.add_plan(plan);
   int64_t total = 0;
@@ -260,14 +259,38 @@ class ShadowBackend final : public ComputeBackend {
     return p;
   }
   const float* staged(const float* p, int64_t extent) { return static_cast<const float*>(operand(p, extent * 4)); }
+  // Device copies of host sums (a C argument may be any part of a range). The host copy is poisoned: reading it
+  // before flush() must show.
   template <class T>
   T* resident(std::map<T*, std::vector<T>>& sums, T* host, int64_t count) {
-    auto it = sums.find(host);
-    if (it == sums.end()) it = sums.emplace(host, std::vector<T>(host, host + count)).first;
-    // Poison the host copy: reading it before flush() must show.
+    auto it = sums.upper_bound(host);
+    if (it != sums.begin() && host < std::prev(it)->first + std::prev(it)->second.size()) {
+      --it;
+      EXPECT_LE(host + count, it->first + it->second.size()) << "a sum reaches beyond its resident range";
+      return it->second.data() + (host - it->first);
+    }
+    EXPECT_TRUE(it == sums.end() || host + count <= it->first) << "a new resident range overlaps another";
+    it = sums.emplace(host, std::vector<T>(host, host + count)).first;
     std::fill(host, host + count, std::numeric_limits<T>::quiet_NaN());
     return it->second.data();
   }
+
+ public:
+  void keep_resident(float* p, int64_t count, bool host_is_zero) override {
+    auto it = sums_.upper_bound(p);
+    if (it != sums_.begin() && p < std::prev(it)->first + std::prev(it)->second.size()) return;
+    if (host_is_zero)
+      for (int64_t i = 0; i < count; ++i)
+        if (p[i] != 0.0f) {
+          ADD_FAILURE() << "keep_resident(host_is_zero) on a range whose element " << i << " is " << p[i];
+          break;
+        }
+    resident(sums_, p, count);
+    ++kept;
+  }
+  int kept = 0;
+
+ private:
   std::unique_ptr<ComputeBackend> cpu_ = make_cpu_backend();
   std::deque<Round> rounds_;
   std::map<float*, std::vector<float>> sums_;
@@ -374,7 +397,65 @@ void check_to_half(ComputeBackend& dev) {
   }
 }
 
+// Moments in rounds (sums flushed, packed and zeroed between them), then a second pass over new blocks, then a
+// round that starts from unpacked non-zero sums: the residency hints (zero on the device, or copied up) against the
+// CPU backend.
+void check_rounds_and_passes(ComputeBackend& dev) {
+  const PairDims d{3, 2, 8, 4, 2, 8};
+  auto cpu = make_cpu_backend();
+  const std::vector<float> sx(d.X(), 0.5f), sy(d.Y(), -0.5f);
+  Moments a(d, sx, sy), b(d, sx, sy);
+  MomentPlan probe;
+  for (int s = 0; s < d.Ls; ++s) probe.gram.emplace_back(s, s);
+  probe.probe_heads = MomentPlan::all_heads(d);
+  a.add_plan(probe);
+  b.add_plan(probe);
+  std::vector<float> fa, fb;
+  std::vector<double> da, db;
+  auto round = [&](uint64_t seed, const std::string& what) {
+    int64_t total = 0;
+    for (int blk = 0; blk < 3; ++blk) {
+      const int64_t rows = 50 + 29 * blk;
+      auto X = random_rows(rows * d.X(), seed + blk, 0.7f), Y = random_rows(rows * d.Y(), seed + 10 + blk, -0.3f);
+      auto X2 = X, Y2 = Y;
+      a.accumulate(*cpu, X.data(), Y.data(), rows);
+      b.accumulate(dev, X2.data(), Y2.data(), rows);
+      total += rows;
+    }
+    dev.flush();
+    a.pack_live(fa, da);
+    b.pack_live(fb, db);
+    ASSERT_EQ(fa.size(), fb.size()) << what;
+    ASSERT_GT(fa.size(), 0u) << what;
+    const float tol = 4 * 1.2e-7f * std::sqrt(static_cast<float>(total)) * std::max(1.0f, max_abs(fa));
+    for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fb[i], tol) << what << ", element " << i;
+    ASSERT_EQ(da.size(), db.size()) << what;
+    for (size_t i = 0; i < da.size(); ++i) ASSERT_NEAR(da[i], db[i], 1e-12 * total * (1 + std::fabs(da[i]))) << what;
+  };
+  round(100, "round 1");
+  a.zero_live();
+  b.zero_live();
+  round(200, "round 2 (after zero_live)");
+  a.mark_pass_complete();
+  b.mark_pass_complete();
+  const MomentPlan full = MomentPlan::full(d, false);
+  a.add_plan(full);
+  b.add_plan(full);
+  round(300, "pass 2");
+  const size_t pass2_floats = fa.size();
+  EXPECT_EQ(pass2_floats, static_cast<size_t>(full.floats(d) - d.Ls * d.F() * d.F())) << "only new blocks are live";
+  b.unpack_live(fa.data(), da.data());  // resumed from a checkpoint: non-zero sums to copy up
+  round(400, "pass 2, from unpacked sums");
+}
+
 }  // namespace
+
+TEST_F(Cuda, MomentsInRoundsAndPassesMatchTheCpu) { check_rounds_and_passes(*gpu_); }
+TEST(DeviceContract, ShadowMomentsInRoundsAndPassesMatchTheCpu) {
+  ShadowBackend shadow;
+  check_rounds_and_passes(shadow);
+  EXPECT_EQ(shadow.kept, 4) << "one resident range per round";
+}
 
 TEST_F(Cuda, PrepareMatchesTheHostForEveryDtypeAndRope) { check_prepare(*gpu_); }
 TEST_F(Cuda, GatherHeadsAndColumnStatsMatchTheHost) { check_gather_and_stats(*gpu_); }
@@ -406,6 +487,7 @@ TEST(DeviceContract, AFitThroughAShadowDeviceEqualsTheCpuFit) {
       const int before = shadow.flushes;
       fit(shadow, "shadow-" + tag);
       EXPECT_GT(shadow.flushes, before);
+      EXPECT_GT(shadow.kept, 0);
       for (const std::string k : {"k1", "k3", "kall"}) {
         Mapper c = load_mapper(dir.str("cpu-" + tag + "/" + k)), s = load_mapper(dir.str("shadow-" + tag + "/" + k));
         for (size_t l = 0; l < c.layers.size(); ++l) {
