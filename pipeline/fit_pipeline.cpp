@@ -515,10 +515,13 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     const std::string what = "target layer " + std::to_string(l);
     auto fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get(), &workspace);
     auto fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get(), &workspace);
-    writer.write_layer(l, fk, fv);
+    writer.write_layer(l, std::move(fk), std::move(fv));  // written while the next layer solves
     progress.add(1);
   }
+  writer.drain();
   progress.finish();
+  spdlog::info("export: {} writing the layers' files, {} of it behind the solves", human_seconds(writer.write_seconds()),
+               human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (root) {
     for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));

@@ -1,6 +1,7 @@
 #include "stages/export.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <cstdio>
@@ -27,27 +28,16 @@ nlohmann::json nan_to_null(const std::vector<double>& v) {
 
 namespace {
 
-struct Converted {
-  std::string dtype;
-  std::vector<uint16_t> half;
-  const void* data;
-  size_t bytes;
-};
+std::vector<uint16_t> to_half(ComputeBackend& be, const std::vector<float>& w, WeightDtype d) {
+  std::vector<uint16_t> h;
+  if (d == WeightDtype::fp32) return h;
+  h.resize(w.size());
+  be.to_half(w.data(), static_cast<int64_t>(w.size()), d == WeightDtype::bf16, h.data());
+  return h;
+}
 
-Converted convert(ComputeBackend& be, const std::vector<float>& w, WeightDtype d) {
-  Converted c;
-  if (d == WeightDtype::fp32) {
-    c.dtype = "F32";
-    c.data = w.data();
-    c.bytes = w.size() * 4;
-    return c;
-  }
-  c.dtype = d == WeightDtype::bf16 ? "BF16" : "F16";
-  c.half.resize(w.size());
-  be.to_half(w.data(), static_cast<int64_t>(w.size()), d == WeightDtype::bf16, c.half.data());
-  c.data = c.half.data();
-  c.bytes = c.half.size() * 2;
-  return c;
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 std::string layer_file(int l) {
@@ -77,30 +67,114 @@ void ArtifactWriter::begin() {
   }
 }
 
-void ArtifactWriter::write_layer(int l, const std::vector<LayerFit>& fk, const std::vector<LayerFit>& fv) {
+ArtifactWriter::~ArtifactWriter() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    closing_ = true;
+    queue_.clear();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv) {
+  CROSSKV_ASSERT(fk.size() == plan_.ks.size() && fv.size() == plan_.ks.size(), "fit/plan mismatch");
+  Job job;
+  job.l = l;
+  for (size_t i = 0; i < plan_.ks.size(); ++i) {
+    CROSSKV_ASSERT(fk[i].k == plan_.ks[i].count && fv[i].k == plan_.ks[i].count && fk[i].layers == fv[i].layers,
+                   "fit/plan mismatch");
+    job.hk.push_back(to_half(be_, fk[i].W, cal_.cfg.dtype));
+    job.hv.push_back(to_half(be_, fv[i].W, cal_.cfg.dtype));
+  }
+  job.fk = std::move(fk);
+  job.fv = std::move(fv);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lk(m_);
+  cv_.wait(lk, [&] { return queue_.empty() || error_; });
+  wait_s_ += since(t0);
+  if (error_) std::rethrow_exception(error_);
+  queue_.push_back(std::move(job));
+  if (!thread_.joinable()) thread_ = std::thread([this] { run_writer(); });
+  cv_.notify_all();
+}
+
+void ArtifactWriter::run_writer() {
+  std::unique_lock<std::mutex> lk(m_);
+  for (;;) {
+    cv_.wait(lk, [&] { return !queue_.empty() || closing_; });
+    if (queue_.empty()) return;
+    Job job = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    cv_.notify_all();
+    lk.unlock();
+    std::exception_ptr e;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      write_job(job);
+    } catch (...) {
+      e = std::current_exception();
+    }
+    lk.lock();
+    write_s_ += since(t0);
+    busy_ = false;
+    if (e && !error_) error_ = e;
+    if (error_) queue_.clear();
+    cv_.notify_all();
+  }
+}
+
+void ArtifactWriter::drain() {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lk(m_);
+  cv_.wait(lk, [&] { return (queue_.empty() && !busy_) || error_; });
+  wait_s_ += since(t0);
+  if (error_) std::rethrow_exception(error_);
+}
+
+double ArtifactWriter::write_seconds() const {
+  std::lock_guard<std::mutex> lk(m_);
+  return write_s_;
+}
+
+nlohmann::json ArtifactWriter::layer_entries() const {
+  std::lock_guard<std::mutex> lk(m_);
+  CROSSKV_ASSERT(queue_.empty() && !busy_, "layer_entries() before drain()");
+  return layers_;
+}
+
+void ArtifactWriter::write_job(const Job& job) {
   const PairDims d = plan_.dims;
+  const int l = job.l;
+  const bool half = cal_.cfg.dtype != WeightDtype::fp32;
+  const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == WeightDtype::bf16 ? "BF16" : "F16";
   for (size_t i = 0; i < plan_.ks.size(); ++i) {
     const KPlan& k = plan_.ks[i];
-    CROSSKV_ASSERT(fk[i].k == k.count && fv[i].k == k.count && fk[i].layers == fv[i].layers, "fit/plan mismatch");
-    const Converted wk = convert(be_, fk[i].W, cal_.cfg.dtype), wv = convert(be_, fv[i].W, cal_.cfg.dtype);
+    const LayerFit &fk = job.fk[i], &fv = job.fv[i];
+    const void* wk = half ? static_cast<const void*>(job.hk[i].data()) : fk.W.data();
+    const void* wv = half ? static_cast<const void*>(job.hv[i].data()) : fv.W.data();
+    const size_t wbytes = fk.W.size() * (half ? 2 : 4);
     const std::vector<int64_t> wshape = {k.features, d.G()}, bshape = {d.G()};
     std::string layers_csv;
-    for (int a : fk[i].layers) layers_csv += (layers_csv.empty() ? "" : ",") + std::to_string(a);
+    for (int a : fk.layers) layers_csv += (layers_csv.empty() ? "" : ",") + std::to_string(a);
     const std::string file = layer_file(l);
     const std::string path = (fs::path(partial_dir(k)) / file).string();
     write_safetensors(path,
-                      {{"k.weight", wk.dtype, wshape, wk.data, wk.bytes},
-                       {"k.bias", "F32", bshape, fk[i].b.data(), fk[i].b.size() * 4},
-                       {"v.weight", wv.dtype, wshape, wv.data, wv.bytes},
-                       {"v.bias", "F32", bshape, fv[i].b.data(), fv[i].b.size() * 4}},
+                      {{"k.weight", wdtype, wshape, wk, wbytes},
+                       {"k.bias", "F32", bshape, fk.b.data(), fk.b.size() * 4},
+                       {"v.weight", wdtype, wshape, wv, wbytes},
+                       {"v.bias", "F32", bshape, fv.b.data(), fv.b.size() * 4}},
                       {{"format", "crosskv-mapper"}, {"target_layer", std::to_string(l)}, {"source_layers", layers_csv}});
     written();
-    layers_[i].push_back({{"target_layer", l},
-                          {"source_layers", fk[i].layers},
-                          {"file", file},
-                          {"sha256", sha256_file(path)},
-                          {"r2_k", nan_to_null(fk[i].r2)},
-                          {"r2_v", nan_to_null(fv[i].r2)}});
+    nlohmann::json entry = {{"target_layer", l},
+                            {"source_layers", fk.layers},
+                            {"file", file},
+                            {"sha256", sha256_file(path)},
+                            {"r2_k", nan_to_null(fk.r2)},
+                            {"r2_v", nan_to_null(fv.r2)}};
+    std::lock_guard<std::mutex> lk(m_);
+    layers_[i].push_back(std::move(entry));
   }
 }
 
@@ -111,6 +185,7 @@ void ArtifactWriter::add_layer_entries(const nlohmann::json& per_k) {
 }
 
 std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
+  drain();
   for (auto& list : layers_)
     std::sort(list.begin(), list.end(),
               [](const nlohmann::json& a, const nlohmann::json& b) { return a["target_layer"] < b["target_layer"]; });

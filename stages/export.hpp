@@ -2,8 +2,13 @@
 // Stage 7: mapper artifacts (SPEC §6). Each k is written into "<out>/k<K>.partial" layer by layer as the solves
 // finish; the manifest is written last and the folder renamed to "<out>/k<K>", so a folder named k<K> with a
 // manifest is always complete.
+#include <condition_variable>
+#include <deque>
+#include <exception>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -19,16 +24,33 @@ class ArtifactWriter {
  public:
   // `be` converts weights to bf16/fp16 (on the device where there is one).
   ArtifactWriter(const Calibration& cal, const FitPlan& plan, ComputeBackend& be, int rank = 0);
+  ~ArtifactWriter();
+  ArtifactWriter(const ArtifactWriter&) = delete;
+  ArtifactWriter& operator=(const ArtifactWriter&) = delete;
   void begin();
-  // fits_k[i] / fits_v[i] belong to plan.ks[i].
-  void write_layer(int l, const std::vector<LayerFit>& fits_k, const std::vector<LayerFit>& fits_v);
-  // The manifest entries of the layers written here (per k), and entries written by other ranks.
-  nlohmann::json layer_entries() const { return layers_; }
+  // fits_k[i] / fits_v[i] belong to plan.ks[i]. Converts the weights here (the caller's thread owns the backend),
+  // then a writer thread writes, syncs and hashes the files while the caller solves the next layer. One layer waits
+  // at most (the call blocks until the one before it is being written); a write's error is thrown by the next call.
+  void write_layer(int l, std::vector<LayerFit> fits_k, std::vector<LayerFit> fits_v);
+  // Waits until every layer is written; throws the first write error.
+  void drain();
+  // Seconds the writer thread spent writing layers, and seconds the solving thread waited for it.
+  double write_seconds() const;
+  double wait_seconds() const { return wait_s_; }
+  // The manifest entries of the layers written here (per k; after drain()), and entries written by other ranks.
+  nlohmann::json layer_entries() const;
   void add_layer_entries(const nlohmann::json& per_k);
   // Writes every manifest (layers sorted by target layer) and moves the folders into place. Returns the folders.
   std::vector<std::string> finish(const nlohmann::json& extra);
 
  private:
+  struct Job {
+    int l = 0;
+    std::vector<LayerFit> fk, fv;
+    std::vector<std::vector<uint16_t>> hk, hv;  // per k: half weights (empty for fp32)
+  };
+  void write_job(const Job& job);
+  void run_writer();
   std::string final_dir(const KPlan& k) const;
   std::string partial_dir(const KPlan& k) const;
   const Calibration& cal_;
@@ -38,6 +60,13 @@ class ArtifactWriter {
   int rank_ = 0;
   int64_t files_ = 0;  // files written, for the kill_in_export fault hook
   void written();
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  bool busy_ = false, closing_ = false;
+  double write_s_ = 0, wait_s_ = 0;
+  std::exception_ptr error_;
+  std::thread thread_;
 };
 
 nlohmann::json nan_to_null(const std::vector<double>& v);

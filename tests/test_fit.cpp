@@ -11,6 +11,7 @@
 #include "io/r2_file.hpp"
 #include "io/safetensors.hpp"
 #include "io/shard.hpp"
+#include "stages/export.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;
@@ -303,4 +304,67 @@ TEST(Fit, DomainWeightsScaleEachDomainsMoments) {
   expect_error<ConfigError>(
       [&] { fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "neg", "calibration: {weights: {web: -1}}\n")); },
       {"calibration.weights.web", ">= 0"});
+}
+
+// The writer thread: every layer's files and manifest entries arrive (in any order, sorted at the end), and a write
+// that fails surfaces in the solving thread with the file it was writing.
+TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
+  TempDir dir;
+  for (bool sabotage : {false, true}) {
+    Calibration cal;
+    cal.cfg.output_dir = dir.str(sabotage ? "bad" : "good");
+    cal.cfg.dtype = WeightDtype::bf16;
+    FitPlan plan;
+    plan.dims = PairDims{3, 2, 4, 5, 2, 4};
+    for (int k : {1, 3}) plan.ks.push_back(KPlan{k == 3 ? "all" : "1", k, k * plan.dims.F(), 0, 0});
+    auto fits = [&](int l, float v) {
+      std::vector<LayerFit> f;
+      for (const auto& k : plan.ks) {
+        LayerFit x;
+        x.k = k.count;
+        for (int a = 0; a < k.count; ++a) x.layers.push_back(a);
+        x.W.assign(k.features * plan.dims.G(), v + l);
+        x.b.assign(plan.dims.G(), -v);
+        x.r2.assign(plan.dims.Ht, 0.5);
+        f.push_back(std::move(x));
+      }
+      return f;
+    };
+    auto be = make_cpu_backend();
+    ArtifactWriter w(cal, plan, *be);
+    w.begin();
+    if (sabotage) {  // k1.partial becomes a file: the first layer's first write fails
+      std::filesystem::remove_all(cal.cfg.output_dir + "/k1.partial");
+      std::ofstream(cal.cfg.output_dir + "/k1.partial") << "in the way";
+    }
+    auto write_all = [&] {
+      for (int l = 0; l < plan.dims.Lt; ++l) w.write_layer(l, fits(l, 1.0f), fits(l, 2.0f));
+      w.drain();
+    };
+    if (sabotage) {
+      try {
+        write_all();
+        FAIL() << "a failed write was not reported";
+      } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find("k1.partial/layer-000.safetensors"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    write_all();
+    const nlohmann::json entries = w.layer_entries();
+    ASSERT_EQ(entries.size(), plan.ks.size());
+    for (size_t i = 0; i < plan.ks.size(); ++i) {
+      ASSERT_EQ(entries[i].size(), static_cast<size_t>(plan.dims.Lt));
+      for (const auto& e : entries[i]) {
+        const std::string path = cal.cfg.output_dir + "/k" + plan.ks[i].label + ".partial/" + e["file"].get<std::string>();
+        EXPECT_EQ(e["sha256"], sha256_file(path)) << path;
+        const auto t = read_safetensors(path);
+        EXPECT_EQ(t.at("k.weight").values.front(), 1.0f + e["target_layer"].get<int>()) << path;
+      }
+    }
+    const auto out = w.finish(nlohmann::json::object());
+    ASSERT_EQ(out.size(), plan.ks.size());
+    const auto m = manifest(out[1]);
+    for (int l = 0; l < plan.dims.Lt; ++l) EXPECT_EQ(m["layers"][l]["target_layer"], l);
+  }
 }
