@@ -34,6 +34,8 @@ class ComputeBackend {
   virtual void begin_inputs() {}
   virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
   virtual void flush() {}
+  // Waits until the device has finished every call made so far (for timing; host backends return at once).
+  virtual void synchronize() {}
   // True when prepare() and gather_heads() make their results on the device (the host vectors are then left alone).
   virtual bool prepares_on_device() const { return false; }
 

@@ -264,6 +264,11 @@ class CudaBackend final : public ComputeBackend {
     CK(cudaStreamSynchronize(compute_), ops);
   }
 
+  void synchronize() override {
+    CK(cudaStreamSynchronize(copy_), "copy stream");
+    CK(cudaStreamSynchronize(compute_), "compute stream");
+  }
+
   void flush() override {
     if (cur_ >= 0) CK(cudaEventRecord(slots_[cur_].used, compute_), "");
     for (auto& [host, s] : sums_)
