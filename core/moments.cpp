@@ -54,68 +54,103 @@ Moments::Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<f
   sq_y_.assign(d_.Y(), 0.0);
 }
 
-std::vector<BlockRef> Moments::new_blocks(const std::vector<int64_t>& sizes, const FloatArena** arena) {
+std::vector<BlockRef> Moments::new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes) {
   int64_t total = 0;
-  for (int64_t n : sizes) total += n;
-  std::vector<BlockRef> out;
-  if (total == 0) return std::vector<BlockRef>(sizes.size());
+  for (const auto& [r, c] : shapes) total += r * c;
   arenas_.push_back(std::make_unique<FloatArena>(total));
-  if (arena) *arena = arenas_.back().get();
   float* p = arenas_.back()->data();
-  for (int64_t n : sizes) {
-    out.push_back({n ? p : nullptr, n});
-    p += n;
+  std::vector<BlockRef> out;
+  for (const auto& [r, c] : shapes) {
+    out.push_back({r * c ? p : nullptr, r, c, c});
+    p += r * c;
   }
   return out;
 }
 
 void Moments::add_plan(const MomentPlan& plan) {
-  // Every new block of this plan in one arena: Gram, cross, then same-head blocks (the order pack_live uses).
-  std::vector<std::pair<int, int>> grams, crosses;
+  const int64_t F = d_.F(), G = d_.G(), Y = d_.Y();
+  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
+  std::vector<std::pair<int, int>> grams, crosses;  // new blocks, in plan order (the order pack_live uses)
   std::set<std::pair<int, int>> seen_gram, seen_cross;
   for (auto p : plan.gram) {
-    CROSSKV_ASSERT(p.first <= p.second && p.second < d_.Ls, "bad gram pair");
+    CROSSKV_ASSERT(p.first <= p.second && p.second < Ls, "bad gram pair");
     if (!gram_idx_.count(p) && seen_gram.insert(p).second) grams.push_back(p);
   }
   for (auto p : plan.cross) {
-    CROSSKV_ASSERT(p.first < d_.Ls && p.second < d_.Lt, "bad cross pair");
+    CROSSKV_ASSERT(p.first < Ls && p.second < Lt, "bad cross pair");
     if (!cross_idx_.count(p) && seen_cross.insert(p).second) crosses.push_back(p);
   }
   const bool heads = !plan.probe_heads.empty() && head_cross_.empty();
-  std::vector<bool> probe(d_.Hs, false);
+  std::vector<bool> probe(H, false);
   if (heads) {
     CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
     for (int h : plan.probe_heads) {
-      CROSSKV_ASSERT(h >= 0 && h < d_.Hs, "bad probe head");
+      CROSSKV_ASSERT(h >= 0 && h < H, "bad probe head");
       probe[h] = true;
     }
   }
-  std::vector<int64_t> sizes(grams.size(), d_.F() * d_.F());
-  sizes.insert(sizes.end(), crosses.size(), d_.F() * d_.G());
-  if (heads) {
-    for (int a = 0; a < d_.Ls; ++a)
-      for (int h = 0; h < d_.Hs; ++h) sizes.push_back(probe[h] ? int64_t{d_.Ds} * d_.Ds : 0);
-    for (int h = 0; h < d_.Hs; ++h) sizes.push_back(probe[h] ? int64_t{d_.Ls} * d_.Ds * d_.Lt * d_.Dt : 0);
-  }
-  if (sizes.empty()) return;
-  const FloatArena* arena = nullptr;
-  const std::vector<BlockRef> blocks = new_blocks(sizes, &arena);
-  if (arena) live_arenas_.push_back(arena);
-  size_t i = 0;
-  for (auto p : grams) {
-    gram_idx_.emplace(p, gram_.size());
-    gram_.push_back(blocks[i++]);
+  if (grams.empty() && crosses.empty() && !heads) return;
+  // Panels: source layers whose Gram row or cross row this plan adds whole.
+  std::vector<int64_t> gram_row(Ls, 0), cross_row(Ls, 0);
+  for (const auto& pr : grams) ++gram_row[pr.first];
+  for (const auto& pr : crosses) ++cross_row[pr.first];
+  // Layout of the arena: Gram panels, cross panels (consecutive ones adjacent), single blocks, same-head blocks.
+  int64_t off = 0;
+  std::vector<int64_t> gpanel(Ls, -1), cpanel(Ls, -1);
+  for (int a = 0; a < Ls; ++a)
+    if (gram_row[a] == Ls - a) gpanel[a] = off, off += F * (Ls - a) * F;
+  for (int a = 0; a < Ls; ++a)
+    if (cross_row[a] == Lt) cpanel[a] = off, off += F * Y;
+  std::vector<int64_t> gsingle(grams.size(), -1), csingle(crosses.size(), -1);
+  for (size_t i = 0; i < grams.size(); ++i)
+    if (gpanel[grams[i].first] < 0) gsingle[i] = off, off += F * F;
+  for (size_t i = 0; i < crosses.size(); ++i)
+    if (cpanel[crosses[i].first] < 0) csingle[i] = off, off += F * G;
+  const int64_t head_off = off;
+  if (heads)
+    for (int h = 0; h < H; ++h)
+      if (probe[h]) off += int64_t{Ls} * Ds * Ds + int64_t{Ls} * Ds * Lt * Dt;
+  arenas_.push_back(std::make_unique<FloatArena>(off));
+  live_arenas_.push_back(arenas_.back().get());
+  float* base = arenas_.back()->data();
+  for (size_t i = 0; i < grams.size(); ++i) {
+    const auto [a, b] = grams[i];
+    gram_idx_.emplace(grams[i], gram_.size());
+    gram_.push_back(gpanel[a] >= 0 ? BlockRef{base + gpanel[a] + (b - a) * F, F, F, (Ls - a) * F}
+                                   : BlockRef{base + gsingle[i], F, F, F});
     gram_live_.push_back(true);
+    gram_in_panel_.push_back(gpanel[a] >= 0);
   }
-  for (auto p : crosses) {
-    cross_idx_.emplace(p, cross_.size());
-    cross_.push_back(blocks[i++]);
+  for (size_t i = 0; i < crosses.size(); ++i) {
+    const auto [a, l] = crosses[i];
+    cross_idx_.emplace(crosses[i], cross_.size());
+    cross_.push_back(cpanel[a] >= 0 ? BlockRef{base + cpanel[a] + l * G, F, G, Y}
+                                    : BlockRef{base + csingle[i], F, G, G});
     cross_live_.push_back(true);
+    cross_in_panel_.push_back(cpanel[a] >= 0);
+  }
+  for (int a = 0; a < Ls; ++a)
+    if (gpanel[a] >= 0) panels_.push_back({a * F, F, false, a * F, (Ls - a) * F, base + gpanel[a], (Ls - a) * F});
+  for (int a = 0; a < Ls;) {
+    if (cpanel[a] < 0) {
+      ++a;
+      continue;
+    }
+    int b = a;
+    while (b + 1 < Ls && cpanel[b + 1] >= 0) ++b;
+    panels_.push_back({a * F, (b - a + 1) * F, true, 0, Y, base + cpanel[a], Y});
+    a = b + 1;
   }
   if (heads) {
-    head_gram_.assign(blocks.begin() + i, blocks.begin() + i + int64_t{d_.Ls} * d_.Hs);
-    i += int64_t{d_.Ls} * d_.Hs;
-    head_cross_.assign(blocks.begin() + i, blocks.end());
+    float* p = base + head_off;
+    head_gram_.assign(int64_t{Ls} * H, BlockRef{});
+    head_cross_.assign(H, BlockRef{});
+    for (int h = 0; h < H; ++h) {
+      if (!probe[h]) continue;
+      for (int a = 0; a < Ls; ++a, p += int64_t{Ds} * Ds) head_gram_[int64_t{a} * H + h] = {p, Ds, Ds, Ds};
+      head_cross_[h] = {p, int64_t{Ls} * Ds, int64_t{Lt} * Dt, int64_t{Lt} * Dt};
+      p += int64_t{Ls} * Ds * Lt * Dt;
+    }
     head_live_ = true;
   }
 }
@@ -144,27 +179,30 @@ void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float*
   // Head-major copies: source head h of every layer side by side, likewise for the targets.
   const float* hx = head_live_ ? be.gather_heads(rows, Ls, H, Ds, X, hx_) : nullptr;
   const float* hy = head_live_ ? be.gather_heads(rows, Lt, d_.Ht, d_.Dt, Y, hy_) : nullptr;
-  std::vector<ComputeBackend::CrossTerm> grams, crosses;
+  for (const Panel& pn : panels_)
+    be.cross_acc(rows, pn.m, pn.n, X + pn.x_col, XW, (pn.from_y ? Y : X) + pn.b_col, pn.from_y ? YW : XW, pn.C,
+                 pn.ldc);
+  std::vector<ComputeBackend::CrossTerm> grams, crosses;  // blocks outside panels (contiguous)
   for (const auto& [p, i] : gram_idx_) {
-    if (!gram_live_[i]) continue;
+    if (!gram_live_[i] || gram_in_panel_[i]) continue;
     if (p.first == p.second)
-      be.gram_acc(rows, F, X + p.first * F, XW, gram_[i].data(), F);
+      be.gram_acc(rows, F, X + p.first * F, XW, gram_[i].p, F);
     else
-      grams.push_back({X + p.first * F, X + p.second * F, gram_[i].data()});
+      grams.push_back({X + p.first * F, X + p.second * F, gram_[i].p});
   }
   for (const auto& [p, i] : cross_idx_)
-    if (cross_live_[i]) crosses.push_back({X + p.first * F, Y + p.second * G, cross_[i].data()});
+    if (cross_live_[i] && !cross_in_panel_[i]) crosses.push_back({X + p.first * F, Y + p.second * G, cross_[i].p});
   be.cross_acc_batch(rows, F, F, grams, XW, XW, F);
   be.cross_acc_batch(rows, F, G, crosses, XW, YW, G);
   if (head_live_) {
     for (int h = 0; h < H; ++h)
       if (!head_cross_[h].empty())
         be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * d_.Dt, hx + int64_t{h} * Ls * Ds, XW,
-                     hy + int64_t{h} * Lt * d_.Dt, YW, head_cross_[h].data(), int64_t{Lt} * d_.Dt);
+                     hy + int64_t{h} * Lt * d_.Dt, YW, head_cross_[h].p, int64_t{Lt} * d_.Dt);
     for (int a = 0; a < Ls; ++a)
       for (int h = 0; h < H; ++h)
         if (!head_cross_[h].empty())
-          be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].data(), Ds);
+          be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].p, Ds);
   }
 }
 
@@ -213,8 +251,8 @@ void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
 void Moments::pack_live(float* f, double* d) const {
   auto* self = this;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    const auto& b = self->live_block(i, w);
-    f = std::copy(b.begin(), b.end(), f);
+    const BlockRef& b = self->live_block(i, w);
+    for (int64_t r = 0; r < b.rows; ++r) f = std::copy_n(b.row(r), b.cols, f);
   });
   if (!stats_done_) {
     *d++ = n_;
@@ -228,8 +266,7 @@ void Moments::unpack_live(const float* f, const double* d) {
   live_zero_ = false;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
     const BlockRef& b = live_block(i, w);
-    std::copy_n(f, b.size(), b.begin());
-    f += b.size();
+    for (int64_t r = 0; r < b.rows; ++r, f += b.cols) std::copy_n(f, b.cols, b.row(r));
   });
   if (!stats_done_) {
     n_ = *d++;
@@ -246,9 +283,10 @@ void Moments::zero_live() {
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_,
                 [&](size_t i, int w) { live.push_back(&live_block(i, w)); });
   int64_t total = 0;
-  for (const BlockRef* b : live) total += b->n;
+  for (const BlockRef* b : live) total += b->size();
 #pragma omp parallel for schedule(dynamic) if (total > kParallelMin)
-  for (size_t i = 0; i < live.size(); ++i) std::fill(live[i]->begin(), live[i]->end(), 0.0f);
+  for (size_t i = 0; i < live.size(); ++i)
+    for (int64_t r = 0; r < live[i]->rows; ++r) std::fill_n(live[i]->row(r), live[i]->cols, 0.0f);
   live_zero_ = true;
   if (!stats_done_) {
     n_ = 0;
@@ -265,14 +303,16 @@ void Moments::mark_pass_complete() {
   head_live_ = false;
   live_arenas_.clear();
   live_zero_ = true;
+  panels_.clear();
 }
 
 void Moments::scale(double w) {
   if (w == 1.0) return;
   const float wf = static_cast<float>(w);
   for (auto* set : {&gram_, &cross_, &head_gram_, &head_cross_})
-    for (auto& b : *set)
-      for (auto& x : b) x *= wf;
+    for (const BlockRef& b : *set)
+      for (int64_t r = 0; r < b.rows; ++r)
+        for (float* x = b.row(r); x != b.row(r) + b.cols; ++x) *x *= wf;
   n_ *= w;
   for (auto& x : sum_x_) x *= w;
   for (auto& x : sum_y_) x *= w;
@@ -286,8 +326,14 @@ void Moments::add(const Moments& o, double weight) {
   const float wf = static_cast<float>(weight);
   live_zero_ = false;
   auto add_all = [wf](std::vector<BlockRef>& a, const std::vector<BlockRef>& b) {
-    for (size_t i = 0; i < a.size(); ++i)
-      for (size_t j = 0; j < a[i].size(); ++j) a[i][j] += wf == 1.0f ? b[i][j] : wf * b[i][j];
+    for (size_t i = 0; i < a.size(); ++i) {
+      CROSSKV_ASSERT(a[i].rows == b[i].rows && a[i].cols == b[i].cols, "moments with different block shapes");
+      for (int64_t r = 0; r < a[i].rows; ++r) {
+        float* x = a[i].row(r);
+        const float* y = b[i].row(r);
+        for (int64_t c = 0; c < a[i].cols; ++c) x[c] += wf == 1.0f ? y[c] : wf * y[c];
+      }
+    }
   };
   add_all(gram_, o.gram_);
   add_all(cross_, o.cross_);
@@ -314,9 +360,9 @@ void Moments::derive_head_probe() {
   CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
   const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
   const int64_t F = d_.F(), G = d_.G();
-  std::vector<int64_t> sizes(int64_t{Ls} * H, int64_t{Ds} * Ds);
-  sizes.insert(sizes.end(), H, int64_t{Ls} * Ds * Lt * Dt);
-  const std::vector<BlockRef> blocks = new_blocks(sizes);
+  std::vector<std::pair<int64_t, int64_t>> shapes(int64_t{Ls} * H, {Ds, Ds});
+  shapes.insert(shapes.end(), H, {int64_t{Ls} * Ds, int64_t{Lt} * Dt});
+  const std::vector<BlockRef> blocks = new_blocks(shapes);
   head_gram_.assign(blocks.begin(), blocks.begin() + int64_t{Ls} * H);
   head_cross_.assign(blocks.begin() + int64_t{Ls} * H, blocks.end());
   for (int a = 0; a < Ls; ++a) {
@@ -324,14 +370,14 @@ void Moments::derive_head_probe() {
     for (int h = 0; h < H; ++h)
       for (int p = 0; p < Ds; ++p)
         for (int q = p; q < Ds; ++q)
-          head_gram_[int64_t{a} * H + h][int64_t{p} * Ds + q] = g[(int64_t{h} * Ds + p) * F + int64_t{h} * Ds + q];
+          head_gram_[int64_t{a} * H + h].at(p, q) = g.at(int64_t{h} * Ds + p, int64_t{h} * Ds + q);
     for (int l = 0; l < Lt; ++l) {
       if (!has_cross(a, l)) continue;
       const auto& c = cross_block(a, l);
       for (int h = 0; h < H; ++h)
         for (int p = 0; p < Ds; ++p)
-          std::copy_n(c.data() + (int64_t{h} * Ds + p) * G + int64_t{h} * Dt, Dt,
-                      head_cross_[h].data() + (int64_t{a} * Ds + p) * Lt * Dt + int64_t{l} * Dt);
+          std::copy_n(c.row(int64_t{h} * Ds + p) + int64_t{h} * Dt, Dt,
+                      head_cross_[h].row(int64_t{a} * Ds + p) + int64_t{l} * Dt);
     }
   }
 }
@@ -384,23 +430,23 @@ void Moments::cov_xx(const std::vector<int>& layers, double* A, int64_t lda) con
   const double inv_n = 1.0 / n_;
   const int64_t nl = static_cast<int64_t>(layers.size());
   // Blocks looked up first (a missing one throws here, not inside the parallel loop).
-  std::vector<const float*> blocks(nl * nl);
+  std::vector<BlockRef> blocks(nl * nl);
   for (int64_t i = 0; i < nl; ++i)
     for (int64_t j = 0; j < nl; ++j)
-      blocks[i * nl + j] = gram_block(std::min(layers[i], layers[j]), std::max(layers[i], layers[j])).data();
+      blocks[i * nl + j] = gram_block(std::min(layers[i], layers[j]), std::max(layers[i], layers[j]));
 #pragma omp parallel for schedule(dynamic) if (nl * nl * F * F > kParallelMin)
   for (int64_t ij = 0; ij < nl * nl; ++ij) {
     const int64_t i = ij / nl, j = ij % nl;
     const int a = layers[i], b = layers[j];
-    const float* g = blocks[ij];
+    const BlockRef& g = blocks[ij];
     for (int64_t p = 0; p < F; ++p) {
       double* row = A + (i * F + p) * lda + j * F;
       const double mp = mx(a * F + p);
       for (int64_t q = 0; q < F; ++q) {
         float v;
-        if (a < b) v = g[p * F + q];
-        else if (a > b) v = g[q * F + p];
-        else v = p <= q ? g[p * F + q] : g[q * F + p];
+        if (a < b) v = g.at(p, q);
+        else if (a > b) v = g.at(q, p);
+        else v = p <= q ? g.at(p, q) : g.at(q, p);
         row[q] = v * inv_n - mp * mx(b * F + q);
       }
     }
@@ -411,15 +457,15 @@ void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t l
   const int64_t F = d_.F(), G = d_.G();
   const double inv_n = 1.0 / n_;
   const int64_t nl = static_cast<int64_t>(layers.size());
-  std::vector<const float*> blocks(nl);
-  for (int64_t i = 0; i < nl; ++i) blocks[i] = cross_block(layers[i], l).data();
+  std::vector<BlockRef> blocks(nl);
+  for (int64_t i = 0; i < nl; ++i) blocks[i] = cross_block(layers[i], l);
 #pragma omp parallel for schedule(static) if (nl * F * G > kParallelMin)
   for (int64_t ip = 0; ip < nl * F; ++ip) {
     const int64_t i = ip / F, p = ip % F;
-    const float* c = blocks[i];
+    const float* c = blocks[i].row(p);
     double* row = B + (i * F + p) * ldb;
     const double mp = mx(layers[i] * F + p);
-    for (int64_t q = 0; q < G; ++q) row[q] = c[p * G + q] * inv_n - mp * my(l * G + q);
+    for (int64_t q = 0; q < G; ++q) row[q] = c[q] * inv_n - mp * my(l * G + q);
   }
 }
 
@@ -427,8 +473,9 @@ BlockRef Moments::complete_gram(int a, int b) {
   CROSSKV_ASSERT(a <= b && b < d_.Ls, "bad gram pair");
   auto [it, added] = gram_idx_.emplace(std::make_pair(a, b), gram_.size());
   if (added) {
-    gram_.push_back(new_blocks({d_.F() * d_.F()}).front());
+    gram_.push_back(new_blocks({{d_.F(), d_.F()}}).front());
     gram_live_.push_back(false);
+    gram_in_panel_.push_back(false);
   }
   CROSSKV_ASSERT(!gram_live_[it->second], "complete_gram on a block being accumulated");
   return gram_[it->second];
@@ -441,7 +488,7 @@ void Moments::head_cov_xx(int a, int h, double* A) const {
   const int64_t base = a * d_.F() + int64_t{h} * Ds;
   for (int p = 0; p < Ds; ++p)
     for (int q = 0; q < Ds; ++q) {
-      const float v = p <= q ? g[int64_t{p} * Ds + q] : g[int64_t{q} * Ds + p];
+      const float v = p <= q ? g.at(p, q) : g.at(q, p);
       A[int64_t{p} * Ds + q] = v / n_ - mx(base + p) * mx(base + q);
     }
 }
@@ -454,9 +501,8 @@ void Moments::head_cov_xy(int a, int h, double* B) const {
   for (int p = 0; p < Ds; ++p)
     for (int l = 0; l < Lt; ++l)
       for (int e = 0; e < Dt; ++e) {
-        const int64_t idx = (int64_t{a} * Ds + p) * Lt * Dt + int64_t{l} * Dt + e;
         B[int64_t{p} * Lt * Dt + int64_t{l} * Dt + e] =
-            c[idx] / n_ - mx(xbase + p) * my(l * d_.G() + int64_t{h} * Dt + e);
+            c.at(int64_t{a} * Ds + p, int64_t{l} * Dt + e) / n_ - mx(xbase + p) * my(l * d_.G() + int64_t{h} * Dt + e);
       }
 }
 

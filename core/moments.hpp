@@ -29,16 +29,16 @@ class FloatArena {
   int64_t n_ = 0;
 };
 
-// A moment block: a view of arena memory (empty for an absent block).
+// A moment block: rows x cols floats of arena memory, row-major with leading dimension ld (the blocks of a panel
+// share its rows); empty for an absent block.
 struct BlockRef {
   float* p = nullptr;
-  int64_t n = 0;
-  float* data() const { return p; }
-  size_t size() const { return static_cast<size_t>(n); }
-  bool empty() const { return n == 0; }
-  float* begin() const { return p; }
-  float* end() const { return p + n; }
-  float& operator[](int64_t i) const { return p[i]; }
+  int64_t rows = 0, cols = 0, ld = 0;
+  float* row(int64_t r) const { return p + r * ld; }
+  float& at(int64_t r, int64_t c) const { return p[r * ld + c]; }
+  int64_t size() const { return rows * cols; }
+  bool empty() const { return size() == 0; }
+  bool contiguous() const { return ld == cols; }
 };
 
 // Shapes of one kind (keys stripped, keys raw, or values) of a model pair.
@@ -131,8 +131,8 @@ class Moments {
   const BlockRef& gram_block(int a, int b) const;
   const BlockRef& live_block(size_t i, int which) const;
   const BlockRef& cross_block(int a, int l) const;
-  // Carves blocks of `sizes` floats out of one new arena (zeros), returned in `arena` (none if all are empty).
-  std::vector<BlockRef> new_blocks(const std::vector<int64_t>& sizes, const FloatArena** arena = nullptr);
+  // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).
+  std::vector<BlockRef> new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes);
   double mx(int64_t col) const { return sum_x_[col] / n_; }
   double my(int64_t col) const { return sum_y_[col] / n_; }
 
@@ -152,6 +152,18 @@ class Moments {
   bool head_live_ = false, stats_done_ = false;
   std::vector<const FloatArena*> live_arenas_;
   bool live_zero_ = true;
+  // Where a plan adds every Gram block (a, b >= a) or every cross block (a, l) of a source layer a, those blocks form
+  // a panel, [F x (Ls-a)F] or [F x Y] (consecutive cross panels: one [n*F x Y] matrix), accumulated by one wide GEMM
+  // each instead of block by block: C = X[:, x_col .. x_col+m)^T (Y or X)[:, b_col .. b_col+n).
+  struct Panel {
+    int64_t x_col, m;
+    bool from_y;
+    int64_t b_col, n;
+    float* C;
+    int64_t ldc;
+  };
+  std::vector<Panel> panels_;                       // of the live blocks
+  std::vector<bool> gram_in_panel_, cross_in_panel_;
 };
 
 }  // namespace crosskv

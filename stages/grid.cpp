@@ -47,7 +47,8 @@ void share_gram(Grid& grid, const MomentPlan& plan, Moments& m) {
     const int owner = grid.gram_group(a, b, Ls);
     CROSSKV_ASSERT(owner != grid.layer_group || m.has_gram(a, b), "own Gram block missing");
     const BlockRef block = m.complete_gram(a, b);
-    grid.peers->broadcast(block.data(), block.size() * sizeof(float), owner);
+    for (int64_t r = 0; r < block.rows; ++r)  // a panel's block is rows of its panel
+      grid.peers->broadcast(block.row(r), block.cols * sizeof(float), owner);
   }
 }
 

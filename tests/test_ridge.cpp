@@ -277,3 +277,55 @@ TEST(Select, TopKTiesGoToTheLowerIndexAndSortAscending) {
   std::vector<double> nan = {NAN, 0.1, 0.2, 0.3};
   EXPECT_EQ(rank_sources(nan, nan, 4, 1)[0].back(), 0);
 }
+
+// Blocks accumulated as panels (a plan that adds a source layer's whole Gram or cross row: one wide GEMM each) and
+// block by block (the same blocks added in pieces that break every panel) give the same covariances; a layout that
+// mixes both (every Gram row but only some cross rows whole) too.
+TEST(Moments, PanelsAndSingleBlocksGiveTheSameCovariances) {
+  const PairDims d{4, 2, 6, 5, 2, 4};
+  const Data data = planted_data(d, 300, 17);
+  auto be = make_cpu_backend();
+  auto comm = make_single_comm();
+  auto run = [&](const std::vector<MomentPlan>& plans) {
+    std::vector<float> sx(data.X.begin(), data.X.begin() + d.X()), sy(data.Y.begin(), data.Y.begin() + d.Y());
+    Moments m(d, sx, sy);
+    for (const auto& p : plans) m.add_plan(p);
+    for (int64_t t0 = 0; t0 < data.N; t0 += 128) {
+      const int64_t rows = std::min<int64_t>(128, data.N - t0);
+      std::vector<float> X(data.X.begin() + t0 * d.X(), data.X.begin() + (t0 + rows) * d.X());
+      std::vector<float> Y(data.Y.begin() + t0 * d.Y(), data.Y.begin() + (t0 + rows) * d.Y());
+      m.accumulate(*be, X.data(), Y.data(), rows);
+    }
+    m.finish_pass(*comm);
+    return m;
+  };
+  const MomentPlan full = MomentPlan::full(d, false);
+  MomentPlan even, odd, mixed_a, mixed_b;  // pieces: no source layer's row whole in any one plan
+  for (size_t i = 0; i < full.gram.size(); ++i) (i % 2 ? odd : even).gram.push_back(full.gram[i]);
+  for (size_t i = 0; i < full.cross.size(); ++i) (i % 2 ? odd : even).cross.push_back(full.cross[i]);
+  mixed_a.gram = full.gram;
+  for (const auto& [a, l] : full.cross) (a == 1 || a == 2 ? mixed_a : mixed_b).cross.emplace_back(a, l);
+  mixed_b.cross.erase(std::remove_if(mixed_b.cross.begin(), mixed_b.cross.end(),
+                                     [](const auto& p) { return p.second == 3; }),
+                      mixed_b.cross.end());
+  for (const auto& [a, l] : full.cross)
+    if ((a == 0 || a == 3) && l == 3) mixed_a.cross.emplace_back(a, l);
+  const Moments panels = run({full}), singles = run({even, odd}), mixed = run({mixed_a, mixed_b});
+  std::vector<int> all(d.Ls), some = {2, 0};
+  std::iota(all.begin(), all.end(), 0);
+  for (const auto* layers : {&all, &some}) {
+    const int64_t n = static_cast<int64_t>(layers->size()) * d.F();
+    std::vector<double> A(n * n), B(n * n), C(n * d.G()), D(n * d.G());
+    for (const Moments* other : {&singles, &mixed}) {
+      panels.cov_xx(*layers, A.data(), n);
+      other->cov_xx(*layers, B.data(), n);
+      for (int64_t i = 0; i < n * n; ++i) ASSERT_NEAR(A[i], B[i], 1e-5 * (1 + std::fabs(A[i]))) << "Cxx " << i;
+      for (int l = 0; l < d.Lt; ++l) {
+        panels.cov_xy(*layers, l, C.data(), d.G());
+        other->cov_xy(*layers, l, D.data(), d.G());
+        for (int64_t i = 0; i < n * d.G(); ++i)
+          ASSERT_NEAR(C[i], D[i], 1e-5 * (1 + std::fabs(C[i]))) << "Cxy of target layer " << l << ", " << i;
+      }
+    }
+  }
+}
