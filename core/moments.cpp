@@ -248,18 +248,46 @@ void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
   pack_live(f.data(), d.data());
 }
 
-void Moments::pack_live(float* f, double* d) const {
+std::vector<std::pair<const BlockRef*, int64_t>> Moments::live_layout() const {
+  std::vector<std::pair<const BlockRef*, int64_t>> out;
+  int64_t off = 0;
   auto* self = this;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
     const BlockRef& b = self->live_block(i, w);
-    for (int64_t r = 0; r < b.rows; ++r) f = std::copy_n(b.row(r), b.cols, f);
+    out.emplace_back(&b, off);
+    off += b.size();
   });
-  if (!stats_done_) {
-    *d++ = n_;
-    d = std::copy(sum_x_.begin(), sum_x_.end(), d);
-    d = std::copy(sum_y_.begin(), sum_y_.end(), d);
-    std::copy(sq_y_.begin(), sq_y_.end(), d);
+  return out;
+}
+
+// f[pack order] = op(f, block values), blocks in parallel when large; then the token statistics.
+template <class Op>
+void Moments::copy_live(float* f, double* d, Op op) const {
+  const auto layout = live_layout();
+  const int64_t total = layout.empty() ? 0 : layout.back().second + layout.back().first->size();
+#pragma omp parallel for schedule(dynamic) if (total > kParallelMin)
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const BlockRef& b = *layout[i].first;
+    float* out = f + layout[i].second;
+    for (int64_t r = 0; r < b.rows; ++r, out += b.cols) op(b.row(r), b.cols, out);
   }
+  if (!stats_done_) {
+    op(&n_, 1, d++);
+    for (const std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
+      op(v->data(), static_cast<int64_t>(v->size()), d);
+      d += v->size();
+    }
+  }
+}
+
+void Moments::pack_live(float* f, double* d) const {
+  copy_live(f, d, [](const auto* src, int64_t n, auto* dst) { std::copy_n(src, n, dst); });
+}
+
+void Moments::add_live_to(float* f, double* d) const {
+  copy_live(f, d, [](const auto* src, int64_t n, auto* dst) {
+    for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+  });
 }
 
 void Moments::unpack_live(const float* f, const double* d) {

@@ -89,6 +89,8 @@ class Moments {
   void pack_live(std::vector<float>& f, std::vector<double>& d) const;
   // The same into f[live_floats()] and d[live_doubles()] (no allocation).
   void pack_live(float* f, double* d) const;
+  // Adds the live state to f and d in pack_live's order (f[i] += packed[i]: the same sums as packing first).
+  void add_live_to(float* f, double* d) const;
   void unpack_live(const float* f, const double* d);
   void zero_live();
   // Marks the live state complete without any reduction (the caller reduced it).
@@ -130,6 +132,10 @@ class Moments {
  private:
   const BlockRef& gram_block(int a, int b) const;
   const BlockRef& live_block(size_t i, int which) const;
+  // Every live block with its offset in pack_live's order.
+  std::vector<std::pair<const BlockRef*, int64_t>> live_layout() const;
+  template <class Op>
+  void copy_live(float* f, double* d, Op op) const;
   const BlockRef& cross_block(int a, int l) const;
   // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).
   std::vector<BlockRef> new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes);

@@ -1,6 +1,7 @@
 #include "core/ridge.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -16,6 +17,21 @@ constexpr int64_t kParallelMin = int64_t{1} << 22;
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Adds the seconds since its construction (or the last lap) to a SolveTimes field, if there is one.
+class Lap {
+ public:
+  explicit Lap(SolveTimes* t) : t_(t) {}
+  void to(double SolveTimes::*field) {
+    const auto now = std::chrono::steady_clock::now();
+    if (t_) t_->*field += std::chrono::duration<double>(now - t0_).count();
+    t0_ = now;
+  }
+
+ private:
+  SolveTimes* t_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
 // A pivot this small against its diagonal means the system is singular at the precision of fp32 moments.
 constexpr double kSingularPivot = 1e-12;
 
@@ -85,12 +101,16 @@ Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int
   return f;
 }
 
-void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f) {
+void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f,
+                   SolveTimes* times) {
+  Lap lap(times);
   f.order = order;
   f.n = static_cast<int64_t>(order.size()) * m.dims().F();
   f.L.resize(f.n * f.n);  // every element is written by cov_xx
   m.cov_xx(order, f.L.data(), f.n);
+  lap.to(&SolveTimes::assemble);
   f.bad_minor = factor(be, f.L, f.n, lambda);
+  lap.to(&SolveTimes::factor);
 }
 
 namespace {
@@ -156,7 +176,8 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
   if (!nested.empty()) {
     const std::vector<int> top(ranking.begin(), ranking.begin() + nested.back());
     Factor& f = ws.nested;
-    factor_layers(m, be, top, lambda, f);
+    factor_layers(m, be, top, lambda, f, &ws.times);
+    Lap lap(&ws.times);
     std::vector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(top, l, Cxy.data(), G);
@@ -166,14 +187,18 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
       if (f.bad_minor == 0 || k * F < f.bad_minor) n_ok = k * F;
     std::vector<double>& Z = ws.z;
     Z.assign(Cxy.begin(), Cxy.end());
+    lap.to(&SolveTimes::assemble);
     be.triangular_solve(n_ok, f.L.data(), f.n, false, G, Z.data(), G);
+    lap.to(&SolveTimes::substitute);
     for (int k : nested) {
       const int64_t nk = k * F;
       if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, k, f, nk, F, lambda);
       std::vector<double>& W = ws.w;
       W.assign(Z.begin(), Z.begin() + nk * G);
       be.triangular_solve(nk, f.L.data(), f.n, true, G, W.data(), G);
+      lap.to(&SolveTimes::substitute);
       out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + k), W.data(), Cxy.data(), lambda));
+      lap.to(&SolveTimes::finish);
     }
   }
   if (ks.back() == d.Ls) {
@@ -181,18 +206,22 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     if (!all_layers) {
       std::vector<int> asc(d.Ls);
       std::iota(asc.begin(), asc.end(), 0);
-      local = factor_layers(m, be, asc, lambda);
+      factor_layers(m, be, asc, lambda, local, &ws.times);
       all_layers = &local;
     }
     const Factor& f = *all_layers;
     if (f.bad_minor > 0) throw_singular(what, d.Ls, f, f.n, F, lambda);
+    Lap lap(&ws.times);
     std::vector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(f.order, l, Cxy.data(), G);
     std::vector<double>& W = ws.w;
     W.assign(Cxy.begin(), Cxy.end());
+    lap.to(&SolveTimes::assemble);
     be.cholesky_solve(f.n, f.L.data(), f.n, G, W.data(), G);
+    lap.to(&SolveTimes::substitute);
     out.push_back(finish_fit(m, l, f.order, W.data(), Cxy.data(), lambda));
+    lap.to(&SolveTimes::finish);
   }
   return out;
 }

@@ -32,13 +32,20 @@ struct Factor {
 };
 Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda);
 // The same into `f`, reusing its memory.
-void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f);
+// Where solving time goes (seconds, summed over calls): fp64 systems assembled on the host from the moments,
+// factorisations, substitutions, and the finish (R², biases, weights rounded and put in source-layer order).
+struct SolveTimes {
+  double assemble = 0, factor = 0, substitute = 0, finish = 0;
+};
+void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f,
+                   SolveTimes* times = nullptr);
 
 // Buffers fit_sweep reuses from one target layer to the next (at paper scale hundreds of MB each: allocating them
 // per layer costs a page fault per page every time).
 struct SolveWorkspace {
   Factor nested;
   std::vector<double> cxy, z, w;
+  SolveTimes times;
 };
 
 // Fits target layer `l` for every k in `ks` (ascending counts, each <= ranking.size()).

@@ -154,45 +154,55 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
       if (!ctx.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
+      const auto t_round = std::chrono::steady_clock::now();
+      auto seconds = [](std::chrono::steady_clock::time_point t0) {
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      };
       ctx.backend.flush();  // device-resident sums back to the host
-      // Host memory at its peak here: the moments, this round's packed copy, and the reduced share (the packed copy
-      // and the reduction's output are released before the checkpoint is written).
-      // A single reader's first round is its share as it stands: packed straight into it.
-      const bool direct = readers.size() == 1 && base_f.empty() && base_d.empty();
-      std::vector<float> F(direct ? 0 : nf), cf;
-      std::vector<double> D(direct ? 0 : nd), cd;
-      if (direct) {
+      const double flush_s = seconds(t_round);
+      if (readers.size() == 1) {
+        // One reader: this round's sums are added straight into its share (packed into it in the first round).
+        const bool first = base_f.empty() && base_d.empty();
         base_f.resize(nf);
         base_d.resize(nd);
-      }
-      float* pf = direct ? base_f.data() : F.data();
-      double* pd = direct ? base_d.data() : D.data();
-      for (auto* m : ms) {
-        m->pack_live(pf, pd);
-        pf += m->live_floats();
-        pd += m->live_doubles();
-        m->zero_live();
-      }
-      auto add = [](auto& base, const auto& part) {
-        if (base.empty()) base.assign(part.size(), 0);
-        for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
-      };
-      if (direct) {
-        // nothing to add
-      } else if (readers.size() == 1) {
-        add(base_f, F);
-        add(base_d, D);
+        float* pf = base_f.data();
+        double* pd = base_d.data();
+        for (auto* m : ms) {
+          first ? m->pack_live(pf, pd) : m->add_live_to(pf, pd);
+          pf += m->live_floats();
+          pd += m->live_doubles();
+          m->zero_live();
+        }
       } else {
+        // Host memory at its peak here: the moments, this round's packed copy, and the reduced share (the packed
+        // copy and the reduction's output are released before the checkpoint is written).
+        std::vector<float> F(nf), cf;
+        std::vector<double> D(nd), cd;
+        float* pf = F.data();
+        double* pd = D.data();
+        for (auto* m : ms) {
+          m->pack_live(pf, pd);
+          pf += m->live_floats();
+          pd += m->live_doubles();
+          m->zero_live();
+        }
+        auto add = [](auto& base, const auto& part) {
+          if (base.empty()) base.assign(part.size(), 0);
+          for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
+        };
         readers.reduce_scatter_sum(F.data(), F.size(), cf);
         std::vector<float>().swap(F);
         add(base_f, cf);
+        std::vector<float>().swap(cf);
         readers.reduce_scatter_sum(D.data(), D.size(), cd);
         add(base_d, cd);
       }
-      std::vector<float>().swap(F);
-      std::vector<float>().swap(cf);
       state.rounds_done = round + 1;
+      const double reduce_s = seconds(t_round) - flush_s;
       if (round + 1 < R) store.save(state);
+      spdlog::info("{}: round {}/{} ended: sums to the host {}, packed and reduced {}, checkpoint {}", label, round + 1,
+                   R, human_seconds(flush_s), human_seconds(reduce_s),
+                   round + 1 < R ? human_seconds(seconds(t_round) - flush_s - reduce_s) : "at the pass's end");
     };
     st = stream_pass(cal, ctx, *ms.front(), ms.size() == 3 ? ms[1] : nullptr, *ms.back(), label, state.rounds_done,
                      on_round);
@@ -520,7 +530,11 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   }
   writer.drain();
   progress.finish();
-  spdlog::info("export: {} writing the layers' files, {} of it behind the solves", human_seconds(writer.write_seconds()),
+  const SolveTimes& st = workspace.times;
+  spdlog::info("solve: {} assembling fp64 systems, {} factoring, {} substituting, {} R²/biases/weights, {} converting "
+               "weights; files written in {} ({} of it behind the solves)",
+               human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
+               human_seconds(st.finish), human_seconds(writer.convert_seconds()), human_seconds(writer.write_seconds()),
                human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (root) {

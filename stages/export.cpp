@@ -81,6 +81,7 @@ void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<La
   CROSSKV_ASSERT(fk.size() == plan_.ks.size() && fv.size() == plan_.ks.size(), "fit/plan mismatch");
   Job job;
   job.l = l;
+  const auto c0 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < plan_.ks.size(); ++i) {
     CROSSKV_ASSERT(fk[i].k == plan_.ks[i].count && fv[i].k == plan_.ks[i].count && fk[i].layers == fv[i].layers,
                    "fit/plan mismatch");
@@ -89,6 +90,7 @@ void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<La
   }
   job.fk = std::move(fk);
   job.fv = std::move(fv);
+  convert_s_ += since(c0);
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lk(m_);
   cv_.wait(lk, [&] { return queue_.empty() || error_; });

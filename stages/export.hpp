@@ -34,8 +34,9 @@ class ArtifactWriter {
   void write_layer(int l, std::vector<LayerFit> fits_k, std::vector<LayerFit> fits_v);
   // Waits until every layer is written; throws the first write error.
   void drain();
-  // Seconds the writer thread spent writing layers, and seconds the solving thread waited for it.
+  // Seconds the writer thread spent writing layers, the solving thread converting weights and waiting for the writer.
   double write_seconds() const;
+  double convert_seconds() const { return convert_s_; }
   double wait_seconds() const { return wait_s_; }
   // The manifest entries of the layers written here (per k; after drain()), and entries written by other ranks.
   nlohmann::json layer_entries() const;
@@ -64,7 +65,7 @@ class ArtifactWriter {
   std::condition_variable cv_;
   std::deque<Job> queue_;
   bool busy_ = false, closing_ = false;
-  double write_s_ = 0, wait_s_ = 0;
+  double write_s_ = 0, wait_s_ = 0, convert_s_ = 0;
   std::exception_ptr error_;
   std::thread thread_;
 };
