@@ -11,6 +11,7 @@
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
 # env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench apply fit tf32").
+# Then, here: bench/project.py OUT [OUT2]   (8 GPUs x 128K tokens from the benchmark and the fit log; see its --help)
 set -uo pipefail
 OUT=${1:-${OUT:-gpu-check-out}}
 TOKENS=${TOKENS:-2048}
@@ -85,5 +86,8 @@ fi
 if want tf32; then
   CROSSKV_TF32=1 step bench_gpu_tf32 45 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu_tf32.json" 2> "$E"
   note "  $(cat "$OUT/bench_gpu_tf32.json") $(tail -3 "$E")"
+fi
+if command -v python3 > /dev/null && [ -s "$OUT/bench_gpu.json" ]; then
+  python3 "$(dirname "$0")/project.py" "$OUT" >> "$S" 2>&1
 fi
 rm -rf "$W" "$B" "$E"

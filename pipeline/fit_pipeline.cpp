@@ -510,11 +510,13 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   // k = all is the same system for every target layer: factor it once per kind (per rank).
   std::unique_ptr<Factor> all_k, all_v;
   if (counts.back() == d.Ls && my_layers.size() > 1) {
+    const auto t_factor = std::chrono::steady_clock::now();
     std::vector<int> asc(d.Ls);
     std::iota(asc.begin(), asc.end(), 0);
     all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, cfg.lambda));
     all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, cfg.lambda));
-    spdlog::info("factored the k = all system once per kind ({} features)", all_k->n);
+    spdlog::info("factored the k = all system once per kind ({} features) in {}", all_k->n,
+                 human_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_factor).count()));
   }
   Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(my_layers.size()),
                     0, "target layers");

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Projects a whole fit (one model pair, every k) onto P GPUs from what one GPU measured (bench/gpu_check.sh).
+
+  bench/project.py OUT [OUT2 ...] [--ranks 8] [--tokens 131072] [--nvlink-gbs 150] [--disk-gbs 2] [--read-gbs 10]
+
+The folders (gpu_check.sh's outputs, e.g. of its two calls) hold bench_gpu.json (steady-state accumulation of one
+kind, a round's end) and fit_gpu.log (a paper-shaped fit on one GPU: rounds, the k = all factor, the per-layer solve
+rate). The model is the one of docs/PERFORMANCE.md
+("Model of the distributed job"): one layer group, P token groups; each rank reads N/P tokens, folds in keys and
+values (twice the benchmark's one kind) while the next block is read (the pass takes the longer of the two), ends
+one round (sums to the host, reduce-scatter, checkpoint of its 1/P share), probes, and solves Lt/P target layers
+after factoring the k = all system. Measured figures are used as they are; what one GPU cannot measure (the
+node's read rate for P readers, NVLink reduce-scatter, checkpoint disk) are assumptions, printed as such.
+Standard library only.
+"""
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def seconds(text):
+    """crosskv's human_seconds: '12.3 s', '4m05s', '1h02m'."""
+    m = re.fullmatch(r"\s*([\d.]+) s\s*", text)
+    if m:
+        return float(m.group(1))
+    m = re.fullmatch(r"\s*(\d+)m(\d+)s\s*", text)
+    if m:
+        return 60 * int(m.group(1)) + int(m.group(2))
+    m = re.fullmatch(r"\s*(\d+)h(\d+)m\s*", text)
+    if m:
+        return 3600 * int(m.group(1)) + 60 * int(m.group(2))
+    raise ValueError(f"not a duration: {text!r}")
+
+
+def parse_log(path):
+    """What fit_gpu.log measured: round ends, the k = all factor, the solve rate, moment memory."""
+    got = {"rounds": []}
+    for line in Path(path).read_text(errors="replace").splitlines():
+        m = re.search(r"round (\d+)/(\d+) ended: sums to the host (.+?), packed and reduced (.+?), checkpoint (.+)$",
+                      line)
+        if m:
+            ck = m.group(5)
+            got["rounds"].append({"flush": seconds(m.group(3)), "reduce": seconds(m.group(4)),
+                                  "checkpoint": None if "pass's end" in ck else seconds(ck)})
+        m = re.search(r"factored the k = all system once per kind \((\d+) features\) in (.+)$", line)
+        if m:
+            got["factor_all"] = seconds(m.group(2))
+        m = re.search(r"solve[^:]*: (\d+) target layers in (.+?) \(", line)
+        if m:
+            got["solve_layers"], got["solve_s"] = int(m.group(1)), seconds(m.group(2))
+        m = re.search(r"solve[^:]*: (\d+)/(\d+) target layers .*?, ([\d.]+) target layers/s", line)
+        if m and "solve_s" not in got:
+            got["solve_rate"] = float(m.group(3))
+        m = re.search(r"memory: moments ([\d.]+) (GiB|MiB) \(keys\) \+ ([\d.]+) (GiB|MiB) \(values\)", line)
+        if m:
+            unit = {"GiB": 1.0, "MiB": 1 / 1024}
+            got["moment_gib"] = float(m.group(1)) * unit[m.group(2)] + float(m.group(3)) * unit[m.group(4)]
+        m = re.search(r"\]   ([a-z+-]+) +(\S.*?s)\s+[\d.]+%$", line)
+        if m:
+            got.setdefault("stages", {})[m.group(1)] = seconds(m.group(2))
+        m = re.search(r"source .*?\[(\d+)x(\d+)x(\d+)\], target .*?\[(\d+)x(\d+)x(\d+)\]", line)
+        if m:
+            got["shape"] = [int(x) for x in m.groups()]
+    return got
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="+", help="gpu_check.sh's output folders (bench_gpu.json, fit_gpu.log)")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--nvlink-gbs", type=float, default=150.0, help="assumed NCCL reduce-scatter bus rate, GB/s")
+    ap.add_argument("--disk-gbs", type=float, default=2.0, help="assumed checkpoint write rate per rank, GB/s")
+    ap.add_argument("--read-gbs", type=float, default=10.0, help="assumed shard read rate of a node (P readers), GB/s")
+    a = ap.parse_args()
+    def find(name):
+        hits = [Path(d) / name for d in a.out if (Path(d) / name).is_file()]
+        return hits[-1] if hits else None
+
+    bench_path, log_path = find("bench_gpu.json"), find("fit_gpu.log")
+    if not bench_path:
+        sys.exit(f"project.py: no bench_gpu.json in {', '.join(a.out)}")
+    try:
+        bench = json.loads(bench_path.read_text())
+    except ValueError as e:
+        sys.exit(f"project.py: {bench_path}: not the benchmark's JSON ({e})")
+    if "sums_gib" not in bench:
+        sys.exit(f"project.py: {bench_path}: written by an older crosskv-bench-gpu (no steady-state fields)")
+    log = parse_log(log_path) if log_path else {"rounds": []}
+    Ls, Hs, Ds, Lt, Ht, Dt = log.get("shape", bench["shape"])
+    P, N = a.ranks, a.tokens
+    rows = []  # (what, seconds, where the figure comes from)
+
+    tok_s = bench["prepared_tokens_per_s"] / 2  # keys and values; the benchmark folds in one kind
+    acc = N / P / tok_s
+    read_bytes = N / P * 2 * (Ls * Hs * Ds + Lt * Ht * Dt) * 2  # bf16 keys and values of both models
+    read = read_bytes / (a.read_gbs * 1e9 / P)
+    rows.append((f"pass: N/P tokens ({'accumulating' if acc >= read else 'reading'} binds)", max(acc, read),
+                 f"bench_gpu: {bench['prepared_tokens_per_s']:.0f} tokens/s per kind -> {acc:.1f} s; "
+                 f"reading {read_bytes / 1e9:.1f} GB at an assumed {a.read_gbs:g} GB/s per node -> {read:.1f} s"))
+    sums_gib = 2 * bench["sums_gib"]
+    gib = log.get("moment_gib", sums_gib)
+    per_gib = (bench["flush_s"] + bench["zero_live_s"]) / max(bench["sums_gib"], 1e-9)
+    rows.append(("round end: sums to the host and zeroed", per_gib * gib,
+                 f"bench_gpu: {per_gib:.2f} s/GiB x {gib:.1f} GiB"))
+    if log["rounds"]:
+        r = log["rounds"][-1]
+        rows.append(("round end: pack (one reader, measured)", r["reduce"], "fit_gpu.log, last round"))
+    rs = gib * (P - 1) / P * 1.0737 / a.nvlink_gbs
+    rows.append(("reduce-scatter of the sums", rs, f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))
+    rows.append(("checkpoint of this rank's 1/P share", gib / P * 1.0737 / a.disk_gbs,
+                 f"assumed {a.disk_gbs:g} GB/s per rank"))
+    if "probe" in log.get("stages", {}):
+        rows.append(("probe (R², select)", log["stages"]["probe"], "fit_gpu.log (does not depend on N)"))
+    if "factor_all" in log:
+        rows.append(("k = all factor, keys and values", log["factor_all"], "fit_gpu.log"))
+    per_layer = None
+    if "solve_s" in log:
+        per_layer = log["solve_s"] / max(log["solve_layers"], 1)
+    elif "solve_rate" in log:
+        per_layer = 1 / log["solve_rate"]
+    if per_layer is not None:
+        rows.append((f"solve + export, {Lt / P:g} target layers", per_layer * Lt / P,
+                     f"fit_gpu.log: {per_layer:.2f} s per layer"))
+    total = sum(s for _, s, _ in rows)
+    print(f"Projection: {N} tokens, {P} GPUs (one layer group), {Lt} target layers, every k")
+    for what, s, src in rows:
+        print(f"  {what:<42} {s:8.1f} s   {src}")
+    print(f"  {'total per pair':<42} {total:8.1f} s   ({total / 60:.1f} min)")
+    missing = [w for w, key in (("probe", "probe"), ("k = all factor", "factor_all"), ("solve", "solve"))
+               if not any(w in r for r, _, _ in rows)]
+    if missing:
+        print(f"  (not in fit_gpu.log, so not counted: {', '.join(missing)})")
+
+
+if __name__ == "__main__":
+    main()
