@@ -81,8 +81,13 @@ class ComputeBackend {
   // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
   // In-place lower Cholesky of a symmetric row-major fp64 matrix (lower triangle read). Returns 0, or the
-  // 1-based order of the leading minor that is not positive definite.
-  virtual int64_t cholesky(int64_t n, double* A, int64_t lda) = 0;
+  // 1-based order of the leading minor that is not positive definite. With FactorCopy::diagonal the caller reads
+  // only the diagonal (the pivots) on the host: a device backend copies just that back and keeps the factor for the
+  // solves that name A (its most recent few; a solve with a factor it no longer holds is an assertion, never a solve
+  // with the host's unfactored values).
+  enum class FactorCopy { full, diagonal };
+  virtual int64_t cholesky(int64_t n, double* A, int64_t lda, FactorCopy copy) = 0;
+  int64_t cholesky(int64_t n, double* A, int64_t lda) { return cholesky(n, A, lda, FactorCopy::full); }
   // Solves (L L^T) X = B in place, L from cholesky() (a leading n x n block of it may be used). B row-major.
   virtual void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) = 0;
   // Solves L X = B (transpose: L^T X = B) in place with the leading n x n block of a lower factor.

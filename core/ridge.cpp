@@ -44,7 +44,8 @@ int64_t factor(ComputeBackend& be, std::vector<double>& A, int64_t n, double lam
     A[i * n + i] += lambda;
     diag[i] = A[i * n + i];
   }
-  int64_t info = be.cholesky(n, A.data(), n);
+  // Only the pivots are read here; the factor itself is used by the backend's solves (a device keeps it).
+  int64_t info = be.cholesky(n, A.data(), n, ComputeBackend::FactorCopy::diagonal);
   const int64_t ok = info > 0 ? info - 1 : n;
   for (int64_t i = 0; i < ok; ++i) {
     const double p = A[i * n + i];

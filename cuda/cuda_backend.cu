@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <vector>
 
 #include "core/backend.hpp"
@@ -348,7 +349,7 @@ class CudaBackend final : public ComputeBackend {
        dims({{"m", m}, {"rows", rows}, {"lda", lda}, {"ldc", ldc}}));
   }
 
-  int64_t cholesky(int64_t n, double* A, int64_t lda) override {
+  int64_t cholesky(int64_t n, double* A, int64_t lda, FactorCopy copy) override {
     if (n == 0) return 0;
     const size_t count = static_cast<size_t>((n - 1) * lda + n);
     // Factors stay on the device for the solves that follow: the last few, most recent first.
@@ -371,7 +372,16 @@ class CudaBackend final : public ComputeBackend {
        ops);
     int info = 0;
     CK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, compute_), ops);
-    CK(cudaMemcpyAsync(A, dA, count * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
+    if (copy == FactorCopy::full) {
+      CK(cudaMemcpyAsync(A, dA, count * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
+      device_only_.erase(A);
+    } else {  // the diagonal: n values, (lda + 1) apart
+      const size_t pitch = static_cast<size_t>(lda + 1) * sizeof(double);
+      CK(cudaMemcpy2DAsync(A, pitch, dA, pitch, sizeof(double), static_cast<size_t>(n), cudaMemcpyDeviceToHost,
+                           compute_),
+         ops);
+      device_only_.insert(A);
+    }
     CK(cudaStreamSynchronize(compute_), ops);
     CROSSKV_ASSERT(info >= 0, "cusolverDnXpotrf: illegal argument " + std::to_string(-info) + " (" + ops + ")");
     f.host = A;
@@ -494,6 +504,8 @@ class CudaBackend final : public ComputeBackend {
     for (auto& f : factors_)
       if (L == f->host && lda == f->lda && n <= f->n && diag_sum(L, f->n, lda) == f->diag) dL = f->dev.get(0, where_);
     if (!dL) {
+      CROSSKV_ASSERT(!device_only_.count(L), "CUDA backend: a solve names a factor kept only on the device, and "
+                                             "no longer held there (" + ops + ")");
       const size_t count = static_cast<size_t>((n - 1) * lda + n);
       double* d = other_.get(count, where_);
       CK(cudaMemcpyAsync(d, L, count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
@@ -523,6 +535,7 @@ class CudaBackend final : public ComputeBackend {
   Residents<float> sums_;
   Residents<double> dsums_;
   std::vector<std::unique_ptr<DeviceFactor>> factors_;
+  std::set<const double*> device_only_;  // host arrays holding only a factor's diagonal
   DeviceBuffer<double> other_, rhs_;
   DeviceBuffer<float> apply_;
   DeviceBuffer<char> work_;

@@ -1,5 +1,6 @@
 // The CUDA backend against the CPU backend (the oracle). Without CUDA or a GPU every test is SKIPPED with the
 // reason (ctest reports it as skipped, never as passed).
+#include <algorithm>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -7,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <random>
+#include <set>
 
 #include "core/half.hpp"
 #include "core/moments.hpp"
@@ -129,6 +131,41 @@ TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
   for (int64_t i = 0; i < n * ldb; i += ldb) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
 }
 
+// FactorCopy::diagonal: the host gets the pivots only, the solves use the factor kept on the device, and a solve
+// naming a factor no longer kept (four newer ones) stops with an assertion instead of using the host's values.
+TEST_F(Cuda, DiagonalOnlyFactorsStayOnTheDevice) {
+  const int64_t n = 200, nrhs = 5;
+  std::mt19937_64 rng(9);
+  std::normal_distribution<double> nd(0, 1);
+  auto spd = [&] {
+    std::vector<double> M(n * n), A(n * n);
+    for (auto& x : M) x = nd(rng);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double s = i == j ? 1.0 : 0.0;
+        for (int64_t k = 0; k < n; ++k) s += M[i * n + k] * M[j * n + k] / n;
+        A[i * n + j] = s;
+      }
+    return A;
+  };
+  const auto A = spd();
+  auto Lc = A, Lg = A;
+  ASSERT_EQ(cpu_->cholesky(n, Lc.data(), n), 0);
+  ASSERT_EQ(gpu_->cholesky(n, Lg.data(), n, ComputeBackend::FactorCopy::diagonal), 0);
+  for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(Lc[i * n + i], Lg[i * n + i], 1e-10) << "pivot " << i;
+  EXPECT_EQ(Lg[1], A[1]) << "off the diagonal the host keeps what it had";
+  std::vector<double> B(n * nrhs);
+  for (auto& x : B) x = nd(rng);
+  auto Bc = B, Bg = B;
+  cpu_->cholesky_solve(n, Lc.data(), n, nrhs, Bc.data(), nrhs);
+  gpu_->cholesky_solve(n, Lg.data(), n, nrhs, Bg.data(), nrhs);
+  for (size_t i = 0; i < B.size(); ++i) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
+  std::vector<std::vector<double>> newer(4, spd());
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child runs the test afresh, with its own CUDA context
+  for (auto& m : newer) ASSERT_EQ(gpu_->cholesky(n, m.data(), n, ComputeBackend::FactorCopy::diagonal), 0);
+  EXPECT_DEATH(gpu_->cholesky_solve(n, Lg.data(), n, nrhs, Bg.data(), nrhs), "no longer held");
+}
+
 TEST_F(Cuda, NotPositiveDefiniteReportsTheSameMinorAsTheCpu) {
   const int64_t n = 6;
   std::vector<double> A(n * n, 0.0);
@@ -229,13 +266,30 @@ class ShadowBackend final : public ComputeBackend {
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     cpu_->gram_acc(rows, m, staged(A, (rows - 1) * lda + m), lda, resident(sums_, C, (m - 1) * ldc + m), ldc);
   }
-  int64_t cholesky(int64_t n, double* A, int64_t lda) override { return cpu_->cholesky(n, A, lda); }
+  // Factors asked for with FactorCopy::diagonal are kept here (the last four, as on the device) and the host copy
+  // is poisoned off the diagonal: a solve must find its factor here, and nothing may read the host's.
+  int64_t cholesky(int64_t n, double* A, int64_t lda, FactorCopy copy) override {
+    const int64_t info = cpu_->cholesky(n, A, lda);
+    factors_.erase(std::remove_if(factors_.begin(), factors_.end(), [&](const auto& f) { return f.first == A; }),
+                   factors_.end());
+    if (copy == FactorCopy::full || n == 0) {
+      device_only_.erase(A);
+      return info;
+    }
+    factors_.emplace(factors_.begin(), A, std::vector<double>(A, A + (n - 1) * lda + n));
+    if (factors_.size() > 4) factors_.pop_back();
+    device_only_.insert(A);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        if (i != j) A[i * lda + j] = std::numeric_limits<double>::quiet_NaN();
+    return info;
+  }
   void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override {
-    cpu_->cholesky_solve(n, L, lda, nrhs, B, ldb);
+    cpu_->cholesky_solve(n, factor(L), lda, nrhs, B, ldb);
   }
   void triangular_solve(int64_t n, const double* L, int64_t lda, bool t, int64_t nrhs, double* B,
                         int64_t ldb) override {
-    cpu_->triangular_solve(n, L, lda, t, nrhs, B, ldb);
+    cpu_->triangular_solve(n, factor(L), lda, t, nrhs, B, ldb);
   }
   int flushes = 0;
 
@@ -295,6 +349,14 @@ class ShadowBackend final : public ComputeBackend {
   std::deque<Round> rounds_;
   std::map<float*, std::vector<float>> sums_;
   std::map<double*, std::vector<double>> dsums_;
+  std::vector<std::pair<const double*, std::vector<double>>> factors_;
+  std::set<const double*> device_only_;
+  const double* factor(const double* L) {
+    for (const auto& [host, copy] : factors_)
+      if (host == L) return copy.data();
+    if (device_only_.count(L)) ADD_FAILURE() << "a solve names a factor no longer kept";
+    return L;
+  }
 };
 
 }  // namespace
