@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <utility>
 #include <vector>
 
 #include "core/error.hpp"
@@ -163,18 +164,25 @@ class MpiComm final : public Comm {
 std::unique_ptr<Comm> make_single_comm() { return std::make_unique<SingleComm>(); }
 std::unique_ptr<Comm> make_mpi_comm() { return std::make_unique<MpiComm>(); }
 
-int mpi_local_rank() {
+namespace {
+// This rank's index among the job's ranks on its node, and their number.
+std::pair<int, int> node_rank_and_size() {
   int inited = 0;
   MPI_Initialized(&inited);
-  if (!inited) return 0;
+  if (!inited) return {0, 1};
   MPI_Comm node;
   check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
             "MPI_Comm_split_type", 0);
-  int r = 0;
-  MPI_Comm_rank(node, &r);
+  int r = 0, n = 1;
+  check_mpi(MPI_Comm_rank(node, &r), "MPI_Comm_rank (node)", 0);
+  check_mpi(MPI_Comm_size(node, &n), "MPI_Comm_size (node)", 0);
   MPI_Comm_free(&node);
-  return r;
+  return {r, n};
 }
+}  // namespace
+
+int mpi_local_rank() { return node_rank_and_size().first; }
+int mpi_local_size() { return node_rank_and_size().second; }
 
 MpiSession::MpiSession(int* argc, char*** argv) {
   int inited = 0;

@@ -56,5 +56,6 @@ class MpiSession {
 std::string host_name();
 // This rank's index among the ranks on its node (MPI_Comm_split_type SHARED); 0 without MPI.
 int mpi_local_rank();
+int mpi_local_size();  // ranks of this job on this node (1 without MPI)
 
 }  // namespace crosskv

@@ -8,6 +8,7 @@
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
+#include "core/threads.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "pipeline/fit_pipeline.hpp"
@@ -69,8 +70,13 @@ int main(int argc, char** argv) {
     // GPU ranks reduce over NCCL (the same fixed-order sums as MPI).
     if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) comm = make_nccl_comm(std::move(comm), device);
     Context ctx{*comm, *backend};
+    const int local_ranks = mpi_local_size();
+    const ThreadChoice threads = configure_threads(local_ranks);
     spdlog::info("crosskv-fit {}: {} rank(s) on {}, backend {}, collectives {}", CROSSKV_VERSION, comm->size(),
                  host_name(), backend->name(), comm->name());
+    spdlog::info("threads: {} per rank for BLAS and OpenMP ({}; {} core(s) usable, {} rank(s) on this node)",
+                 threads.threads, threads.from_env ? "OPENBLAS_NUM_THREADS/OMP_NUM_THREADS as set" : "chosen",
+                 threads.cores, local_ranks);
     FitResult r = run_fit(cfg, FitOptions{plan_only, fresh, plan_ranks}, ctx);
     if (plan_only && comm->rank() == 0) std::cout << r.plan_text;
     return 0;
