@@ -8,6 +8,7 @@
 #include <fstream>
 #include <regex>
 #include <thread>
+#include <type_traits>
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
@@ -67,21 +68,58 @@ template <class T>
 void put(std::string& b, const T& v) {
   b.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
-template <class T>
-bool get(const std::string& b, size_t& at, T& v) {
-  if (at + sizeof(T) > b.size()) return false;
-  std::memcpy(&v, b.data() + at, sizeof(T));
-  at += sizeof(T);
-  return true;
-}
-template <class T>
-bool get_vec(const std::string& b, size_t& at, std::vector<T>& v) {
-  uint64_t n;
-  if (!get(b, at, n) || n > (b.size() - at) / sizeof(T)) return false;
-  v.resize(n);
-  std::memcpy(v.data(), b.data() + at, n * sizeof(T));
-  at += n * sizeof(T);
-  return true;
+constexpr size_t kHexDigest = 64;
+
+// Reads a state file straight into `s` (never a second copy of the moments), then checks its checksum over the same
+// pieces save() hashed. Returns "" or what is wrong with the file.
+std::string read_state(const std::string& path, int64_t seq, int rank, PassState& s) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "missing";
+  in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  constexpr size_t kHead = sizeof(kMagic) + 8 + 8 + 4 + 8;
+  if (size < kHead + kHexDigest) return "truncated";
+  std::string head(kHead, '\0');
+  if (!in.read(head.data(), kHead)) return "unreadable";
+  if (std::memcmp(head.data(), kMagic, sizeof(kMagic)) != 0) return "not a state file of this crosskv version";
+  int64_t fseq = 0, frank = 0;
+  int32_t pass = 0;
+  size_t at = sizeof(kMagic);
+  auto field = [&](auto& v) {
+    std::memcpy(&v, head.data() + at, sizeof v);
+    at += sizeof v;
+  };
+  field(fseq);
+  field(frank);
+  field(pass);
+  field(s.rounds_done);
+  s.pass = pass;
+  if (fseq != seq || frank != rank) return "malformed (another sequence number or rank)";
+  uint64_t counts[4] = {0, 0, 0, 0};
+  uint64_t left = size - kHead - kHexDigest;
+  auto vec = [&](uint64_t& n, auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    if (left < 8 || !in.read(reinterpret_cast<char*>(&n), 8)) return false;
+    left -= 8;
+    if (n > left / sizeof(T)) return false;
+    v.resize(n);
+    if (!in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T)))) return false;
+    left -= n * sizeof(T);
+    return true;
+  };
+  if (!vec(counts[0], s.pass1_f) || !vec(counts[1], s.pass1_d) || !vec(counts[2], s.pass2_f) ||
+      !vec(counts[3], s.pass2_d) || left != 0)
+    return "malformed";
+  std::string hex(kHexDigest, '\0');
+  if (!in.read(hex.data(), kHexDigest)) return "truncated";
+  const std::vector<Piece> pieces = {{head.data(), head.size()},
+                                     {&counts[0], 8}, {s.pass1_f.data(), s.pass1_f.size() * 4},
+                                     {&counts[1], 8}, {s.pass1_d.data(), s.pass1_d.size() * 8},
+                                     {&counts[2], 8}, {s.pass2_f.data(), s.pass2_f.size() * 4},
+                                     {&counts[3], 8}, {s.pass2_d.data(), s.pass2_d.size() * 8}};
+  if (chunked_sha256(pieces) != hex) return "checksum mismatch";
+  return "";
 }
 
 }  // namespace
@@ -175,30 +213,9 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache) {
   for (size_t i = 0; i < seqs.size() && i < 2; ++i) {
     const int64_t seq = seqs[i];
     PassState s;
-    bool ok = false;
-    std::string why;
-    {
-      std::ifstream in(state_path(seq, comm_.rank()), std::ios::binary);
-      std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (b.size() < sizeof(kMagic) + 64) {
-        why = "missing or truncated";
-      } else {
-        if (std::memcmp(b.data(), kMagic, sizeof(kMagic)) != 0) {
-          why = "not a state file of this crosskv version";
-        } else if (chunked_sha256({{b.data(), b.size() - 64}}) != b.substr(b.size() - 64)) {
-          why = "checksum mismatch";
-        } else {
-          size_t at = sizeof(kMagic);
-          int64_t fseq = 0, rank = 0;
-          int32_t pass = 0;
-          ok = std::memcmp(b.data(), kMagic, sizeof(kMagic)) == 0 && get(b, at, fseq) && get(b, at, rank) &&
-               get(b, at, pass) && get(b, at, s.rounds_done) && get_vec(b, at, s.pass1_f) && get_vec(b, at, s.pass1_d) &&
-               get_vec(b, at, s.pass2_f) && get_vec(b, at, s.pass2_d) && fseq == seq && rank == comm_.rank();
-          s.pass = pass;
-          if (!ok) why = "malformed";
-        }
-      }
-    }
+    const std::string why = read_state(state_path(seq, comm_.rank()), seq, comm_.rank(), s);
+    const bool ok = why.empty();
+    if (!ok) s = PassState{};  // release what a bad file made us read
     if (!ok) spdlog::warn("checkpoint {}: {} is {}", seq, state_path(seq, comm_.rank()), why);
     if (comm_.all_ok(ok)) {
       seq_ = seq;

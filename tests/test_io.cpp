@@ -257,4 +257,17 @@ TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
   }
   CheckpointStore store(dir.str("ck"), identity, *comm);
   EXPECT_FALSE(store.load(false).has_value());  // the only checkpoint does not verify: start over
+  // A count that claims more values than the file holds is refused before anything is allocated for it.
+  {
+    CheckpointStore again(dir.str("ck2"), identity, *comm);
+    again.save(s);
+  }
+  for (const auto& e : std::filesystem::directory_iterator(dir.str("ck2")))
+    if (e.path().filename().string().rfind("state-", 0) == 0) {
+      std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(36 + 7);  // the top byte of pass 1's float count
+      f.put('\x40');
+    }
+  CheckpointStore bad(dir.str("ck2"), identity, *comm);
+  EXPECT_FALSE(bad.load(false).has_value());
 }
