@@ -502,11 +502,25 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   // Target layers go to their layer group, and within it round-robin to its readers; every rank writes its layers'
   // files, rank 0 collects their manifest entries and writes the manifests last.
   ArtifactWriter writer(cal, plan, ctx.backend, ctx.comm.rank());
-  if (root) writer.begin();
+  // What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
+  // solve's settings and this version. An interrupted export of the same job keeps the layers it wrote.
+  nlohmann::json export_id = checkpoint_identity(cal, plan, P);
+  export_id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", to_string(cfg.dtype)},
+                      {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
+  if (root) writer.begin(export_id);
   ctx.comm.barrier();
   std::vector<int> my_layers;
+  int resumed = 0;
   for (int l = 0, j = 0; l < d.Lt; ++l)
-    if (grid.owns_target(l) && j++ % grid.token_groups == grid.token_group) my_layers.push_back(l);
+    if (grid.owns_target(l) && j++ % grid.token_groups == grid.token_group) {
+      if (writer.resume_layer(l))
+        ++resumed;
+      else
+        my_layers.push_back(l);
+    }
+  if (resumed > 0)
+    spdlog::info("export: {} target layer(s) already written by an interrupted run of this job; solving {}", resumed,
+                 my_layers.size());
   // k = all is the same system for every target layer: factor it once per kind (per rank).
   std::unique_ptr<Factor> all_k, all_v;
   if (counts.back() == d.Ls && my_layers.size() > 1) {

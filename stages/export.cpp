@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
@@ -58,13 +60,40 @@ void ArtifactWriter::written() {
   if (fault("kill_in_export", ++files_, rank_)) std::raise(SIGKILL);
 }
 
-void ArtifactWriter::begin() {
+std::string ArtifactWriter::record_dir(const KPlan& k) const { return (fs::path(partial_dir(k)) / ".layers").string(); }
+
+void ArtifactWriter::begin(const nlohmann::json& identity) {
+  const std::string id = identity.dump();
   for (const auto& k : plan_.ks) {
+    const std::string idfile = (fs::path(record_dir(k)) / "identity.json").string();
+    std::ifstream in(idfile);
+    const std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!old.empty() && old == id) continue;  // an interrupted export of this job: its layers stand
     std::error_code ec;
     fs::remove_all(partial_dir(k), ec);
-    fs::create_directories(partial_dir(k), ec);
-    if (ec) throw InputError("output.dir: cannot create " + partial_dir(k) + ": " + ec.message());
+    fs::create_directories(record_dir(k), ec);
+    if (ec) throw InputError("output.dir: cannot create " + record_dir(k) + ": " + ec.message());
+    write_file_atomic(idfile, id);
   }
+}
+
+bool ArtifactWriter::resume_layer(int l) {
+  std::vector<nlohmann::json> entries;
+  for (const auto& k : plan_.ks) {
+    const std::string rec = (fs::path(record_dir(k)) / (layer_file(l) + ".json")).string();
+    std::ifstream in(rec);
+    if (!in) return false;
+    nlohmann::json e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!e.is_object() || !e.contains("sha256") || !e["sha256"].is_string() || e.value("target_layer", -1) != l)
+      return false;
+    const std::string file = (fs::path(partial_dir(k)) / layer_file(l)).string();
+    std::error_code ec;
+    if (!fs::is_regular_file(file, ec) || sha256_file(file) != e["sha256"].get<std::string>()) return false;
+    entries.push_back(std::move(e));
+  }
+  std::lock_guard<std::mutex> lk(m_);
+  for (size_t i = 0; i < entries.size(); ++i) layers_[i].push_back(std::move(entries[i]));
+  return true;
 }
 
 ArtifactWriter::~ArtifactWriter() {
@@ -175,6 +204,8 @@ void ArtifactWriter::write_job(const Job& job) {
                             {"sha256", sha256_file(path)},
                             {"r2_k", nan_to_null(fk.r2)},
                             {"r2_v", nan_to_null(fv.r2)}};
+    // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
+    write_file_atomic((fs::path(record_dir(k)) / (file + ".json")).string(), entry.dump());
     std::lock_guard<std::mutex> lk(m_);
     layers_[i].push_back(std::move(entry));
   }
@@ -227,6 +258,7 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
     for (auto it = extra.begin(); it != extra.end(); ++it) m[it.key()] = it.value();
     write_file_atomic((fs::path(partial_dir(k)) / "manifest.json").string(), m.dump(2) + "\n");
     std::error_code ec;
+    fs::remove_all(record_dir(k), ec);
     fs::remove_all(final_dir(k), ec);
     fs::rename(partial_dir(k), final_dir(k), ec);
     if (ec) throw SystemError("rename " + partial_dir(k) + " -> " + final_dir(k) + ": " + ec.message());

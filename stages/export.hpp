@@ -27,7 +27,14 @@ class ArtifactWriter {
   ~ArtifactWriter();
   ArtifactWriter(const ArtifactWriter&) = delete;
   ArtifactWriter& operator=(const ArtifactWriter&) = delete;
-  void begin();
+  // Prepares "<out>/k<K>.partial" for every k. Folders of an interrupted export of the same job (the same
+  // `identity`: data, config and grid) are kept, so that layers already written need not be solved again; any
+  // other partial folder is emptied.
+  void begin(const nlohmann::json& identity);
+  // True when target layer l was written completely (every k) by an interrupted export of this job and its files
+  // still match their recorded SHA-256: its manifest entries are taken over and it need not be solved. Any rank, for
+  // its own layers, after begin() on rank 0.
+  bool resume_layer(int l);
   // fits_k[i] / fits_v[i] belong to plan.ks[i]. Converts the weights here (the caller's thread owns the backend),
   // then a writer thread writes, syncs and hashes the files while the caller solves the next layer. One layer waits
   // at most (the call blocks until the one before it is being written); a write's error is thrown by the next call.
@@ -54,6 +61,7 @@ class ArtifactWriter {
   void run_writer();
   std::string final_dir(const KPlan& k) const;
   std::string partial_dir(const KPlan& k) const;
+  std::string record_dir(const KPlan& k) const;  // inside partial_dir: per-layer records, removed by finish()
   const Calibration& cal_;
   const FitPlan& plan_;
   ComputeBackend& be_;

@@ -332,7 +332,7 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
     };
     auto be = make_cpu_backend();
     ArtifactWriter w(cal, plan, *be);
-    w.begin();
+    w.begin({{"job", "export test"}});
     if (sabotage) {  // k1.partial becomes a file: the first layer's first write fails
       std::filesystem::remove_all(cal.cfg.output_dir + "/k1.partial");
       std::ofstream(cal.cfg.output_dir + "/k1.partial") << "in the way";
@@ -364,6 +364,7 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
     }
     const auto out = w.finish(nlohmann::json::object());
     ASSERT_EQ(out.size(), plan.ks.size());
+    EXPECT_FALSE(std::filesystem::exists(out[0] + "/.layers")) << "the resume records are not part of an artifact";
     const auto m = manifest(out[1]);
     for (int l = 0; l < plan.dims.Lt; ++l) EXPECT_EQ(m["layers"][l]["target_layer"], l);
   }

@@ -37,15 +37,24 @@ run halfw.yaml || { cat run.log run.err; die "resume after a kill in a state wri
 expect_in "resuming from committed checkpoint 2" run.log
 same ref halfw
 
-# kill -9 during export: after the first layer file, and after the first k folder is complete.
-for n in 1 $(( $(ls ref/k1/layer-*.safetensors | wc -l) * 2 + 1 )); do
+# kill -9 during export: after the first layer file, after two whole layers and a file of the third (two files per
+# layer: k = 1 and all), and after the first k folder is complete. Whole layers are not solved again.
+for n in 1 5 $(( $(ls ref/k1/layer-*.safetensors | wc -l) * 2 + 1 )); do
   cfg exp$n
   set +e; CROSSKV_FAULT=kill_in_export:$n "$FIT" exp$n.yaml > run.log 2>&1; rc=$?; set -e
   [ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137) in export, got $rc"; }
   [ -e exp$n/kall/manifest.json ] && die "kall must not look complete after a kill in export"
   run exp$n.yaml || { cat run.log run.err; die "rerun after a kill in export failed"; }
   expect_in "no calibration data was read" run.log
+  if [ $n = 5 ]; then expect_in "2 target layer(s) already written by an interrupted run" run.log; fi
+  if [ $n = 1 ]; then grep -q "already written" run.log && die "a partly written layer was taken as written"; fi
   same ref exp$n
+  for k in k1 kall; do  # the manifests' layer entries too (taken over from the records for resumed layers)
+    command -v python3 > /dev/null || break
+    python3 -c 'import json,sys; a,b=(json.load(open(p))["layers"] for p in sys.argv[1:]); sys.exit(a!=b)' \
+      ref/$k/manifest.json exp$n/$k/manifest.json || die "exp$n/$k/manifest.json: layer entries differ from ref"
+  done
+  [ -e exp$n/k1/.layers ] && die "resume records left in an artifact"
 done
 
 # kill -9 at an arbitrary moment.
