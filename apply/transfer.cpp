@@ -30,13 +30,25 @@ Transfer::Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOp
   Rope(m_.target, m_.path + " (target.kv_spec)");
 }
 
+Transfer::~Transfer() {
+  for (auto& [l, w] : loaded_) {
+    be_.forget_constant(w.wk.data());
+    be_.forget_constant(w.wv.data());
+  }
+}
+
 const MapperLayer& Transfer::layer(int l) {
   auto it = loaded_.find(l);
   if (it != loaded_.end()) return it->second;
   MapperLayer w = load_mapper_layer(m_, l, opts_.verify && !verified_[l]);
   verified_[l] = true;
   ++loads_;
-  return loaded_.emplace(l, std::move(w)).first->second;
+  const MapperLayer& kept = loaded_.emplace(l, std::move(w)).first->second;
+  if (opts_.resident) {  // the weights stay put from now on: a device backend keeps them too
+    be_.keep_constant(kept.wk.data(), static_cast<int64_t>(kept.wk.size()));
+    be_.keep_constant(kept.wv.data(), static_cast<int64_t>(kept.wv.size()));
+  }
+  return kept;
 }
 
 void Transfer::release(int l) {

@@ -13,7 +13,8 @@
 namespace crosskv {
 
 struct TransferOptions {
-  bool resident = false;     // keep every layer's weights in memory; else one layer at a time (peak: one layer)
+  bool resident = false;     // keep every layer's weights in memory (on a GPU backend, in device memory too);
+                             // else one layer at a time (peak: one layer)
   bool target_rope = true;   // false leaves the mapped keys in content space: the "- inference RoPE" bug
   bool verify = true;        // check each layer file's SHA-256 the first time it is read
 };
@@ -28,6 +29,9 @@ class Transfer {
  public:
   // Reads and validates the manifest now; layer files when first needed.
   Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts = {});
+  ~Transfer();
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
 
   const MapperManifest& manifest() const { return m_; }
   const KvSpec& source() const { return m_.source; }

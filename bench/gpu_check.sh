@@ -7,7 +7,8 @@
 # Writes to OUT (7 files; the device tool returns at most 8): summary.txt (everything below in short, with each
 #                 step's stderr), test_cuda.log (GPU against the CPU backend), bench_gpu.json and bench_gpu_tf32.json
 #                 (accumulation vs cuBLAS SGEMM at Qwen3 14B -> 32B shapes: host-shifted fp32, and the fit's own bf16
-#                 path with the fused kernel), apply_gpu.json (apply throughput of one Qwen3-8B -> 32B layer),
+#                 path with the fused kernel), apply_gpu.json (apply throughput of one Qwen3-8B -> 32B layer, weights
+#                 copied per call and kept on the GPU),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
 # env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench apply fit tf32").
@@ -60,6 +61,7 @@ fi
 
 if want apply; then
   step apply_gpu 40 "$B/bin/crosskv-bench-apply" cuda > "$OUT/apply_gpu.json" 2> "$E"
+  step apply_gpu_resident 40 "$B/bin/crosskv-bench-apply" cuda 8 resident >> "$OUT/apply_gpu.json" 2>> "$E"
   note "  $(cat "$OUT/apply_gpu.json") $(tail -3 "$E")"
 fi
 

@@ -66,7 +66,12 @@ class ComputeBackend {
   // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
                          int64_t ldb, float* C, int64_t ldc) = 0;
-  // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; no residency). fp32.
+  // Read-only host arrays used as B by matmul_acc again and again (a mapper's weights kept for serving): a device
+  // backend keeps a copy until forget_constant(), so that B crosses PCIe once. The caller leaves the array unchanged
+  // while it is kept.
+  virtual void keep_constant(const float* p, int64_t count) {}
+  virtual void forget_constant(const float* p) {}
+  // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; B may be kept). fp32.
   virtual void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
                           int64_t ldb, float* C, int64_t ldc) = 0;
   // A batch of cross_acc calls of one shape and leading dims: C_i[m x n] += A_i^T B_i (every moment block of one block

@@ -152,6 +152,7 @@ class CudaBackend final : public ComputeBackend {
     cudaStreamSynchronize(copy_);
     for (auto& [h, s] : sums_) cudaFree(s.dev);
     for (auto& [h, s] : dsums_) cudaFree(s.dev);
+    for (auto& [h, s] : constants_) cudaFree(const_cast<float*>(s.dev));
     for (auto& s : slots_) {
       cudaEventDestroy(s.copied);
       cudaEventDestroy(s.used);
@@ -321,21 +322,43 @@ class CudaBackend final : public ComputeBackend {
        ops);
   }
 
+  void keep_constant(const float* p, int64_t count) override {
+    if (count <= 0 || find_constant(p, count)) return;
+    auto next = constants_.upper_bound(p);
+    CROSSKV_ASSERT(next == constants_.end() || p + count <= next->first,
+                   "CUDA backend: a constant overlaps one already kept (" + dims({{"elements", count}}) + ")");
+    float* dev = nullptr;
+    CK(cudaMalloc(&dev, count * sizeof(float)), dims({{"constant elements", count}}));
+    CK(cudaMemcpyAsync(dev, p, count * sizeof(float), cudaMemcpyHostToDevice, compute_), dims({{"elements", count}}));
+    constants_.emplace(p, Sum<const float>{dev, count});
+  }
+
+  void forget_constant(const float* p) override {
+    auto it = constants_.find(p);
+    if (it == constants_.end()) return;
+    CK(cudaStreamSynchronize(compute_), "forget_constant");
+    CK(cudaFree(const_cast<float*>(it->second.dev)), "forget_constant");
+    constants_.erase(it);
+  }
+
   void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
                   float* C, int64_t ldc) override {
     if (rows == 0 || k == 0 || n == 0) return;
     const std::string ops = dims({{"rows", rows}, {"k", k}, {"n", n}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}});
     const size_t na = static_cast<size_t>((rows - 1) * lda + k), nb = static_cast<size_t>((k - 1) * ldb + n),
                  nc = static_cast<size_t>((rows - 1) * ldc + n);
-    float* d = apply_.get(na + nb + nc, where_);
+    const float* kept = find_constant(B, static_cast<int64_t>(nb));
+    float* d = apply_.get(na + (kept ? 0 : nb) + nc, where_);
+    float* dC = d + na + (kept ? 0 : nb);
     CK(cudaMemcpyAsync(d, A, na * 4, cudaMemcpyHostToDevice, compute_), ops);
-    CK(cudaMemcpyAsync(d + na, B, nb * 4, cudaMemcpyHostToDevice, compute_), ops);
-    CK(cudaMemcpyAsync(d + na + nb, C, nc * 4, cudaMemcpyHostToDevice, compute_), ops);
+    if (!kept) CK(cudaMemcpyAsync(d + na, B, nb * 4, cudaMemcpyHostToDevice, compute_), ops);
+    CK(cudaMemcpyAsync(dC, C, nc * 4, cudaMemcpyHostToDevice, compute_), ops);
     const float one = 1.0f;
     // Row-major C = A B is column-major C' = B' A'.
-    CK(cublasSgemm_64(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one, d + na, ldb, d, lda, &one, d + na + nb, ldc),
+    CK(cublasSgemm_64(blas_, CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one, kept ? kept : d + na, ldb, d, lda, &one, dC,
+                      ldc),
        ops);
-    CK(cudaMemcpyAsync(C, d + na + nb, nc * 4, cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaMemcpyAsync(C, dC, nc * 4, cudaMemcpyDeviceToHost, compute_), ops);
     CK(cudaStreamSynchronize(compute_), ops);
   }
 
@@ -467,6 +490,14 @@ class CudaBackend final : public ComputeBackend {
     sums.emplace(host, Sum<T>{dev, count});
     return dev;
   }
+  // The device copy of a kept constant holding host [p, p + count), or null.
+  const float* find_constant(const float* p, int64_t count) const {
+    auto it = constants_.upper_bound(p);
+    if (it == constants_.begin()) return nullptr;
+    --it;
+    if (p >= it->first + it->second.count) return nullptr;
+    return p + count <= it->first + it->second.count ? it->second.dev + (p - it->first) : nullptr;
+  }
   template <class T>
   T* resident_in(Residents<T>& sums, T* host, int64_t count) {
     if (T* d = find_resident(sums, host, count)) return d;
@@ -534,6 +565,7 @@ class CudaBackend final : public ComputeBackend {
   int cur_ = -1;
   Residents<float> sums_;
   Residents<double> dsums_;
+  std::map<const float*, Sum<const float>> constants_;  // kept read-only operands (keep_constant)
   std::vector<std::unique_ptr<DeviceFactor>> factors_;
   std::set<const double*> device_only_;  // host arrays holding only a factor's diagonal
   DeviceBuffer<double> other_, rhs_;

@@ -15,6 +15,7 @@
 #include "core/rope.hpp"
 #include "core/ridge.hpp"
 #include "helpers.hpp"
+#include "apply/transfer.hpp"
 #include "io/mapper.hpp"
 #include "stages/stages.hpp"
 
@@ -82,6 +83,25 @@ TEST_F(Cuda, MomentsMatchTheCpuOverManyBlocks) {
 TEST_F(Cuda, MatmulMatchesTheCpu) {
   const int64_t rows = 77, k = 130, n = 45, lda = 140, ldb = 50, ldc = 60;
   auto A = random_rows(rows * lda, 1, 0.2f), B = random_rows(k * ldb, 2, -0.1f), C = random_rows(rows * ldc, 3, 0.f);
+  auto Cc = C, Cg = C;
+  cpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cc.data(), ldc);
+  gpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cg.data(), ldc);
+  for (size_t i = 0; i < Cc.size(); ++i) ASSERT_NEAR(Cc[i], Cg[i], 1e-4f * (1 + std::fabs(Cc[i])));
+}
+
+// Kept constants (a mapper's weights for serving): the device copy serves B, whole or a part of it, until forgotten.
+TEST_F(Cuda, MatmulWithKeptWeightsMatchesTheCpu) {
+  const int64_t rows = 9, k = 130, n = 45, lda = 140, ldb = 50, ldc = 60;
+  auto A = random_rows(rows * lda, 4, 0.2f), B = random_rows(2 * k * ldb, 5, -0.1f), C = random_rows(rows * ldc, 6, 0.f);
+  gpu_->keep_constant(B.data(), static_cast<int64_t>(B.size()));
+  for (const float* b : {B.data(), B.data() + k * ldb}) {  // the start of the kept array, and a part further in
+    auto Cc = C, Cg = C;
+    cpu_->matmul_acc(rows, k, n, A.data(), lda, b, ldb, Cc.data(), ldc);
+    gpu_->matmul_acc(rows, k, n, A.data(), lda, b, ldb, Cg.data(), ldc);
+    for (size_t i = 0; i < Cc.size(); ++i) ASSERT_NEAR(Cc[i], Cg[i], 1e-4f * (1 + std::fabs(Cc[i])));
+  }
+  gpu_->forget_constant(B.data());
+  B[0] += 1.0f;  // no longer kept: the host array is read again
   auto Cc = C, Cg = C;
   cpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cc.data(), ldc);
   gpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cg.data(), ldc);
@@ -259,10 +279,24 @@ class ShadowBackend final : public ComputeBackend {
     cpu_->cross_acc(rows, m, n, staged(A, (rows - 1) * lda + m), lda, staged(B, (rows - 1) * ldb + n), ldb,
                     resident(sums_, C, (m - 1) * ldc + n), ldc);
   }
+  // Kept constants are copied as a device would copy them: a caller that changed one while kept would get the old
+  // values (and a test comparing with the CPU would show it).
+  void keep_constant(const float* p, int64_t count) override {
+    constants_.emplace(p, std::vector<float>(p, p + count));
+    ++kept_constants;
+  }
+  void forget_constant(const float* p) override { forgotten_constants += static_cast<int>(constants_.erase(p)); }
   void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
                   float* C, int64_t ldc) override {
-    cpu_->matmul_acc(rows, k, n, A, lda, B, ldb, C, ldc);
+    const float* b = B;
+    auto it = constants_.upper_bound(B);
+    if (it != constants_.begin() && B < std::prev(it)->first + std::prev(it)->second.size()) {
+      --it;
+      b = it->second.data() + (B - it->first);
+    }
+    cpu_->matmul_acc(rows, k, n, A, lda, b, ldb, C, ldc);
   }
+  int kept_constants = 0, forgotten_constants = 0;
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     cpu_->gram_acc(rows, m, staged(A, (rows - 1) * lda + m), lda, resident(sums_, C, (m - 1) * ldc + m), ldc);
   }
@@ -350,6 +384,7 @@ class ShadowBackend final : public ComputeBackend {
   std::map<float*, std::vector<float>> sums_;
   std::map<double*, std::vector<double>> dsums_;
   std::vector<std::pair<const double*, std::vector<double>>> factors_;
+  std::map<const float*, std::vector<float>> constants_;
   std::set<const double*> device_only_;
   const double* factor(const double* L) {
     for (const auto& [host, copy] : factors_)
@@ -560,4 +595,39 @@ TEST(DeviceContract, AFitThroughAShadowDeviceEqualsTheCpuFit) {
         }
       }
     }
+}
+
+// A resident Transfer keeps every layer's weights on the backend (keep_constant) and forgets them when destroyed;
+// mapped through the shadow device it equals the CPU.
+TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
+  TempDir dir;
+  synthesize(small_synth(dir.str()));
+  {
+    auto comm = make_single_comm();
+    auto cpu = make_cpu_backend();
+    Context ctx{*comm, *cpu};
+    spdlog::set_level(spdlog::level::warn);
+    run_fit(parse_fit_config(config_yaml(dir.str(), "{k: [2]}", "out"), "cfg.yaml"), FitOptions{}, ctx);
+  }
+  auto cpu = make_cpu_backend();
+  ShadowBackend shadow;
+  const std::string mapper = dir.str("out/k2");
+  const Mapper m = load_mapper(mapper);
+  const int64_t rows = 5, XW = int64_t{m.source.n_layers} * m.source.features_per_layer(),
+                YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
+  const auto X = random_rows(rows * XW, 41, 0.1f);
+  std::vector<float> want(rows * YW), got(rows * YW);
+  {
+    Transfer tc(mapper, *cpu, TransferOptions{true, true, true});
+    Transfer ts(mapper, shadow, TransferOptions{true, true, true});
+    for (int pass = 0; pass < 2; ++pass) {  // the second pass serves every layer from the kept copies
+      tc.map_content(true, X.data(), rows, want.data());
+      ts.map_content(false, X.data(), rows, got.data());
+      ts.map_content(true, X.data(), rows, got.data());
+      ASSERT_EQ(want, got) << "pass " << pass;
+    }
+    EXPECT_EQ(ts.layer_loads(), m.target.n_layers);
+    EXPECT_EQ(shadow.kept_constants, 2 * m.target.n_layers);
+  }
+  EXPECT_EQ(shadow.forgotten_constants, 2 * m.target.n_layers);
 }
