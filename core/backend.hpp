@@ -36,6 +36,8 @@ class ComputeBackend {
   virtual void flush() {}
   // Waits until the device has finished every call made so far (for timing; host backends return at once).
   virtual void synchronize() {}
+  // Free memory of the device, in bytes, or -1 for a host backend (no limit beyond the host's).
+  virtual int64_t device_memory_free() const { return -1; }
   // True when prepare() and gather_heads() make their results on the device (the host vectors are then left alone).
   virtual bool prepares_on_device() const { return false; }
 

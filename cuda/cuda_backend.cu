@@ -205,6 +205,12 @@ class CudaBackend final : public ComputeBackend {
 
   bool prepares_on_device() const override { return true; }
 
+  int64_t device_memory_free() const override {
+    size_t free = 0, total = 0;
+    CK(cudaMemGetInfo(&free, &total), "");
+    return static_cast<int64_t>(free);
+  }
+
   const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
                        std::vector<float>& host) override {
     const size_t elt = in.dtype == Stored::f32 ? 4 : 2, n = static_cast<size_t>(in.rows * in.cols);

@@ -330,8 +330,40 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
 
   clock.start("plan");
   const double read_bpt = 2.0 * (d.X() + d.Y()) * 4.0;
-  const FitPlan plan = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, cfg.max_moment_gib, read_bpt,
-                                 planned, cfg.layer_groups);
+  // On a device the moments stay resident for a whole round: a rank's share must fit the device's free memory beside
+  // two rounds of inputs (stored bf16 keys and values of both models, and their fp32 conversions: 16 bytes per
+  // value). The smallest free memory over the ranks caps max_moment_gib (more layer groups, or two passes).
+  double max_gib = cfg.max_moment_gib;
+  double device_gib = -1;
+  if (!opts.plan_only) {
+    std::vector<double> free_gib(P, 0.0);
+    const int64_t mine = world.backend.device_memory_free();
+    free_gib[world.comm.rank()] = mine < 0 ? -1.0 : static_cast<double>(mine) / (1ull << 30);
+    world.comm.allreduce_sum(free_gib.data(), free_gib.size());
+    const double least = *std::min_element(free_gib.begin(), free_gib.end());
+    if (least >= 0) {
+      const double inputs_gib = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0 / (1ull << 30);
+      device_gib = 0.9 * least - inputs_gib;
+      if (device_gib <= 0)
+        throw ConfigError(cfg.config_path + ": runtime.block_tokens: " + std::to_string(cfg.block_tokens) +
+                          " tokens per block need " + human_bytes(inputs_gib * (1ull << 30)) +
+                          " of device memory for inputs alone; the device has " + human_bytes(least * (1ull << 30)) +
+                          " free");
+      if (device_gib < max_gib) {
+        spdlog::info("moments per rank capped at {} by the device's free memory ({} free, {} for two rounds of "
+                     "inputs; runtime.max_moment_gib is {} GiB)",
+                     human_bytes(device_gib * (1ull << 30)), human_bytes(least * (1ull << 30)),
+                     human_bytes(inputs_gib * (1ull << 30)), cfg.max_moment_gib);
+        max_gib = device_gib;
+      }
+    }
+  }
+  const FitPlan plan = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, max_gib, read_bpt, planned, cfg.layer_groups);
+  if (device_gib >= 0 && plan.rank_moment_bytes > device_gib * (1ull << 30))
+    throw ConfigError(cfg.config_path + ": runtime.layer_groups: a rank's moments need " +
+                      human_bytes(static_cast<double>(plan.rank_moment_bytes)) + " but the device has room for " +
+                      human_bytes(device_gib * (1ull << 30)) + " beside its inputs; use more layer groups (or " +
+                      "auto), more ranks, or smaller runtime.block_tokens");
   res.plan_text = format_plan(plan);
   for (std::string line; const char c : res.plan_text + "\n") {
     if (c == '\n') {

@@ -297,6 +297,8 @@ class ShadowBackend final : public ComputeBackend {
     cpu_->matmul_acc(rows, k, n, A, lda, b, ldb, C, ldc);
   }
   int kept_constants = 0, forgotten_constants = 0;
+  int64_t free_bytes = -1;  // what device_memory_free() reports (-1: a host backend)
+  int64_t device_memory_free() const override { return free_bytes; }
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     cpu_->gram_acc(rows, m, staged(A, (rows - 1) * lda + m), lda, resident(sums_, C, (m - 1) * ldc + m), ldc);
   }
@@ -630,4 +632,60 @@ TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
     EXPECT_EQ(shadow.kept_constants, 2 * m.target.n_layers);
   }
   EXPECT_EQ(shadow.forgotten_constants, 2 * m.target.n_layers);
+}
+
+// The device's free memory caps the moments per rank: a device with room for the probe blocks but not for every
+// block gets a two-pass fit (the same artifacts as the CPU's two-pass fit); one too small even for the inputs is
+// refused at once, naming the setting.
+TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
+  TempDir dir;
+  synthesize(small_synth(dir.str()));
+  const FitConfig cfg = parse_fit_config(config_yaml(dir.str(), "{k: [1, all]}", "dev"), "cfg.yaml");
+  const Calibration cal = validate(cfg);
+  const PairDims d = cal.dims();
+  const double read_bpt = 2.0 * (d.X() + d.Y()) * 4.0;
+  const FitPlan one = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, 1e9, read_bpt);
+  const FitPlan two = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, 1e-9, read_bpt);
+  ASSERT_TRUE(one.single_pass);
+  ASSERT_FALSE(two.single_pass);
+  ASSERT_LT(two.rank_moment_bytes, one.rank_moment_bytes);
+  const double inputs = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0;
+  ShadowBackend shadow;
+  shadow.free_bytes = static_cast<int64_t>((inputs + (one.rank_moment_bytes + two.rank_moment_bytes) / 2.0) / 0.9);
+  auto comm = make_single_comm();
+  Context ctx{*comm, shadow};
+  spdlog::set_level(spdlog::level::warn);
+  const FitResult r = run_fit(cfg, FitOptions{}, ctx);
+  EXPECT_EQ(r.passes, 2);
+  FitConfig cpu_cfg = parse_fit_config(config_yaml(dir.str(), "{k: [1, all]}", "cpu"), "cfg.yaml");
+  cpu_cfg.max_moment_gib = 1e-9;  // two passes on the CPU too
+  auto cpu = make_cpu_backend();
+  Context cctx{*comm, *cpu};
+  run_fit(cpu_cfg, FitOptions{}, cctx);
+  for (const std::string k : {"k1", "kall"}) {
+    Mapper c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("dev/" + k));
+    for (size_t l = 0; l < c.layers.size(); ++l) {
+      const float scale = std::max(1.0f, max_abs(c.layers[l].wk));
+      for (size_t i = 0; i < c.layers[l].wk.size(); ++i)
+        ASSERT_NEAR(c.layers[l].wk[i], g.layers[l].wk[i], 1e-5f * scale) << k << " layer " << l;
+    }
+  }
+  shadow.free_bytes = 1000;
+  FitConfig small = cfg;
+  small.output_dir = dir.str("small");
+  try {
+    run_fit(small, FitOptions{}, ctx);
+    FAIL() << "a device without room for the inputs was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("runtime.block_tokens: 200 tokens per block need"));
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("of device memory for inputs alone"));
+  }
+  shadow.free_bytes = static_cast<int64_t>((inputs + two.rank_moment_bytes / 2.0) / 0.9);  // not even two passes
+  small.output_dir = dir.str("small2");
+  try {
+    run_fit(small, FitOptions{}, ctx);
+    FAIL() << "moments larger than the device were accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("runtime.layer_groups: a rank's moments need"));
+  }
 }
