@@ -1,12 +1,11 @@
 #include "core/moments.hpp"
 
 #include <algorithm>
-#include <cstdlib>
-#include <new>
 #include <set>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
+#include "core/memory.hpp"
 #include "core/error.hpp"
 
 namespace crosskv {
@@ -16,12 +15,10 @@ constexpr int64_t kParallelMin = int64_t{1} << 22;
 
 FloatArena::FloatArena(int64_t count) : n_(count) {
   CROSSKV_ASSERT(count >= 0, "negative arena size");
-  // calloc: large requests are fresh zero pages from the kernel, not written until used.
-  p_.reset(static_cast<float*>(std::calloc(static_cast<size_t>(std::max<int64_t>(count, 1)), sizeof(float))));
-  if (!p_) throw std::bad_alloc();
+  p_ = static_cast<float*>(allocate_zeroed(static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(float)));
 }
 
-void FloatArena::Free::operator()(float* p) const { std::free(p); }
+FloatArena::~FloatArena() { release_zeroed(p_, static_cast<size_t>(std::max<int64_t>(n_, 1)) * sizeof(float)); }
 
 MomentPlan MomentPlan::full(const PairDims& d, bool head_probe) {
   MomentPlan p;
@@ -61,7 +58,7 @@ std::vector<BlockRef> Moments::new_blocks(const std::vector<std::pair<int64_t, i
   float* p = arenas_.back()->data();
   std::vector<BlockRef> out;
   for (const auto& [r, c] : shapes) {
-    out.push_back({r * c ? p : nullptr, r, c, c});
+    out.push_back({r * c != 0 ? p : nullptr, r, c, c});
     p += r * c;
   }
   return out;
@@ -387,7 +384,6 @@ const BlockRef& Moments::live_block(size_t i, int which) const {
 void Moments::derive_head_probe() {
   CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
   const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-  const int64_t F = d_.F(), G = d_.G();
   std::vector<std::pair<int64_t, int64_t>> shapes(int64_t{Ls} * H, {Ds, Ds});
   shapes.insert(shapes.end(), H, {int64_t{Ls} * Ds, int64_t{Lt} * Dt});
   const std::vector<BlockRef> blocks = new_blocks(shapes);

@@ -13,19 +13,19 @@ namespace crosskv {
 class ComputeBackend;
 class Comm;
 
-// fp32 moment blocks live in a few large zero-initialised allocations (one per add_plan): untouched pages cost
-// nothing until written, and a device backend keeps a pass's blocks resident as one allocation.
+// fp32 moment blocks live in a few large zero-initialised allocations (one per add_plan, core/memory): untouched
+// pages cost nothing until written, and a device backend keeps a pass's blocks resident as one allocation.
 class FloatArena {
  public:
   explicit FloatArena(int64_t count);
-  float* data() const { return p_.get(); }
+  ~FloatArena();
+  FloatArena(const FloatArena&) = delete;
+  FloatArena& operator=(const FloatArena&) = delete;
+  float* data() const { return p_; }
   int64_t size() const { return n_; }
 
  private:
-  struct Free {
-    void operator()(float* p) const;
-  };
-  std::unique_ptr<float, Free> p_;
+  float* p_ = nullptr;
   int64_t n_ = 0;
 };
 

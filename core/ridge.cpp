@@ -37,15 +37,14 @@ constexpr double kSingularPivot = 1e-12;
 
 // Adds λ to the diagonal, factors, and returns the order of the first leading minor that is not (numerically)
 // positive definite, or 0.
-int64_t factor(ComputeBackend& be, std::vector<double>& A, int64_t n, double lambda) {
-  CROSSKV_ASSERT(static_cast<int64_t>(A.size()) >= n * n, "factor: the matrix is smaller than n x n");
+int64_t factor(ComputeBackend& be, double* A, int64_t n, double lambda) {
   std::vector<double> diag(n);
   for (int64_t i = 0; i < n; ++i) {
     A[i * n + i] += lambda;
     diag[i] = A[i * n + i];
   }
   // Only the pivots are read here; the factor itself is used by the backend's solves (a device keeps it).
-  int64_t info = be.cholesky(n, A.data(), n, ComputeBackend::FactorCopy::diagonal);
+  int64_t info = be.cholesky(n, A, n, ComputeBackend::FactorCopy::diagonal);
   const int64_t ok = info > 0 ? info - 1 : n;
   for (int64_t i = 0; i < ok; ++i) {
     const double p = A[i * n + i];
@@ -110,7 +109,7 @@ void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>&
   f.L.resize(f.n * f.n);  // every element is written by cov_xx
   m.cov_xx(order, f.L.data(), f.n);
   lap.to(&SolveTimes::assemble);
-  f.bad_minor = factor(be, f.L, f.n, lambda);
+  f.bad_minor = factor(be, f.L.data(), f.n, lambda);
   lap.to(&SolveTimes::factor);
 }
 
@@ -179,14 +178,14 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     Factor& f = ws.nested;
     factor_layers(m, be, top, lambda, f, &ws.times);
     Lap lap(&ws.times);
-    std::vector<double>& Cxy = ws.cxy;
+    BigVector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(top, l, Cxy.data(), G);
     // Forward substitution once, over the leading rows every valid k shares.
     int64_t n_ok = 0;
     for (int k : nested)
       if (f.bad_minor == 0 || k * F < f.bad_minor) n_ok = k * F;
-    std::vector<double>& Z = ws.z;
+    BigVector<double>& Z = ws.z;
     Z.assign(Cxy.begin(), Cxy.end());
     lap.to(&SolveTimes::assemble);
     be.triangular_solve(n_ok, f.L.data(), f.n, false, G, Z.data(), G);
@@ -194,7 +193,7 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     for (int k : nested) {
       const int64_t nk = k * F;
       if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, k, f, nk, F, lambda);
-      std::vector<double>& W = ws.w;
+      BigVector<double>& W = ws.w;
       W.assign(Z.begin(), Z.begin() + nk * G);
       be.triangular_solve(nk, f.L.data(), f.n, true, G, W.data(), G);
       lap.to(&SolveTimes::substitute);
@@ -213,10 +212,10 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     const Factor& f = *all_layers;
     if (f.bad_minor > 0) throw_singular(what, d.Ls, f, f.n, F, lambda);
     Lap lap(&ws.times);
-    std::vector<double>& Cxy = ws.cxy;
+    BigVector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(f.order, l, Cxy.data(), G);
-    std::vector<double>& W = ws.w;
+    BigVector<double>& W = ws.w;
     W.assign(Cxy.begin(), Cxy.end());
     lap.to(&SolveTimes::assemble);
     be.cholesky_solve(f.n, f.L.data(), f.n, G, W.data(), G);
@@ -250,7 +249,7 @@ ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, con
       if (!any) continue;
       m.head_cov_xx(a, h, A.data());
       m.head_cov_xy(a, h, C.data());
-      if (int64_t bad = factor(be, A, Ds, lambda); bad > 0)
+      if (int64_t bad = factor(be, A.data(), Ds, lambda); bad > 0)
         throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) + " head " + std::to_string(h) +
                          ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
       W = C;
@@ -278,7 +277,7 @@ ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, con
     for (int l = 0; l < d.Lt && !any; ++l) any = !mine || mine(a, l, -1);
     if (!any) continue;
     m.cov_xx({a}, A.data(), F);
-    if (int64_t bad = factor(be, A, F, lambda); bad > 0)
+    if (int64_t bad = factor(be, A.data(), F, lambda); bad > 0)
       throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) +
                        ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
     for (int l = 0; l < d.Lt; ++l) {

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "core/memory.hpp"
+
 namespace crosskv {
 
 class ComputeBackend;
@@ -27,16 +29,16 @@ double mean_ignoring_nan(const std::vector<double>& v);
 struct Factor {
   std::vector<int> order;  // source layers, in factor order
   int64_t n = 0;           // order.size() * F
-  std::vector<double> L;   // [n x n], lower
+  BigVector<double> L;     // [n x n], lower (a device backend may keep all but its diagonal)
   int64_t bad_minor = 0;   // 0, or the first leading minor that is not positive definite
 };
-Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda);
-// The same into `f`, reusing its memory.
 // Where solving time goes (seconds, summed over calls): fp64 systems assembled on the host from the moments,
 // factorisations, substitutions, and the finish (R², biases, weights rounded and put in source-layer order).
 struct SolveTimes {
   double assemble = 0, factor = 0, substitute = 0, finish = 0;
 };
+Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda);
+// The same into `f`, reusing its memory.
 void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f,
                    SolveTimes* times = nullptr);
 
@@ -44,7 +46,7 @@ void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>&
 // per layer costs a page fault per page every time).
 struct SolveWorkspace {
   Factor nested;
-  std::vector<double> cxy, z, w;
+  BigVector<double> cxy, z, w;
   SolveTimes times;
 };
 

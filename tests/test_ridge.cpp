@@ -4,6 +4,7 @@
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
+#include "core/memory.hpp"
 #include "core/moments.hpp"
 #include "core/ridge.hpp"
 #include "core/select.hpp"
@@ -328,4 +329,22 @@ TEST(Moments, PanelsAndSingleBlocksGiveTheSameCovariances) {
       }
     }
   }
+}
+
+// Large buffers come zeroed from the kernel (on huge pages where allowed), small ones from the heap; BigVector's
+// resize leaves fresh elements as the allocation made them (zero), without writing them.
+TEST(Memory, BigBuffersAreZeroedAndReleased) {
+  for (size_t bytes : {size_t{0}, size_t{100}, size_t{8} << 20, (size_t{64} << 20) + 12}) {
+    auto* p = static_cast<unsigned char*>(allocate_zeroed(bytes));
+    ASSERT_NE(p, nullptr);
+    for (size_t i = 0; i < bytes; i += 4093) ASSERT_EQ(p[i], 0) << bytes << " bytes, byte " << i;
+    if (bytes) p[bytes - 1] = 7;  // writable to the end
+    release_zeroed(p, bytes);
+  }
+  BigVector<double> v;
+  v.resize(size_t{4} << 20);  // 32 MB: mapped
+  EXPECT_EQ(v[12345], 0.0);
+  v.assign(v.size(), 2.5);
+  v.resize(v.size() + 10);
+  EXPECT_EQ(v[100], 2.5);
 }
