@@ -28,7 +28,7 @@ runtime: {block_tokens: 4096}
 YAML
 echo "[bench] (a) kernels"
 CROSSKV_BENCH_DIMS=$DIMS CROSSKV_BENCH_BLOCK=4096 "$BUILD/bench/crosskv-bench-kernels" --benchmark_format=json \
-  --benchmark_min_time=1 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true > "$OUT/kernels.json"
+  --benchmark_min_time=6 --benchmark_repetitions=3 --benchmark_report_aggregates_only=true > "$OUT/kernels.json"
 echo "[bench] (c) streaming read rate"
 sync
 "$BUILD/bench/crosskv-bench-stream" "$OUT/fit.yaml" > "$OUT/stream.json"

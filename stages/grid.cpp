@@ -1,5 +1,8 @@
 #include "stages/grid.hpp"
 
+#include <algorithm>
+#include <vector>
+
 #include "core/error.hpp"
 
 namespace crosskv {
@@ -47,8 +50,17 @@ void share_gram(Grid& grid, const MomentPlan& plan, Moments& m) {
     const int owner = grid.gram_group(a, b, Ls);
     CROSSKV_ASSERT(owner != grid.layer_group || m.has_gram(a, b), "own Gram block missing");
     const BlockRef block = m.complete_gram(a, b);
-    for (int64_t r = 0; r < block.rows; ++r)  // a panel's block is rows of its panel
-      grid.peers->broadcast(block.row(r), block.cols * sizeof(float), owner);
+    // One broadcast of the block's F x F values on every rank; a block inside a panel goes through a copy.
+    std::vector<float> staged;
+    float* buf = block.p;
+    if (!block.contiguous()) {
+      staged.resize(block.size());
+      buf = staged.data();
+      for (int64_t r = 0; r < block.rows; ++r) std::copy_n(block.row(r), block.cols, buf + r * block.cols);
+    }
+    grid.peers->broadcast(buf, block.size() * sizeof(float), owner);
+    if (!block.contiguous())
+      for (int64_t r = 0; r < block.rows; ++r) std::copy_n(buf + r * block.cols, block.cols, block.row(r));
   }
 }
 
