@@ -53,7 +53,7 @@ Progress::Progress(std::string label, int64_t total, double bpt, std::string uni
       last_(start_) {}
 
 double Progress::seconds() const {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  return seconds_since(start_);
 }
 
 void Progress::add(int64_t units) {

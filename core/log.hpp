@@ -13,6 +13,10 @@ void setup_logging(int rank, int size, const std::string& level = "info");
 std::string human_bytes(double bytes);
 std::string human_count(double n);
 std::string human_seconds(double s);
+// Seconds of the steady clock since t0.
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 class Progress {
  public:

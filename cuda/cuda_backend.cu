@@ -475,12 +475,18 @@ class CudaBackend final : public ComputeBackend {
   using Residents = std::map<T*, Sum<T>>;
   float* resident(float* host, int64_t count) { return resident_in(sums_, host, count); }
   double* resident(double* host, int64_t count) { return resident_in(dsums_, host, count); }
+  // The entry of a map from host range starts to {dev, count} whose range holds p, or end().
+  template <class Map, class P>
+  static auto containing(Map& ranges, P* p) {
+    auto it = ranges.upper_bound(p);
+    if (it == ranges.begin()) return ranges.end();
+    --it;
+    return p < it->first + it->second.count ? it : ranges.end();
+  }
   template <class T>
   T* find_resident(Residents<T>& sums, T* host, int64_t count) {
-    auto it = sums.upper_bound(host);
-    if (it == sums.begin()) return nullptr;
-    --it;
-    if (host >= it->first + it->second.count) return nullptr;
+    auto it = containing(sums, host);
+    if (it == sums.end()) return nullptr;
     CROSSKV_ASSERT(host + count <= it->first + it->second.count,
                    "CUDA backend: a sum reaches beyond its resident range (" + dims({{"elements", count}}) + ")");
     return it->second.dev + (host - it->first);
@@ -498,10 +504,8 @@ class CudaBackend final : public ComputeBackend {
   }
   // The device copy of a kept constant holding host [p, p + count), or null.
   const float* find_constant(const float* p, int64_t count) const {
-    auto it = constants_.upper_bound(p);
-    if (it == constants_.begin()) return nullptr;
-    --it;
-    if (p >= it->first + it->second.count) return nullptr;
+    auto it = containing(constants_, p);
+    if (it == constants_.end()) return nullptr;
     return p + count <= it->first + it->second.count ? it->second.dev + (p - it->first) : nullptr;
   }
   template <class T>

@@ -46,7 +46,7 @@ class StageClock {
   }
   void stop() {
     if (name_.empty()) return;
-    times_.emplace_back(name_, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+    times_.emplace_back(name_, seconds_since(t0_));
     name_.clear();
   }
   nlohmann::json json() const {
@@ -155,11 +155,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
       const auto t_round = std::chrono::steady_clock::now();
-      auto seconds = [](std::chrono::steady_clock::time_point t0) {
-        return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      };
       ctx.backend.flush();  // device-resident sums back to the host
-      const double flush_s = seconds(t_round);
+      const double flush_s = seconds_since(t_round);
       if (readers.size() == 1) {
         // One reader: this round's sums are added straight into its share (packed into it in the first round).
         const bool first = base_f.empty() && base_d.empty();
@@ -198,11 +195,11 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
         add(base_d, cd);
       }
       state.rounds_done = round + 1;
-      const double reduce_s = seconds(t_round) - flush_s;
+      const double reduce_s = seconds_since(t_round) - flush_s;
       if (round + 1 < R) store.save(state);
       spdlog::info("{}: round {}/{} ended: sums to the host {}, packed and reduced {}, checkpoint {}", label, round + 1,
                    R, human_seconds(flush_s), human_seconds(reduce_s),
-                   round + 1 < R ? human_seconds(seconds(t_round) - flush_s - reduce_s) : "at the pass's end");
+                   round + 1 < R ? human_seconds(seconds_since(t_round) - flush_s - reduce_s) : "at the pass's end");
     };
     st = stream_pass(cal, ctx, *ms.front(), ms.size() == 3 ? ms[1] : nullptr, *ms.back(), label, state.rounds_done,
                      on_round);
@@ -562,7 +559,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, cfg.lambda));
     all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, cfg.lambda));
     spdlog::info("factored the k = all system once per kind ({} features) in {}", all_k->n,
-                 human_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_factor).count()));
+                 human_seconds(seconds_since(t_factor)));
   }
   Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(my_layers.size()),
                     0, "target layers");

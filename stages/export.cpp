@@ -14,6 +14,7 @@
 #include "core/fault.hpp"
 #include "core/half.hpp"
 #include "core/kv_spec.hpp"
+#include "core/log.hpp"
 #include "core/sha256.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
@@ -36,10 +37,6 @@ std::vector<uint16_t> to_half(ComputeBackend& be, const std::vector<float>& w, W
   h.resize(w.size());
   be.to_half(w.data(), static_cast<int64_t>(w.size()), d == WeightDtype::bf16, h.data());
   return h;
-}
-
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 std::string layer_file(int l) {
@@ -119,11 +116,11 @@ void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<La
   }
   job.fk = std::move(fk);
   job.fv = std::move(fv);
-  convert_s_ += since(c0);
+  convert_s_ += seconds_since(c0);
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lk(m_);
   cv_.wait(lk, [&] { return queue_.empty() || error_; });
-  wait_s_ += since(t0);
+  wait_s_ += seconds_since(t0);
   if (error_) std::rethrow_exception(error_);
   queue_.push_back(std::move(job));
   if (!thread_.joinable()) thread_ = std::thread([this] { run_writer(); });
@@ -148,7 +145,7 @@ void ArtifactWriter::run_writer() {
       e = std::current_exception();
     }
     lk.lock();
-    write_s_ += since(t0);
+    write_s_ += seconds_since(t0);
     busy_ = false;
     if (e && !error_) error_ = e;
     if (error_) queue_.clear();
@@ -160,7 +157,7 @@ void ArtifactWriter::drain() {
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lk(m_);
   cv_.wait(lk, [&] { return (queue_.empty() && !busy_) || error_; });
-  wait_s_ += since(t0);
+  wait_s_ += seconds_since(t0);
   if (error_) std::rethrow_exception(error_);
 }
 
