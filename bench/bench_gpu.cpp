@@ -1,8 +1,9 @@
 // GPU benchmark (issue 4): moment accumulation through Moments on the CUDA backend against the cuBLAS SGEMM rate of
 // the same backend on staged inputs, same run, same shapes: (1) fp32 inputs shifted on the host and copied; (2) the
 // fit's path, stored bf16 keys converted, RoPE-stripped and shifted on the device. Rates are steady state (sums
-// resident); a round's end (sums flushed to the host and zeroed there, the next block's sums zeroed on the device) is
-// timed apart: the fit pays it once per round, not per block.
+// resident); a round's end is timed apart (the fit pays it once per round, not per block): with one reader, sums
+// flushed to the host and zeroed there, the next block's sums zeroed on the device; with several, a 1/8 share copied
+// to the host from the resident sums and the sums zeroed on the device.
 // Prints one JSON object. Without a GPU it prints the reason and exits 77.
 //   crosskv-bench-gpu [Ls Hs Ds Lt Ht Dt rows blocks]   (default: Qwen3 14B -> 32B, 40x8x128 -> 64x8x128, 4096, 3)
 //   crosskv-bench-gpu --fit CONFIG.yaml [cpu|cuda]      a whole fit in this process (no MPI), timed
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
   be->flush();
   const double flush_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  m.zero_live();
+  m.zero_live(*be);
   const double zero_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double Xw = static_cast<double>(d.X()), Yw = static_cast<double>(d.Y());
   const double acc_flops = blocks * 2.0 * rows * (Xw * (Xw + F) / 2.0 + Xw * Yw);  // syrk-equivalent + cross
@@ -163,6 +164,21 @@ int main(int argc, char** argv) {
   for (int b = 0; b < blocks; ++b) prepared_block();
   be->synchronize();
   const double prep_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  // A round's end with several readers (P = 8 here): the reduce-scatter reads the resident sums in place and only
+  // this rank's 1/P share comes to the host (timed: the first 1/8 of the sums, device to host), then the sums are
+  // zeroed where they are (on the device, staying resident).
+  std::vector<ComputeBackend::SumPiece<float>> fp;
+  std::vector<ComputeBackend::SumPiece<double>> dp;
+  m.live_pieces(fp, dp, 0, 0);
+  const int64_t share_n = static_cast<int64_t>(m.live_floats() / 8);
+  std::vector<float> share(share_n);
+  t0 = Clock::now();
+  be->copy_sums(fp, 0, share_n, share.data(), false);
+  const double share_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  m.zero_live(*be);
+  be->synchronize();
+  const double zero_resident_s = std::chrono::duration<double>(Clock::now() - t0).count();
   be->flush();
   const double prep_gflops = acc_flops / prep_s / 1e9;
   std::printf(
@@ -170,10 +186,11 @@ int main(int argc, char** argv) {
       "\"sgemm_gflops\": %.1f, \"sgemm_one_block_gflops\": %.1f, \"accumulate_gflops\": %.1f, \"ratio\": %.3f, \"accumulate_s_per_block\": %.3f, "
       "\"tokens_per_s\": %.0f, \"prepared_bf16_gflops\": %.1f, \"prepared_ratio\": %.3f, "
       "\"prepared_s_per_block\": %.3f, \"prepared_tokens_per_s\": %.0f, \"sums_gib\": %.2f, \"flush_s\": %.2f, "
-      "\"zero_live_s\": %.2f, \"first_block_of_round_s\": %.2f}\n",
+      "\"zero_live_s\": %.2f, \"first_block_of_round_s\": %.2f, \"share_gib\": %.4f, \"share_to_host_s\": %.3f, "
+      "\"zero_resident_s\": %.3f}\n",
       be->name().c_str(), d.Ls, d.Hs, d.Ds, d.Lt, d.Ht, d.Dt, static_cast<long long>(rows), blocks, sgemm_gflops,
       block_gflops, acc_gflops, acc_gflops / sgemm_gflops, acc_s / blocks, blocks * rows / acc_s, prep_gflops,
       prep_gflops / sgemm_gflops, prep_s / blocks, blocks * rows / prep_s, m.bytes() / double(1 << 30), flush_s,
-      zero_s, first_block_s);
+      zero_s, first_block_s, share_n * 4.0 / double(1 << 30), share_s, zero_resident_s);
   return 0;
 }

@@ -8,7 +8,8 @@ kind, a round's end) and fit_gpu.log (a paper-shaped fit on one GPU: rounds, the
 rate). The model is the one of docs/PERFORMANCE.md
 ("Model of the distributed job"): one layer group, P token groups; each rank reads N/P tokens, folds in keys and
 values (twice the benchmark's one kind) while the next block is read (the pass takes the longer of the two), ends
-one round (sums to the host, reduce-scatter, checkpoint of its 1/P share), probes, and solves Lt/P target layers
+one round (reduce-scatter read from the resident sums, its 1/P share to the host and checkpointed, the sums zeroed
+on the device; with a benchmark JSON older than that path: every sum to the host), probes, and solves Lt/P target layers
 after factoring the k = all system. Measured figures are used as they are; what one GPU cannot measure (the
 node's read rate for P readers, NVLink reduce-scatter, checkpoint disk) are assumptions, printed as such.
 Standard library only.
@@ -102,14 +103,24 @@ def main():
                  f"reading {read_bytes / 1e9:.1f} GB at an assumed {a.read_gbs:g} GB/s per node -> {read:.1f} s"))
     sums_gib = 2 * bench["sums_gib"]
     gib = log.get("moment_gib", sums_gib)
-    per_gib = (bench["flush_s"] + bench["zero_live_s"]) / max(bench["sums_gib"], 1e-9)
-    rows.append(("round end: sums to the host and zeroed", per_gib * gib,
-                 f"bench_gpu: {per_gib:.2f} s/GiB x {gib:.1f} GiB"))
-    if log["rounds"]:
-        r = log["rounds"][-1]
-        rows.append(("round end: pack (one reader, measured)", r["reduce"], "fit_gpu.log, last round"))
+    if "share_to_host_s" in bench and P > 1:
+        # Several readers: the reduce-scatter reads the resident sums in place; only the 1/P share comes to the host.
+        share = bench["share_to_host_s"] / max(bench["share_gib"], 1e-9)
+        zero = bench["zero_resident_s"] / max(bench["sums_gib"], 1e-9)
+        rows.append(("round end: 1/P share to the host", share * gib / P,
+                     f"bench_gpu: {share:.2f} s/GiB x {gib / P:.2f} GiB"))
+        rows.append(("round end: sums zeroed on the device", zero * gib,
+                     f"bench_gpu: {zero:.3f} s/GiB x {gib:.1f} GiB"))
+    else:
+        per_gib = (bench["flush_s"] + bench["zero_live_s"]) / max(bench["sums_gib"], 1e-9)
+        rows.append(("round end: sums to the host and zeroed", per_gib * gib,
+                     f"bench_gpu: {per_gib:.2f} s/GiB x {gib:.1f} GiB"))
+        if log["rounds"]:
+            r = log["rounds"][-1]
+            rows.append(("round end: pack (one reader, measured)", r["reduce"], "fit_gpu.log, last round"))
     rs = gib * (P - 1) / P * 1.0737 / a.nvlink_gbs
-    rows.append(("reduce-scatter of the sums", rs, f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))
+    rows.append(("reduce-scatter of the sums (in place)", rs,
+                 f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))
     rows.append(("checkpoint of this rank's 1/P share", gib / P * 1.0737 / a.disk_gbs,
                  f"assumed {a.disk_gbs:g} GB/s per rank"))
     if "probe" in log.get("stages", {}):

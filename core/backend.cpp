@@ -63,6 +63,36 @@ void ComputeBackend::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const s
   for (const CrossTerm& t : terms) cross_acc(rows, m, n, t.A, lda, t.B, ldb, t.C, ldc);
 }
 
+namespace {
+template <class T>
+void copy_host_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, T* dst,
+                    bool dst_on_device) {
+  CROSSKV_ASSERT(!dst_on_device, "copy_sums: a host backend was given device memory");
+  for_each_sum_run(pieces, off, len, [dst, off](const T* src, int64_t ld, int64_t rows, int64_t cols, int64_t flat) {
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * ld, cols, dst + (flat - off) + r * cols);
+  });
+}
+}  // namespace
+
+void ComputeBackend::copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+                               bool dst_on_device) {
+  copy_host_sums(pieces, off, len, dst, dst_on_device);
+}
+void ComputeBackend::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+                               bool dst_on_device) {
+  copy_host_sums(pieces, off, len, dst, dst_on_device);
+}
+namespace {
+template <class T>
+void zero_host(T* p, int64_t count) {
+  constexpr int64_t kPart = int64_t{1} << 22;  // a parallel region pays off from a few MB on
+#pragma omp parallel for schedule(static) if (count > 2 * kPart)
+  for (int64_t at = 0; at < count; at += kPart) std::fill_n(p + at, std::min(kPart, count - at), T{0});
+}
+}  // namespace
+void ComputeBackend::zero_sums(float* p, int64_t count) { zero_host(p, count); }
+void ComputeBackend::zero_sums(double* p, int64_t count) { zero_host(p, count); }
+
 void ComputeBackend::download(const float* operand, int64_t count, float* host) {
   std::copy_n(operand, count, host);
 }

@@ -1,5 +1,6 @@
 #pragma once
 // Compute backend: the few dense kernels the fit needs. CPU (BLAS/LAPACK) is the reference; CUDA lives in cuda/.
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -31,6 +32,26 @@ class ComputeBackend {
   // resident as one allocation now, zeroed on the device when `host_is_zero` (the caller's promise), else copied up.
   // Calls for a range already resident do nothing.
   virtual void keep_resident(float* p, int64_t count, bool host_is_zero) {}
+  // A round's reduction reads the sums where they are current (no flush, no packed host copy): a SumPiece is a
+  // [rows x cols] part of host sums (leading dim ld) at `at` in a flat order of the pieces. copy_sums copies flat values
+  // [off, off + len) to dst, which is this backend's device memory when dst_on_device (a device comm's buffer), else
+  // host memory; a resident sum is read from its device copy.
+  template <class T>
+  struct SumPiece {
+    const T* p;
+    int64_t rows, cols, ld, at;
+  };
+  virtual void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+                         bool dst_on_device);
+  virtual void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+                         bool dst_on_device);
+  // Sets sums [p, p + count) to zero where they are current: on the device for a resident range (which stays
+  // resident; its host copy is left alone and stays stale), else on the host.
+  virtual void zero_sums(float* p, int64_t count);
+  virtual void zero_sums(double* p, int64_t count);
+  // Forgets every resident sum without copying it back: the host copies keep whatever they held, and the caller
+  // overwrites them (after a round's reduction has read the device copies).
+  virtual void drop_resident() {}
   virtual void begin_inputs() {}
   virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
   virtual void flush() {}
@@ -101,6 +122,35 @@ class ComputeBackend {
   virtual void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                                 int64_t ldb) = 0;
 };
+
+// The parts of `pieces` (sorted by `at`, back to back) that fall in flat values [off, off + len), as 2-D runs:
+// fn(src, ld, rows, cols, flat) copies rows x cols values at src (leading dim ld) to flat positions flat.. (row-major,
+// no gaps). A piece cut by the range gives at most three runs (its partial first row, whole rows, partial last row).
+template <class T, class Fn>
+void for_each_sum_run(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, Fn fn) {
+  const int64_t end = off + len;
+  auto it = std::upper_bound(pieces.begin(), pieces.end(), off,
+                             [](int64_t v, const ComputeBackend::SumPiece<T>& q) { return v < q.at; });
+  if (it != pieces.begin()) --it;
+  for (; it != pieces.end() && it->at < end; ++it) {
+    const auto& q = *it;
+    if (q.rows * q.cols == 0) continue;
+    int64_t s = std::max(off, q.at) - q.at;                  // first element of the piece in the range
+    const int64_t e = std::min(end, q.at + q.rows * q.cols) - q.at;  // one past the last
+    if (s >= e) continue;
+    if (s % q.cols != 0) {  // a partial first row
+      const int64_t n = std::min(e, (s / q.cols + 1) * q.cols) - s;
+      fn(q.p + (s / q.cols) * q.ld + s % q.cols, q.ld, int64_t{1}, n, q.at + s);
+      s += n;
+    }
+    if (e - s >= q.cols) {  // whole rows
+      const int64_t rows = (e - s) / q.cols;
+      fn(q.p + (s / q.cols) * q.ld, q.ld, rows, q.cols, q.at + s);
+      s += rows * q.cols;
+    }
+    if (s < e) fn(q.p + (s / q.cols) * q.ld, q.ld, int64_t{1}, e - s, q.at + s);  // a partial last row
+  }
+}
 
 // prepare() on the host: the CPU backend's, the reference for device backends, and what a reader thread runs when
 // the backend prepares on the host (it is thread-safe).

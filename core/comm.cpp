@@ -35,6 +35,34 @@ std::vector<ShareSegment> share_layout(size_t n, int ranks) {
 }
 
 namespace {
+// Segment by segment through a host buffer: share_layout(len, P) of one segment is that segment's own layout, so the
+// result is the one of reduce_scatter_sum over all n values.
+template <class T>
+void filled_through_host(Comm& comm, size_t n, const Comm::Fill<T>& fill, std::vector<T>& chunk) {
+  chunk.clear();
+  if (comm.size() == 1) {
+    chunk.resize(n);
+    if (n > 0) fill(0, n, chunk.data(), false);
+    return;
+  }
+  std::vector<T> seg, part;
+  for (const ShareSegment& s : share_layout(n, comm.size())) {
+    seg.resize(s.len);
+    fill(s.off, s.len, seg.data(), false);
+    comm.reduce_scatter_sum(seg.data(), s.len, part);
+    chunk.insert(chunk.end(), part.begin(), part.end());
+  }
+}
+}  // namespace
+
+void Comm::reduce_scatter_filled(size_t n, const Fill<float>& fill, std::vector<float>& chunk) {
+  filled_through_host(*this, n, fill, chunk);
+}
+void Comm::reduce_scatter_filled(size_t n, const Fill<double>& fill, std::vector<double>& chunk) {
+  filled_through_host(*this, n, fill, chunk);
+}
+
+namespace {
 
 class SingleComm final : public Comm {
  public:

@@ -1,6 +1,7 @@
 #pragma once
 // Collectives: a small interface; the single-process form is a no-op. MPI now, NCCL with the CUDA backend.
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,13 @@ class Comm {
   // in order 0..P-1). allgather() puts the shares back together. Their layout depends only on n and P.
   virtual void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& chunk) = 0;
   virtual void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& chunk) = 0;
+  // The same reduce-scatter of n values that the caller writes segment by segment into the comm's own buffer, never
+  // all n at once: fill(off, len, dst, dst_on_device) writes values [off, off + len) to dst, device memory when the
+  // comm exchanges device buffers (NCCL; the values are then read in place from a device backend's sums).
+  template <class T>
+  using Fill = std::function<void(size_t off, size_t len, T* dst, bool dst_on_device)>;
+  virtual void reduce_scatter_filled(size_t n, const Fill<float>& fill, std::vector<float>& chunk);
+  virtual void reduce_scatter_filled(size_t n, const Fill<double>& fill, std::vector<double>& chunk);
   virtual void allgather(const std::vector<float>& chunk, float* out, size_t n) = 0;
   virtual void allgather(const std::vector<double>& chunk, double* out, size_t n) = 0;
   // A communicator of the ranks that pass the same `color`, ordered by `key` (collective over this one).

@@ -303,21 +303,26 @@ void Moments::unpack_live(const float* f, const double* d) {
   }
 }
 
-void Moments::zero_live() {
-  std::vector<const BlockRef*> live;
-  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_,
-                [&](size_t i, int w) { live.push_back(&live_block(i, w)); });
-  int64_t total = 0;
-  for (const BlockRef* b : live) total += b->size();
-#pragma omp parallel for schedule(dynamic) if (total > kParallelMin)
-  for (size_t i = 0; i < live.size(); ++i)
-    for (int64_t r = 0; r < live[i]->rows; ++r) std::fill_n(live[i]->row(r), live[i]->cols, 0.0f);
+void Moments::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f,
+                          std::vector<ComputeBackend::SumPiece<double>>& d, int64_t f_at, int64_t d_at) const {
+  for (const auto& [b, at] : live_layout()) f.push_back({b->p, b->rows, b->cols, b->ld, f_at + at});
+  if (stats_done_) return;
+  d.push_back({&n_, 1, 1, 1, d_at++});
+  for (const std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
+    const auto n = static_cast<int64_t>(v->size());
+    d.push_back({v->data(), 1, n, n, d_at});
+    d_at += n;
+  }
+}
+
+void Moments::zero_live(ComputeBackend& be) {
+  for (const FloatArena* a : live_arenas_) be.zero_sums(a->data(), a->size());  // a live arena holds live blocks only
   live_zero_ = true;
   if (!stats_done_) {
     n_ = 0;
-    std::fill(sum_x_.begin(), sum_x_.end(), 0.0);
-    std::fill(sum_y_.begin(), sum_y_.end(), 0.0);
-    std::fill(sq_y_.begin(), sq_y_.end(), 0.0);
+    be.zero_sums(sum_x_.data(), static_cast<int64_t>(sum_x_.size()));
+    be.zero_sums(sum_y_.data(), static_cast<int64_t>(sum_y_.size()));
+    be.zero_sums(sq_y_.data(), static_cast<int64_t>(sq_y_.size()));
   }
 }
 

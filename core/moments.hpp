@@ -8,9 +8,10 @@
 #include <utility>
 #include <vector>
 
+#include "core/backend.hpp"
+
 namespace crosskv {
 
-class ComputeBackend;
 class Comm;
 
 // fp32 moment blocks live in a few large zero-initialised allocations (one per add_plan, core/memory): untouched
@@ -92,7 +93,13 @@ class Moments {
   // Adds the live state to f and d in pack_live's order (f[i] += packed[i]: the same sums as packing first).
   void add_live_to(float* f, double* d) const;
   void unpack_live(const float* f, const double* d);
-  void zero_live();
+  // The live state as pieces in pack_live's order, appended to f and d at flat offsets starting at f_at and d_at
+  // (the last piece's end): for a reduction that reads the sums where they are (ComputeBackend::copy_sums).
+  void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, std::vector<ComputeBackend::SumPiece<double>>& d,
+                   int64_t f_at, int64_t d_at) const;
+  // Zeroes the live state where it is current: a device backend zeroes resident sums on the device (they stay
+  // resident), the rest is zeroed on the host.
+  void zero_live(ComputeBackend& be);
   // Marks the live state complete without any reduction (the caller reduced it).
   void mark_pass_complete();
   // Adds complete moments of other tokens (another calibration domain) with the same shifts and blocks, each

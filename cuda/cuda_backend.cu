@@ -292,6 +292,24 @@ class CudaBackend final : public ComputeBackend {
     dsums_.clear();
   }
 
+  void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+                 bool dst_on_device) override {
+    copy_sums_in(sums_, pieces, off, len, dst, dst_on_device);
+  }
+  void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+                 bool dst_on_device) override {
+    copy_sums_in(dsums_, pieces, off, len, dst, dst_on_device);
+  }
+  void zero_sums(float* p, int64_t count) override { zero_sums_in(sums_, p, count); }
+  void zero_sums(double* p, int64_t count) override { zero_sums_in(dsums_, p, count); }
+  void drop_resident() override {
+    CK(cudaStreamSynchronize(compute_), "");
+    for (auto& [host, s] : sums_) CK(cudaFree(s.dev), dims({{"elements", s.count}}));
+    for (auto& [host, s] : dsums_) CK(cudaFree(s.dev), dims({{"elements", s.count}}));
+    sums_.clear();
+    dsums_.clear();
+  }
+
   void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
                  float* C, int64_t ldc) override {
     if (rows == 0 || m == 0 || n == 0) return;
@@ -514,6 +532,34 @@ class CudaBackend final : public ComputeBackend {
     T* dev = new_resident(sums, host, count);
     CK(cudaMemcpyAsync(dev, host, count * sizeof(T), cudaMemcpyHostToDevice, compute_), dims({{"elements", count}}));
     return dev;
+  }
+
+  // Runs of sums to dst in stream order after the accumulations (device copies of resident ones, else the host's);
+  // returns when they are done, so that another stream (a comm's) may read dst.
+  template <class T>
+  void copy_sums_in(Residents<T>& sums, const std::vector<SumPiece<T>>& pieces, int64_t off, int64_t len, T* dst,
+                    bool dst_on_device) {
+    const std::string ops = dims({{"offset", off}, {"elements", len}});
+    for_each_sum_run(pieces, off, len, [&](const T* src, int64_t ld, int64_t rows, int64_t cols, int64_t flat) {
+      const T* from = find_resident(sums, const_cast<T*>(src), (rows - 1) * ld + cols);
+      T* to = dst + (flat - off);
+      if (!from && !dst_on_device) {
+        for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * ld, cols, to + r * cols);
+        return;
+      }
+      CK(cudaMemcpy2DAsync(to, cols * sizeof(T), from ? from : src, ld * sizeof(T), cols * sizeof(T), rows,
+                           cudaMemcpyDefault, compute_),
+         ops + ", run " + dims({{"rows", rows}, {"cols", cols}, {"ld", ld}}));
+    });
+    CK(cudaStreamSynchronize(compute_), ops);
+  }
+  template <class T>
+  void zero_sums_in(Residents<T>& sums, T* p, int64_t count) {
+    if (count <= 0) return;
+    if (T* d = find_resident(sums, p, count))
+      CK(cudaMemsetAsync(d, 0, count * sizeof(T), compute_), dims({{"elements", count}}));
+    else
+      std::fill_n(p, count, T{0});
   }
 
   // A factor computed here and still on the device, for the host array it was copied back to. The weighted sum of

@@ -1,7 +1,9 @@
-// NCCL collectives behind the Comm interface. Buffers are host arrays (the packed moments): they are copied to the
-// device, exchanged with grouped ncclSend/ncclRecv and summed in rank order by a kernel, so the result is the same
-// as MpiComm's bit for bit and does not depend on NCCL's reduction algorithm. Barriers, votes and splits go
-// through the host (MPI) communicator, which also carries the NCCL unique id.
+// NCCL collectives behind the Comm interface. Buffers are host arrays, copied to the device, or (reduce_scatter_filled)
+// segments the caller writes into device memory: a CUDA backend's resident sums, read in place. They are exchanged
+// with grouped ncclSend/ncclRecv and summed in rank order by a kernel, so the result is the same as MpiComm's bit for
+// bit and does not depend on NCCL's reduction algorithm. Barriers, votes and splits go through the host (MPI)
+// communicator, which also carries the NCCL unique id.
+#include <algorithm>
 #include <vector>
 
 #include "core/comm.hpp"
@@ -66,8 +68,11 @@ class NcclComm final : public Comm {
   }
   void allreduce_sum(float* d, size_t n) override { allreduce(d, n); }
   void allreduce_sum(double* d, size_t n) override { allreduce(d, n); }
-  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { scatter(in, n, c); }
-  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override { scatter(in, n, c); }
+  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { scatter(n, from_host(in), c); }
+  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override { scatter(n, from_host(in), c); }
+  // The caller writes each segment straight into the device buffer (a device backend's sums, read in place).
+  void reduce_scatter_filled(size_t n, const Fill<float>& f, std::vector<float>& c) override { scatter(n, f, c); }
+  void reduce_scatter_filled(size_t n, const Fill<double>& f, std::vector<double>& c) override { scatter(n, f, c); }
   void allgather(const std::vector<float>& c, float* out, size_t n) override { gather(c, out, n); }
   void allgather(const std::vector<double>& c, double* out, size_t n) override { gather(c, out, n); }
 
@@ -82,12 +87,23 @@ class NcclComm final : public Comm {
     return buf_;
   }
 
+  // A host array as a fill: copied into the device buffer in stream order.
   template <class T>
-  void scatter(const T* in, size_t n, std::vector<T>& chunk) {
+  Fill<T> from_host(const T* in) {
+    return [this, in](size_t off, size_t len, T* dst, bool dst_on_device) {
+      if (!dst_on_device) return void(std::copy_n(in + off, len, dst));
+      CK(cudaMemcpyAsync(dst, in + off, len * sizeof(T), cudaMemcpyHostToDevice, stream_),
+         "segment of " + std::to_string(len) + " elements");
+    };
+  }
+
+  template <class T>
+  void scatter(size_t n, const Fill<T>& fill, std::vector<T>& chunk) {
     const int P = size(), me = rank();
     chunk.clear();
     if (P == 1) {
-      chunk.assign(in, in + n);
+      chunk.resize(n);
+      if (n > 0) fill(0, n, chunk.data(), false);
       return;
     }
     for (const ShareSegment& s : share_layout(n, P)) {
@@ -97,7 +113,7 @@ class NcclComm final : public Comm {
       T* parts = d + s.len;
       T* sum = parts + c * P;
       const std::string ops = "segment of " + std::to_string(s.len) + " elements";
-      CK(cudaMemcpyAsync(d, in + s.off, s.len * sizeof(T), cudaMemcpyHostToDevice, stream_), ops);
+      fill(s.off, s.len, d, true);  // a fill from another stream returns when its copies are done
       CK(ncclGroupStart(), ops);
       for (int r = 0; r < P; ++r) {
         CK(ncclSend(d + s.displs[r], s.counts[r], nccl_type<T>(), r, comm_, stream_), ops);
@@ -146,7 +162,7 @@ class NcclComm final : public Comm {
   void allreduce(T* d, size_t n) {
     if (size() == 1) return;
     std::vector<T> chunk;
-    scatter(d, n, chunk);
+    scatter(n, from_host(static_cast<const T*>(d)), chunk);
     gather(chunk, d, n);
   }
 

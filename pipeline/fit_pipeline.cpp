@@ -155,45 +155,7 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
       const auto t_round = std::chrono::steady_clock::now();
-      ctx.backend.flush();  // device-resident sums back to the host
-      const double flush_s = seconds_since(t_round);
-      if (readers.size() == 1) {
-        // One reader: this round's sums are added straight into its share (packed into it in the first round).
-        const bool first = base_f.empty() && base_d.empty();
-        base_f.resize(nf);
-        base_d.resize(nd);
-        float* pf = base_f.data();
-        double* pd = base_d.data();
-        for (auto* m : ms) {
-          first ? m->pack_live(pf, pd) : m->add_live_to(pf, pd);
-          pf += m->live_floats();
-          pd += m->live_doubles();
-          m->zero_live();
-        }
-      } else {
-        // Host memory at its peak here: the moments, this round's packed copy, and the reduced share (the packed
-        // copy and the reduction's output are released before the checkpoint is written).
-        std::vector<float> F(nf), cf;
-        std::vector<double> D(nd), cd;
-        float* pf = F.data();
-        double* pd = D.data();
-        for (auto* m : ms) {
-          m->pack_live(pf, pd);
-          pf += m->live_floats();
-          pd += m->live_doubles();
-          m->zero_live();
-        }
-        auto add = [](auto& base, const auto& part) {
-          if (base.empty()) base.assign(part.size(), 0);
-          for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
-        };
-        readers.reduce_scatter_sum(F.data(), F.size(), cf);
-        std::vector<float>().swap(F);
-        add(base_f, cf);
-        std::vector<float>().swap(cf);
-        readers.reduce_scatter_sum(D.data(), D.size(), cd);
-        add(base_d, cd);
-      }
+      const double flush_s = reduce_round(ms, ctx.backend, readers, base_f, base_d);
       state.rounds_done = round + 1;
       const double reduce_s = seconds_since(t_round) - flush_s;
       if (round + 1 < R) store.save(state);
@@ -206,6 +168,7 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   } else {
     spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
   }
+  ctx.backend.drop_resident();  // zeros after the last round's reduction: the host copies are overwritten below
   std::vector<float> F;
   std::vector<double> D;
   const float* pf = base_f.data();

@@ -101,4 +101,12 @@ int64_t pass_rounds(const Calibration& cal, int ranks);
 PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
                       const std::string& label, int64_t start_round = 0, const RoundHook& on_round = {});
 
+// A round's end: the live sums of `ms` (in order) are reduced over `readers` into this rank's share of the pass
+// (base_f, base_d: empty before the first round, then the running sums), and zeroed. One reader flushes the backend
+// and adds its sums into the share on the host; several reduce-scatter from the sums where they are (a device
+// backend's stay resident and, with a device comm, never cross to the host whole). Returns the seconds of the flush.
+// After a pass's last round the caller drops the backend's residency (drop_resident) before overwriting the moments.
+double reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
+                    std::vector<double>& base_d);
+
 }  // namespace crosskv

@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "core/half.hpp"
 #include "core/moments.hpp"
@@ -328,8 +329,48 @@ class ShadowBackend final : public ComputeBackend {
     cpu_->triangular_solve(n, factor(L), lda, t, nrhs, B, ldb);
   }
   int flushes = 0;
+  // A round's reduction reads the shadow copies of resident sums (a device comm's buffer is host memory here), zeroes
+  // them there (the poisoned host copies stay), and dropping them copies nothing back.
+  void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+                 bool dst_on_device) override {
+    copy_from(sums_, pieces, off, len, dst, dst_on_device);
+  }
+  void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+                 bool dst_on_device) override {
+    copy_from(dsums_, pieces, off, len, dst, dst_on_device);
+  }
+  void zero_sums(float* p, int64_t count) override { zero_in(sums_, p, count); }
+  void zero_sums(double* p, int64_t count) override { zero_in(dsums_, p, count); }
+  void drop_resident() override {
+    drops += !sums_.empty() || !dsums_.empty();
+    sums_.clear();
+    dsums_.clear();
+  }
+  int drops = 0, copies_to_device = 0;
 
  private:
+  template <class T>
+  static T* held(std::map<T*, std::vector<T>>& sums, const T* p, int64_t count) {
+    auto it = sums.upper_bound(const_cast<T*>(p));
+    if (it == sums.begin() || p >= std::prev(it)->first + std::prev(it)->second.size()) return nullptr;
+    --it;
+    EXPECT_LE(p + count, it->first + it->second.size()) << "a sum reaches beyond its resident range";
+    return it->second.data() + (p - it->first);
+  }
+  template <class T>
+  void copy_from(std::map<T*, std::vector<T>>& sums, const std::vector<SumPiece<T>>& pieces, int64_t off,
+                 int64_t len, T* dst, bool dst_on_device) {
+    copies_to_device += dst_on_device;
+    for_each_sum_run(pieces, off, len, [&](const T* src, int64_t ld, int64_t rows, int64_t cols, int64_t flat) {
+      const T* from = held(sums, src, (rows - 1) * ld + cols);
+      for (int64_t r = 0; r < rows; ++r) std::copy_n((from ? from : src) + r * ld, cols, dst + (flat - off) + r * cols);
+    });
+  }
+  template <class T>
+  void zero_in(std::map<T*, std::vector<T>>& sums, T* p, int64_t count) {
+    T* d = held(sums, p, count);
+    std::fill_n(d ? d : p, count, T{0});
+  }
   struct Round {
     std::vector<std::pair<const char*, std::vector<char>>> staged;
     std::deque<std::vector<float>> products;
@@ -532,8 +573,8 @@ void check_rounds_and_passes(ComputeBackend& dev) {
     for (size_t i = 0; i < da.size(); ++i) ASSERT_NEAR(da[i], db[i], 1e-12 * total * (1 + std::fabs(da[i]))) << what;
   };
   round(100, "round 1");
-  a.zero_live();
-  b.zero_live();
+  a.zero_live(*cpu);
+  b.zero_live(dev);
   round(200, "round 2 (after zero_live)");
   a.mark_pass_complete();
   b.mark_pass_complete();
@@ -556,9 +597,192 @@ TEST(DeviceContract, ShadowMomentsInRoundsAndPassesMatchTheCpu) {
   EXPECT_EQ(shadow.kept, 4) << "one resident range per round";
 }
 
+namespace {
+
+// Rank 0 of two whose partner holds the same sums: its share of a reduce-scatter is twice its part of the values
+// (exact in floating point). With `device_buffers` it hands its segments out as a device comm does.
+class TwinComm final : public Comm {
+ public:
+  explicit TwinComm(bool device_buffers) : device_(device_buffers) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "twin"; }
+  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { twice(in, n, c); }
+  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override { twice(in, n, c); }
+  void reduce_scatter_filled(size_t n, const Fill<float>& f, std::vector<float>& c) override { filled(n, f, c); }
+  void reduce_scatter_filled(size_t n, const Fill<double>& f, std::vector<double>& c) override { filled(n, f, c); }
+  int segments = 0;
+  // Not used by a round's end.
+  void allreduce_sum(float*, size_t) override { ADD_FAILURE(); }
+  void allreduce_sum(double*, size_t) override { ADD_FAILURE(); }
+  void broadcast(void*, size_t, int) override { ADD_FAILURE(); }
+  void barrier() override { ADD_FAILURE(); }
+  bool all_ok(bool ok) override { return ok; }
+  void allgather(const std::vector<float>&, float*, size_t) override { ADD_FAILURE(); }
+  void allgather(const std::vector<double>&, double*, size_t) override { ADD_FAILURE(); }
+  std::unique_ptr<Comm> split(int, int) override { return nullptr; }
+
+ private:
+  template <class T>
+  void twice(const T* in, size_t n, std::vector<T>& chunk) {
+    chunk.clear();
+    for (const ShareSegment& s : share_layout(n, 2))
+      for (int i = 0; i < s.counts[0]; ++i) chunk.push_back(2 * in[s.off + s.displs[0] + i]);
+  }
+  template <class T>
+  void filled(size_t n, const Fill<T>& fill, std::vector<T>& chunk) {
+    if (!device_) return Comm::reduce_scatter_filled(n, fill, chunk);
+    chunk.clear();
+    for (const ShareSegment& s : share_layout(n, 2)) {
+      std::vector<T> seg(s.len, std::numeric_limits<T>::quiet_NaN());  // "device memory": every value written
+      fill(s.off, s.len, seg.data(), true);
+      ++segments;
+      for (int i = 0; i < s.counts[0]; ++i) chunk.push_back(2 * seg[s.displs[0] + i]);
+    }
+  }
+  bool device_;
+};
+
+// Two passes of two rounds, each ended by reduce_round with two readers, keys and values together: the device's
+// shares, read from its sums where they are (never flushed), equal the CPU's (exactly when `exact`, else within the
+// fp32 accumulation error); the sums stay resident across rounds, zeroed there. At a pass's end the residency is
+// dropped and the moments overwritten (as the gathered shares do): nothing the device held may reach them later.
+void check_round_end(ComputeBackend& dev, bool device_buffers, bool exact) {
+  const PairDims d{3, 2, 8, 4, 2, 8};
+  auto cpu = make_cpu_backend();
+  const std::vector<float> sx(d.X(), 0.5f), sy(d.Y(), -0.5f);
+  Moments ka(d, sx, sy), va(d, sx, sy), kb(d, sx, sy), vb(d, sx, sy);  // a: CPU, b: the device
+  MomentPlan probe;
+  for (int s = 0; s < d.Ls; ++s) probe.gram.emplace_back(s, s);
+  probe.probe_heads = MomentPlan::all_heads(d);
+  for (Moments* m : {&ka, &va, &kb, &vb}) m->add_plan(probe);
+  TwinComm host_twin(false), dev_twin(device_buffers);
+  for (int pass = 1; pass <= 2; ++pass) {
+    std::vector<float> fa, fb, uk, uv;
+    std::vector<double> da, db, ukd, uvd;
+    int64_t total = 0;
+    for (int round = 0; round < 2; ++round) {
+      const std::string what = "pass " + std::to_string(pass) + ", round " + std::to_string(round + 1);
+      for (int blk = 0; blk < 2; ++blk) {
+        const int64_t rows = 40 + 23 * blk + 7 * round;
+        const uint64_t seed = 1000 * pass + 100 * round + 10 * blk;
+        for (int kind = 0; kind < 2; ++kind) {
+          auto X = random_rows(rows * d.X(), seed + 2 * kind, 0.7f), Y = random_rows(rows * d.Y(), seed + 2 * kind + 1, -0.3f);
+          auto X2 = X, Y2 = Y;
+          (kind ? va : ka).accumulate(*cpu, X.data(), Y.data(), rows);
+          (kind ? vb : kb).accumulate(dev, X2.data(), Y2.data(), rows);
+        }
+        total += rows;
+      }
+      if (round == 1) {  // what the pass's gathered shares will hold (the CPU's sums of both rounds)
+        ka.pack_live(uk, ukd);
+        va.pack_live(uv, uvd);
+      }
+      reduce_round({&ka, &va}, *cpu, host_twin, fa, da);
+      reduce_round({&kb, &vb}, dev, dev_twin, fb, db);
+      ASSERT_EQ(fa.size(), fb.size()) << what;
+      ASSERT_EQ(da.size(), db.size()) << what;
+      ASSERT_GT(fa.size(), 0u) << what;
+      const float tol = exact ? 0.0f : 8 * 1.2e-7f * std::sqrt(static_cast<float>(total)) * std::max(1.0f, max_abs(fa));
+      for (size_t i = 0; i < fa.size(); ++i) ASSERT_NEAR(fa[i], fb[i], tol) << what << ", float " << i;
+      for (size_t i = 0; i < da.size(); ++i)
+        ASSERT_NEAR(da[i], db[i], exact ? 0.0 : 1e-12 * total * (1 + std::fabs(da[i]))) << what << ", double " << i;
+    }
+    dev.drop_resident();
+    // The moments now take the gathered values (here the CPU's own sums, for both sides) and the pass is complete.
+    for (auto [m, f, dd] : {std::tuple{&ka, &uk, &ukd}, std::tuple{&va, &uv, &uvd}, std::tuple{&kb, &uk, &ukd},
+                            std::tuple{&vb, &uv, &uvd}}) {
+      m->unpack_live(f->data(), dd->data());
+      m->mark_pass_complete();
+    }
+    if (pass == 1)
+      for (Moments* m : {&ka, &va, &kb, &vb}) m->add_plan(MomentPlan::full(d, false));
+  }
+  dev.flush();  // nothing resident: the unpacked moments stay as they are
+  const std::vector<int> layers{0, 1, 2};
+  const int64_t n = 3 * d.F();
+  for (auto [a, b] : {std::pair{&ka, &kb}, std::pair{&va, &vb}}) {
+    std::vector<double> xa(n * n), xb(n * n), ya(n * d.G()), yb(n * d.G());
+    a->cov_xx(layers, xa.data(), n);
+    b->cov_xx(layers, xb.data(), n);
+    a->cov_xy(layers, 2, ya.data(), d.G());
+    b->cov_xy(layers, 2, yb.data(), d.G());
+    ASSERT_EQ(xa, xb);
+    ASSERT_EQ(ya, yb);
+  }
+}
+
+}  // namespace
+
 TEST_F(Cuda, PrepareMatchesTheHostForEveryDtypeAndRope) { check_prepare(*gpu_); }
 TEST_F(Cuda, GatherHeadsAndColumnStatsMatchTheHost) { check_gather_and_stats(*gpu_); }
 TEST_F(Cuda, ToHalfMatchesTheHostBitForBit) { check_to_half(*gpu_); }
+namespace {
+
+// copy_sums over windows that cut blocks anywhere (mid-row, inside a panel's strided rows, across blocks and across
+// the float/double boundary of two kinds) gives the values of pack_live's order; the device reads resident sums.
+void check_copy_windows(ComputeBackend& dev, bool exact) {
+  const PairDims d{3, 2, 8, 4, 2, 8};
+  auto cpu = make_cpu_backend();
+  const std::vector<float> sx(d.X(), 0.5f), sy(d.Y(), -0.5f);
+  Moments a(d, sx, sy), b(d, sx, sy);
+  MomentPlan plan = MomentPlan::full(d, true);
+  plan.cross.erase(plan.cross.begin() + 5);  // one source layer's cross row is not whole: single blocks too
+  a.add_plan(plan);
+  b.add_plan(plan);
+  const int64_t rows = 57;
+  auto X = random_rows(rows * d.X(), 51, 0.7f), Y = random_rows(rows * d.Y(), 52, -0.3f);
+  auto X2 = X, Y2 = Y;
+  a.accumulate(*cpu, X.data(), Y.data(), rows);
+  b.accumulate(dev, X2.data(), Y2.data(), rows);
+  std::vector<float> want;
+  std::vector<double> wantd;
+  a.pack_live(want, wantd);
+  std::vector<ComputeBackend::SumPiece<float>> fp;
+  std::vector<ComputeBackend::SumPiece<double>> dp;
+  b.live_pieces(fp, dp, 0, 0);
+  const auto n = static_cast<int64_t>(want.size()), nd = static_cast<int64_t>(wantd.size());
+  ASSERT_EQ(fp.back().at + fp.back().rows * fp.back().cols, n);
+  ASSERT_EQ(dp.back().at + dp.back().rows * dp.back().cols, nd);
+  const float tol = exact ? 0.0f : 4 * 1.2e-7f * std::sqrt(float{rows}) * std::max(1.0f, max_abs(want));
+  std::mt19937_64 rng(53);
+  for (int w = 0; w < 200; ++w) {
+    int64_t off = static_cast<int64_t>(rng() % n), len = 1 + static_cast<int64_t>(rng() % (n - off));
+    if (w == 0) off = 0, len = n;
+    if (w == 1) off = 3, len = 5;  // inside the first row of the first block
+    std::vector<float> got(len, std::numeric_limits<float>::quiet_NaN());
+    dev.copy_sums(fp, off, len, got.data(), false);
+    for (int64_t i = 0; i < len; ++i) ASSERT_NEAR(want[off + i], got[i], tol) << "window " << off << "+" << len;
+  }
+  for (int64_t off = 0; off < nd; off += 7) {
+    const int64_t len = std::min<int64_t>(11, nd - off);
+    std::vector<double> got(len);
+    dev.copy_sums(dp, off, len, got.data(), false);
+    for (int64_t i = 0; i < len; ++i)
+      ASSERT_NEAR(wantd[off + i], got[i], exact ? 0.0 : 1e-12 * rows * (1 + std::fabs(wantd[off + i])));
+  }
+  dev.flush();
+}
+
+}  // namespace
+
+TEST_F(Cuda, CopySumsOfAnyWindowFollowsThePackOrder) { check_copy_windows(*gpu_, false); }
+TEST(DeviceContract, CopySumsOfAnyWindowFollowsThePackOrder) {
+  check_copy_windows(*make_cpu_backend(), true);  // the host default
+  ShadowBackend shadow;
+  check_copy_windows(shadow, true);
+}
+TEST_F(Cuda, RoundEndsReadTheResidentSumsInPlace) { check_round_end(*gpu_, false, false); }
+TEST(DeviceContract, ShadowRoundEndsReadTheResidentSumsInPlace) {
+  for (bool device_buffers : {false, true}) {
+    ShadowBackend shadow;
+    check_round_end(shadow, device_buffers, true);
+    EXPECT_EQ(shadow.flushes, 1) << "only the test's own flush at the end";
+    EXPECT_EQ(shadow.kept, 4) << "one resident range per kind and pass, kept across rounds";
+    EXPECT_EQ(shadow.drops, 2) << "one per pass";
+    EXPECT_EQ(shadow.copies_to_device > 0, device_buffers);
+  }
+}
 TEST(DeviceContract, ShadowPrepareGatherAndStatsMatchTheHost) {
   ShadowBackend shadow;
   check_prepare(shadow);
