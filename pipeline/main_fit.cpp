@@ -67,8 +67,17 @@ int main(int argc, char** argv) {
     const int device = choose_device(cfg, mpi_local_rank());
     std::unique_ptr<ComputeBackend> backend =
         device < 0 ? make_cpu_backend() : make_cuda_backend(device, comm->rank(), cfg.tf32);
-    // GPU ranks reduce over NCCL (the same fixed-order sums as MPI).
-    if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) comm = make_nccl_comm(std::move(comm), device);
+    // GPU ranks reduce over NCCL (the same fixed-order sums as MPI) when each has a GPU of its own on every node:
+    // NCCL refuses two ranks of one communicator on one device.
+    if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) {
+      const int devices = cuda_device_count();
+      if (comm->all_ok(mpi_local_size() <= devices))
+        comm = make_nccl_comm(std::move(comm), device);
+      else if (comm->rank() == 0)
+        spdlog::warn("more ranks than GPUs on a node (here {} rank(s), {} GPU(s)): ranks share GPUs, and NCCL needs "
+                     "one GPU per rank, so the collectives go through MPI",
+                     mpi_local_size(), devices);
+    }
     Context ctx{*comm, *backend};
     const int local_ranks = mpi_local_size();
     const ThreadChoice threads = configure_threads(local_ranks);
