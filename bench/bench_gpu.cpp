@@ -7,7 +7,9 @@
 // Prints one JSON object. Without a GPU it prints the reason and exits 77.
 //   crosskv-bench-gpu [Ls Hs Ds Lt Ht Dt rows blocks]   (default: Qwen3 14B -> 32B, 40x8x128 -> 64x8x128, 4096, 3)
 //   crosskv-bench-gpu --fit CONFIG.yaml [cpu|cuda]      a whole fit in this process (no MPI), timed
+//   crosskv-bench-gpu --factor [Ls Hs Ds rows]          the k = all system: host-assembled vs assemble_cov (40 8 128)
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -19,6 +21,7 @@
 #include "core/half.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
+#include "core/memory.hpp"
 #include "core/moments.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "stages/stages.hpp"
@@ -43,7 +46,72 @@ int fit_main(const std::string& config, const std::string& device) {
   return 0;
 }
 
+// The k = all system of one kind: Cxx + λI over every source layer, assembled on the host and uploaded (the fit's
+// path until 2026-11-30) against assembled by the backend from the fp32 blocks (ComputeBackend::assemble_cov), each
+// then factored keeping the factor on the device, as the fit does. Same run, same moments; prints one JSON object.
+int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
+  const PairDims d{Ls, H, D, 1, H, D};
+  Moments m(d, std::vector<float>(d.X(), 0.0f), std::vector<float>(d.Y(), 0.0f));
+  MomentPlan gram;
+  for (int a = 0; a < Ls; ++a)
+    for (int b = a; b < Ls; ++b) gram.gram.emplace_back(a, b);
+  m.add_plan(gram);
+  std::vector<float> X(rows * d.X()), Y(rows * d.Y(), 0.0f);
+  uint64_t z = 7;
+  for (auto& x : X) {
+    z = z * 6364136223846793005ULL + 1442695040888963407ULL;
+    x = static_cast<float>(static_cast<int32_t>(z >> 32)) * (1.0f / 2147483648.0f);
+  }
+  m.accumulate(be, X.data(), Y.data(), rows);
+  be.flush();
+  std::vector<int> all(Ls);
+  for (int a = 0; a < Ls; ++a) all[a] = a;
+  const int64_t n = d.X();
+  BigVector<double> A(n * n);
+  const double lambda = 0.01;
+  auto t0 = Clock::now();
+  m.cov_xx(all, A.data(), n);
+  for (int64_t i = 0; i < n; ++i) A[i * n + i] += lambda;
+  const double host_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  std::vector<double> pivots(n), pivots2(n), diag(n);
+  const int64_t info_host = be.cholesky(n, A.data(), n, pivots.data());
+  const double host_factor_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  BigVector<double> A2(n * n);  // fresh pages, as the fit's Factor has
+  t0 = Clock::now();
+  be.assemble_cov(m.cov_xx_terms(all), lambda, A2.data(), n, diag.data());
+  const double dev_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  t0 = Clock::now();
+  const int64_t info_dev = be.cholesky(n, A2.data(), n, pivots2.data());
+  const double dev_factor_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  double max_rel = 0;
+  for (int64_t i = 0; i < n; ++i) max_rel = std::max(max_rel, std::fabs(pivots2[i] - pivots[i]) / pivots[i]);
+  std::printf("{\"backend\": \"%s\", \"features\": %lld, \"system_gb\": %.2f, \"host_assemble_s\": %.2f, "
+              "\"upload_and_factor_s\": %.2f, \"assemble_cov_s\": %.2f, \"factor_assembled_s\": %.2f, "
+              "\"speedup\": %.2f, \"info\": [%lld, %lld], \"pivots_max_rel_diff\": %.2e}\n",
+              be.name().c_str(), static_cast<long long>(n), n * n * 8e-9, host_assemble_s, host_factor_s,
+              dev_assemble_s, dev_factor_s, (host_assemble_s + host_factor_s) / (dev_assemble_s + dev_factor_s),
+              static_cast<long long>(info_host), static_cast<long long>(info_dev), max_rel);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--factor") {
+    const bool cpu = std::getenv("CROSSKV_BENCH_CPU") != nullptr;
+    if (!cpu && (!cuda_compiled_in() || cuda_device_count() == 0)) {
+      std::printf("SKIPPED: no CUDA device\n");
+      return 77;
+    }
+    int v[4] = {40, 8, 128, 2048};
+    for (int i = 2; i < argc && i <= 5; ++i) v[i - 2] = std::atoi(argv[i]);
+    try {
+      auto be = cpu ? make_cpu_backend() : make_cuda_backend(0, 0, false);
+      return factor_main(v[0], v[1], v[2], v[3], *be);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "crosskv-bench-gpu: error: %s\n", e.what());
+      return 1;
+    }
+  }
   if (argc >= 3 && std::string(argv[1]) == "--fit") {
     if ((argc < 4 || std::string(argv[3]) != "cpu") && (!cuda_compiled_in() || cuda_device_count() == 0)) {
       std::printf("SKIPPED: no CUDA device\n");

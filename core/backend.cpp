@@ -93,6 +93,35 @@ void zero_host(T* p, int64_t count) {
 void ComputeBackend::zero_sums(float* p, int64_t count) { zero_host(p, count); }
 void ComputeBackend::zero_sums(double* p, int64_t count) { zero_host(p, count); }
 
+void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, double* A, int64_t lda, double* diag) {
+  const int64_t nl = t.nl, F = t.F;
+  CROSSKV_ASSERT(static_cast<int64_t>(t.blocks.size()) == nl * nl && static_cast<int64_t>(t.mean.size()) == nl * F,
+                 "assemble_cov: terms of the wrong size");
+  using Read = ComputeBackend::CovBlock::Read;
+#pragma omp parallel for schedule(dynamic) if (nl * nl * F * F > (int64_t{1} << 22))
+  for (int64_t ij = 0; ij < nl * nl; ++ij) {
+    const int64_t i = ij / nl, j = ij % nl;
+    const ComputeBackend::CovBlock& g = t.blocks[ij];
+    const double* mi = t.mean.data() + i * F;
+    const double* mj = t.mean.data() + j * F;
+    for (int64_t p = 0; p < F; ++p) {
+      double* row = A + (i * F + p) * lda + j * F;
+      for (int64_t q = 0; q < F; ++q) {
+        const bool stored = g.read == Read::as_is || (g.read == Read::upper && p <= q);
+        const float v = stored ? g.p[p * g.ld + q] : g.p[q * g.ld + p];
+        row[q] = v * t.inv_n - mi[p] * mj[q];
+      }
+      if (i == j) row[p] += lambda;
+    }
+  }
+  if (diag)
+    for (int64_t i = 0; i < nl * F; ++i) diag[i] = A[i * lda + i];
+}
+
+void ComputeBackend::assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag) {
+  assemble_cov_on_host(t, lambda, A, lda, diag);
+}
+
 void ComputeBackend::download(const float* operand, int64_t count, float* host) {
   std::copy_n(operand, count, host);
 }

@@ -108,14 +108,31 @@ class ComputeBackend {
                                int64_t ldb, int64_t ldc);
   // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
+  // Cxx + lambda*I of some source layers (Moments::cov_xx_terms), to be factored by the backend that assembles it:
+  // A[i*F + p, j*F + q] = g_ij(p, q) / N - mean[i*F + p] * mean[j*F + q], g_ij an [F x F] fp32 block of sums read as
+  // stored, transposed, or symmetric from its upper triangle; diag[n] receives A's diagonal. A device backend
+  // uploads the fp32 blocks (half the bytes of the fp64 system) and assembles on the device without writing host A
+  // (an untouched multi-GB buffer costs nothing), and the next cholesky(…, A, …) factors the device's copy.
+  struct CovBlock {
+    enum Read : int { as_is = 0, transposed = 1, upper = 2 };
+    const float* p;
+    int64_t ld;
+    Read read;
+  };
+  struct CovTerms {
+    int64_t nl = 0, F = 0;
+    std::vector<CovBlock> blocks;  // [nl * nl]
+    std::vector<double> mean;      // [nl * F]
+    double inv_n = 0;
+  };
+  virtual void assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag);
   // In-place lower Cholesky of a symmetric row-major fp64 matrix (lower triangle read). Returns 0, or the
-  // 1-based order of the leading minor that is not positive definite. With FactorCopy::diagonal the caller reads
-  // only the diagonal (the pivots) on the host: a device backend copies just that back and keeps the factor for the
-  // solves that name A (its most recent few; a solve with a factor it no longer holds is an assertion, never a solve
-  // with the host's unfactored values).
-  enum class FactorCopy { full, diagonal };
-  virtual int64_t cholesky(int64_t n, double* A, int64_t lda, FactorCopy copy) = 0;
-  int64_t cholesky(int64_t n, double* A, int64_t lda) { return cholesky(n, A, lda, FactorCopy::full); }
+  // 1-based order of the leading minor that is not positive definite. With `pivots`, the caller reads only the
+  // factor's diagonal, written to pivots[n]: a device backend copies just that back (host A is not written) and keeps
+  // the factor for the solves that name A (its most recent few; a solve with a factor it no longer holds is an
+  // assertion, never a solve with the host's values).
+  virtual int64_t cholesky(int64_t n, double* A, int64_t lda, double* pivots) = 0;
+  int64_t cholesky(int64_t n, double* A, int64_t lda) { return cholesky(n, A, lda, nullptr); }
   // Solves (L L^T) X = B in place, L from cholesky() (a leading n x n block of it may be used). B row-major.
   virtual void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) = 0;
   // Solves L X = B (transpose: L^T X = B) in place with the leading n x n block of a lower factor.
@@ -151,6 +168,9 @@ void for_each_sum_run(const std::vector<ComputeBackend::SumPiece<T>>& pieces, in
     if (s < e) fn(q.p + (s / q.cols) * q.ld, q.ld, int64_t{1}, e - s, q.at + s);  // a partial last row
   }
 }
+
+// assemble_cov on the host (all of A): the CPU backend's, and Moments::cov_xx's.
+void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, double* A, int64_t lda, double* diag);
 
 // prepare() on the host: the CPU backend's, the reference for device backends, and what a reader thread runs when
 // the backend prepares on the host (it is thread-safe).

@@ -454,32 +454,25 @@ std::vector<double> Moments::var_y(int l) const {
   return v;
 }
 
-void Moments::cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const {
-  const int64_t F = d_.F();
-  const double inv_n = 1.0 / n_;
-  const int64_t nl = static_cast<int64_t>(layers.size());
-  // Blocks looked up first (a missing one throws here, not inside the parallel loop).
-  std::vector<BlockRef> blocks(nl * nl);
-  for (int64_t i = 0; i < nl; ++i)
-    for (int64_t j = 0; j < nl; ++j)
-      blocks[i * nl + j] = gram_block(std::min(layers[i], layers[j]), std::max(layers[i], layers[j]));
-#pragma omp parallel for schedule(dynamic) if (nl * nl * F * F > kParallelMin)
-  for (int64_t ij = 0; ij < nl * nl; ++ij) {
-    const int64_t i = ij / nl, j = ij % nl;
-    const int a = layers[i], b = layers[j];
-    const BlockRef& g = blocks[ij];
-    for (int64_t p = 0; p < F; ++p) {
-      double* row = A + (i * F + p) * lda + j * F;
-      const double mp = mx(a * F + p);
-      for (int64_t q = 0; q < F; ++q) {
-        float v;
-        if (a < b) v = g.at(p, q);
-        else if (a > b) v = g.at(q, p);
-        else v = p <= q ? g.at(p, q) : g.at(q, p);
-        row[q] = v * inv_n - mp * mx(b * F + q);
-      }
+ComputeBackend::CovTerms Moments::cov_xx_terms(const std::vector<int>& layers) const {
+  using Read = ComputeBackend::CovBlock::Read;
+  ComputeBackend::CovTerms t;
+  t.F = d_.F();
+  t.nl = static_cast<int64_t>(layers.size());
+  t.inv_n = 1.0 / n_;
+  for (int64_t i = 0; i < t.nl; ++i)
+    for (int64_t j = 0; j < t.nl; ++j) {
+      const int a = layers[i], b = layers[j];
+      const BlockRef& g = gram_block(std::min(a, b), std::max(a, b));  // a missing block throws here
+      t.blocks.push_back({g.p, g.ld, a < b ? Read::as_is : a > b ? Read::transposed : Read::upper});
     }
-  }
+  for (int a : layers)
+    for (int64_t p = 0; p < t.F; ++p) t.mean.push_back(mx(a * t.F + p));
+  return t;
+}
+
+void Moments::cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const {
+  assemble_cov_on_host(cov_xx_terms(layers), 0.0, A, lda, nullptr);
 }
 
 void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t ldb) const {

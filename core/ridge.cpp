@@ -35,22 +35,25 @@ class Lap {
 // A pivot this small against its diagonal means the system is singular at the precision of fp32 moments.
 constexpr double kSingularPivot = 1e-12;
 
-// Adds λ to the diagonal, factors, and returns the order of the first leading minor that is not (numerically)
-// positive definite, or 0.
-int64_t factor(ComputeBackend& be, double* A, int64_t n, double lambda) {
-  std::vector<double> diag(n);
-  for (int64_t i = 0; i < n; ++i) {
-    A[i * n + i] += lambda;
-    diag[i] = A[i * n + i];
-  }
+// Factors a system with diagonal `diag` (λ included; the backend may hold the system: assemble_cov), and returns
+// the order of the first leading minor that is not (numerically) positive definite, or 0.
+int64_t factor_assembled(ComputeBackend& be, double* A, int64_t n, const std::vector<double>& diag) {
   // Only the pivots are read here; the factor itself is used by the backend's solves (a device keeps it).
-  int64_t info = be.cholesky(n, A, n, ComputeBackend::FactorCopy::diagonal);
+  std::vector<double> pivots(n);
+  int64_t info = be.cholesky(n, A, n, pivots.data());
   const int64_t ok = info > 0 ? info - 1 : n;
   for (int64_t i = 0; i < ok; ++i) {
-    const double p = A[i * n + i];
+    const double p = pivots[i];
     if (!(p * p > kSingularPivot * std::max(diag[i], std::numeric_limits<double>::min()))) return i + 1;
   }
   return info;
+}
+
+// Adds λ to the diagonal of a host system, then factor_assembled.
+int64_t factor(ComputeBackend& be, double* A, int64_t n, double lambda) {
+  std::vector<double> diag(n);
+  for (int64_t i = 0; i < n; ++i) diag[i] = A[i * n + i] += lambda;
+  return factor_assembled(be, A, n, diag);
 }
 
 }  // namespace
@@ -106,10 +109,11 @@ void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>&
   Lap lap(times);
   f.order = order;
   f.n = static_cast<int64_t>(order.size()) * m.dims().F();
-  f.L.resize(f.n * f.n);  // every element is written by cov_xx
-  m.cov_xx(order, f.L.data(), f.n);
+  f.L.resize(f.n * f.n);  // written by a host backend's assemble_cov; a device backend leaves it untouched
+  std::vector<double> diag(f.n);
+  be.assemble_cov(m.cov_xx_terms(order), lambda, f.L.data(), f.n, diag.data());
   lap.to(&SolveTimes::assemble);
-  f.bad_minor = factor(be, f.L.data(), f.n, lambda);
+  f.bad_minor = factor_assembled(be, f.L.data(), f.n, diag);
   lap.to(&SolveTimes::factor);
 }
 

@@ -29,7 +29,7 @@ double mean_ignoring_nan(const std::vector<double>& v);
 struct Factor {
   std::vector<int> order;  // source layers, in factor order
   int64_t n = 0;           // order.size() * F
-  BigVector<double> L;     // [n x n], lower (a device backend may keep all but its diagonal)
+  BigVector<double> L;     // [n x n], lower (on a device backend the factor stays there and L is not written)
   int64_t bad_minor = 0;   // 0, or the first leading minor that is not positive definite
 };
 // Where solving time goes (seconds, summed over calls): fp64 systems assembled on the host from the moments,

@@ -396,17 +396,58 @@ class CudaBackend final : public ComputeBackend {
        dims({{"m", m}, {"rows", rows}, {"lda", lda}, {"ldc", ldc}}));
   }
 
-  int64_t cholesky(int64_t n, double* A, int64_t lda, FactorCopy copy) override {
+  // The system is assembled on the device from the fp32 blocks (uploaded one at a time: half the bytes of the fp64
+  // system), kept as the next factor of A; only its diagonal is copied to the host (into diag: host A is not touched).
+  void assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag) override {
+    const int64_t F = t.F, nl = t.nl, n = nl * F;
+    if (n == 0) return;
+    const std::string ops = dims({{"layers", nl}, {"F", F}, {"lda", lda}});
+    DeviceFactor& f = new_factor(A);
+    double* dA = f.dev.get(static_cast<size_t>((n - 1) * lda + n), where_);
+    double* dmean = mean_.get(static_cast<size_t>(n), where_);
+    CK(cudaMemcpyAsync(dmean, t.mean.data(), n * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
+    float* dg = block_.get(static_cast<size_t>(F * F), where_);
+    for (int64_t i = 0; i < nl; ++i)
+      for (int64_t j = i; j < nl; ++j) {
+        const CovBlock& g = t.blocks[i * nl + j];
+        // In stream order: the previous block's kernel is done with dg before this copy writes it.
+        CK(cudaMemcpy2DAsync(dg, F * sizeof(float), g.p, g.ld * sizeof(float), F * sizeof(float), F,
+                             cudaMemcpyHostToDevice, compute_),
+           ops + ", block " + dims({{"i", i}, {"j", j}}));
+        CK(cuda::launch_assemble_cov_block(dg, g.read, F, dmean + i * F, dmean + j * F, t.inv_n, lambda, i == j,
+                                           dA + i * F * lda + j * F, i == j ? nullptr : dA + j * F * lda + i * F, lda,
+                                           compute_),
+           "assemble_cov kernel, " + ops);
+      }
+    copy_diagonal(dA, n, lda, diag, ops);
+    f.host = A;
+    f.n = n;
+    f.lda = lda;
+    f.diag = diag_sum(A, n, lda);
+    f.factored = false;
+    assembled_.insert(A);
+  }
+
+  int64_t cholesky(int64_t n, double* A, int64_t lda, double* pivots) override {
     if (n == 0) return 0;
     const size_t count = static_cast<size_t>((n - 1) * lda + n);
-    // Factors stay on the device for the solves that follow: the last few, most recent first.
-    forget_factor(A);
-    if (factors_.size() == kFactorsKept) factors_.pop_back();
-    factors_.insert(factors_.begin(), std::make_unique<DeviceFactor>());
+    const std::string ops = dims({{"n", n}, {"lda", lda}});
+    // Factors stay on the device for the solves that follow: the last few, most recent first. A system assembled
+    // here (assemble_cov) is factored where it is.
+    DeviceFactor* pre = nullptr;
+    for (auto& f : factors_)
+      if (f->host == A && !f->factored && f->n == n && f->lda == lda && diag_sum(A, n, lda) == f->diag) pre = f.get();
+    if (pre) {
+      std::stable_partition(factors_.begin(), factors_.end(), [&](const auto& f) { return f.get() == pre; });
+    } else {
+      CROSSKV_ASSERT(!assembled_.count(A), "CUDA backend: cholesky of a system assembled on the device and no "
+                                           "longer held there, or whose diagonal changed on the host (" + ops + ")");
+      new_factor(A);
+    }
+    assembled_.erase(A);
     DeviceFactor& f = *factors_.front();
     double* dA = f.dev.get(count, where_);
-    const std::string ops = dims({{"n", n}, {"lda", lda}});
-    CK(cudaMemcpyAsync(dA, A, count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
+    if (!pre) CK(cudaMemcpyAsync(dA, A, count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
     size_t dev_bytes = 0, host_bytes = 0;
     // Row-major lower = column-major upper.
     CK(cusolverDnXpotrf_bufferSize(solver_, params_, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, dA, lda, CUDA_R_64F,
@@ -419,22 +460,19 @@ class CudaBackend final : public ComputeBackend {
        ops);
     int info = 0;
     CK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, compute_), ops);
-    if (copy == FactorCopy::full) {
+    if (!pivots) {
       CK(cudaMemcpyAsync(A, dA, count * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
       device_only_.erase(A);
-    } else {  // the diagonal: n values, (lda + 1) apart
-      const size_t pitch = static_cast<size_t>(lda + 1) * sizeof(double);
-      CK(cudaMemcpy2DAsync(A, pitch, dA, pitch, sizeof(double), static_cast<size_t>(n), cudaMemcpyDeviceToHost,
-                           compute_),
-         ops);
+    } else {
       device_only_.insert(A);
     }
-    CK(cudaStreamSynchronize(compute_), ops);
+    copy_diagonal(dA, n, lda, pivots, ops);  // synchronises
     CROSSKV_ASSERT(info >= 0, "cusolverDnXpotrf: illegal argument " + std::to_string(-info) + " (" + ops + ")");
     f.host = A;
     f.n = n;
     f.lda = lda;
     f.diag = diag_sum(A, n, lda);
+    f.factored = true;
     return info;
   }
 
@@ -568,8 +606,24 @@ class CudaBackend final : public ComputeBackend {
     const double* host = nullptr;
     int64_t n = 0, lda = 0;
     double diag = 0;
+    bool factored = false;  // false: assembled by assemble_cov, waiting for cholesky
     DeviceBuffer<double> dev;
   };
+  // The diagonal of device matrix dA (n values, lda + 1 apart) to host `out` (if given); waits for the stream.
+  void copy_diagonal(const double* dA, int64_t n, int64_t lda, double* out, const std::string& ops) {
+    if (out)
+      CK(cudaMemcpy2DAsync(out, sizeof(double), dA, static_cast<size_t>(lda + 1) * sizeof(double), sizeof(double),
+                           static_cast<size_t>(n), cudaMemcpyDeviceToHost, compute_),
+         ops);
+    CK(cudaStreamSynchronize(compute_), ops);
+  }
+  // A new entry at the front for host array A (an older one of A is dropped; the oldest goes when full).
+  DeviceFactor& new_factor(const double* A) {
+    forget_factor(A);
+    if (factors_.size() == kFactorsKept) factors_.pop_back();
+    factors_.insert(factors_.begin(), std::make_unique<DeviceFactor>());
+    return *factors_.front();
+  }
   static constexpr size_t kFactorsKept = 4;  // k = all and one target layer's, for keys and values
   void forget_factor(const double* host) {
     factors_.erase(std::remove_if(factors_.begin(), factors_.end(), [&](const auto& f) { return f->host == host; }),
@@ -589,7 +643,8 @@ class CudaBackend final : public ComputeBackend {
     const std::string ops = dims({{"n", n}, {"lda", lda}, {"nrhs", nrhs}, {"ldb", ldb}});
     const double* dL = nullptr;
     for (auto& f : factors_)
-      if (L == f->host && lda == f->lda && n <= f->n && diag_sum(L, f->n, lda) == f->diag) dL = f->dev.get(0, where_);
+      if (f->factored && L == f->host && lda == f->lda && n <= f->n && diag_sum(L, f->n, lda) == f->diag)
+        dL = f->dev.get(0, where_);
     if (!dL) {
       CROSSKV_ASSERT(!device_only_.count(L), "CUDA backend: a solve names a factor kept only on the device, and "
                                              "no longer held there (" + ops + ")");
@@ -624,7 +679,9 @@ class CudaBackend final : public ComputeBackend {
   std::map<const float*, Sum<const float>> constants_;  // kept read-only operands (keep_constant)
   std::vector<std::unique_ptr<DeviceFactor>> factors_;
   std::set<const double*> device_only_;  // host arrays holding only a factor's diagonal
-  DeviceBuffer<double> other_, rhs_;
+  std::set<const double*> assembled_;    // host arrays holding only the diagonal of a system assembled here
+  DeviceBuffer<double> other_, rhs_, mean_;
+  DeviceBuffer<float> block_;
   DeviceBuffer<float> apply_;
   DeviceBuffer<char> work_;
   std::vector<char> host_work_;

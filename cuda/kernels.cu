@@ -101,7 +101,32 @@ __global__ void to_half_kernel(const float* in, int64_t n, bool bf16, uint16_t* 
   }
 }
 
+__global__ void assemble_cov_block_kernel(const float* __restrict__ g, int read, int64_t F,
+                                          const double* __restrict__ mean_i, const double* __restrict__ mean_j,
+                                          double inv_n, double lambda, bool diagonal, double* __restrict__ a,
+                                          double* __restrict__ at, int64_t lda) {
+  const int64_t n = F * F;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t p = e / F, q = e - p * F;
+    const bool stored = read == 0 || (read == 2 && p <= q);
+    const float v = stored ? g[p * F + q] : g[q * F + p];
+    double x = __dsub_rn(__dmul_rn(static_cast<double>(v), inv_n), __dmul_rn(mean_i[p], mean_j[q]));
+    if (diagonal && p == q) x = __dadd_rn(x, lambda);
+    a[p * lda + q] = x;
+    if (at) at[q * lda + p] = x;
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const double* mean_i, const double* mean_j,
+                                      double inv_n, double lambda, bool diagonal, double* a, double* at, int64_t lda,
+                                      cudaStream_t stream) {
+  if (F == 0) return cudaSuccess;
+  assemble_cov_block_kernel<<<blocks_for(F * F), kThreads, 0, stream>>>(g, read, F, mean_i, mean_j, inv_n, lambda,
+                                                                        diagonal, a, at, lda);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_prepare(const void* in, StoredKind kind, int64_t rows, int64_t cols, const StripArgs& strip,
                            const float* shift, float* out, cudaStream_t stream) {
