@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # The GPU check of issue 4, one prepared script for a bare GPU machine (nothing to install). On an H200: tests,
-# benchmarks and apply ~2 minutes; the paper-shaped fit (40x8x128 -> 64x8x128, k = 1, 2, 4, 8, all) alone took
-# ~6.5 minutes in 2026-11 (most of it host work per target layer), so give it its own call: STEPS=fit.
+# benchmarks and apply ~2 minutes in 2026-11 (the k = all factor benchmark, added since: est. under a minute more);
+# the paper-shaped fit (40x8x128 -> 64x8x128, k = 1, 2, 4, 8, all) alone took ~6.5 minutes then (most of it host
+# work per target layer), so it gets its own call: STEPS=fit.
 # Prepare here:   bench/gpu_bundle.sh                     (-> .gpu-bundle.tar.xz, programs built with nvcc here)
-# Run there:      bash bench/gpu_check.sh "$OUT"          (carry .gpu-bundle.tar.xz)
-# Writes to OUT (7 files; the device tool returns at most 8): summary.txt (everything below in short, with each
+# Run there:      STEPS="test bench factor apply tf32" bash bench/gpu_check.sh "$OUT"   then, in a second call,
+#                 STEPS=fit bash bench/gpu_check.sh "$OUT"  (carry .gpu-bundle.tar.xz; with no STEPS, all of them)
+# Writes to OUT (8 files; the device tool returns at most 8): summary.txt (everything below in short, with each
 #                 step's stderr), test_cuda.log (GPU against the CPU backend), bench_gpu.json and bench_gpu_tf32.json
 #                 (accumulation vs cuBLAS SGEMM at Qwen3 14B -> 32B shapes: host-shifted fp32, and the fit's own bf16
 #                 path with the fused kernel), apply_gpu.json (apply throughput of one Qwen3-8B -> 32B layer, weights
-#                 copied per call and kept on the GPU),
+#                 copied per call and kept on the GPU), factor_gpu.json (the k = all system of one kind, 40960
+#                 features: assembled on the host and uploaded, against assembled on the device from fp32 blocks),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
-# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench apply fit tf32").
+# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply fit tf32").
 # Then, here: bench/project.py OUT [OUT2]   (8 GPUs x 128K tokens from the benchmark and the fit log; see its --help)
 set -uo pipefail
 OUT=${1:-${OUT:-gpu-check-out}}
 TOKENS=${TOKENS:-2048}
-STEPS=" ${STEPS:-test bench apply fit tf32} "
+STEPS=" ${STEPS:-test bench factor apply fit tf32} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 BUNDLE=${BUNDLE:-.gpu-bundle.tar.xz}
 mkdir -p "$OUT"
@@ -57,6 +60,11 @@ E=$(mktemp)
 if want bench; then
   step bench_gpu 75 "$B/bin/crosskv-bench-gpu" > "$OUT/bench_gpu.json" 2> "$E"
   note "  $(cat "$OUT/bench_gpu.json") $(tail -3 "$E")"
+fi
+
+if want factor; then
+  step factor_gpu 90 "$B/bin/crosskv-bench-gpu" --factor > "$OUT/factor_gpu.json" 2> "$E"
+  note "  $(cat "$OUT/factor_gpu.json") $(tail -3 "$E")"
 fi
 
 if want apply; then
