@@ -39,8 +39,8 @@ def parse_log(path):
     """What fit_gpu.log measured: round ends, the k = all factor, the solve rate, moment memory."""
     got = {"rounds": []}
     for line in Path(path).read_text(errors="replace").splitlines():
-        m = re.search(r"round (\d+)/(\d+) ended: sums to the host (.+?), packed and reduced (.+?), checkpoint (.+)$",
-                      line)
+        m = re.search(r"round (\d+)/(\d+) ended: sums to the host (.+?), "
+                      r"(?:reduced into the share|packed and reduced) (.+?), checkpoint (.+)$", line)
         if m:
             ck = m.group(5)
             got["rounds"].append({"flush": seconds(m.group(3)), "reduce": seconds(m.group(4)),
@@ -117,7 +117,7 @@ def main():
                      f"bench_gpu: {per_gib:.2f} s/GiB x {gib:.1f} GiB"))
         if log["rounds"]:
             r = log["rounds"][-1]
-            rows.append(("round end: pack (one reader, measured)", r["reduce"], "fit_gpu.log, last round"))
+            rows.append(("round end: added into the share", r["reduce"], "fit_gpu.log, last round"))
     rs = gib * (P - 1) / P * 1.0737 / a.nvlink_gbs
     rows.append(("reduce-scatter of the sums (in place)", rs,
                  f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))

@@ -159,7 +159,7 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
       state.rounds_done = round + 1;
       const double reduce_s = seconds_since(t_round) - flush_s;
       if (round + 1 < R) store.save(state);
-      spdlog::info("{}: round {}/{} ended: sums to the host {}, packed and reduced {}, checkpoint {}", label, round + 1,
+      spdlog::info("{}: round {}/{} ended: sums to the host {}, reduced into the share {}, checkpoint {}", label, round + 1,
                    R, human_seconds(flush_s), human_seconds(reduce_s),
                    round + 1 < R ? human_seconds(seconds_since(t_round) - flush_s - reduce_s) : "at the pass's end");
     };
