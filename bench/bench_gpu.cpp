@@ -1,9 +1,10 @@
 // GPU benchmark (issue 4): moment accumulation through Moments on the CUDA backend against the cuBLAS SGEMM rate of
 // the same backend on staged inputs, same run, same shapes: (1) fp32 inputs shifted on the host and copied; (2) the
 // fit's path, stored bf16 keys converted, RoPE-stripped and shifted on the device. Rates are steady state (sums
-// resident); a round's end is timed apart (the fit pays it once per round, not per block): with one reader, sums
-// flushed to the host and zeroed there, the next block's sums zeroed on the device; with several, a 1/8 share copied
-// to the host from the resident sums and the sums zeroed on the device.
+// resident); a round's end is timed apart (the fit pays it once per round, not per block): the fit's way since
+// 2026-11-30, a 1/8 share (P = 8) copied to the host from the resident sums and the sums zeroed on the device
+// (share_to_host_s, zero_resident_s); and the earlier way, every sum flushed to the host and zeroed there, then made
+// resident again by the next block (flush_s, zero_live_s, first_block_of_round_s).
 // Prints one JSON object. Without a GPU it prints the reason and exits 77.
 //   crosskv-bench-gpu [Ls Hs Ds Lt Ht Dt rows blocks]   (default: Qwen3 14B -> 32B, 40x8x128 -> 64x8x128, 4096, 3)
 //   crosskv-bench-gpu --fit CONFIG.yaml [cpu|cuda]      a whole fit in this process (no MPI), timed

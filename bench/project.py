@@ -9,7 +9,7 @@ rate). The model is the one of docs/PERFORMANCE.md
 ("Model of the distributed job"): one layer group, P token groups; each rank reads N/P tokens, folds in keys and
 values (twice the benchmark's one kind) while the next block is read (the pass takes the longer of the two), ends
 one round (reduce-scatter read from the resident sums, its 1/P share to the host and checkpointed, the sums zeroed
-on the device; with a benchmark JSON older than that path: every sum to the host), probes, and solves Lt/P target layers
+on the device; one reader: the round end the fit log measured), probes, and solves Lt/P target layers
 after factoring the k = all system. Measured figures are used as they are; what one GPU cannot measure (the
 node's read rate for P readers, NVLink reduce-scatter, checkpoint disk) are assumptions, printed as such.
 Standard library only.
@@ -39,11 +39,12 @@ def parse_log(path):
     """What fit_gpu.log measured: round ends, the k = all factor, the solve rate, moment memory."""
     got = {"rounds": []}
     for line in Path(path).read_text(errors="replace").splitlines():
-        m = re.search(r"round (\d+)/(\d+) ended: sums to the host (.+?), "
+        # (older logs: "sums to the host X, packed and reduced Y"; the flush is now part of the reduction)
+        m = re.search(r"round (\d+)/(\d+) ended: (?:sums to the host (.+?), )?"
                       r"(?:reduced into the share|packed and reduced) (.+?), checkpoint (.+)$", line)
         if m:
             ck = m.group(5)
-            got["rounds"].append({"flush": seconds(m.group(3)), "reduce": seconds(m.group(4)),
+            got["rounds"].append({"reduce": seconds(m.group(4)) + (seconds(m.group(3)) if m.group(3) else 0.0),
                                   "checkpoint": None if "pass's end" in ck else seconds(ck)})
         m = re.search(r"factored the k = all system once per kind \((\d+) features\) in (.+)$", line)
         if m:
@@ -111,13 +112,12 @@ def main():
                      f"bench_gpu: {share:.2f} s/GiB x {gib / P:.2f} GiB"))
         rows.append(("round end: sums zeroed on the device", zero * gib,
                      f"bench_gpu: {zero:.3f} s/GiB x {gib:.1f} GiB"))
+    elif log["rounds"]:
+        rows.append(("round end (one reader, measured)", log["rounds"][-1]["reduce"], "fit_gpu.log, last round"))
     else:
         per_gib = (bench["flush_s"] + bench["zero_live_s"]) / max(bench["sums_gib"], 1e-9)
         rows.append(("round end: sums to the host and zeroed", per_gib * gib,
                      f"bench_gpu: {per_gib:.2f} s/GiB x {gib:.1f} GiB"))
-        if log["rounds"]:
-            r = log["rounds"][-1]
-            rows.append(("round end: added into the share", r["reduce"], "fit_gpu.log, last round"))
     rs = gib * (P - 1) / P * 1.0737 / a.nvlink_gbs
     rows.append(("reduce-scatter of the sums (in place)", rs,
                  f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))

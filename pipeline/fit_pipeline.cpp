@@ -155,13 +155,13 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
       const auto t_round = std::chrono::steady_clock::now();
-      const double flush_s = reduce_round(ms, ctx.backend, readers, base_f, base_d);
+      reduce_round(ms, ctx.backend, readers, base_f, base_d);
       state.rounds_done = round + 1;
-      const double reduce_s = seconds_since(t_round) - flush_s;
+      const double reduce_s = seconds_since(t_round);
       if (round + 1 < R) store.save(state);
-      spdlog::info("{}: round {}/{} ended: sums to the host {}, reduced into the share {}, checkpoint {}", label, round + 1,
-                   R, human_seconds(flush_s), human_seconds(reduce_s),
-                   round + 1 < R ? human_seconds(seconds_since(t_round) - flush_s - reduce_s) : "at the pass's end");
+      spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", label, round + 1, R,
+                   human_seconds(reduce_s),
+                   round + 1 < R ? human_seconds(seconds_since(t_round) - reduce_s) : "at the pass's end");
     };
     st = stream_pass(cal, ctx, *ms.front(), ms.size() == 3 ? ms[1] : nullptr, *ms.back(), label, state.rounds_done,
                      on_round);

@@ -1,37 +1,36 @@
+#include <algorithm>
 #include <type_traits>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "core/log.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {
+namespace {
 
-double reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
-                    std::vector<double>& base_d) {
-  size_t nf = 0, nd = 0;
-  for (const Moments* m : ms) {
-    nf += m->live_floats();
-    nd += m->live_doubles();
+// Adds the flat values of `pieces` [0, n) into `share` (made from them when `first`), a segment at a time, read
+// where they are (ComputeBackend::copy_sums): no packed copy of all n, and a device's sums are not flushed.
+template <class T>
+void add_into_share(ComputeBackend& be, const std::vector<ComputeBackend::SumPiece<T>>& pieces, size_t n,
+                    std::vector<T>& share, bool first) {
+  constexpr size_t kSegment = size_t{1} << 24;
+  if (first) share.resize(n);
+  std::vector<T> part(first ? 0 : std::min(n, kSegment));
+  for (size_t off = 0; off < n; off += kSegment) {
+    const size_t len = std::min(kSegment, n - off);
+    T* dst = share.data() + off;
+    be.copy_sums(pieces, static_cast<int64_t>(off), static_cast<int64_t>(len), first ? dst : part.data(), false);
+    if (first) continue;
+    const T* src = part.data();
+#pragma omp parallel for schedule(static) if (len > (size_t{1} << 22))
+    for (size_t i = 0; i < len; ++i) dst[i] += src[i];
   }
-  if (readers.size() == 1) {
-    // One reader: the round's sums are added straight into its share (packed into it in the first round).
-    const auto t0 = std::chrono::steady_clock::now();
-    be.flush();
-    const double flush_s = seconds_since(t0);
-    const bool first = base_f.empty() && base_d.empty();
-    base_f.resize(nf);
-    base_d.resize(nd);
-    float* pf = base_f.data();
-    double* pd = base_d.data();
-    for (Moments* m : ms) {
-      first ? m->pack_live(pf, pd) : m->add_live_to(pf, pd);
-      pf += m->live_floats();
-      pd += m->live_doubles();
-      m->zero_live(be);
-    }
-    return flush_s;
-  }
+}
+
+}  // namespace
+
+void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
+                  std::vector<double>& base_d) {
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
   int64_t f_at = 0, d_at = 0;
@@ -40,25 +39,32 @@ double reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& r
     f_at += static_cast<int64_t>(m->live_floats());
     d_at += static_cast<int64_t>(m->live_doubles());
   }
-  auto reduce_into = [&](auto& base, const auto& pieces, size_t n) {
-    using T = typename std::decay_t<decltype(base)>::value_type;
-    std::vector<T> part;
-    readers.reduce_scatter_filled(
-        n,
-        [&](size_t off, size_t len, T* dst, bool on_device) {
-          be.copy_sums(pieces, static_cast<int64_t>(off), static_cast<int64_t>(len), dst, on_device);
-        },
-        part);
-    if (base.empty()) {
-      base.swap(part);
-      return;
-    }
-    for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
-  };
-  reduce_into(base_f, fp, nf);
-  reduce_into(base_d, dp, nd);
+  const auto nf = static_cast<size_t>(f_at), nd = static_cast<size_t>(d_at);
+  if (readers.size() == 1) {
+    // One reader: its share is every sum; the round's are added into it.
+    const bool first = base_f.empty() && base_d.empty();
+    add_into_share(be, fp, nf, base_f, first);
+    add_into_share(be, dp, nd, base_d, first);
+  } else {
+    auto reduce_into = [&](auto& base, const auto& pieces, size_t n) {
+      using T = typename std::decay_t<decltype(base)>::value_type;
+      std::vector<T> part;
+      readers.reduce_scatter_filled(
+          n,
+          [&](size_t off, size_t len, T* dst, bool on_device) {
+            be.copy_sums(pieces, static_cast<int64_t>(off), static_cast<int64_t>(len), dst, on_device);
+          },
+          part);
+      if (base.empty()) {
+        base.swap(part);
+        return;
+      }
+      for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
+    };
+    reduce_into(base_f, fp, nf);
+    reduce_into(base_d, dp, nd);
+  }
   for (Moments* m : ms) m->zero_live(be);
-  return 0.0;
 }
 
 }  // namespace crosskv

@@ -102,11 +102,12 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
                       const std::string& label, int64_t start_round = 0, const RoundHook& on_round = {});
 
 // A round's end: the live sums of `ms` (in order) are reduced over `readers` into this rank's share of the pass
-// (base_f, base_d: empty before the first round, then the running sums), and zeroed. One reader flushes the backend
-// and adds its sums into the share on the host; several reduce-scatter from the sums where they are (a device
-// backend's stay resident and, with a device comm, never cross to the host whole). Returns the seconds of the flush.
-// After a pass's last round the caller drops the backend's residency (drop_resident) before overwriting the moments.
-double reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
+// (base_f, base_d: empty before the first round, then the running sums), and zeroed where they are. The sums are read
+// in place, a segment at a time (ComputeBackend::copy_sums): a device backend's stay resident (zeroed on the
+// device) and its host copies are never written; with several readers and a device comm only this rank's share
+// crosses to the host. After a pass's last round the caller drops the backend's residency (drop_resident) before
+// overwriting the moments.
+void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
                     std::vector<double>& base_d);
 
 }  // namespace crosskv

@@ -664,11 +664,11 @@ class TwinComm final : public Comm {
   bool device_;
 };
 
-// Two passes of two rounds, each ended by reduce_round with two readers, keys and values together: the device's
+// Two passes of two rounds, each ended by reduce_round (with two readers, or one), keys and values together: the device's
 // shares, read from its sums where they are (never flushed), equal the CPU's (exactly when `exact`, else within the
 // fp32 accumulation error); the sums stay resident across rounds, zeroed there. At a pass's end the residency is
 // dropped and the moments overwritten (as the gathered shares do): nothing the device held may reach them later.
-void check_round_end(ComputeBackend& dev, bool device_buffers, bool exact) {
+void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool exact) {
   const PairDims d{3, 2, 8, 4, 2, 8};
   auto cpu = make_cpu_backend();
   const std::vector<float> sx(d.X(), 0.5f), sy(d.Y(), -0.5f);
@@ -677,7 +677,6 @@ void check_round_end(ComputeBackend& dev, bool device_buffers, bool exact) {
   for (int s = 0; s < d.Ls; ++s) probe.gram.emplace_back(s, s);
   probe.probe_heads = MomentPlan::all_heads(d);
   for (Moments* m : {&ka, &va, &kb, &vb}) m->add_plan(probe);
-  TwinComm host_twin(false), dev_twin(device_buffers);
   for (int pass = 1; pass <= 2; ++pass) {
     std::vector<float> fa, fb, uk, uv;
     std::vector<double> da, db, ukd, uvd;
@@ -699,8 +698,8 @@ void check_round_end(ComputeBackend& dev, bool device_buffers, bool exact) {
         ka.pack_live(uk, ukd);
         va.pack_live(uv, uvd);
       }
-      reduce_round({&ka, &va}, *cpu, host_twin, fa, da);
-      reduce_round({&kb, &vb}, dev, dev_twin, fb, db);
+      reduce_round({&ka, &va}, *cpu, host_comm, fa, da);
+      reduce_round({&kb, &vb}, dev, dev_comm, fb, db);
       ASSERT_EQ(fa.size(), fb.size()) << what;
       ASSERT_EQ(da.size(), db.size()) << what;
       ASSERT_GT(fa.size(), 0u) << what;
@@ -837,16 +836,27 @@ TEST(DeviceContract, CopySumsOfAnyWindowFollowsThePackOrder) {
   ShadowBackend shadow;
   check_copy_windows(shadow, true);
 }
-TEST_F(Cuda, RoundEndsReadTheResidentSumsInPlace) { check_round_end(*gpu_, false, false); }
+TEST_F(Cuda, RoundEndsReadTheResidentSumsInPlace) {
+  TwinComm twin(false);
+  check_round_end(*gpu_, twin, twin, false);
+  auto one = make_single_comm();
+  check_round_end(*gpu_, *one, *one, false);
+}
 TEST(DeviceContract, ShadowRoundEndsReadTheResidentSumsInPlace) {
-  for (bool device_buffers : {false, true}) {
-    ShadowBackend shadow;
-    check_round_end(shadow, device_buffers, true);
-    EXPECT_EQ(shadow.flushes, 1) << "only the test's own flush at the end";
-    EXPECT_EQ(shadow.kept, 4) << "one resident range per kind and pass, kept across rounds";
-    EXPECT_EQ(shadow.drops, 2) << "one per pass";
-    EXPECT_EQ(shadow.copies_to_device > 0, device_buffers);
-  }
+  for (int readers : {2, 1})
+    for (bool device_buffers : {false, true}) {
+      if (readers == 1 && device_buffers) continue;
+      ShadowBackend shadow;
+      TwinComm host_twin(false), dev_twin(device_buffers);
+      auto one = make_single_comm();
+      check_round_end(shadow, readers == 2 ? static_cast<Comm&>(host_twin) : *one,
+                      readers == 2 ? static_cast<Comm&>(dev_twin) : *one, true);
+      const std::string what = std::to_string(readers) + " reader(s)" + (device_buffers ? ", device buffers" : "");
+      EXPECT_EQ(shadow.flushes, 1) << what << ": only the test's own flush at the end";
+      EXPECT_EQ(shadow.kept, 4) << what << ": one resident range per kind and pass, kept across rounds";
+      EXPECT_EQ(shadow.drops, 2) << what << ": one per pass";
+      EXPECT_EQ(shadow.copies_to_device > 0, device_buffers) << what;
+    }
 }
 TEST(DeviceContract, ShadowPrepareGatherAndStatsMatchTheHost) {
   ShadowBackend shadow;
@@ -872,10 +882,11 @@ TEST(DeviceContract, AFitThroughAShadowDeviceEqualsTheCpuFit) {
       };
       const std::string tag = probe + (extra.empty() ? "-1pass" : "-2pass");
       fit(*cpu, "cpu-" + tag);
-      const int before = shadow.flushes;
+      const int flushes = shadow.flushes, drops = shadow.drops;
       const int assembled_before = shadow.assembled;
       fit(shadow, "shadow-" + tag);
-      EXPECT_GT(shadow.flushes, before);
+      EXPECT_EQ(shadow.flushes, flushes) << "round ends read the resident sums in place";
+      EXPECT_GT(shadow.drops, drops) << "and the residency is dropped at each pass's end";
       EXPECT_GT(shadow.kept, 0);
       EXPECT_GT(shadow.assembled, assembled_before) << "the ridge systems are assembled by the backend";
       for (const std::string k : {"k1", "k3", "kall"}) {

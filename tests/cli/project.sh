@@ -30,7 +30,7 @@ assert total > 0 and abs(sum(vals[:-1]) - total) <= 0.05 * len(vals), (vals, tot
 PY
 }
 check_projection 2 "round end: 1/P share to the host" "round end: sums zeroed on the device"
-check_projection 1 "round end: sums to the host" "round end: added into the share"
+check_projection 1 "round end (one reader, measured)"
 python3 "$ROOT/bench/project.py" nowhere > err.txt 2>&1 && die "project.py without its inputs succeeded"
 expect_in "no bench_gpu.json in nowhere" err.txt
 echo "PASS"
