@@ -425,6 +425,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     state = job_store->load(opts.fresh).value_or(PassState{});
     p1 = run_pass(1, cal, ctx, *job_store, state, {&mk, mraw.get(), &mv},
                   plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
+    // The share is committed and the moments hold it: only a second pass's checkpoints still need it.
+    if (plan.single_pass) state = PassState{};
   }
   res.tokens_read += p1.tokens;
   res.passes = 1;
