@@ -423,7 +423,7 @@ class CudaBackend final : public ComputeBackend {
     f.host = A;
     f.n = n;
     f.lda = lda;
-    f.diag = diag_sum(A, n, lda);
+    f.diag = diag_tag(A, n, lda);
     f.factored = false;
     assembled_.insert(A);
   }
@@ -436,7 +436,7 @@ class CudaBackend final : public ComputeBackend {
     // here (assemble_cov) is factored where it is.
     DeviceFactor* pre = nullptr;
     for (auto& f : factors_)
-      if (f->host == A && !f->factored && f->n == n && f->lda == lda && diag_sum(A, n, lda) == f->diag) pre = f.get();
+      if (f->host == A && !f->factored && f->n == n && f->lda == lda && diag_tag(A, n, lda) == f->diag) pre = f.get();
     if (pre) {
       std::stable_partition(factors_.begin(), factors_.end(), [&](const auto& f) { return f.get() == pre; });
     } else {
@@ -471,7 +471,7 @@ class CudaBackend final : public ComputeBackend {
     f.host = A;
     f.n = n;
     f.lda = lda;
-    f.diag = diag_sum(A, n, lda);
+    f.diag = diag_tag(A, n, lda);
     f.factored = true;
     return info;
   }
@@ -600,12 +600,12 @@ class CudaBackend final : public ComputeBackend {
       std::fill_n(p, count, T{0});
   }
 
-  // A factor computed here and still on the device, for the host array it was copied back to. The weighted sum of
-  // its diagonal guards against that host memory having been reused for another matrix.
+  // A factor computed here and still on the device, for the host array it was copied back to. A hash of the host
+  // array's diagonal bits guards against that memory having been reused for another matrix.
   struct DeviceFactor {
     const double* host = nullptr;
     int64_t n = 0, lda = 0;
-    double diag = 0;
+    uint64_t diag = 0;
     bool factored = false;  // false: assembled by assemble_cov, waiting for cholesky
     DeviceBuffer<double> dev;
   };
@@ -630,10 +630,15 @@ class CudaBackend final : public ComputeBackend {
                    factors_.end());
   }
 
-  static double diag_sum(const double* A, int64_t n, int64_t lda) {
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) s += A[i * lda + i] * static_cast<double>(i + 1);
-    return s;
+  // FNV-1a over the bits of the diagonal (exact, and NaN-safe: untouched or reused host memory may hold anything).
+  static uint64_t diag_tag(const double* A, int64_t n, int64_t lda) {
+    uint64_t h = 1469598103934665603ULL;
+    for (int64_t i = 0; i < n; ++i) {
+      uint64_t bits;
+      std::memcpy(&bits, A + i * lda + i, sizeof bits);
+      h = (h ^ bits) * 1099511628211ULL;
+    }
+    return h;
   }
 
   // Triangular solves with the leading n x n block of L, one per entry of `transposes`, in order.
@@ -643,7 +648,7 @@ class CudaBackend final : public ComputeBackend {
     const std::string ops = dims({{"n", n}, {"lda", lda}, {"nrhs", nrhs}, {"ldb", ldb}});
     const double* dL = nullptr;
     for (auto& f : factors_)
-      if (f->factored && L == f->host && lda == f->lda && n <= f->n && diag_sum(L, f->n, lda) == f->diag)
+      if (f->factored && L == f->host && lda == f->lda && n <= f->n && diag_tag(L, f->n, lda) == f->diag)
         dL = f->dev.get(0, where_);
     if (!dL) {
       CROSSKV_ASSERT(!device_only_.count(L), "CUDA backend: a solve names a factor kept only on the device, and "

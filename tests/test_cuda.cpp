@@ -152,8 +152,9 @@ TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
   for (int64_t i = 0; i < n * ldb; i += ldb) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
 }
 
-// Factoring for pivots: the host gets the pivots only (host A untouched), the solves use the factor kept on the device, and a solve
-// naming a factor no longer kept (four newer ones) stops with an assertion instead of using the host's values.
+// Factoring for pivots: the host gets the pivots only (host A untouched), the solves use the factor kept on the
+// device, and a solve naming a factor no longer kept (four newer ones) stops with an assertion instead of using the
+// host's values.
 TEST_F(Cuda, DiagonalOnlyFactorsStayOnTheDevice) {
   const int64_t n = 200, nrhs = 5;
   std::mt19937_64 rng(9);
@@ -664,10 +665,11 @@ class TwinComm final : public Comm {
   bool device_;
 };
 
-// Two passes of two rounds, each ended by reduce_round (with two readers, or one), keys and values together: the device's
-// shares, read from its sums where they are (never flushed), equal the CPU's (exactly when `exact`, else within the
-// fp32 accumulation error); the sums stay resident across rounds, zeroed there. At a pass's end the residency is
-// dropped and the moments overwritten (as the gathered shares do): nothing the device held may reach them later.
+// Two passes of two rounds, each ended by reduce_round (with two readers, or one), keys and values together: the
+// device's shares, read from its sums where they are (never flushed), equal the CPU's (exactly when `exact`, else
+// within the fp32 accumulation error); the sums stay resident across rounds, zeroed there. At a pass's end the
+// residency is dropped and the moments overwritten (as the gathered shares do): nothing the device held may reach
+// them later.
 void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool exact) {
   const PairDims d{3, 2, 8, 4, 2, 8};
   auto cpu = make_cpu_backend();
@@ -687,7 +689,8 @@ void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool 
         const int64_t rows = 40 + 23 * blk + 7 * round;
         const uint64_t seed = 1000 * pass + 100 * round + 10 * blk;
         for (int kind = 0; kind < 2; ++kind) {
-          auto X = random_rows(rows * d.X(), seed + 2 * kind, 0.7f), Y = random_rows(rows * d.Y(), seed + 2 * kind + 1, -0.3f);
+          auto X = random_rows(rows * d.X(), seed + 2 * kind, 0.7f);
+          auto Y = random_rows(rows * d.Y(), seed + 2 * kind + 1, -0.3f);
           auto X2 = X, Y2 = Y;
           (kind ? va : ka).accumulate(*cpu, X.data(), Y.data(), rows);
           (kind ? vb : kb).accumulate(dev, X2.data(), Y2.data(), rows);
