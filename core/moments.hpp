@@ -162,7 +162,8 @@ class Moments {
   std::vector<BlockRef> head_cross_;  // [Hs] of (Ls*Ds) x (Lt*Dt)
   std::vector<float> hx_, hy_;        // head-major scratch
   // Blocks being accumulated in the current pass (the rest are complete), the arenas that hold them, and whether
-  // they are all zero on the host (just made, or zeroed after a round).
+  // they are all zero (just made, or zeroed after a round: on the host, or on the device where they stay resident,
+  // so keep_resident's promise holds whenever it can still create a range).
   std::vector<bool> gram_live_, cross_live_;
   bool head_live_ = false, stats_done_ = false;
   std::vector<const FloatArena*> live_arenas_;
