@@ -34,6 +34,12 @@ std::vector<ShareSegment> share_layout(size_t n, int ranks) {
   return out;
 }
 
+size_t share_size(size_t n, int ranks, int rank) {
+  size_t total = 0;
+  for (const ShareSegment& s : share_layout(n, ranks)) total += static_cast<size_t>(s.counts[rank]);
+  return total;
+}
+
 namespace {
 // Segment by segment through a host buffer: share_layout(len, P) of one segment is that segment's own layout, so the
 // result is the one of reduce_scatter_sum over all n values.
@@ -45,6 +51,7 @@ void filled_through_host(Comm& comm, size_t n, const Comm::Fill<T>& fill, std::v
     if (n > 0) fill(0, n, chunk.data(), false);
     return;
   }
+  chunk.reserve(share_size(n, comm.size(), comm.rank()));
   std::vector<T> seg, part;
   for (const ShareSegment& s : share_layout(n, comm.size())) {
     seg.resize(s.len);
@@ -146,6 +153,7 @@ class MpiComm final : public Comm {
   void scatter(const T* in, size_t n, std::vector<T>& chunk, MPI_Datatype type) {
     const size_t P = static_cast<size_t>(size_);
     chunk.clear();
+    chunk.reserve(share_size(n, size_, rank_));
     std::vector<int> rcounts(P), rdispls(P);
     std::vector<T> mine;
     for (const ShareSegment& s : segments(n)) {

@@ -44,6 +44,8 @@ struct ShareSegment {
   std::vector<int> counts, displs;
 };
 std::vector<ShareSegment> share_layout(size_t n, int ranks);
+// The number of values rank `rank` owns in that layout (a share's size, to allocate it once).
+size_t share_size(size_t n, int ranks, int rank);
 
 std::unique_ptr<Comm> make_single_comm();
 // Requires MPI to be initialised (see MpiSession).

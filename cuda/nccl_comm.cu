@@ -106,6 +106,7 @@ class NcclComm final : public Comm {
       if (n > 0) fill(0, n, chunk.data(), false);
       return;
     }
+    chunk.reserve(share_size(n, P, me));
     for (const ShareSegment& s : share_layout(n, P)) {
       const size_t c = static_cast<size_t>(s.counts[me]);
       // [segment | P received parts | summed part]

@@ -369,3 +369,87 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
     for (int l = 0; l < plan.dims.Lt; ++l) EXPECT_EQ(m["layers"][l]["target_layer"], l);
   }
 }
+
+namespace {
+
+// Rank 0 of P ranks whose partners all hold the same values: its share of a reduce-scatter is P times its part. It
+// does not override reduce_scatter_filled, so the interface's default (segments through a host buffer) is tested.
+class MirrorComm final : public Comm {
+ public:
+  explicit MirrorComm(int ranks) : P_(ranks) {}
+  int rank() const override { return 0; }
+  int size() const override { return P_; }
+  std::string name() const override { return "mirror"; }
+  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { scaled(in, n, c); }
+  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override { scaled(in, n, c); }
+  void allreduce_sum(float*, size_t) override { ADD_FAILURE(); }
+  void allreduce_sum(double*, size_t) override { ADD_FAILURE(); }
+  void broadcast(void*, size_t, int) override { ADD_FAILURE(); }
+  void barrier() override {}
+  bool all_ok(bool ok) override { return ok; }
+  void allgather(const std::vector<float>&, float*, size_t) override { ADD_FAILURE(); }
+  void allgather(const std::vector<double>&, double*, size_t) override { ADD_FAILURE(); }
+  std::unique_ptr<Comm> split(int, int) override { return nullptr; }
+  size_t calls = 0;
+
+ private:
+  template <class T>
+  void scaled(const T* in, size_t n, std::vector<T>& chunk) {
+    ++calls;
+    chunk.clear();
+    for (const ShareSegment& s : share_layout(n, P_))
+      for (int i = 0; i < s.counts[0]; ++i) chunk.push_back(static_cast<T>(P_) * in[s.off + s.displs[0] + i]);
+  }
+  int P_;
+};
+
+}  // namespace
+
+// The share layout covers every value once, in segments of at most P * 2^24; share_size counts a rank's values.
+TEST(ShareLayout, SegmentsCoverEveryValueOnceAndShareSizesAddUp) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, (size_t{3} << 24) + 5})
+    for (int P : {1, 2, 3, 8}) {
+      const auto segs = share_layout(n, P);
+      size_t at = 0, owned = 0;
+      for (const ShareSegment& s : segs) {
+        ASSERT_EQ(s.off, at);
+        ASSERT_LE(s.len, static_cast<size_t>(P) << 24);
+        for (int r = 0, d = 0; r < P; d += s.counts[r], ++r) ASSERT_EQ(s.displs[r], d) << "n " << n << ", P " << P;
+        at += s.len;
+      }
+      ASSERT_EQ(at, n);
+      for (int r = 0; r < P; ++r) owned += share_size(n, P, r);
+      ASSERT_EQ(owned, n) << "n " << n << ", P " << P;
+    }
+}
+
+// reduce_scatter_filled's default gives reduce_scatter_sum's share over all the values, asking the caller for one
+// segment at a time (here three, each handed to the comm's reduce_scatter_sum) into host memory.
+TEST(ShareLayout, FilledReduceScatterEqualsThePackedOne) {
+  const int P = 2;
+  const size_t n = (size_t{P} << 25) + 12345;  // two full segments of P * 2^24 and a short one
+  std::vector<float> values(n);
+  for (size_t i = 0; i < n; ++i) values[i] = static_cast<float>(i % 1000) - 500.0f;
+  MirrorComm packed(P), filled(P);
+  std::vector<float> want, got;
+  packed.reduce_scatter_sum(values.data(), n, want);
+  std::vector<std::pair<size_t, size_t>> asked;
+  filled.reduce_scatter_filled(
+      n,
+      [&](size_t off, size_t len, float* dst, bool on_device) {
+        EXPECT_FALSE(on_device);
+        asked.emplace_back(off, len);
+        std::copy_n(values.data() + off, len, dst);
+      },
+      got);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(got.size(), share_size(n, P, 0));
+  ASSERT_EQ(asked.size(), 3u);
+  EXPECT_EQ(asked[1], std::make_pair(size_t{P} << 24, size_t{P} << 24));
+  EXPECT_EQ(filled.calls, 3u);
+  auto single = make_single_comm();
+  std::vector<double> d;
+  single->reduce_scatter_filled(
+      3, [](size_t off, size_t len, double* dst, bool) { for (size_t i = 0; i < len; ++i) dst[i] = off + i + 0.5; }, d);
+  EXPECT_EQ(d, (std::vector<double>{0.5, 1.5, 2.5}));
+}
