@@ -38,7 +38,7 @@ class ComputeBackend {
   // host memory; a resident sum is read from its device copy.
   template <class T>
   struct SumPiece {
-    const T* p;
+    T* p;
     int64_t rows, cols, ld, at;
   };
   virtual void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
@@ -167,6 +167,14 @@ void for_each_sum_run(const std::vector<ComputeBackend::SumPiece<T>>& pieces, in
     }
     if (s < e) fn(q.p + (s / q.cols) * q.ld, q.ld, int64_t{1}, e - s, q.at + s);  // a partial last row
   }
+}
+
+// The inverse of a host copy_sums: flat values [off, off + len) from src into the pieces' (host) memory.
+template <class T>
+void place_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, const T* src) {
+  for_each_sum_run(pieces, off, len, [src, off](T* dst, int64_t ld, int64_t rows, int64_t cols, int64_t flat) {
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(src + (flat - off) + r * cols, cols, dst + r * ld);
+  });
 }
 
 // assemble_cov on the host (all of A): the CPU backend's, and Moments::cov_xx's.

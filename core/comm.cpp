@@ -62,6 +62,21 @@ void filled_through_host(Comm& comm, size_t n, const Comm::Fill<T>& fill, std::v
 }
 }  // namespace
 
+void Comm::allgather_drained(const std::vector<float>& chunk, size_t n, const Drain<float>& drain) {
+  // One segment's layout is that segment's own (as above): gather each into a buffer of its size.
+  std::vector<float> mine, seg;
+  size_t at = 0;
+  for (const ShareSegment& s : share_layout(n, size())) {
+    const auto c = static_cast<size_t>(s.counts[rank()]);
+    CROSSKV_ASSERT(at + c <= chunk.size(), "allgather_drained: a share smaller than its layout");
+    mine.assign(chunk.begin() + at, chunk.begin() + at + c);
+    seg.resize(s.len);
+    allgather(mine, seg.data(), s.len);
+    drain(s.off, s.len, seg.data());
+    at += c;
+  }
+}
+
 void Comm::reduce_scatter_filled(size_t n, const Fill<float>& fill, std::vector<float>& chunk) {
   filled_through_host(*this, n, fill, chunk);
 }

@@ -32,6 +32,11 @@ class Comm {
   virtual void reduce_scatter_filled(size_t n, const Fill<float>& fill, std::vector<float>& chunk);
   virtual void reduce_scatter_filled(size_t n, const Fill<double>& fill, std::vector<double>& chunk);
   virtual void allgather(const std::vector<float>& chunk, float* out, size_t n) = 0;
+  // The same gathered a segment at a time: drain(off, len, values) receives values [off, off + len) of the result
+  // (host memory, valid during the call), so that nobody holds a copy of all n.
+  template <class T>
+  using Drain = std::function<void(size_t off, size_t len, const T* values)>;
+  virtual void allgather_drained(const std::vector<float>& chunk, size_t n, const Drain<float>& drain);
   virtual void allgather(const std::vector<double>& chunk, double* out, size_t n) = 0;
   // A communicator of the ranks that pass the same `color`, ordered by `key` (collective over this one).
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;

@@ -288,11 +288,15 @@ void Moments::add_live_to(float* f, double* d) const {
 }
 
 void Moments::unpack_live(const float* f, const double* d) {
-  live_zero_ = false;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
     const BlockRef& b = live_block(i, w);
     for (int64_t r = 0; r < b.rows; ++r, f += b.cols) std::copy_n(f, b.cols, b.row(r));
   });
+  unpack_live_doubles(d);
+}
+
+void Moments::unpack_live_doubles(const double* d) {
+  live_zero_ = false;
   if (!stats_done_) {
     n_ = *d++;
     std::copy_n(d, sum_x_.size(), sum_x_.begin());
@@ -304,11 +308,11 @@ void Moments::unpack_live(const float* f, const double* d) {
 }
 
 void Moments::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f,
-                          std::vector<ComputeBackend::SumPiece<double>>& d, int64_t f_at, int64_t d_at) const {
+                          std::vector<ComputeBackend::SumPiece<double>>& d, int64_t f_at, int64_t d_at) {
   for (const auto& [b, at] : live_layout()) f.push_back({b->p, b->rows, b->cols, b->ld, f_at + at});
   if (stats_done_) return;
   d.push_back({&n_, 1, 1, 1, d_at++});
-  for (const std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
+  for (std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
     const auto n = static_cast<int64_t>(v->size());
     d.push_back({v->data(), 1, n, n, d_at});
     d_at += n;

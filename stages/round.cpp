@@ -34,7 +34,7 @@ void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& rea
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
   int64_t f_at = 0, d_at = 0;
-  for (const Moments* m : ms) {
+  for (Moments* m : ms) {
     m->live_pieces(fp, dp, f_at, d_at);
     f_at += static_cast<int64_t>(m->live_floats());
     d_at += static_cast<int64_t>(m->live_doubles());

@@ -785,6 +785,20 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
       ASSERT_NEAR(wantd[off + i], got[i], exact ? 0.0 : 1e-12 * rows * (1 + std::fabs(wantd[off + i])));
   }
   dev.flush();
+  // And back: windows placed into fresh moments (place_sums, as the pass's gather does) give the same packed state.
+  Moments c(d, sx, sy);
+  c.add_plan(plan);
+  std::vector<ComputeBackend::SumPiece<float>> cp;
+  std::vector<ComputeBackend::SumPiece<double>> cd;
+  c.live_pieces(cp, cd, 0, 0);
+  for (int64_t off = 0, len = 1; off < n; off += len, len = 1 + static_cast<int64_t>(rng() % 97))
+    place_sums(cp, off, std::min(len, n - off), want.data() + off);
+  c.unpack_live_doubles(wantd.data());
+  std::vector<float> placed;
+  std::vector<double> placed_d;
+  c.pack_live(placed, placed_d);
+  EXPECT_EQ(placed, want);
+  EXPECT_EQ(placed_d, wantd);
 }
 
 }  // namespace

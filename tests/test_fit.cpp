@@ -387,8 +387,9 @@ class MirrorComm final : public Comm {
   void broadcast(void*, size_t, int) override { ADD_FAILURE(); }
   void barrier() override {}
   bool all_ok(bool ok) override { return ok; }
-  void allgather(const std::vector<float>&, float*, size_t) override { ADD_FAILURE(); }
-  void allgather(const std::vector<double>&, double*, size_t) override { ADD_FAILURE(); }
+  // Every rank's share holds the values of this one's (n a multiple of P: shares of equal size).
+  void allgather(const std::vector<float>& c, float* out, size_t n) override { mirrored(c, out, n); }
+  void allgather(const std::vector<double>& c, double* out, size_t n) override { mirrored(c, out, n); }
   std::unique_ptr<Comm> split(int, int) override { return nullptr; }
   size_t calls = 0;
 
@@ -399,6 +400,17 @@ class MirrorComm final : public Comm {
     chunk.clear();
     for (const ShareSegment& s : share_layout(n, P_))
       for (int i = 0; i < s.counts[0]; ++i) chunk.push_back(static_cast<T>(P_) * in[s.off + s.displs[0] + i]);
+  }
+  template <class T>
+  void mirrored(const std::vector<T>& chunk, T* out, size_t n) {
+    size_t at = 0;
+    for (const ShareSegment& s : share_layout(n, P_)) {
+      for (int r = 0; r < P_; ++r) {
+        ASSERT_EQ(s.counts[r], s.counts[0]);
+        std::copy_n(chunk.begin() + at, s.counts[0], out + s.off + s.displs[r]);
+      }
+      at += s.counts[0];
+    }
   }
   int P_;
 };
@@ -447,6 +459,19 @@ TEST(ShareLayout, FilledReduceScatterEqualsThePackedOne) {
   ASSERT_EQ(asked.size(), 3u);
   EXPECT_EQ(asked[1], std::make_pair(size_t{P} << 24, size_t{P} << 24));
   EXPECT_EQ(filled.calls, 3u);
+  // The gather back, drained a segment at a time, equals the whole allgather.
+  std::vector<float> whole(n), drained(n, -1.0f);
+  const size_t even = n - n % P;
+  filled.allgather(std::vector<float>(got.begin(), got.begin() + static_cast<long>(share_size(even, P, 0))),
+                   whole.data(), even);
+  size_t segments = 0;
+  filled.allgather_drained(std::vector<float>(got.begin(), got.begin() + static_cast<long>(share_size(even, P, 0))),
+                           even, [&](size_t off, size_t len, const float* v) {
+                             ++segments;
+                             std::copy_n(v, len, drained.begin() + static_cast<long>(off));
+                           });
+  EXPECT_EQ(segments, 3u);
+  EXPECT_TRUE(std::equal(whole.begin(), whole.begin() + static_cast<long>(even), drained.begin()));
   auto single = make_single_comm();
   std::vector<double> d;
   single->reduce_scatter_filled(
