@@ -140,6 +140,15 @@ def main():
     for what, s, src in rows:
         print(f"  {what:<42} {s:8.1f} s   {src}")
     print(f"  {'total per pair':<42} {total:8.1f} s   ({total / 60:.1f} min)")
+    factor_path = find("factor_gpu.json")
+    if factor_path:
+        try:
+            fj = json.loads(factor_path.read_text())
+            print(f"  (factor_gpu.json, one kind's k = all system of {fj['features']} features: assembled on the host "
+                  f"and uploaded {fj['host_assemble_s'] + fj['upload_and_factor_s']:.1f} s, assembled on the device "
+                  f"{fj['assemble_cov_s'] + fj['factor_assembled_s']:.1f} s; the fit uses the latter)")
+        except (ValueError, KeyError) as e:
+            print(f"  (factor_gpu.json unreadable: {e})")
     missing = [w for w, key in (("probe", "probe"), ("k = all factor", "factor_all"), ("solve", "solve"))
                if not any(w in r for r, _, _ in rows)]
     if missing:

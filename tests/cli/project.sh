@@ -7,6 +7,7 @@ BENCH=${CROSSKV_BENCH_GPU:?}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 command -v python3 > /dev/null || { echo "SKIPPED: no python3"; exit 77; }
 CROSSKV_BENCH_CPU=1 "$BENCH" 3 2 16 4 2 16 256 1 > bench_gpu.json || die "crosskv-bench-gpu on the CPU failed"
+CROSSKV_BENCH_CPU=1 "$BENCH" --factor 3 2 16 256 > factor_gpu.json || die "crosskv-bench-gpu --factor on the CPU failed"
 "$SYNTH" --out data --shards 4 --sequences 2 --seq-len 64 --source-layers 3 --target-layers 4 > /dev/null
 printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, all]}\noutput: {dir: out}\nruntime: {block_tokens: 64, checkpoint: {every_shards: 1}}\n' > fit.yaml
 "$FIT" fit.yaml > fit_gpu.log 2>&1 || { cat fit_gpu.log; die "fit failed"; }
@@ -29,7 +30,8 @@ total = vals[-1]
 assert total > 0 and abs(sum(vals[:-1]) - total) <= 0.05 * len(vals), (vals, total)
 PY
 }
-check_projection 2 "round end: 1/P share to the host" "round end: sums zeroed on the device"
+check_projection 2 "round end: 1/P share to the host" "round end: sums zeroed on the device" \
+  "one kind's k = all system of 96 features: assembled on the host"
 check_projection 1 "round end (one reader, measured)"
 python3 "$ROOT/bench/project.py" nowhere > err.txt 2>&1 && die "project.py without its inputs succeeded"
 expect_in "no bench_gpu.json in nowhere" err.txt
