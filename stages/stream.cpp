@@ -117,8 +117,11 @@ void read_block(Readers& r, const Rope& rs, const Rope& rt, const Calibration& c
 }
 
 // One producer thread reads blocks ahead; the consumer folds them in. HDF5 is only ever called from the producer.
+// Two blocks exist (double buffering: one folded in while the next is read), recycled from round to round so that
+// their buffers are not allocated (and page-faulted) again.
 class BlockQueue {
  public:
+  static constexpr int kBlocks = 2;
   void push(std::optional<Block> b) {
     std::unique_lock<std::mutex> l(m_);
     cv_.wait(l, [&] { return q_.size() < 2; });
@@ -143,17 +146,32 @@ class BlockQueue {
     std::lock_guard<std::mutex> l(m_);
     return error_;
   }
-  // Blocks are recycled so that their buffers are not allocated (and page-faulted) again for every block.
   void recycle(Block&& b) {
     std::lock_guard<std::mutex> l(m_);
     free_.push_back(std::move(b));
+    cv_.notify_all();
   }
-  Block take_free() {
-    std::lock_guard<std::mutex> l(m_);
-    if (free_.empty()) return Block{};
+  // A block to read into: a recycled one, or a new one while fewer than kBlocks exist; else waits for the consumer
+  // to recycle one. Empty once the round is abandoned.
+  std::optional<Block> take_free() {
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return abandoned_ || !free_.empty() || made_ < kBlocks; });
+    if (abandoned_) return std::nullopt;
+    if (free_.empty()) {
+      ++made_;
+      return Block{};
+    }
     Block b = std::move(free_.back());
     free_.pop_back();
     return b;
+  }
+  // For the next round: the recycled blocks are kept (blocks dropped by an abandoned round are made anew).
+  void next_round() {
+    std::lock_guard<std::mutex> l(m_);
+    q_.clear();
+    error_ = nullptr;
+    abandoned_ = false;
+    made_ = static_cast<int>(free_.size());
   }
   void abandon() {
     std::lock_guard<std::mutex> l(m_);
@@ -161,16 +179,13 @@ class BlockQueue {
     q_.clear();
     cv_.notify_all();
   }
-  bool abandoned() {
-    std::lock_guard<std::mutex> l(m_);
-    return abandoned_;
-  }
 
  private:
   std::mutex m_;
   std::condition_variable cv_;
   std::deque<std::optional<Block>> q_;
   std::vector<Block> free_;
+  int made_ = 0;
   std::exception_ptr error_;
   bool abandoned_ = false;
 };
@@ -261,20 +276,21 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
     v.accumulate_staged(be, xv, yv, n);
   };
   PassStats st;
+  BlockQueue queue;
   for (int64_t round = start_round; round < rounds; ++round) {
     std::vector<const ShardPair*> mine;
     for (int64_t i = round * per_round; i < std::min<int64_t>((round + 1) * per_round, cal.shards.size()); ++i)
       if (static_cast<int>(i % size) == rank && cal.shards[i].used > 0) mine.push_back(&cal.shards[i]);
     bool abandoned = false;
-    BlockQueue queue;
+    queue.next_round();
     std::thread producer([&] {
       try {
         for (const ShardPair* p : mine) {
           Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path)};
           for (int64_t j = 0; j < p->used; j += B) {
-            if (queue.abandoned()) return;
-            Block b = queue.take_free();
-            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, on_device ? nullptr : &shifts, b);
+            std::optional<Block> b = queue.take_free();
+            if (!b) return;
+            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, on_device ? nullptr : &shifts, *b);
             queue.push(std::move(b));
           }
         }
