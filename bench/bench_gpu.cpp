@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
   // zeroed where they are (on the device, staying resident).
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
-  m.live_pieces(fp, dp, 0, 0);
+  m.live_pieces(fp, dp);
   const int64_t share_n = static_cast<int64_t>(m.live_floats() / 8);
   std::vector<float> share(share_n);
   t0 = Clock::now();

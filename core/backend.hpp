@@ -143,6 +143,12 @@ class ComputeBackend {
 // The parts of `pieces` (sorted by `at`, back to back) that fall in flat values [off, off + len), as 2-D runs:
 // fn(src, ld, rows, cols, flat) copies rows x cols values at src (leading dim ld) to flat positions flat.. (row-major,
 // no gaps). A piece cut by the range gives at most three runs (its partial first row, whole rows, partial last row).
+// The flat size of pieces laid back to back: the end of the last one.
+template <class T>
+int64_t flat_size(const std::vector<ComputeBackend::SumPiece<T>>& pieces) {
+  return pieces.empty() ? 0 : pieces.back().at + pieces.back().rows * pieces.back().cols;
+}
+
 template <class T, class Fn>
 void for_each_sum_run(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, Fn fn) {
   const int64_t end = off + len;

@@ -308,7 +308,9 @@ void Moments::unpack_live_doubles(const double* d) {
 }
 
 void Moments::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f,
-                          std::vector<ComputeBackend::SumPiece<double>>& d, int64_t f_at, int64_t d_at) {
+                          std::vector<ComputeBackend::SumPiece<double>>& d) {
+  const int64_t f_at = flat_size(f);
+  int64_t d_at = flat_size(d);
   for (const auto& [b, at] : live_layout()) f.push_back({b->p, b->rows, b->cols, b->ld, f_at + at});
   if (stats_done_) return;
   d.push_back({&n_, 1, 1, 1, d_at++});

@@ -93,11 +93,11 @@ class Moments {
   // Adds the live state to f and d in pack_live's order (f[i] += packed[i]: the same sums as packing first).
   void add_live_to(float* f, double* d) const;
   void unpack_live(const float* f, const double* d);
-  // The live state as pieces in pack_live's order, appended to f and d at flat offsets starting at f_at and d_at
-  // (the last piece's end): for a reduction that reads the sums where they are (ComputeBackend::copy_sums), and for
-  // gathering them back in place (place_sums, then unpack_live_doubles).
-  void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, std::vector<ComputeBackend::SumPiece<double>>& d,
-                   int64_t f_at, int64_t d_at);
+  // The live state as pieces in pack_live's order, appended to f and d after the pieces already there (so the
+  // pieces of several Moments, in turn, are their packed states back to back): for a reduction that reads the sums
+  // where they are (ComputeBackend::copy_sums), and for gathering them back in place (place_sums, then
+  // unpack_live_doubles).
+  void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, std::vector<ComputeBackend::SumPiece<double>>& d);
   // unpack_live's doubles, after its floats were written through live_pieces.
   void unpack_live_doubles(const double* d);
   // Zeroes the live state where it is current: a device backend zeroes resident sums on the device (they stay

@@ -174,12 +174,7 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     // token statistics (small).
     std::vector<ComputeBackend::SumPiece<float>> fp;
     std::vector<ComputeBackend::SumPiece<double>> dp;
-    int64_t f_at = 0, d_at = 0;
-    for (auto* m : ms) {
-      m->live_pieces(fp, dp, f_at, d_at);
-      f_at += static_cast<int64_t>(m->live_floats());
-      d_at += static_cast<int64_t>(m->live_doubles());
-    }
+    for (auto* m : ms) m->live_pieces(fp, dp);
     readers.allgather_drained(base_f, nf, [&](size_t off, size_t len, const float* values) {
       place_sums(fp, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
     });

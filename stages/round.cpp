@@ -33,13 +33,8 @@ void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& rea
                   std::vector<double>& base_d) {
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
-  int64_t f_at = 0, d_at = 0;
-  for (Moments* m : ms) {
-    m->live_pieces(fp, dp, f_at, d_at);
-    f_at += static_cast<int64_t>(m->live_floats());
-    d_at += static_cast<int64_t>(m->live_doubles());
-  }
-  const auto nf = static_cast<size_t>(f_at), nd = static_cast<size_t>(d_at);
+  for (Moments* m : ms) m->live_pieces(fp, dp);
+  const auto nf = static_cast<size_t>(flat_size(fp)), nd = static_cast<size_t>(flat_size(dp));
   if (readers.size() == 1) {
     // One reader: its share is every sum; the round's are added into it.
     const bool first = base_f.empty() && base_d.empty();

@@ -763,7 +763,7 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
   a.pack_live(want, wantd);
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
-  b.live_pieces(fp, dp, 0, 0);
+  b.live_pieces(fp, dp);
   const auto n = static_cast<int64_t>(want.size()), nd = static_cast<int64_t>(wantd.size());
   ASSERT_EQ(fp.back().at + fp.back().rows * fp.back().cols, n);
   ASSERT_EQ(dp.back().at + dp.back().rows * dp.back().cols, nd);
@@ -790,7 +790,7 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
   c.add_plan(plan);
   std::vector<ComputeBackend::SumPiece<float>> cp;
   std::vector<ComputeBackend::SumPiece<double>> cd;
-  c.live_pieces(cp, cd, 0, 0);
+  c.live_pieces(cp, cd);
   for (int64_t off = 0, len = 1; off < n; off += len, len = 1 + static_cast<int64_t>(rng() % 97))
     place_sums(cp, off, std::min(len, n - off), want.data() + off);
   c.unpack_live_doubles(wantd.data());
