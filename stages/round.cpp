@@ -54,7 +54,11 @@ void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& rea
         base.swap(part);
         return;
       }
-      for (size_t i = 0; i < part.size(); ++i) base[i] += part[i];
+      T* b = base.data();
+      const T* q = part.data();
+      const size_t len = part.size();
+#pragma omp parallel for schedule(static) if (len > (size_t{1} << 22))
+      for (size_t i = 0; i < len; ++i) b[i] += q[i];
     };
     reduce_into(base_f, fp, nf);
     reduce_into(base_d, dp, nd);
