@@ -242,7 +242,13 @@ size_t Moments::live_doubles() const { return stats_done_ ? 0 : 1 + sum_x_.size(
 void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
   f.resize(live_floats());
   d.resize(live_doubles());
-  pack_live(f.data(), d.data());
+  float* pf = f.data();
+  for (const auto& [b, at] : live_layout())
+    for (int64_t r = 0; r < b->rows; ++r) std::copy_n(b->row(r), b->cols, pf + at + r * b->cols);
+  if (stats_done_) return;
+  double* pd = d.data();
+  *pd++ = n_;
+  for (const std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) pd = std::copy(v->begin(), v->end(), pd);
 }
 
 std::vector<std::pair<const BlockRef*, int64_t>> Moments::live_layout() const {
@@ -257,41 +263,11 @@ std::vector<std::pair<const BlockRef*, int64_t>> Moments::live_layout() const {
   return out;
 }
 
-// f[pack order] = op(f, block values), blocks in parallel when large; then the token statistics.
-template <class Op>
-void Moments::copy_live(float* f, double* d, Op op) const {
-  const auto layout = live_layout();
-  const int64_t total = layout.empty() ? 0 : layout.back().second + layout.back().first->size();
-#pragma omp parallel for schedule(dynamic) if (total > kParallelMin)
-  for (size_t i = 0; i < layout.size(); ++i) {
-    const BlockRef& b = *layout[i].first;
-    float* out = f + layout[i].second;
-    for (int64_t r = 0; r < b.rows; ++r, out += b.cols) op(b.row(r), b.cols, out);
-  }
-  if (!stats_done_) {
-    op(&n_, 1, d++);
-    for (const std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
-      op(v->data(), static_cast<int64_t>(v->size()), d);
-      d += v->size();
-    }
-  }
-}
-
-void Moments::pack_live(float* f, double* d) const {
-  copy_live(f, d, [](const auto* src, int64_t n, auto* dst) { std::copy_n(src, n, dst); });
-}
-
-void Moments::add_live_to(float* f, double* d) const {
-  copy_live(f, d, [](const auto* src, int64_t n, auto* dst) {
-    for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
-  });
-}
-
 void Moments::unpack_live(const float* f, const double* d) {
-  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    const BlockRef& b = live_block(i, w);
-    for (int64_t r = 0; r < b.rows; ++r, f += b.cols) std::copy_n(f, b.cols, b.row(r));
-  });
+  std::vector<ComputeBackend::SumPiece<float>> fp;
+  std::vector<ComputeBackend::SumPiece<double>> dp;
+  live_pieces(fp, dp);
+  place_sums(fp, 0, flat_size(fp), f);
   unpack_live_doubles(d);
 }
 

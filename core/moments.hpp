@@ -88,10 +88,6 @@ class Moments {
   size_t live_floats() const;
   size_t live_doubles() const;
   void pack_live(std::vector<float>& f, std::vector<double>& d) const;
-  // The same into f[live_floats()] and d[live_doubles()] (no allocation).
-  void pack_live(float* f, double* d) const;
-  // Adds the live state to f and d in pack_live's order (f[i] += packed[i]: the same sums as packing first).
-  void add_live_to(float* f, double* d) const;
   void unpack_live(const float* f, const double* d);
   // The live state as pieces in pack_live's order, appended to f and d after the pieces already there (so the
   // pieces of several Moments, in turn, are their packed states back to back): for a reduction that reads the sums
@@ -146,8 +142,6 @@ class Moments {
   const BlockRef& live_block(size_t i, int which) const;
   // Every live block with its offset in pack_live's order.
   std::vector<std::pair<const BlockRef*, int64_t>> live_layout() const;
-  template <class Op>
-  void copy_live(float* f, double* d, Op op) const;
   const BlockRef& cross_block(int a, int l) const;
   // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).
   std::vector<BlockRef> new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes);

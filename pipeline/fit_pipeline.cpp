@@ -169,34 +169,28 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
   }
   ctx.backend.drop_resident();  // zeros after the last round's reduction: the host copies are overwritten below
+  // The pass's sums into the moments: one reader holds them all already; several gather their shares back a segment
+  // at a time straight into the blocks (no copy of all of them), then the token statistics (small).
+  std::vector<ComputeBackend::SumPiece<float>> fp;
+  std::vector<ComputeBackend::SumPiece<double>> dp;
+  for (auto* m : ms) m->live_pieces(fp, dp);
+  std::vector<double> D;
+  const double* pd = base_d.data();
   if (readers.size() > 1) {
-    // The shares gathered back a segment at a time straight into the moments (no copy of all of them), then the
-    // token statistics (small).
-    std::vector<ComputeBackend::SumPiece<float>> fp;
-    std::vector<ComputeBackend::SumPiece<double>> dp;
-    for (auto* m : ms) m->live_pieces(fp, dp);
     readers.allgather_drained(base_f, nf, [&](size_t off, size_t len, const float* values) {
       place_sums(fp, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
     });
-    std::vector<double> D(nd);
+    D.resize(nd);
     readers.allgather(base_d, D.data(), nd);
-    const double* pd = D.data();
-    for (auto* m : ms) {
-      const size_t md = m->live_doubles();
-      m->unpack_live_doubles(pd);
-      pd += md;
-    }
-  } else {  // one reader holds every sum already
-    const float* pf = base_f.data();
-    const double* pd = base_d.data();
-    for (auto* m : ms) {
-      const size_t mf = m->live_floats(), md = m->live_doubles();
-      m->unpack_live(pf, pd);
-      pf += mf;
-      pd += md;
-    }
+    pd = D.data();
+  } else {
+    place_sums(fp, 0, static_cast<int64_t>(nf), base_f.data());
   }
-  for (auto* m : ms) m->mark_pass_complete();
+  for (auto* m : ms) {
+    m->unpack_live_doubles(pd);
+    pd += m->live_doubles();
+    m->mark_pass_complete();
+  }
   if (!was_complete) store.save(state);
   double share = static_cast<double>(base_f.size() * sizeof(float) + base_d.size() * sizeof(double));
   log_rank_memory(ctx, label + " (moments + checkpointed share)", ms, share);
