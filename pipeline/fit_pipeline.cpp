@@ -146,7 +146,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   }
   Comm& readers = ctx.readers();
   const int64_t rounds = pass_rounds(cal, readers.size());
-  const bool was_complete = state.pass == pass && state.rounds_done == rounds;
+  // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds).
+  const bool was_complete = state.pass > pass || state.rounds_done == rounds;
   PassStats st;
   if (!was_complete) {
     if (state.rounds_done > 0) spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
