@@ -9,7 +9,7 @@ rate). The model is the one of docs/PERFORMANCE.md
 ("Model of the distributed job"): one layer group, P token groups; each rank reads N/P tokens, folds in keys and
 values (twice the benchmark's one kind) while the next block is read (the pass takes the longer of the two), ends
 one round (reduce-scatter read from the resident sums, its 1/P share to the host and checkpointed, the sums zeroed
-on the device; one reader: the round end the fit log measured), probes, and solves Lt/P target layers
+on the device; one reader: its checkpoint as the fit log measured it), probes, and solves Lt/P target layers
 after factoring the k = all system. Measured figures are used as they are; what one GPU cannot measure (the
 node's read rate for P readers, NVLink reduce-scatter, checkpoint disk) are assumptions, printed as such.
 Standard library only.
@@ -46,6 +46,11 @@ def parse_log(path):
             ck = m.group(5)
             got["rounds"].append({"reduce": seconds(m.group(4)) + (seconds(m.group(3)) if m.group(3) else 0.0),
                                   "checkpoint": None if "pass's end" in ck else seconds(ck)})
+        # one reader: nothing to reduce; the checkpoint reads the sums where they are
+        m = re.search(r"round (\d+)/(\d+) ended: checkpoint (.+?) \(one reader", line)
+        if m:
+            ck = m.group(3)
+            got["rounds"].append({"reduce": 0.0, "checkpoint": None if "pass's end" in ck else seconds(ck)})
         m = re.search(r"factored the k = all system once per kind \((\d+) features\) in (.+)$", line)
         if m:
             got["factor_all"] = seconds(m.group(2))
@@ -113,7 +118,10 @@ def main():
         rows.append(("round end: sums zeroed on the device", zero * gib,
                      f"bench_gpu: {zero:.3f} s/GiB x {gib:.1f} GiB"))
     elif log["rounds"]:
-        rows.append(("round end (one reader, measured)", log["rounds"][-1]["reduce"], "fit_gpu.log, last round"))
+        # One reader (P = 1): its round ends are its checkpoints, measured with the sums read where they are.
+        ck = [r["checkpoint"] for r in log["rounds"] if r["checkpoint"] is not None]
+        rows.append(("round end (one reader, measured)", log["rounds"][-1]["reduce"] + (ck[-1] if ck else 0.0),
+                     "fit_gpu.log, the last round checkpointed"))
     else:
         per_gib = (bench["flush_s"] + bench["zero_live_s"]) / max(bench["sums_gib"], 1e-9)
         rows.append(("round end: sums to the host and zeroed", per_gib * gib,
@@ -121,8 +129,9 @@ def main():
     rs = gib * (P - 1) / P * 1.0737 / a.nvlink_gbs
     rows.append(("reduce-scatter of the sums (in place)", rs,
                  f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))
-    rows.append(("checkpoint of this rank's 1/P share", gib / P * 1.0737 / a.disk_gbs,
-                 f"assumed {a.disk_gbs:g} GB/s per rank"))
+    if not rows[-1][0].startswith("round end (one reader"):
+        rows.append(("checkpoint of this rank's 1/P share", gib / P * 1.0737 / a.disk_gbs,
+                     f"assumed {a.disk_gbs:g} GB/s per rank"))
     if "probe" in log.get("stages", {}):
         rows.append(("probe (R², select)", log["stages"]["probe"], "fit_gpu.log (does not depend on N)"))
     if "factor_all" in log:

@@ -126,11 +126,21 @@ void log_rank_memory(Context& ctx, const std::string& label, const std::vector<M
   for (int r = 0; r < ctx.comm.size(); ++r) spdlog::info("{}: rank {} holds {}", label, r, human_bytes(per_rank[r]));
 }
 
-// One streaming pass in rounds: after each round the live moments are reduced (fixed order) into this rank's
-// share of the pass's sums and checkpointed; at the end the shares are gathered back into complete moments.
-// With a checkpoint of this pass, reading resumes after its last round (or not at all if the pass was complete).
+// The checkpointed sums of a pass do not fit the job's moments (a state written by another version).
+void check_restored_size(const CheckpointStore& store, size_t have, size_t want) {
+  if (have != want)
+    throw InputError(store.dir() + ": the checkpoint holds " + std::to_string(have) + " sums of this pass, the job " +
+                     std::to_string(want) + " (written by another version?); use --fresh to start over");
+}
+
+// One streaming pass in rounds, checkpointed after each. Several readers reduce their round's sums (fixed order) into
+// this rank's share of the pass and gather the shares back into complete moments at the end. One reader's share is
+// its moments: nothing to reduce, and checkpoints read the sums where they are (a device's, without a flush), so the
+// sums are never held twice. With a checkpoint of this pass, reading resumes after its last round (or not at all if
+// the pass was complete). `keep_share`: a one-reader state keeps a copy of the pass's sums for a later pass's
+// checkpoints.
 PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
-                   const std::vector<Moments*>& ms, const std::string& label) {
+                   const std::vector<Moments*>& ms, const std::string& label, bool keep_share = false) {
   auto& base_f = pass == 1 ? state.pass1_f : state.pass2_f;
   auto& base_d = pass == 1 ? state.pass1_d : state.pass2_d;
   if (state.pass < pass) {
@@ -138,61 +148,87 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     state.rounds_done = 0;
     base_f.clear();
     base_d.clear();
-  }
-  size_t nf = 0, nd = 0;
-  for (auto* m : ms) {
-    nf += m->live_floats();
-    nd += m->live_doubles();
+    state.deferred.reset();
   }
   Comm& readers = ctx.readers();
-  const int64_t rounds = pass_rounds(cal, readers.size());
-  // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds).
-  const bool was_complete = state.pass > pass || state.rounds_done == rounds;
+  const bool one_reader = readers.size() == 1;
+  LiveSums live{&ctx.backend, {}, {}};
+  for (auto* m : ms) m->live_pieces(live.f, live.d);
+  const auto nf = static_cast<size_t>(flat_size(live.f)), nd = static_cast<size_t>(flat_size(live.d));
+  auto unpack_doubles = [&ms](const double* pd) {
+    for (auto* m : ms) {
+      m->unpack_live_doubles(pd);
+      pd += m->live_doubles();
+    }
+  };
+  CROSSKV_ASSERT(one_reader || !state.deferred, "only one reader defers a checkpoint's sums");
+  if (one_reader && state.deferred && state.pass == pass) {  // the state's latest pass, straight into the moments
+    const std::vector<double> d = read_deferred(*state.deferred, live.f);
+    check_restored_size(store, d.size(), nd);
+    unpack_doubles(d.data());
+    state.deferred.reset();
+  } else if (one_reader && !(base_f.empty() && base_d.empty())) {
+    check_restored_size(store, base_f.size(), nf);
+    check_restored_size(store, base_d.size(), nd);
+    place_sums(live.f, 0, static_cast<int64_t>(nf), base_f.data());
+    unpack_doubles(base_d.data());
+  }
+  // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds) and keeps it
+  // for that pass's checkpoints; in this pass a reader's moments are current from here on.
+  const bool was_complete = state.pass > pass || state.rounds_done == pass_rounds(cal, readers.size());
+  if (one_reader && state.pass == pass) {
+    std::vector<float>().swap(base_f);
+    std::vector<double>().swap(base_d);
+  }
   PassStats st;
   if (!was_complete) {
-    if (state.rounds_done > 0) spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
+    if (state.rounds_done > 0)
+      spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, pass_rounds(cal, readers.size()));
     auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
       if (!ctx.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
                           std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
       const auto t_round = std::chrono::steady_clock::now();
-      reduce_round(ms, ctx.backend, readers, base_f, base_d);
+      if (!one_reader) reduce_round(ms, ctx.backend, readers, base_f, base_d);
       state.rounds_done = round + 1;
       const double reduce_s = seconds_since(t_round);
-      if (round + 1 < R) store.save(state);
-      spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", label, round + 1, R,
-                   human_seconds(reduce_s),
-                   round + 1 < R ? human_seconds(seconds_since(t_round) - reduce_s) : "at the pass's end");
+      if (round + 1 < R) store.save(state, one_reader ? &live : nullptr);
+      const std::string ckpt =
+          round + 1 < R ? human_seconds(seconds_since(t_round) - reduce_s) : std::string("at the pass's end");
+      if (one_reader)
+        spdlog::info("{}: round {}/{} ended: checkpoint {} (one reader: read from its moments)", label, round + 1, R,
+                     ckpt);
+      else
+        spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", label, round + 1, R,
+                     human_seconds(reduce_s), ckpt);
     };
     st = stream_pass(cal, ctx, *ms.front(), ms.size() == 3 ? ms[1] : nullptr, *ms.back(), label, state.rounds_done,
                      on_round);
   } else {
     spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
   }
-  ctx.backend.drop_resident();  // zeros after the last round's reduction: the host copies are overwritten below
-  // The pass's sums into the moments: one reader holds them all already; several gather their shares back a segment
-  // at a time straight into the blocks (no copy of all of them), then the token statistics (small).
-  std::vector<ComputeBackend::SumPiece<float>> fp;
-  std::vector<ComputeBackend::SumPiece<double>> dp;
-  for (auto* m : ms) m->live_pieces(fp, dp);
-  std::vector<double> D;
-  const double* pd = base_d.data();
-  if (readers.size() > 1) {
-    readers.allgather_drained(base_f, nf, [&](size_t off, size_t len, const float* values) {
-      place_sums(fp, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
-    });
-    D.resize(nd);
-    readers.allgather(base_d, D.data(), nd);
-    pd = D.data();
+  if (one_reader) {
+    ctx.backend.flush();  // a device's sums to the host moments, once per pass
+    if (!was_complete) store.save(state, &live);
+    if (keep_share && base_f.empty() && base_d.empty()) {
+      base_f.resize(nf);
+      base_d.resize(nd);
+      ctx.backend.copy_sums(live.f, 0, static_cast<int64_t>(nf), base_f.data(), false);
+      ctx.backend.copy_sums(live.d, 0, static_cast<int64_t>(nd), base_d.data(), false);
+    }
   } else {
-    place_sums(fp, 0, static_cast<int64_t>(nf), base_f.data());
+    ctx.backend.drop_resident();  // zeros after the last round's reduction: the host copies are overwritten below
+    // The shares gathered back a segment at a time straight into the blocks (no copy of all of them), then the token
+    // statistics (small).
+    readers.allgather_drained(base_f, nf, [&](size_t off, size_t len, const float* values) {
+      place_sums(live.f, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
+    });
+    std::vector<double> D(nd);
+    readers.allgather(base_d, D.data(), nd);
+    unpack_doubles(D.data());
+    if (!was_complete) store.save(state);
   }
-  for (auto* m : ms) {
-    m->unpack_live_doubles(pd);
-    pd += m->live_doubles();
-    m->mark_pass_complete();
-  }
-  if (!was_complete) store.save(state);
+  for (auto* m : ms) m->mark_pass_complete();
   double share = static_cast<double>(base_f.size() * sizeof(float) + base_d.size() * sizeof(double));
   log_rank_memory(ctx, label + " (moments + checkpointed share)", ms, share);
   return st;
@@ -379,6 +415,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     return it == cfg.weights.end() ? 1.0 : it->second;
   };
   std::unique_ptr<CheckpointStore> job_store;
+  const bool one_reader = ctx.readers().size() == 1;  // its checkpointed sums are read straight into its moments
   PassState state;
   PassStats p1;
   if (per_domain) {
@@ -400,7 +437,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
       nlohmann::json id = checkpoint_identity(sub, plan, P);
       id["shift_sha256"] = shift_sha;
       CheckpointStore ds((fs::path(ckpt_dir) / ("domain-" + dom)).string(), id, ctx.comm);
-      PassState st = ds.load(opts.fresh, /*cache=*/true).value_or(PassState{});
+      PassState st = ds.load(opts.fresh, /*cache=*/true, one_reader).value_or(PassState{});
       Moments dk(d, sh.xk, sh.yk), draw(d, sh.xk_raw, sh.yk_raw), dv(d, sh.xv, sh.yv);
       dk.add_plan(grid.share(full, d));
       dv.add_plan(grid.share(full, d));
@@ -426,9 +463,9 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     }
   } else {
     job_store = std::make_unique<CheckpointStore>(ckpt_dir, checkpoint_identity(cal, plan, P), ctx.comm);
-    state = job_store->load(opts.fresh).value_or(PassState{});
+    state = job_store->load(opts.fresh, false, one_reader).value_or(PassState{});
     p1 = run_pass(1, cal, ctx, *job_store, state, {&mk, mraw.get(), &mv},
-                  plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)");
+                  plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)", !plan.single_pass);
     // The share is committed and the moments hold it: only a second pass's checkpoints still need it.
     if (plan.single_pass) state = PassState{};
   }

@@ -6,9 +6,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <regex>
 #include <thread>
 #include <type_traits>
+
+#include <omp.h>
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
@@ -27,61 +30,132 @@ void on_stop_signal(int) { g_stop = 1; }
 
 constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '2'};
 
-// A state file is a sequence of pieces (header, counts, vectors) followed by its checksum: the SHA-256 of the
-// SHA-256 digests of its 64 MiB chunks, the chunks hashed in parallel (a state is as large as the job's moments).
-struct Piece {
-  const void* data;
-  size_t bytes;
-};
+// A state file is a header, then four vectors (each a count and its values: pass 1's floats and doubles, pass 2's),
+// then its checksum in hex: the SHA-256 of the SHA-256 digests of its 64 MiB chunks. Both ways the file goes through
+// a buffer of a few chunks, hashed in parallel (a state is as large as the job's moments).
 constexpr size_t kDigestChunk = size_t{64} << 20;
+constexpr size_t kHexDigest = 64;
+constexpr size_t kHead = sizeof(kMagic) + 8 + 8 + 4 + 8;
 
-std::string chunked_sha256(const std::vector<Piece>& pieces) {
-  size_t total = 0;
-  for (const Piece& p : pieces) total += p.bytes;
-  const int64_t chunks = static_cast<int64_t>((total + kDigestChunk - 1) / kDigestChunk);
-  std::vector<std::string> digests(chunks);
+size_t batch_bytes() { return kDigestChunk * static_cast<size_t>(std::clamp(omp_get_max_threads(), 1, 8)); }
+
+// Hashes `bytes` at `data` (whole chunks, but for a file's last) in parallel, appending one digest per chunk.
+void hash_chunks(const char* data, size_t bytes, std::vector<std::string>& digests) {
+  const auto n = static_cast<int64_t>((bytes + kDigestChunk - 1) / kDigestChunk);
+  const size_t first = digests.size();
+  digests.resize(first + n);
   bool failed = false;
-#pragma omp parallel for schedule(dynamic) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
+#pragma omp parallel for schedule(dynamic) if (n > 1)
+  for (int64_t c = 0; c < n; ++c) {
     try {
-      const size_t lo = c * kDigestChunk, hi = std::min(total, lo + kDigestChunk);
+      const size_t lo = c * kDigestChunk;
       Sha256 h;
-      size_t at = 0;
-      for (const Piece& p : pieces) {
-        const size_t a = std::max(lo, at), b = std::min(hi, at + p.bytes);
-        if (a < b) h.update(static_cast<const char*>(p.data) + (a - at), b - a);
-        at += p.bytes;
-      }
-      digests[c] = h.hex();
+      h.update(data + lo, std::min(kDigestChunk, bytes - lo));
+      digests[first + c] = h.hex();
     } catch (...) {
 #pragma omp atomic write
       failed = true;
     }
   }
   if (failed) throw SystemError("SHA-256 of a checkpoint state failed");
+}
+
+std::string digest_of(const std::vector<std::string>& digests) {
   Sha256 h;
   for (const std::string& d : digests) h.update(d.data(), d.size());
   return h.hex();
 }
 
+// The bytes of a state file in order: each part fills [off, off + len) of itself on demand.
+struct Part {
+  size_t bytes;
+  std::function<void(size_t off, size_t len, char* dst)> fill;
+};
+
+Part memory_part(const void* p, size_t bytes) {
+  return {bytes, [p](size_t off, size_t len, char* dst) { std::memcpy(dst, static_cast<const char*>(p) + off, len); }};
+}
+
+// Sums where they are (LiveSums), as bytes: straight into the buffer when the bytes asked for are whole values there,
+// else whole values through a temporary.
+template <class T>
+Part live_part(ComputeBackend& be, const std::vector<ComputeBackend::SumPiece<T>>& pieces) {
+  return {static_cast<size_t>(flat_size(pieces)) * sizeof(T), [&be, &pieces](size_t off, size_t len, char* dst) {
+            if (off % sizeof(T) == 0 && len % sizeof(T) == 0 && reinterpret_cast<uintptr_t>(dst) % alignof(T) == 0)
+              return be.copy_sums(pieces, static_cast<int64_t>(off / sizeof(T)), static_cast<int64_t>(len / sizeof(T)),
+                                  reinterpret_cast<T*>(dst), false);
+            const size_t e0 = off / sizeof(T), e1 = (off + len + sizeof(T) - 1) / sizeof(T);
+            std::vector<T> values(e1 - e0);
+            be.copy_sums(pieces, static_cast<int64_t>(e0), static_cast<int64_t>(e1 - e0), values.data(), false);
+            std::memcpy(dst, reinterpret_cast<const char*>(values.data()) + off % sizeof(T), len);
+          }};
+}
+
+// Reads the data bytes of a state file (all but its trailing checksum) in order, a batch of chunks at a time, and
+// hashes every chunk.
+class HashingReader {
+ public:
+  HashingReader(std::ifstream& in, uint64_t bytes) : in_(in), left_(bytes), total_(bytes) {}
+  // The next n bytes to dst (null: skipped, still hashed). False if the file ends first.
+  bool read(void* dst, uint64_t n) {
+    auto* d = static_cast<char*>(dst);
+    while (n > 0) {
+      if (pos_ == len_ && !refill()) return false;
+      const size_t k = static_cast<size_t>(std::min<uint64_t>(n, len_ - pos_));
+      if (d) {
+        std::memcpy(d, buf_.data() + pos_, k);
+        d += k;
+      }
+      pos_ += k;
+      n -= k;
+    }
+    return true;
+  }
+  uint64_t offset() const { return total_ - left_ - (len_ - pos_); }  // of the next byte, in the file
+  uint64_t remaining() const { return left_ + (len_ - pos_); }
+  // The checksum, once every byte was read.
+  std::string finish() {
+    if (len_ > 0) hash_chunks(buf_.data(), len_, digests_);
+    len_ = pos_ = 0;
+    return digest_of(digests_);
+  }
+
+ private:
+  bool refill() {
+    if (len_ > 0) hash_chunks(buf_.data(), len_, digests_);
+    len_ = pos_ = 0;
+    if (left_ == 0) return false;
+    if (buf_.empty()) buf_.resize(static_cast<size_t>(std::min<uint64_t>(batch_bytes(), total_)));
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf_.size(), left_));
+    if (!in_.read(buf_.data(), static_cast<std::streamsize>(n))) return false;
+    left_ -= n;
+    len_ = n;
+    return true;
+  }
+  std::ifstream& in_;
+  uint64_t left_, total_;
+  std::vector<char> buf_;
+  size_t len_ = 0, pos_ = 0;
+  std::vector<std::string> digests_;
+};
+
 template <class T>
 void put(std::string& b, const T& v) {
   b.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
-constexpr size_t kHexDigest = 64;
 
-// Reads a state file straight into `s` (never a second copy of the moments), then checks its checksum over the same
-// pieces save() hashed. Returns "" or what is wrong with the file.
-std::string read_state(const std::string& path, int64_t seq, int rank, PassState& s) {
+// Reads a state file into `s` (the vectors of pass s.pass only located when `defer`), checking its checksum on the
+// way. Returns "" or what is wrong with the file.
+std::string read_state(const std::string& path, int64_t seq, int rank, bool defer, PassState& s) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return "missing";
   in.seekg(0, std::ios::end);
   const uint64_t size = static_cast<uint64_t>(in.tellg());
   in.seekg(0);
-  constexpr size_t kHead = sizeof(kMagic) + 8 + 8 + 4 + 8;
   if (size < kHead + kHexDigest) return "truncated";
+  HashingReader r(in, size - kHexDigest);
   std::string head(kHead, '\0');
-  if (!in.read(head.data(), kHead)) return "unreadable";
+  if (!r.read(head.data(), kHead)) return "unreadable";
   if (std::memcmp(head.data(), kMagic, sizeof(kMagic)) != 0) return "not a state file of this crosskv version";
   int64_t fseq = 0, frank = 0;
   int32_t pass = 0;
@@ -96,33 +170,58 @@ std::string read_state(const std::string& path, int64_t seq, int rank, PassState
   field(s.rounds_done);
   s.pass = pass;
   if (fseq != seq || frank != rank) return "malformed (another sequence number or rank)";
-  uint64_t counts[4] = {0, 0, 0, 0};
-  uint64_t left = size - kHead - kHexDigest;
-  auto vec = [&](uint64_t& n, auto& v) {
+  PassState::Deferred later{path};
+  auto vec = [&](auto& v, bool skip, uint64_t& count, uint64_t& offset) {
     using T = typename std::decay_t<decltype(v)>::value_type;
-    if (left < 8 || !in.read(reinterpret_cast<char*>(&n), 8)) return false;
-    left -= 8;
-    if (n > left / sizeof(T)) return false;
+    uint64_t n = 0;
+    if (!r.read(&n, 8) || n > r.remaining() / sizeof(T)) return false;
+    count = n;
+    offset = r.offset();
+    if (skip) return r.read(nullptr, n * sizeof(T));
     v.resize(n);
-    if (!in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T)))) return false;
-    left -= n * sizeof(T);
-    return true;
+    return r.read(v.data(), n * sizeof(T));
   };
-  if (!vec(counts[0], s.pass1_f) || !vec(counts[1], s.pass1_d) || !vec(counts[2], s.pass2_f) ||
-      !vec(counts[3], s.pass2_d) || left != 0)
+  uint64_t unused[2];
+  const bool skip1 = defer && pass == 1, skip2 = defer && pass == 2;
+  if (!vec(s.pass1_f, skip1, skip1 ? later.f_count : unused[0], skip1 ? later.f_at : unused[1]) ||
+      !vec(s.pass1_d, skip1, skip1 ? later.d_count : unused[0], skip1 ? later.d_at : unused[1]) ||
+      !vec(s.pass2_f, skip2, skip2 ? later.f_count : unused[0], skip2 ? later.f_at : unused[1]) ||
+      !vec(s.pass2_d, skip2, skip2 ? later.d_count : unused[0], skip2 ? later.d_at : unused[1]) ||
+      r.remaining() != 0)
     return "malformed";
+  const std::string digest = r.finish();
   std::string hex(kHexDigest, '\0');
   if (!in.read(hex.data(), kHexDigest)) return "truncated";
-  const std::vector<Piece> pieces = {{head.data(), head.size()},
-                                     {&counts[0], 8}, {s.pass1_f.data(), s.pass1_f.size() * 4},
-                                     {&counts[1], 8}, {s.pass1_d.data(), s.pass1_d.size() * 8},
-                                     {&counts[2], 8}, {s.pass2_f.data(), s.pass2_f.size() * 4},
-                                     {&counts[3], 8}, {s.pass2_d.data(), s.pass2_d.size() * 8}};
-  if (chunked_sha256(pieces) != hex) return "checksum mismatch";
+  if (digest != hex) return "checksum mismatch";
+  if (defer) s.deferred = later;
   return "";
 }
 
 }  // namespace
+
+std::vector<double> read_deferred(const PassState::Deferred& d,
+                                  const std::vector<ComputeBackend::SumPiece<float>>& into) {
+  if (static_cast<uint64_t>(flat_size(into)) != d.f_count)
+    throw InputError(d.path + ": the checkpoint holds " + std::to_string(d.f_count) + " sums of this pass, the job " +
+                     std::to_string(flat_size(into)) + " (written by another version?); use --fresh to start over");
+  std::ifstream in(d.path, std::ios::binary);
+  auto read = [&](uint64_t at, void* dst, uint64_t bytes) {
+    in.seekg(static_cast<std::streamoff>(at));
+    if (!in.read(static_cast<char*>(dst), static_cast<std::streamsize>(bytes)))
+      throw SystemError(d.path + ": cannot read " + std::to_string(bytes) + " bytes at " + std::to_string(at) +
+                        " of the checkpoint state (it verified when loaded)");
+  };
+  constexpr uint64_t kSegment = uint64_t{1} << 24;
+  std::vector<float> segment(std::min(d.f_count, kSegment));
+  for (uint64_t off = 0; off < d.f_count; off += kSegment) {
+    const uint64_t len = std::min(kSegment, d.f_count - off);
+    read(d.f_at + off * 4, segment.data(), len * 4);
+    place_sums(into, static_cast<int64_t>(off), static_cast<int64_t>(len), segment.data());
+  }
+  std::vector<double> doubles(d.d_count);
+  read(d.d_at, doubles.data(), d.d_count * 8);
+  return doubles;
+}
 
 void install_stop_signal_handlers() {
   std::signal(SIGTERM, on_stop_signal);
@@ -171,7 +270,7 @@ std::vector<int64_t> CheckpointStore::committed() const {
   return seqs;
 }
 
-std::optional<PassState> CheckpointStore::load(bool fresh, bool cache) {
+std::optional<PassState> CheckpointStore::load(bool fresh, bool cache, bool defer) {
   const auto seqs = committed();
   if (cache && !fresh && !seqs.empty()) {
     // Moments about another provisional shift (an internal choice, e.g. after a domain that sorts first was added)
@@ -213,7 +312,7 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache) {
   for (size_t i = 0; i < seqs.size() && i < 2; ++i) {
     const int64_t seq = seqs[i];
     PassState s;
-    const std::string why = read_state(state_path(seq, comm_.rank()), seq, comm_.rank(), s);
+    const std::string why = read_state(state_path(seq, comm_.rank()), seq, comm_.rank(), defer, s);
     const bool ok = why.empty();
     if (!ok) s = PassState{};  // release what a bad file made us read
     if (!ok) spdlog::warn("checkpoint {}: {} is {}", seq, state_path(seq, comm_.rank()), why);
@@ -229,44 +328,60 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache) {
   return std::nullopt;
 }
 
-void CheckpointStore::save(const PassState& s) {
+void CheckpointStore::save(const PassState& s, const LiveSums* live) {
+  CROSSKV_ASSERT(!s.deferred, "a state with deferred sums is saved only after they were read");
   const int64_t seq = seq_ + 1;
   bool ok = true;
   std::string error;
   try {
     fs::create_directories(dir_);
-    // Streamed to the temp file piece by piece (the state can be as large as the moments): header, vectors, then
-    // the checksum of everything before it (chunked_sha256), in hex.
     std::string head(kMagic, sizeof(kMagic));
     put<int64_t>(head, seq);
     put<int64_t>(head, comm_.rank());
     put<int32_t>(head, s.pass);
     put<int64_t>(head, s.rounds_done);
-    uint64_t counts[4] = {s.pass1_f.size(), s.pass1_d.size(), s.pass2_f.size(), s.pass2_d.size()};
-    const std::vector<Piece> pieces = {{head.data(), head.size()},
-                            {&counts[0], 8}, {s.pass1_f.data(), s.pass1_f.size() * 4},
-                            {&counts[1], 8}, {s.pass1_d.data(), s.pass1_d.size() * 8},
-                            {&counts[2], 8}, {s.pass2_f.data(), s.pass2_f.size() * 4},
-                            {&counts[3], 8}, {s.pass2_d.data(), s.pass2_d.size() * 8}};
+    std::vector<Part> vectors = {memory_part(s.pass1_f.data(), s.pass1_f.size() * 4),
+                                 memory_part(s.pass1_d.data(), s.pass1_d.size() * 8),
+                                 memory_part(s.pass2_f.data(), s.pass2_f.size() * 4),
+                                 memory_part(s.pass2_d.data(), s.pass2_d.size() * 8)};
+    if (live) {
+      CROSSKV_ASSERT(s.pass == 1 || s.pass == 2, "a state's pass is 1 or 2");
+      vectors[2 * (s.pass - 1)] = live_part(*live->backend, live->f);
+      vectors[2 * (s.pass - 1) + 1] = live_part(*live->backend, live->d);
+    }
+    uint64_t counts[4] = {vectors[0].bytes / 4, vectors[1].bytes / 8, vectors[2].bytes / 4, vectors[3].bytes / 8};
+    std::vector<Part> parts = {memory_part(head.data(), head.size())};
+    for (int i = 0; i < 4; ++i) {
+      parts.push_back(memory_part(&counts[i], 8));
+      parts.push_back(std::move(vectors[i]));
+    }
     size_t total = 0;
-    for (const Piece& p : pieces) total += p.bytes;
+    for (const Part& p : parts) total += p.bytes;
     if (fault("fail_state_write", seq, comm_.rank())) throw SystemError("injected write failure (CROSSKV_FAULT)");
     const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // half the bytes, then SIGKILL
-    const std::string hex = chunked_sha256(pieces);
     AtomicFile f(state_path(seq, comm_.rank()));
-    size_t written = 0;
-    constexpr size_t kChunk = size_t{64} << 20;
-    for (const Piece& p : pieces)
-      for (size_t at = 0; at < p.bytes; at += kChunk) {
-        const char* d = static_cast<const char*>(p.data) + at;
-        size_t n = std::min(kChunk, p.bytes - at);
-        if (kill_half && written + n >= total / 2) {
-          f.write(d, total / 2 - written);
-          std::raise(SIGKILL);
-        }
-        f.write(d, n);
-        written += n;
+    // A batch of chunks at a time: filled from the parts (a value run at most a chunk long), hashed, written.
+    std::vector<char> buf(std::min(total, batch_bytes()));
+    std::vector<std::string> digests;
+    size_t part = 0, in_part = 0;
+    for (size_t written = 0; written < total;) {
+      const size_t len = std::min(buf.size(), total - written);
+      for (size_t got = 0; got < len;) {
+        while (in_part == parts[part].bytes) ++part, in_part = 0;
+        const size_t n = std::min({len - got, parts[part].bytes - in_part, kDigestChunk});
+        parts[part].fill(in_part, n, buf.data() + got);
+        got += n;
+        in_part += n;
       }
+      hash_chunks(buf.data(), len, digests);
+      if (kill_half && written + len >= total / 2) {
+        f.write(buf.data(), total / 2 - written);
+        std::raise(SIGKILL);
+      }
+      f.write(buf.data(), len);
+      written += len;
+    }
+    const std::string hex = digest_of(digests);
     f.write(hex.data(), hex.size());
     f.commit();
   } catch (const std::exception& e) {

@@ -2,7 +2,8 @@
 // Checkpoints of the streaming passes. Every rank writes its share of the reduced moments (so the checkpoint is
 // the size of the job's moments, not world size times it) atomically; rank 0 writes the commit record only after
 // every rank reported success. Only committed checkpoints are used; the previous one is kept, and a checkpoint that
-// fails its checksum on any rank makes every rank fall back to the previous one.
+// fails its checksum on any rank makes every rank fall back to the previous one. States are streamed through a
+// bounded buffer both ways (they are as large as the moments): never a second copy of the sums in memory.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/backend.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {
@@ -22,7 +24,26 @@ struct PassState {
   int64_t rounds_done = 0;    // rounds of the pass in progress that are folded into the bases
   std::vector<float> pass1_f, pass2_f;   // this rank's share of the reduced moments of pass 1 and pass 2
   std::vector<double> pass1_d, pass2_d;
+  // Set by load(…, defer = true): the sums of pass `pass` were verified but left in the state file, to be read
+  // straight into the moments (read_deferred); that pass's vectors above are empty.
+  struct Deferred {
+    std::string path;
+    uint64_t f_at = 0, f_count = 0, d_at = 0, d_count = 0;  // byte offsets in the file, and value counts
+  };
+  std::optional<Deferred> deferred;
 };
+
+// A pass's sums where they are, for save() in place of a PassState's vectors: one reader's share of a pass is its
+// moments, read through the backend (a device backend's resident copies, without a flush).
+struct LiveSums {
+  ComputeBackend* backend = nullptr;
+  std::vector<ComputeBackend::SumPiece<float>> f;
+  std::vector<ComputeBackend::SumPiece<double>> d;
+};
+
+// Deferred sums into host memory: the floats into `into` a segment at a time (place_sums; their count must match),
+// the doubles returned.
+std::vector<double> read_deferred(const PassState::Deferred& d, const std::vector<ComputeBackend::SumPiece<float>>& into);
 
 // Raised when a signal asked the job to stop; the last committed checkpoint stands. Exit code kExitRequeue.
 struct Interrupted : std::runtime_error {
@@ -36,8 +57,10 @@ class CheckpointStore {
   // The newest committed checkpoint that verifies on every rank. With a committed checkpoint of another identity:
   // UserError listing what differs, unless `fresh` (then everything is removed). With `cache`, a checkpoint that
   // differs only in its provisional shift is removed and the data read again.
-  std::optional<PassState> load(bool fresh, bool cache = false);
-  void save(const PassState& s);
+  // With `defer`, the sums of the state's latest pass are verified but not read (PassState::deferred).
+  std::optional<PassState> load(bool fresh, bool cache = false, bool defer = false);
+  // Writes and commits `s`; with `live`, the sums of pass s.pass are read from there instead of s's vectors.
+  void save(const PassState& s, const LiveSums* live = nullptr);
   const std::string& dir() const { return dir_; }
 
  private:

@@ -101,12 +101,12 @@ int64_t pass_rounds(const Calibration& cal, int ranks);
 PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
                       const std::string& label, int64_t start_round = 0, const RoundHook& on_round = {});
 
-// A round's end: the live sums of `ms` (in order) are reduced over `readers` into this rank's share of the pass
-// (base_f, base_d: empty before the first round, then the running sums), and zeroed where they are. The sums are read
-// in place, a segment at a time (ComputeBackend::copy_sums): a device backend's stay resident (zeroed on the
-// device) and its host copies are never written; with several readers and a device comm only this rank's share
-// crosses to the host. After a pass's last round the caller drops the backend's residency (drop_resident) before
-// overwriting the moments.
+// A round's end with several readers: the live sums of `ms` (in order) are reduced over `readers` into this rank's
+// share of the pass (base_f, base_d: empty before the first round, then the running sums), and zeroed where they
+// are. The sums are read in place, a segment at a time (ComputeBackend::copy_sums): a device backend's stay resident
+// (zeroed on the device) and their host copies are never written; with a device comm only this rank's share crosses
+// to the host. After a pass's last round the caller drops the backend's residency (drop_resident) before overwriting
+// the moments. (One reader has nothing to reduce: its share is its moments.)
 void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
                     std::vector<double>& base_d);
 

@@ -222,6 +222,48 @@ TEST(Half, Fp16MatchesTheHardwareFormatOnEveryHalfAndOnRoundingCases) {
   EXPECT_EQ(fp16_to_float(0xfc00), -INFINITY);
 }
 
+// Sums saved where they are (strided pieces read through a backend, as one reader's checkpoints are) and read back,
+// whole or deferred straight into other strided memory: the same values, over several checksum chunks and more than
+// one buffer of them, with the doubles at an offset that is not a multiple of 8.
+TEST(Checkpoint, LiveSumsRoundTripWholeAndDeferred) {
+  TempDir dir;
+  auto comm = make_single_comm();
+  auto cpu = make_cpu_backend();
+  const nlohmann::json identity = {{"job", "live"}};
+  const int64_t rows = 20001, cols = 2001, ld = 2003;  // 40,022,001 floats (odd): 153 MiB
+  std::vector<float> host(rows * ld), back(rows * ld, -1.0f);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<float>(i % 1000003) * 0.25f;
+  std::vector<double> stats = {1.5, 2.5, 3.5};
+  LiveSums live{cpu.get(), {{host.data(), rows, cols, ld, 0}}, {{stats.data(), 1, 3, 3, 0}}};
+  PassState s;
+  s.pass = 2;
+  s.rounds_done = 5;
+  s.pass1_f = {1.0f, 2.0f, 3.0f};  // a complete pass 1, kept as vectors
+  s.pass1_d = {4.0};
+  CheckpointStore(dir.str("ck"), identity, *comm).save(s, &live);
+  auto whole = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+  ASSERT_TRUE(whole.has_value());
+  EXPECT_EQ(whole->pass, 2);
+  EXPECT_EQ(whole->rounds_done, 5);
+  EXPECT_EQ(whole->pass1_f, s.pass1_f);
+  EXPECT_EQ(whole->pass1_d, s.pass1_d);
+  EXPECT_EQ(whole->pass2_d, stats);
+  ASSERT_EQ(whole->pass2_f.size(), static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(whole->pass2_f[r * cols + c], host[r * ld + c]) << r << "," << c;
+  whole.reset();
+  auto deferred = CheckpointStore(dir.str("ck"), identity, *comm).load(false, false, /*defer=*/true);
+  ASSERT_TRUE(deferred.has_value() && deferred->deferred.has_value());
+  EXPECT_TRUE(deferred->pass2_f.empty() && deferred->pass2_d.empty()) << "the latest pass's sums stay in the file";
+  EXPECT_EQ(deferred->pass1_f, s.pass1_f) << "an earlier pass is read";
+  const std::vector<ComputeBackend::SumPiece<float>> into = {{back.data(), rows, cols, ld, 0}};
+  EXPECT_EQ(read_deferred(*deferred->deferred, into), stats);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(back[r * ld + c], host[r * ld + c]) << r << "," << c;
+    ASSERT_EQ(back[r * ld + cols], -1.0f) << "the padding between rows is left alone";
+  }
+}
+
 // A state larger than one checksum chunk (64 MiB) round-trips, and a flipped byte in a later chunk is caught.
 TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
   TempDir dir;

@@ -11,13 +11,13 @@ CROSSKV_BENCH_CPU=1 "$BENCH" --factor 3 2 16 256 > factor_gpu.json || die "cross
 "$SYNTH" --out data --shards 4 --sequences 2 --seq-len 64 --source-layers 3 --target-layers 4 > /dev/null
 printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, all]}\noutput: {dir: out}\nruntime: {block_tokens: 64, checkpoint: {every_shards: 1}}\n' > fit.yaml
 "$FIT" fit.yaml > fit_gpu.log 2>&1 || { cat fit_gpu.log; die "fit failed"; }
-# Two ranks: the round's end reads the resident sums in place; one rank: every sum to the host, then packed.
+# Two ranks: the round's end reads the resident sums in place; one rank: the round's end is its checkpoint.
 check_projection() {
   local ranks=$1; shift
   python3 "$ROOT/bench/project.py" . --ranks "$ranks" --tokens 1000000000 > projection.txt 2>&1 \
     || { cat projection.txt; die "project.py failed"; }
   cat projection.txt
-  for row in "pass: N/P tokens" "$@" "reduce-scatter" "checkpoint of this rank" \
+  for row in "pass: N/P tokens" "$@" "reduce-scatter" \
     "probe (R², select)" "k = all factor" "solve + export, $((4 / ranks)) target layers" "total per pair"; do
     expect_in "$row" projection.txt
   done
@@ -30,7 +30,7 @@ total = vals[-1]
 assert total > 0 and abs(sum(vals[:-1]) - total) <= 0.05 * len(vals), (vals, total)
 PY
 }
-check_projection 2 "round end: 1/P share to the host" "round end: sums zeroed on the device" \
+check_projection 2 "round end: 1/P share to the host" "round end: sums zeroed on the device" "checkpoint of this rank" \
   "one kind's k = all system of 96 features: assembled on the host"
 check_projection 1 "round end (one reader, measured)"
 python3 "$ROOT/bench/project.py" nowhere > err.txt 2>&1 && die "project.py without its inputs succeeded"
