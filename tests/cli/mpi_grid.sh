@@ -53,4 +53,19 @@ cfg bad same_head 3 8
 set +e; $MPI -np 4 "$FIT" bad.yaml > bad.log 2>&1; rc=$?; set -e
 [ "$rc" = 2 ] || { cat bad.log; die "expected exit 2 for layer_groups 3 on 4 ranks, got $rc"; }
 expect_in "runtime.layer_groups: 3 does not divide the job's 4 ranks" bad.log
+# One reader per layer group (4x1): its checkpoints are read from its moments; killed before its third commit, the
+# same command resumes (each rank reads its state straight into its moments) to byte-identical files.
+for n in k4a k4b; do
+  cfg $n same_head 4 8; sed -i '/^runtime/ s/}$/, checkpoint: {every_shards: 1}}/' $n.yaml
+done
+run 4 k4a
+set +e; CROSSKV_FAULT=kill_before_commit:3 $MPI -np 4 "$FIT" k4b.yaml > k4b.log 2>&1; set -e
+[ -f out-k4b/checkpoint/domain-web/commit-2.json ] && [ ! -f out-k4b/checkpoint/domain-web/commit-3.json ] \
+  || { cat k4b.log; die "4x1: expected a kill before commit 3"; }
+run 4 k4b
+expect_in "resuming from committed checkpoint 2" k4b.log
+expect_in "checkpoint at the pass's end (one reader" k4b.log
+for f in out-k4a/kall/layer-*.safetensors out-k4a/k1/layer-*.safetensors; do
+  cmp -s "$f" "${f/out-k4a/out-k4b}" || die "$f: the resumed 4x1 run differs"
+done
 echo "grid OK"
