@@ -329,7 +329,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
                d.Ds, cal.target_model, d.Lt, d.Ht, d.Dt);
 
   clock.start("plan");
-  const double read_bpt = 2.0 * (d.X() + d.Y()) * 4.0;
+  const double read_bpt = cal.stored_bytes_per_token;
   // On a device the moments stay resident for a whole round: a rank's share must fit the device's free memory beside
   // two rounds of inputs (stored bf16 keys and values of both models, and their fp32 conversions: 16 bytes per
   // value). The smallest free memory over the ranks caps max_moment_gib (more layer groups, or two passes).
@@ -364,7 +364,9 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
                       human_bytes(static_cast<double>(plan.rank_moment_bytes)) + " but the device has room for " +
                       human_bytes(device_gib * (1ull << 30)) + " beside its inputs; use more layer groups (or " +
                       "auto), more ranks, or smaller runtime.block_tokens");
-  res.plan_text = format_plan(plan);
+  res.plan_text = format_plan(plan) +
+                  format_host_memory(estimate_host_memory(plan, cfg.block_tokens, cal.stored_bytes_per_token,
+                                                       world.backend.prepares_on_device()));
   for (std::string line; const char c : res.plan_text + "\n") {
     if (c == '\n') {
       if (!line.empty()) spdlog::info("{}", line);
@@ -525,6 +527,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(mk.bytes()),
                  human_bytes(mv.bytes()));
     res.tokens_read += run_pass(2, cal, ctx, *job_store, state, {&mk, &mv}, "pass 2/2 (selected blocks)").tokens;
+    state = PassState{};  // committed, and held by the moments: the solve does not need the shares
     share_gram(grid, sel, mk);
     share_gram(grid, sel, mv);
     if (grid.layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", {&mk, &mv});

@@ -62,6 +62,7 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   }
   p.layer_groups = layer_groups;
   p.single_pass = one_pass(layer_groups) <= limit;
+  p.selected_moment_bytes = static_cast<int64_t>(sel_gram + sel_cross);
   p.rank_moment_bytes = p.single_pass ? one_pass(layer_groups) : two_pass(layer_groups);
   const double X = static_cast<double>(d.X()), Y = static_cast<double>(d.Y());
   const double head_flops = 2.0 * d.Hs * (d.Ls * d.Ds) * (d.Lt * d.Dt) + 1.0 * d.Ls * d.Hs * d.Ds * d.Ds;
@@ -85,6 +86,44 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
                            (all > 0 ? 2.0 * all * all * d.G() : 0.0);
   p.solve_flops = 2.0 * (d.Lt * per_layer + all * all * all / 3.0);
   return p;
+}
+
+HostMemory estimate_host_memory(const FitPlan& p, int64_t block_tokens, double stored_bytes_per_token, bool device) {
+  const PairDims& d = p.dims;
+  const int G = p.layer_groups, T = p.ranks / p.layer_groups;
+  const double X = static_cast<double>(d.X()), Y = static_cast<double>(d.Y()), B = static_cast<double>(block_tokens);
+  HostMemory m;
+  m.device = device;
+  m.moments = static_cast<double>(p.rank_moment_bytes);
+  // What a reader accumulates in a pass: its layer group's share of the pass's blocks.
+  const double live = p.single_pass ? static_cast<double>(p.full_moment_bytes) / G
+                                    : static_cast<double>(std::max(p.probe_moment_bytes, p.selected_moment_bytes)) / G;
+  if (T > 1)  // 1/T of the live blocks; a pass-2 state also keeps pass 1's share
+    m.share = (p.single_pass ? live : static_cast<double>(p.probe_moment_bytes + p.selected_moment_bytes) / G) / T;
+  else if (!p.single_pass)
+    m.share = static_cast<double>(p.probe_moment_bytes) / G;
+  // Two blocks in flight: stored keys and values of both models, and on the host their fp32 inputs (stripped and raw
+  // keys, values); a device backend stages the stored bytes in pinned memory instead.
+  const double stored = stored_bytes_per_token;
+  m.buffers = 2.0 * B * (device ? 2.0 * stored : stored + 3.0 * (X + Y) * 4.0);
+  if (T > 1) m.buffers += std::min(live, 2.0 * T * (double{1 << 24} * 4.0));
+  double nested = 0, all = 0;
+  for (const auto& k : p.ks) (k.count < d.Ls ? nested : all) = static_cast<double>(k.features);
+  const double n = std::max(nested, all);
+  if (!device) m.factors = 8.0 * (2.0 * all * all + nested * nested);
+  m.workspace = 8.0 * 3.0 * n * static_cast<double>(d.G());
+  return m;
+}
+
+std::string format_host_memory(const HostMemory& m) {
+  std::ostringstream o;
+  o << "  host memory per rank (estimate, " << (m.device ? "GPU" : "CPU") << " backend): pass "
+    << human_bytes(m.pass()) << " (moments " << human_bytes(m.moments) << ", checkpointed share "
+    << human_bytes(m.share) << ", buffers " << human_bytes(m.buffers) << "); solve " << human_bytes(m.solve())
+    << " (moments, " << (m.device ? "factors on the device" : "factors " + human_bytes(m.factors))
+    << ", workspace " << human_bytes(m.workspace) << "); peak " << human_bytes(std::max(m.pass(), m.solve()))
+    << "\n";
+  return o.str();
 }
 
 std::string format_plan(const FitPlan& p) {

@@ -42,6 +42,7 @@ struct Calibration {
   std::vector<ShardPair> shards;  // sorted by relative path
   std::vector<ShardPair> eval_shards;  // held out (eval.shards): not read by the fit
   int64_t tokens_used = 0;
+  double stored_bytes_per_token = 0;  // keys and values of both models as stored (the largest over the shards)
   // The shard pair whose first block gives the provisional shift: the store's first pair over every domain, so
   // that the shift (and moments kept per domain) does not change with the domains a fit selects.
   ShardPair shift_shard;
@@ -70,7 +71,23 @@ struct FitPlan {
   int64_t rank_moment_bytes = 0;  // most moment memory of a rank (its share of the blocks + exchanged Gram blocks)
   double accumulate_flops = 0, solve_flops = 0;
   double read_bytes_per_token = 0;
+  int64_t selected_moment_bytes = 0;  // two passes: the job's blocks of the top-kmax selections (keys and values)
 };
+
+// Host memory of one rank, estimated from its plan (the program and its libraries not included): the peak of a pass
+// and of the solve. For sizing a batch job's memory request; the log's "holds" lines and max RSS are the measure.
+struct HostMemory {
+  bool device = false;    // a device backend: inputs prepared and systems factored there
+  double moments = 0;     // the rank's moment blocks (FitPlan::rank_moment_bytes)
+  double share = 0;       // its checkpointed share of the pass (several readers), or pass 1's copy (one reader)
+  double buffers = 0;     // input blocks in flight (two), and a reduction's segments (several readers)
+  double factors = 0;     // systems factored on the host: k = all (one per kind) and one layer's nested k
+  double workspace = 0;   // one target layer's fp64 Cxy, substitution and solution, at the largest k
+  double pass() const { return moments + share + buffers; }
+  double solve() const { return moments + factors + workspace; }
+};
+HostMemory estimate_host_memory(const FitPlan& plan, int64_t block_tokens, double stored_bytes_per_token, bool device);
+std::string format_host_memory(const HostMemory& m);
 
 // Stage 2. One pass (every block) when each rank's share of them fits `max_moment_gib`, else two (probe, then the
 // blocks the selections need). `layer_groups` 0 (auto): the fewest layer groups dividing `ranks` for which one pass

@@ -132,6 +132,12 @@ Calibration validate(const FitConfig& cfg) {
       if (ht.spec != cal.target)
         throw InputError(p.target_path + ": kv_spec differs from the store's first shard (" + cal.shards[0].target_path + ")");
     }
+    const double xs = static_cast<double>(hs.spec.n_layers) * hs.spec.features_per_layer(),
+                 ys = static_cast<double>(ht.spec.n_layers) * ht.spec.features_per_layer();
+    cal.stored_bytes_per_token = std::max(
+        cal.stored_bytes_per_token,
+        xs * static_cast<double>(dtype_bytes(hs.key_dtype) + dtype_bytes(hs.value_dtype)) +
+            ys * static_cast<double>(dtype_bytes(ht.key_dtype) + dtype_bytes(ht.value_dtype)));
     if (hs.tokens != ht.tokens)
       throw InputError(p.target_path + ": " + std::to_string(ht.tokens) + " tokens, but the source shard has " +
                        std::to_string(hs.tokens));

@@ -40,6 +40,21 @@ peak() { grep -E "holds" "$1" | grep -v "checkpointed" | sed -E 's/.* holds ([0-
 p1=$(grep -E "rank 0 holds" g1.log | grep checkpointed | sed -E 's/.* holds ([0-9.]+) (KiB|MiB)$/\1 \2/' | awk '{print $2 == "MiB" ? $1 * 1024 : $1}' | head -1)
 p4=$(peak g4.log)
 awk -v a="$p4" -v b="$p1" 'BEGIN {exit !(a > 0 && a < b)}' || { grep holds g1.log g4.log; die "4 layer groups hold $p4 KiB per rank, 1 holds $p1 KiB"; }
+# The plan's host memory estimate counts what a rank then holds: moments plus checkpointed share (1x4, one pass).
+"$PYTHON" - g1.log <<'PY' || die "the plan's estimate of moments + share does not match what rank 0 held"
+import re, sys
+unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+size = lambda v, u: float(v) * unit[u]
+log = open(sys.argv[1]).read()
+est = re.search(r"host memory per rank \(estimate, \w+ backend\): pass \S+ \S+ \(moments ([\d.]+) (\w+), "
+                r"checkpointed share ([\d.]+) (\w+)", log)
+held = re.search(r"\(moments \+ checkpointed share\): rank 0 holds ([\d.]+) (\w+)", log)
+assert est and held, "estimate or holdings not in the log"
+e = size(*est.group(1, 2)) + size(*est.group(3, 4))
+h = size(*held.group(1, 2))
+print(f"estimated {e / 2**20:.2f} MiB, held {h / 2**20:.2f} MiB")
+assert abs(e - h) <= 0.02 * h, (e, h)
+PY
 # Two passes (probe, then the selected blocks): 2x2 agrees with one rank.
 cfg ref2 same_head 1 0.0001; run 1 ref2
 grep -q "pass 2/2" ref2.log || die "expected a two-pass fit"
