@@ -743,6 +743,13 @@ TEST_F(Cuda, GatherHeadsAndColumnStatsMatchTheHost) { check_gather_and_stats(*gp
 TEST_F(Cuda, ToHalfMatchesTheHostBitForBit) { check_to_half(*gpu_); }
 namespace {
 
+// A Moments' live state as pack_live lays it out.
+std::pair<std::vector<float>, std::vector<double>> packed(const Moments& m) {
+  std::pair<std::vector<float>, std::vector<double>> p;
+  m.pack_live(p.first, p.second);
+  return p;
+}
+
 // copy_sums over windows that cut blocks anywhere (mid-row, inside a panel's strided rows, across blocks and across
 // the float/double boundary of two kinds) gives the values of pack_live's order; the device reads resident sums.
 void check_copy_windows(ComputeBackend& dev, bool exact) {
@@ -795,11 +802,7 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
   for (int64_t off = 0, len = 1; off < n; off += len, len = 1 + static_cast<int64_t>(rng() % 97))
     place_sums(cp, off, std::min(len, n - off), want.data() + off);
   c.unpack_live_doubles(wantd.data());
-  std::vector<float> placed;
-  std::vector<double> placed_d;
-  c.pack_live(placed, placed_d);
-  EXPECT_EQ(placed, want);
-  EXPECT_EQ(placed_d, wantd);
+  EXPECT_EQ(packed(c), std::make_pair(want, wantd));
 }
 
 }  // namespace
@@ -929,11 +932,7 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
   c.live_pieces(into.f, into.d);
   const std::vector<double> doubles = read_deferred(*got->deferred, into.f);
   c.unpack_live_doubles(doubles.data());
-  std::vector<float> fc;
-  std::vector<double> dc;
-  c.pack_live(fc, dc);
-  EXPECT_EQ(fc, fb);
-  EXPECT_EQ(dc, db);
+  EXPECT_EQ(packed(c), std::make_pair(fb, db));
   // Moments of another plan do not take the state: the error names the file and both counts.
   Moments e(d, sx, sy);
   e.add_plan(MomentPlan::full(d, false));
