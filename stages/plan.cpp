@@ -107,10 +107,14 @@ HostMemory estimate_host_memory(const FitPlan& p, int64_t block_tokens, double s
   const double stored = stored_bytes_per_token;
   m.buffers = 2.0 * B * (device ? 2.0 * stored : stored + 3.0 * (X + Y) * 4.0);
   if (T > 1) m.buffers += std::min(live, 2.0 * T * (double{1 << 24} * 4.0));
+  // The solve: readers in pairs hold one kind's moments and factor one k = all system (an odd last reader, or a
+  // layer group of one, holds and factors both); the raw-key probe blocks are gone.
+  const bool pairs = T % 2 == 0;
+  m.solve_moments = (m.moments - static_cast<double>(p.probe_moment_bytes) / 3.0 / G) / (pairs ? 2.0 : 1.0);
   double nested = 0, all = 0;
   for (const auto& k : p.ks) (k.count < d.Ls ? nested : all) = static_cast<double>(k.features);
   const double n = std::max(nested, all);
-  if (!device) m.factors = 8.0 * (2.0 * all * all + nested * nested);
+  if (!device) m.factors = 8.0 * ((pairs ? 1.0 : 2.0) * all * all + nested * nested);
   m.workspace = 8.0 * 3.0 * n * static_cast<double>(d.G());
   return m;
 }
@@ -120,7 +124,7 @@ std::string format_host_memory(const HostMemory& m) {
   o << "  host memory per rank (estimate, " << (m.device ? "GPU" : "CPU") << " backend): pass "
     << human_bytes(m.pass()) << " (moments " << human_bytes(m.moments) << ", checkpointed share "
     << human_bytes(m.share) << ", buffers " << human_bytes(m.buffers) << "); solve " << human_bytes(m.solve())
-    << " (moments, " << (m.device ? "factors on the device" : "factors " + human_bytes(m.factors))
+    << " (moments " << human_bytes(m.solve_moments) << ", " << (m.device ? "factors on the device" : "factors " + human_bytes(m.factors))
     << ", workspace " << human_bytes(m.workspace) << "); peak " << human_bytes(std::max(m.pass(), m.solve()))
     << "\n";
   return o.str();

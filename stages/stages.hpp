@@ -81,10 +81,11 @@ struct HostMemory {
   double moments = 0;     // the rank's moment blocks (FitPlan::rank_moment_bytes)
   double share = 0;       // its checkpointed share of the pass (several readers), or pass 1's copy (one reader)
   double buffers = 0;     // input blocks in flight (two), and a reduction's segments (several readers)
-  double factors = 0;     // systems factored on the host: k = all (one per kind) and one layer's nested k
+  double solve_moments = 0;  // the moments a rank solves from: one kind when readers pair up for the solve
+  double factors = 0;     // systems factored on the host: k = all (one per kind solved) and one layer's nested k
   double workspace = 0;   // one target layer's fp64 Cxy, substitution and solution, at the largest k
   double pass() const { return moments + share + buffers; }
-  double solve() const { return moments + factors + workspace; }
+  double solve() const { return solve_moments + factors + workspace; }
 };
 HostMemory estimate_host_memory(const FitPlan& plan, int64_t block_tokens, double stored_bytes_per_token, bool device);
 std::string format_host_memory(const HostMemory& m);

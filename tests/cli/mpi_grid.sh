@@ -68,6 +68,22 @@ cfg bad same_head 3 8
 set +e; $MPI -np 4 "$FIT" bad.yaml > bad.log 2>&1; rc=$?; set -e
 [ "$rc" = 2 ] || { cat bad.log; die "expected exit 2 for layer_groups 3 on 4 ranks, got $rc"; }
 expect_in "runtime.layer_groups: 3 does not divide the job's 4 ranks" bad.log
+# Readers pair up for the solve (one solves the keys, the other the values, and they take turns writing): 1x3 is a
+# pair and a reader alone; it agrees with one rank.
+cfg g13 same_head 1 8; run 3 g13
+$CMP out-ref/kall out-g13/kall 1e-4; $CMP out-ref/k1 out-g13/k1 1e-4
+expect_in "keys and values solved by a pair of ranks" g13.log
+# A pair killed in export (rank 1, at its third file) resumes: the layers both wrote are kept, the rest solved
+# again, and the files equal an uninterrupted run's.
+cfg e2a same_head 1 8; run 2 e2a
+cfg e2b same_head 1 8
+set +e; CROSSKV_FAULT=kill_in_export:3 CROSSKV_FAULT_RANK=1 $MPI -np 2 "$FIT" e2b.yaml > e2b.log 2>&1; set -e
+[ -e out-e2b/kall/manifest.json ] && die "kall must not look complete after a kill in export"
+run 2 e2b
+expect_in "already written by an interrupted run" e2b.log
+for f in out-e2a/k*/layer-*.safetensors; do
+  cmp -s "$f" "${f/out-e2a/out-e2b}" || die "$f: the resumed pair's export differs"
+done
 # One reader per layer group (4x1): its checkpoints are read from its moments; killed before its third commit, the
 # same command resumes (each rank reads its state straight into its moments) to byte-identical files.
 for n in k4a k4b; do
