@@ -126,7 +126,10 @@ void ComputeBackend::download(const float* operand, int64_t count, float* host) 
   std::copy_n(operand, count, host);
 }
 
-void ComputeBackend::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) {
+void ComputeBackend::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) { to_half_on_host(in, n, bf16, out); }
+
+void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out) {
+#pragma omp parallel for schedule(static) if (n > (int64_t{1} << 20))
   for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? float_to_bf16(in[i]) : float_to_fp16(in[i]);
 }
 

@@ -191,6 +191,10 @@ void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, doub
 const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
                              const float* shift, std::vector<float>& host);
 
+// fp32 -> bf16 or fp16 bits on the host, in parallel (the CPU backend's to_half, and export's: the bits of the
+// device's conversion).
+void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out);
+
 std::unique_ptr<ComputeBackend> make_cpu_backend();
 // Defined in cuda/: the CUDA backend on `device` (rank `rank` names it in messages; tf32 lets cuBLAS use TF32
 // tensor cores for the fp32 moments), or a stub that throws "built without CUDA".

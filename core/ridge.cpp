@@ -71,7 +71,6 @@ double mean_ignoring_nan(const std::vector<double>& v) {
 
 std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, int64_t G, int64_t ld,
                                 const std::vector<double>& var_y, double lambda, int heads) {
-  const int64_t D = G / heads;
   std::vector<double> sse(G, 0.0);
   for (int64_t c = 0; c < G; ++c) sse[c] = var_y[c];
   // Column chunks in parallel, rows in order within each: the same sums as a serial loop.
@@ -83,6 +82,11 @@ std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, i
       const double* x = Cxy + i * ld;
       for (int64_t c = c0; c < std::min(G, c0 + kChunk); ++c) sse[c] -= w[c] * x[c] + lambda * w[c] * w[c];
     }
+  return r2_from_sse(sse, var_y, heads);
+}
+
+std::vector<double> r2_from_sse(const std::vector<double>& sse, const std::vector<double>& var_y, int heads) {
+  const int64_t G = static_cast<int64_t>(var_y.size()), D = G / heads;
   // SST = 0 columns are excluded; a column with variance far below the head's is numerically SST = 0 too.
   std::vector<double> r2(heads, kNaN);
   for (int h = 0; h < heads; ++h) {
@@ -128,7 +132,8 @@ namespace {
                    "); use fit.lambda > 0 or fewer source layers");
 }
 
-// R², bias and ascending row order for a solution W [k*F x G] over layers `top` (in factor order).
+// R², bias and ascending row order for a solution W [k*F x G] over layers `top` (in factor order), in one pass over
+// W and Cxy: each column chunk's rows in order on one thread, so every sum is the serial loop's (the same bits).
 LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const double* W, const double* Cxy,
                     double lambda) {
   const int64_t F = m.dims().F(), G = m.dims().G();
@@ -136,29 +141,42 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
   const int64_t nk = k * F;
   LayerFit f;
   f.k = k;
-  f.r2 = r2_per_head(W, Cxy, nk, G, G, m.var_y(l), lambda, m.dims().Ht);
-  // Bias in fp64: b = ȳ - x̄ W (the intercept is not penalised).
-  std::vector<double> b = m.mean_y(l);
-  std::vector<std::vector<double>> mxs;
-  for (int i = 0; i < k; ++i) mxs.push_back(m.mean_x(top[i]));
-  constexpr int64_t kChunk = 64;
-#pragma omp parallel for schedule(static) if (k * F * G > kParallelMin)
-  for (int64_t c0 = 0; c0 < G; c0 += kChunk)
-    for (int i = 0; i < k; ++i)
-      for (int64_t p = 0; p < F; ++p)
-        for (int64_t c = c0; c < std::min(G, c0 + kChunk); ++c) b[c] -= mxs[i][p] * W[(i * F + p) * G + c];
-  f.b.assign(b.begin(), b.end());
-  std::vector<int> order(k);
+  // Rows of W go to their layer's place in ascending source-layer order.
+  std::vector<int> order(k), place(k);
   std::iota(order.begin(), order.end(), 0);
   std::sort(order.begin(), order.end(), [&](int x, int y) { return top[x] < top[y]; });
-  f.W.resize(nk * G);
   for (int j = 0; j < k; ++j) {
+    place[order[j]] = j;
     f.layers.push_back(top[order[j]]);
-    const double* src = W + order[j] * F * G;
-    float* dst = f.W.data() + j * F * G;
-#pragma omp parallel for schedule(static) if (F * G > kParallelMin)
-    for (int64_t e = 0; e < F * G; ++e) dst[e] = static_cast<float>(src[e]);
   }
+  std::vector<double> mx(nk);  // x̄ in factor order
+  for (int i = 0; i < k; ++i) {
+    const std::vector<double> v = m.mean_x(top[i]);
+    std::copy(v.begin(), v.end(), mx.begin() + i * F);
+  }
+  const std::vector<double> var_y = m.var_y(l);
+  // SSE/N = var_y - tr(W^T Cxy) - λ|W|² per column; bias b = ȳ - x̄ W in fp64 (the intercept is not penalised).
+  std::vector<double> sse(var_y.begin(), var_y.end()), b = m.mean_y(l);
+  f.W.resize(nk * G);
+  float* out = f.W.data();
+  constexpr int64_t kChunk = 64;
+#pragma omp parallel for schedule(static) if (nk * G > kParallelMin)
+  for (int64_t c0 = 0; c0 < G; c0 += kChunk) {
+    const int64_t c1 = std::min(G, c0 + kChunk);
+    for (int64_t r = 0; r < nk; ++r) {
+      const double* w = W + r * G;
+      const double* x = Cxy + r * G;
+      const double xm = mx[r];
+      float* dst = out + (place[r / F] * F + r % F) * G;
+      for (int64_t c = c0; c < c1; ++c) {
+        sse[c] -= w[c] * x[c] + lambda * w[c] * w[c];
+        b[c] -= xm * w[c];
+        dst[c] = static_cast<float>(w[c]);
+      }
+    }
+  }
+  f.r2 = r2_from_sse(sse, var_y, m.dims().Ht);
+  f.b.assign(b.begin(), b.end());
   return f;
 }
 

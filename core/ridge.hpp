@@ -15,7 +15,7 @@ class Moments;
 struct LayerFit {
   int k = 0;                 // number of source layers used
   std::vector<int> layers;   // ascending: the column order of X
-  std::vector<float> W;      // [k*F x G] row-major, rows in `layers` order
+  BigVector<float> W;        // [k*F x G] row-major, rows in `layers` order
   std::vector<float> b;      // [G]
   std::vector<double> r2;    // in-sample R² per target head (NaN where every column has SST = 0)
 };
@@ -23,6 +23,8 @@ struct LayerFit {
 // In-sample R² per head: 1 - SSE/SST with SSE/N = tr(Cyy) - tr(W^T Cxy) - λ|W|² (exact for the ridge solution).
 std::vector<double> r2_per_head(const double* W, const double* Cxy, int64_t n, int64_t G, int64_t ld,
                                 const std::vector<double>& var_y, double lambda, int heads);
+// The same from SSE/N per column (var_y less what the fit explains).
+std::vector<double> r2_from_sse(const std::vector<double>& sse, const std::vector<double>& var_y, int heads);
 double mean_ignoring_nan(const std::vector<double>& v);
 
 // Cholesky factor of Cxx + λI over source layers in the given order.

@@ -208,8 +208,11 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   } else {
     spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
   }
+  const auto t_end = std::chrono::steady_clock::now();
+  double to_host_s = 0;
   if (one_reader) {
     ctx.backend.flush();  // a device's sums to the host moments, once per pass
+    to_host_s = seconds_since(t_end);
     if (!was_complete) store.save(state, &live);
     if (keep_share && base_f.empty() && base_d.empty()) {
       base_f.resize(nf);
@@ -227,8 +230,13 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
     std::vector<double> D(nd);
     readers.allgather(base_d, D.data(), nd);
     unpack_doubles(D.data());
+    to_host_s = seconds_since(t_end);
     if (!was_complete) store.save(state);
   }
+  if (!was_complete)
+    spdlog::info("{}: pass end: {} {}, checkpoint {}", label,
+                 one_reader ? "sums to the host moments" : "shares gathered into the moments",
+                 human_seconds(to_host_s), human_seconds(seconds_since(t_end) - to_host_s));
   for (auto* m : ms) m->mark_pass_complete();
   double share = static_cast<double>(base_f.size() * sizeof(float) + base_d.size() * sizeof(double));
   log_rank_memory(ctx, label + " (moments + checkpointed share)", ms, share);
@@ -613,7 +621,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   // holds one kind's moments and factors one k = all system), and an odd last reader alone, solving both kinds.
   // Rank 0 collects the manifest entries and writes the manifests last.
   const SolveUnit unit(grid, ctx.comm);
-  ArtifactWriter writer(cal, plan, ctx.backend, ctx.comm.rank());
+  ArtifactWriter writer(cal, plan, ctx.comm.rank());
   // What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
   // solve's settings and this version. An interrupted export of the same job keeps the layers it wrote.
   nlohmann::json export_id = checkpoint_identity(cal, plan, P);
@@ -676,10 +684,10 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   writer.drain();
   progress.finish();
   const SolveTimes& st = workspace.times;
-  spdlog::info("solve: {} assembling fp64 systems, {} factoring, {} substituting, {} R²/biases/weights, {} converting "
-               "weights; files written in {} ({} of it behind the solves)",
+  spdlog::info("solve: {} assembling fp64 systems, {} factoring, {} substituting, {} R²/biases/weights; files "
+               "converted and written in {} ({} converting; {} of it behind the solves)",
                human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
-               human_seconds(st.finish), human_seconds(writer.convert_seconds()), human_seconds(writer.write_seconds()),
+               human_seconds(st.finish), human_seconds(writer.write_seconds()), human_seconds(writer.convert_seconds()),
                human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (root) {

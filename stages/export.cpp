@@ -31,14 +31,6 @@ nlohmann::json nan_to_null(const std::vector<double>& v) {
 
 namespace {
 
-std::vector<uint16_t> to_half(ComputeBackend& be, const std::vector<float>& w, WeightDtype d) {
-  std::vector<uint16_t> h;
-  if (d == WeightDtype::fp32) return h;
-  h.resize(w.size());
-  be.to_half(w.data(), static_cast<int64_t>(w.size()), d == WeightDtype::bf16, h.data());
-  return h;
-}
-
 std::string layer_file(int l) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "layer-%03d.safetensors", l);
@@ -47,8 +39,8 @@ std::string layer_file(int l) {
 
 }  // namespace
 
-ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, ComputeBackend& be, int rank)
-    : cal_(cal), plan_(plan), be_(be), layers_(plan.ks.size(), nlohmann::json::array()), rank_(rank) {}
+ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
+    : cal_(cal), plan_(plan), layers_(plan.ks.size(), nlohmann::json::array()), rank_(rank) {}
 
 std::string ArtifactWriter::final_dir(const KPlan& k) const { return (fs::path(cal_.cfg.output_dir) / ("k" + k.label)).string(); }
 std::string ArtifactWriter::partial_dir(const KPlan& k) const { return final_dir(k) + ".partial"; }
@@ -107,16 +99,11 @@ void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<La
   CROSSKV_ASSERT(fk.size() == plan_.ks.size() && fv.size() == plan_.ks.size(), "fit/plan mismatch");
   Job job;
   job.l = l;
-  const auto c0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < plan_.ks.size(); ++i) {
+  for (size_t i = 0; i < plan_.ks.size(); ++i)
     CROSSKV_ASSERT(fk[i].k == plan_.ks[i].count && fv[i].k == plan_.ks[i].count && fk[i].layers == fv[i].layers,
                    "fit/plan mismatch");
-    job.hk.push_back(to_half(be_, fk[i].W, cal_.cfg.dtype));
-    job.hv.push_back(to_half(be_, fv[i].W, cal_.cfg.dtype));
-  }
   job.fk = std::move(fk);
   job.fv = std::move(fv);
-  convert_s_ += seconds_since(c0);
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lk(m_);
   cv_.wait(lk, [&] { return queue_.empty() || error_; });
@@ -166,6 +153,11 @@ double ArtifactWriter::write_seconds() const {
   return write_s_;
 }
 
+double ArtifactWriter::convert_seconds() const {
+  std::lock_guard<std::mutex> lk(m_);
+  return convert_s_;
+}
+
 nlohmann::json ArtifactWriter::layer_entries() const {
   std::lock_guard<std::mutex> lk(m_);
   CROSSKV_ASSERT(queue_.empty() && !busy_, "layer_entries() before drain()");
@@ -180,8 +172,19 @@ void ArtifactWriter::write_job(const Job& job) {
   for (size_t i = 0; i < plan_.ks.size(); ++i) {
     const KPlan& k = plan_.ks[i];
     const LayerFit &fk = job.fk[i], &fv = job.fv[i];
-    const void* wk = half ? static_cast<const void*>(job.hk[i].data()) : fk.W.data();
-    const void* wv = half ? static_cast<const void*>(job.hv[i].data()) : fv.W.data();
+    if (half) {
+      const auto c0 = std::chrono::steady_clock::now();
+      const bool bf16 = cal_.cfg.dtype == WeightDtype::bf16;
+      half_k_.resize(fk.W.size());
+      half_v_.resize(fv.W.size());
+      to_half_on_host(fk.W.data(), static_cast<int64_t>(fk.W.size()), bf16, half_k_.data());
+      to_half_on_host(fv.W.data(), static_cast<int64_t>(fv.W.size()), bf16, half_v_.data());
+      const double s = seconds_since(c0);
+      std::lock_guard<std::mutex> lk(m_);
+      convert_s_ += s;
+    }
+    const void* wk = half ? static_cast<const void*>(half_k_.data()) : fk.W.data();
+    const void* wv = half ? static_cast<const void*>(half_v_.data()) : fv.W.data();
     const size_t wbytes = fk.W.size() * (half ? 2 : 4);
     const std::vector<int64_t> wshape = {k.features, d.G()}, bshape = {d.G()};
     std::string layers_csv;

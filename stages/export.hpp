@@ -22,8 +22,7 @@ class ComputeBackend;
 
 class ArtifactWriter {
  public:
-  // `be` converts weights to bf16/fp16 (on the device where there is one).
-  ArtifactWriter(const Calibration& cal, const FitPlan& plan, ComputeBackend& be, int rank = 0);
+  ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank = 0);
   ~ArtifactWriter();
   ArtifactWriter(const ArtifactWriter&) = delete;
   ArtifactWriter& operator=(const ArtifactWriter&) = delete;
@@ -35,15 +34,17 @@ class ArtifactWriter {
   // still match their recorded SHA-256: its manifest entries are taken over and it need not be solved. Any rank, for
   // its own layers, after begin() on rank 0.
   bool resume_layer(int l);
-  // fits_k[i] / fits_v[i] belong to plan.ks[i]. Converts the weights here (the caller's thread owns the backend),
-  // then a writer thread writes, syncs and hashes the files while the caller solves the next layer. One layer waits
-  // at most (the call blocks until the one before it is being written); a write's error is thrown by the next call.
+  // fits_k[i] / fits_v[i] belong to plan.ks[i]. A writer thread converts the weights to bf16/fp16 (on the host, in
+  // parallel: they are there already), writes, syncs and hashes the files while the caller solves the next layer.
+  // One layer waits at most (the call blocks until the one before it is being written); a write's error is thrown by
+  // the next call.
   void write_layer(int l, std::vector<LayerFit> fits_k, std::vector<LayerFit> fits_v);
   // Waits until every layer is written; throws the first write error.
   void drain();
-  // Seconds the writer thread spent writing layers, the solving thread converting weights and waiting for the writer.
+  // Seconds the writer thread spent on layers (converting weights included), converting weights, and the solving
+  // thread waiting for the writer.
   double write_seconds() const;
-  double convert_seconds() const { return convert_s_; }
+  double convert_seconds() const;
   double wait_seconds() const { return wait_s_; }
   // The manifest entries of the layers written here (per k; after drain()), and entries written by other ranks.
   nlohmann::json layer_entries() const;
@@ -55,16 +56,15 @@ class ArtifactWriter {
   struct Job {
     int l = 0;
     std::vector<LayerFit> fk, fv;
-    std::vector<std::vector<uint16_t>> hk, hv;  // per k: half weights (empty for fp32)
   };
   void write_job(const Job& job);
+  BigVector<uint16_t> half_k_, half_v_;  // the writer thread's conversions, reused from layer to layer
   void run_writer();
   std::string final_dir(const KPlan& k) const;
   std::string partial_dir(const KPlan& k) const;
   std::string record_dir(const KPlan& k) const;  // inside partial_dir: per-layer records, removed by finish()
   const Calibration& cal_;
   const FitPlan& plan_;
-  ComputeBackend& be_;
   std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
   int rank_ = 0;
   int64_t files_ = 0;  // files written, for the kill_in_export fault hook

@@ -331,7 +331,7 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
       return f;
     };
     auto be = make_cpu_backend();
-    ArtifactWriter w(cal, plan, *be);
+    ArtifactWriter w(cal, plan);
     w.begin({{"job", "export test"}});
     if (sabotage) {  // k1.partial becomes a file: the first layer's first write fails
       std::filesystem::remove_all(cal.cfg.output_dir + "/k1.partial");
