@@ -14,7 +14,8 @@
 #                 features: assembled on the host and uploaded, against assembled on the device from fp32 blocks),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
-# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply fit tf32").
+# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply fit tf32"),
+#      FIT_K (the fit's k list, default "1, 2, 4, 8, all"; e.g. TOKENS=16384 FIT_K=1 times a pass at 8-GPU scale).
 # Then, here: bench/project.py OUT [OUT2]   (8 GPUs x 128K tokens from the benchmark and the fit log; see its --help)
 set -uo pipefail
 OUT=${1:-${OUT:-gpu-check-out}}
@@ -76,14 +77,14 @@ fi
 W=$(mktemp -d)
 if want fit; then
 SEQ=1024 SHARDS=$(( (TOKENS + 2047) / 2048 ))
-step synth 45 "$B/bin/crosskv-synth" --out "$W/data" --dtype bfloat16 --shards "$SHARDS" --sequences 2 --seq-len $SEQ \
+step synth $(( 45 + TOKENS / 128 )) "$B/bin/crosskv-synth" --out "$W/data" --dtype bfloat16 --shards "$SHARDS" --sequences 2 --seq-len $SEQ \
   --source-layers 40 --source-heads 8 --source-head-dim 128 --source-theta 1000000 \
   --target-layers 64 --target-heads 8 --target-head-dim 128 --target-theta 1000000 > "$E" 2>&1 || tail -5 "$E" >> "$S"
 note "  $((SHARDS * 2 * SEQ)) tokens of 40x8x128 -> 64x8x128, $(du -sh "$W/data" | cut -f1)"
 cat > "$W/fit.yaml" <<YAML
 source: {store: data/source}
 target: {store: data/target}
-fit: {k: [1, 2, 4, 8, all], lambda: 0.01, dtype: bf16}
+fit: {k: [${FIT_K:-1, 2, 4, 8, all}], lambda: 0.01, dtype: bf16}
 output: {dir: out}
 runtime: {device: cuda, block_tokens: 2048, max_moment_gib: 100, checkpoint: {every_shards: 64}}
 YAML

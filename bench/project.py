@@ -36,7 +36,7 @@ def seconds(text):
 
 
 def parse_log(path):
-    """What fit_gpu.log measured: round ends, the k = all factor, the solve rate, moment memory."""
+    """What fit_gpu.log measured: the pass, round ends, the pass's end, the k = all factor, the solve rate, memory."""
     got = {"rounds": []}
     for line in Path(path).read_text(errors="replace").splitlines():
         # (older logs: "sums to the host X, packed and reduced Y"; the flush is now part of the reduction)
@@ -71,6 +71,35 @@ def parse_log(path):
         m = re.search(r"source .*?\[(\d+)x(\d+)x(\d+)\], target .*?\[(\d+)x(\d+)x(\d+)\]", line)
         if m:
             got["shape"] = [int(x) for x in m.groups()]
+        m = re.search(r"pass 1/[12][^:]*: (\d+) tokens in (.+?) \(", line)
+        if m:
+            got["pass_tokens"], got["pass_s"] = int(m.group(1)), seconds(m.group(2))
+        m = re.search(r"pass end: (?:sums to the host moments|shares gathered into the moments) (.+?), checkpoint (.+)$",
+                      line)
+        if m:
+            got["pass_end_s"], got["pass_end_checkpoint_s"] = seconds(m.group(1)), seconds(m.group(2))
+        if re.match(r"(\[[^]]*\] )*\s+all\s+\d+\s", line):  # the plan's table has a k = all row: a whole sweep
+            got["sweep"] = True
+    return got
+
+
+def merge_logs(paths):
+    """Figures from several fit logs: the pass from the one that read the most tokens, the solve from a whole sweep."""
+    logs = [parse_log(p) for p in paths]
+    got = {"rounds": []}
+    for log in logs:
+        for key in ("rounds", "moment_gib", "stages", "shape", "pass_end_s", "pass_end_checkpoint_s"):
+            if key in log and log[key]:
+                got[key] = log[key]
+    passes = [g for g in logs if "pass_tokens" in g]
+    if passes:
+        best = max(passes, key=lambda g: g["pass_tokens"])
+        got["pass_tokens"], got["pass_s"] = best["pass_tokens"], best["pass_s"]
+    sweeps = [g for g in logs if g.get("sweep")] or logs
+    for key in ("factor_all", "factor_kinds", "solve_layers", "solve_s", "solve_rate"):
+        for g in sweeps:
+            if key in g:
+                got[key] = g[key]
     return got
 
 
@@ -87,7 +116,8 @@ def main():
         hits = [Path(d) / name for d in a.out if (Path(d) / name).is_file()]
         return hits[-1] if hits else None
 
-    bench_path, log_path = find("bench_gpu.json"), find("fit_gpu.log")
+    bench_path = find("bench_gpu.json")
+    log_paths = [Path(d) / "fit_gpu.log" for d in a.out if (Path(d) / "fit_gpu.log").is_file()]
     if not bench_path:
         sys.exit(f"project.py: no bench_gpu.json in {', '.join(a.out)}")
     try:
@@ -96,18 +126,21 @@ def main():
         sys.exit(f"project.py: {bench_path}: not the benchmark's JSON ({e})")
     if "sums_gib" not in bench:
         sys.exit(f"project.py: {bench_path}: written by an older crosskv-bench-gpu (no steady-state fields)")
-    log = parse_log(log_path) if log_path else {"rounds": []}
+    log = merge_logs(log_paths)
     Ls, Hs, Ds, Lt, Ht, Dt = log.get("shape", bench["shape"])
     P, N = a.ranks, a.tokens
     rows = []  # (what, seconds, where the figure comes from)
 
-    tok_s = bench["prepared_tokens_per_s"] / 2  # keys and values; the benchmark folds in one kind
-    acc = N / P / tok_s
     read_bytes = N / P * 2 * (Ls * Hs * Ds + Lt * Ht * Dt) * 2  # bf16 keys and values of both models
     read = read_bytes / (a.read_gbs * 1e9 / P)
-    rows.append((f"pass: N/P tokens ({'accumulating' if acc >= read else 'reading'} binds)", max(acc, read),
-                 f"bench_gpu: {bench['prepared_tokens_per_s']:.0f} tokens/s per kind -> {acc:.1f} s; "
-                 f"reading {read_bytes / 1e9:.1f} GB at an assumed {a.read_gbs:g} GB/s per node -> {read:.1f} s"))
+    if "pass_s" in log:  # measured: one GPU reading, converting and folding in its shards (keys, raw keys, values)
+        rate = log["pass_tokens"] / max(log["pass_s"], 1e-9)
+        acc, src = N / P / rate, f"fit_gpu.log: {log['pass_tokens']} tokens at {rate:.0f} tokens/s -> {N / P / rate:.1f} s"
+    else:
+        tok_s = bench["prepared_tokens_per_s"] / 2  # keys and values; the benchmark folds in one kind
+        acc, src = N / P / tok_s, f"bench_gpu: {bench['prepared_tokens_per_s']:.0f} tokens/s per kind -> {N / P / tok_s:.1f} s"
+    rows.append((f"pass: N/P tokens ({'one GPU' if acc >= read else 'reading'} binds)", max(acc, read),
+                 f"{src}; reading {read_bytes / 1e9:.1f} GB at an assumed {a.read_gbs:g} GB/s per node -> {read:.1f} s"))
     sums_gib = 2 * bench["sums_gib"]
     gib = log.get("moment_gib", sums_gib)
     if "share_to_host_s" in bench and P > 1:
@@ -130,11 +163,19 @@ def main():
     rs = gib * (P - 1) / P * 1.0737 / a.nvlink_gbs
     rows.append(("reduce-scatter of the sums (in place)", rs,
                  f"assumed {a.nvlink_gbs:g} GB/s (NCCL, NVLink)"))
-    if not rows[-1][0].startswith("round end (one reader"):
+    if "pass_end_s" in log:
+        # Every rank writes all of its moments into host memory at the pass's end (one GPU: from the device; P: the
+        # gathered shares), the same bytes either way; its checkpoint is 1/P of the one GPU's.
+        rows.append(("pass end: the moments written on the host", log["pass_end_s"],
+                     f"fit_gpu.log: {gib:.1f} GiB in {log['pass_end_s']:.1f} s on one GPU"))
+        rows.append(("checkpoint of this rank's 1/P share", log["pass_end_checkpoint_s"] / P,
+                     f"fit_gpu.log: {gib:.1f} GiB in {log['pass_end_checkpoint_s']:.1f} s, / {P}"))
+    elif not rows[-1][0].startswith("round end (one reader"):
         rows.append(("checkpoint of this rank's 1/P share", gib / P * 1.0737 / a.disk_gbs,
                      f"assumed {a.disk_gbs:g} GB/s per rank"))
     if "probe" in log.get("stages", {}):
-        rows.append(("probe (R², select)", log["stages"]["probe"], "fit_gpu.log (does not depend on N)"))
+        rows.append(("probe (R², select), shared out over the ranks", log["stages"]["probe"] / P,
+                     f"fit_gpu.log: {log['stages']['probe']:.1f} s on one GPU, / {P}"))
     if "factor_all" in log:
         # With several readers they pair up for the solve: each rank factors one kind's system.
         per_kind = log["factor_all"] / log.get("factor_kinds", 2)

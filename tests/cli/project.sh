@@ -33,6 +33,16 @@ PY
 check_projection 2 "round end: 1/P share to the host" "round end: sums zeroed on the device" "checkpoint of this rank" \
   "one kind's k = all system of 96 features: assembled on the host"
 check_projection 1 "round end (one reader, measured)"
+# The H200 runs of 2026-11-30 as stored (docs/gpu-runs): every measured row is read from the real logs, the pass
+# from the 16K-token run and the solve from the whole k sweep.
+R=$ROOT/docs/gpu-runs/2026-11-30
+python3 "$ROOT/bench/project.py" "$R/check" "$R/fit-2048" "$R/fit-16384-k1" --ranks 8 > h200.txt 2>&1 \
+  || { cat h200.txt; die "project.py on the stored H200 runs failed"; }
+cat h200.txt
+for row in "16384 tokens at 2244 tokens/s" "26.4 GiB in 15.3 s on one GPU" "26.4 GiB in 37.0 s, / 8" \
+  "10.4 s on one GPU, / 8" "1.3 s per kind" "0.98 s per layer" "total per pair                                 38.2 s"; do
+  expect_in "$row" h200.txt
+done
 python3 "$ROOT/bench/project.py" nowhere > err.txt 2>&1 && die "project.py without its inputs succeeded"
 expect_in "no bench_gpu.json in nowhere" err.txt
 echo "PASS"
