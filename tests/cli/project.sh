@@ -11,16 +11,21 @@ CROSSKV_BENCH_CPU=1 "$BENCH" --factor 3 2 16 256 > factor_gpu.json || die "cross
 "$SYNTH" --out data --shards 4 --sequences 2 --seq-len 64 --source-layers 3 --target-layers 4 > /dev/null
 printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, all]}\noutput: {dir: out}\nruntime: {block_tokens: 64, checkpoint: {every_shards: 1}}\n' > fit.yaml
 "$FIT" fit.yaml > fit_gpu.log 2>&1 || { cat fit_gpu.log; die "fit failed"; }
+project() {  # project OUT ARGS...: bench/project.py ARGS into OUT (and shown)
+  local out=$1; shift
+  python3 "$ROOT/bench/project.py" "$@" > "$out" 2>&1 || { cat "$out"; die "project.py $* failed"; }
+  cat "$out"
+}
+expect_rows() {  # expect_rows FILE ROW...
+  local f=$1; shift
+  for row in "$@"; do expect_in "$row" "$f"; done
+}
 # Two ranks: the round's end reads the resident sums in place; one rank: the round's end is its checkpoint.
 check_projection() {
   local ranks=$1; shift
-  python3 "$ROOT/bench/project.py" . --ranks "$ranks" --tokens 1000000000 > projection.txt 2>&1 \
-    || { cat projection.txt; die "project.py failed"; }
-  cat projection.txt
-  for row in "pass: N/P tokens" "$@" "reduce-scatter" \
-    "probe (R², select)" "k = all factor" "solve + export, $((4 / ranks)) target layers" "total per pair"; do
-    expect_in "$row" projection.txt
-  done
+  project projection.txt . --ranks "$ranks" --tokens 1000000000
+  expect_rows projection.txt "pass: N/P tokens" "$@" "reduce-scatter" "probe (R², select)" "k = all factor" \
+    "solve + export, $((4 / ranks)) target layers" "total per pair"
   grep -q "not in fit_gpu.log" projection.txt && die "a figure was not found in the fit log"
   python3 - <<'PY' || die "the total is not the sum of the rows"
 import re
@@ -36,13 +41,9 @@ check_projection 1 "round end (one reader, measured)"
 # The H200 runs of 2026-11-30 as stored (docs/gpu-runs): every measured row is read from the real logs, the pass
 # from the 16K-token run and the solve from the whole k sweep.
 R=$ROOT/docs/gpu-runs/2026-11-30
-python3 "$ROOT/bench/project.py" "$R/check" "$R/fit-2048" "$R/fit-16384-k1" --ranks 8 > h200.txt 2>&1 \
-  || { cat h200.txt; die "project.py on the stored H200 runs failed"; }
-cat h200.txt
-for row in "16384 tokens at 2244 tokens/s" "26.4 GiB in 15.3 s on one GPU" "26.4 GiB in 37.0 s, / 8" \
-  "10.4 s on one GPU, / 8" "1.3 s per kind" "0.98 s per layer" "total per pair                                 38.2 s"; do
-  expect_in "$row" h200.txt
-done
+project h200.txt "$R/check" "$R/fit-2048" "$R/fit-16384-k1" --ranks 8
+expect_rows h200.txt "16384 tokens at 2244 tokens/s" "26.4 GiB in 15.3 s on one GPU" "26.4 GiB in 37.0 s, / 8" \
+  "10.4 s on one GPU, / 8" "1.3 s per kind" "0.98 s per layer" "total per pair                                 38.2 s"
 python3 "$ROOT/bench/project.py" nowhere > err.txt 2>&1 && die "project.py without its inputs succeeded"
 expect_in "no bench_gpu.json in nowhere" err.txt
 echo "PASS"
