@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -28,6 +27,7 @@
 #include "stages/checkpoint.hpp"
 #include "stages/export.hpp"
 #include "stages/grid.hpp"
+#include "stages/solve.hpp"
 #include "apply/diagnose.hpp"
 #include "apply/report.hpp"
 #include "apply/transfer.hpp"
@@ -318,76 +318,6 @@ std::string evaluate_held_out(const Calibration& cal, const std::vector<std::str
   return report;
 }
 
-// A rank's part in the solve (see run_fit): a member of a pair of its layer group's readers (0: keys, 1: values), or
-// a reader alone (both kinds; an odd last reader, or a layer group of one).
-struct SolveUnit {
-  SolveUnit(const Grid& g, Comm& comm) {
-    const int pairs = g.token_groups / 2;
-    paired = g.token_group < 2 * pairs;
-    index = paired ? g.token_group / 2 : pairs;
-    units = pairs + g.token_groups % 2;
-    member = paired ? g.token_group % 2 : 0;
-    const int color = paired ? g.layer_group * g.token_groups + index : g.layer_groups * g.token_groups + comm.rank();
-    pair = comm.split(color, comm.rank());
-  }
-  bool solves_keys() const { return !paired || member == 0; }
-  bool solves_values() const { return !paired || member == 1; }
-  bool writes(size_t i) const { return !paired || static_cast<int>(i % 2) == member; }  // the unit's i-th layer
-  bool paired = false;
-  int index = 0, units = 1, member = 0;
-  std::unique_ptr<Comm> pair;  // the pair (or this rank alone)
-};
-
-// One kind's fits of a target layer, from pair member `from` to the other (a broadcast over the pair).
-void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
-  std::string bytes;
-  auto put = [&bytes](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
-  auto put_vec = [&](const auto& v) {
-    const uint64_t n = v.size();
-    put(&n, 8);
-    put(v.data(), n * sizeof(v[0]));
-  };
-  if (pair.rank() == from) {
-    const uint64_t count = fits.size();
-    put(&count, 8);
-    for (const LayerFit& f : fits) {
-      put(&f.k, sizeof f.k);
-      put_vec(f.layers);
-      put_vec(f.W);
-      put_vec(f.b);
-      put_vec(f.r2);
-    }
-  }
-  uint64_t size = bytes.size();
-  pair.broadcast(&size, 8, from);
-  bytes.resize(size);
-  pair.broadcast(bytes.data(), size, from);
-  if (pair.rank() == from) return;
-  size_t at = 0;
-  auto get = [&](void* p, size_t n) {
-    CROSSKV_ASSERT(at + n <= bytes.size(), "a pair's fits end early");
-    std::memcpy(p, bytes.data() + at, n);
-    at += n;
-  };
-  auto get_vec = [&](auto& v) {
-    uint64_t n = 0;
-    get(&n, 8);
-    v.resize(n);
-    get(v.data(), n * sizeof(v[0]));
-  };
-  uint64_t count = 0;
-  get(&count, 8);
-  fits.assign(count, LayerFit{});
-  for (LayerFit& f : fits) {
-    get(&f.k, sizeof f.k);
-    get_vec(f.layers);
-    get_vec(f.W);
-    get_vec(f.b);
-    get_vec(f.r2);
-  }
-  CROSSKV_ASSERT(at == bytes.size(), "a pair's fits have bytes left over");
-}
-
 }  // namespace
 
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) {
@@ -616,11 +546,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   clock.start("solve+export");
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
-  // Target layers go to their layer group, and within it round-robin to its solve units: pairs of readers, one
-  // solving the keys and the other the values of the pair's layers, taking turns to write a layer's file (each then
-  // holds one kind's moments and factors one k = all system), and an odd last reader alone, solving both kinds.
-  // Rank 0 collects the manifest entries and writes the manifests last.
-  const SolveUnit unit(grid, ctx.comm);
+  // Target layers go to their layer group, and within it to its solve units (stages/solve.hpp); rank 0 collects the
+  // manifest entries and writes the manifests last.
   ArtifactWriter writer(cal, plan, ctx.comm.rank());
   // What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
   // solve's settings and this version. An interrupted export of the same job keeps the layers it wrote.
@@ -629,66 +556,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
                       {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
   if (root) writer.begin(export_id);
   ctx.comm.barrier();
-  std::vector<int> unit_layers;
-  for (int l = 0, j = 0; l < d.Lt; ++l)
-    if (grid.owns_target(l) && j++ % unit.units == unit.index) unit_layers.push_back(l);
-  // Layers already written by an interrupted run: each is checked by the rank that writes it, and a pair agrees.
-  std::vector<char> written(unit_layers.size(), 0);
-  for (size_t i = 0; i < unit_layers.size(); ++i)
-    if (unit.writes(i)) written[i] = writer.resume_layer(unit_layers[i]) ? 1 : 0;
-  for (int from = 0; unit.paired && from < 2; ++from) {
-    std::vector<char> theirs = written;
-    unit.pair->broadcast(theirs.data(), theirs.size(), from);
-    for (size_t i = 0; i < theirs.size(); ++i)
-      if (static_cast<int>(i % 2) == from) written[i] = theirs[i];
-  }
-  std::vector<std::pair<int, bool>> todo;  // target layer, written here
-  for (size_t i = 0; i < unit_layers.size(); ++i)
-    if (!written[i]) todo.emplace_back(unit_layers[i], unit.writes(i));
-  if (todo.size() < unit_layers.size())
-    spdlog::info("export: {} target layer(s) already written by an interrupted run of this job; solving {}",
-                 unit_layers.size() - todo.size(), todo.size());
-  // A pair member solves one kind: the other kind's moments are not needed here any more.
-  if (unit.paired) (unit.solves_keys() ? mv : mk) = Moments{};
-  // k = all is the same system for every target layer: factor it once per kind solved here.
-  std::unique_ptr<Factor> all_k, all_v;
-  if (counts.back() == d.Ls && todo.size() > 1) {
-    const auto t_factor = std::chrono::steady_clock::now();
-    std::vector<int> asc(d.Ls);
-    std::iota(asc.begin(), asc.end(), 0);
-    if (unit.solves_keys()) all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, cfg.lambda));
-    if (unit.solves_values()) all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, cfg.lambda));
-    spdlog::info("factored the k = all system {} ({} features) in {}",
-                 unit.paired ? "of one kind (keys and values solved by a pair of ranks)" : "once per kind",
-                 (all_k ? all_k : all_v)->n, human_seconds(seconds_since(t_factor)));
-  }
-  Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(todo.size()), 0,
-                    "target layers");
-  SolveWorkspace workspace;  // reused by every target layer, keys and values
-  for (const auto& [l, writes] : todo) {
-    if (!unit.pair->all_ok(!stop_requested()))
-      throw Interrupted("stopped by a signal while solving; the moments are committed in " + ckpt_dir);
-    const std::string what = "target layer " + std::to_string(l);
-    std::vector<LayerFit> fk, fv;
-    if (unit.solves_keys())
-      fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", keys", all_k.get(), &workspace);
-    if (unit.solves_values())
-      fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, cfg.lambda, what + ", values", all_v.get(), &workspace);
-    if (unit.paired) {  // the member that does not write this layer sends its kind to the one that does
-      const int from = writes ? 1 - unit.member : unit.member;
-      send_fits(*unit.pair, from, from == 0 ? fk : fv);
-    }
-    if (writes) writer.write_layer(l, std::move(fk), std::move(fv));  // written while the next layer solves
-    progress.add(1);
-  }
-  writer.drain();
-  progress.finish();
-  const SolveTimes& st = workspace.times;
-  spdlog::info("solve: {} assembling fp64 systems, {} factoring, {} substituting, {} R²/biases/weights; files "
-               "converted and written in {} ({} converting; {} of it behind the solves)",
-               human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
-               human_seconds(st.finish), human_seconds(writer.write_seconds()), human_seconds(writer.convert_seconds()),
-               human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
+  solve_layers(ctx, plan, mk, mv, rankings, cfg.lambda, writer, ckpt_dir);
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (root) {
     for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));

@@ -1,7 +1,7 @@
 #pragma once
 // The fit's stages, each a function from explicit inputs to explicit outputs:
 //   validate(config) -> Calibration; make_plan(Calibration) -> FitPlan; stream_pass(...) -> moments;
-//   probe/select (core/ridge, core/select); solve + export (stages/export).
+//   probe/select (core/ridge, core/select); solve_layers (stages/solve) -> ArtifactWriter (stages/export).
 #include <cstdint>
 #include <functional>
 #include <map>

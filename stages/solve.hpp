@@ -1,0 +1,24 @@
+#pragma once
+// Stage 6: the ridge solves of every k for this rank's target layers, handed to the export (stages/export).
+#include <string>
+#include <vector>
+
+#include "core/moments.hpp"
+#include "stages/stages.hpp"
+
+namespace crosskv {
+
+class ArtifactWriter;
+
+// Target layer l belongs to layer group l mod G and, within it, round-robin to its solve units: pairs of readers
+// (token groups 2j and 2j+1), and for an odd T the last reader alone. In a pair, member 0 solves the keys and member 1
+// the values of the pair's layers, and they take turns writing a layer's file (the other sends its fits), so each
+// frees the other kind's moments and factors one k = all system; a reader alone solves both kinds. Layers an
+// interrupted export already wrote (ArtifactWriter::resume_layer, agreed within a pair) are not solved again. Returns
+// when this rank's layers are written (writer.drain()); `mk` or `mv` may be emptied. A stop signal is agreed per
+// layer within a pair and raises Interrupted (naming `ckpt_dir`, where the moments are committed).
+void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
+                  const std::vector<std::vector<int>>& rankings, double lambda, ArtifactWriter& writer,
+                  const std::string& ckpt_dir);
+
+}  // namespace crosskv
