@@ -17,6 +17,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/log.hpp"
+#include "core/memory.hpp"
 #include "core/sha256.hpp"
 #include "io/atomic_file.hpp"
 
@@ -134,7 +135,7 @@ class HashingReader {
   }
   std::ifstream& in_;
   uint64_t left_, total_;
-  std::vector<char> buf_;
+  BigVector<char> buf_;
   size_t len_ = 0, pos_ = 0;
   std::vector<std::string> digests_;
 };
@@ -361,7 +362,7 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
     const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // half the bytes, then SIGKILL
     AtomicFile f(state_path(seq, comm_.rank()));
     // A batch of chunks at a time: filled from the parts (a value run at most a chunk long), hashed, written.
-    std::vector<char> buf(std::min(total, batch_bytes()));
+    BigVector<char> buf(std::min(total, batch_bytes()));
     std::vector<std::string> digests;
     size_t part = 0, in_part = 0;
     for (size_t written = 0; written < total;) {
