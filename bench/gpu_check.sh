@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check of issue 4, one prepared script for a bare GPU machine (nothing to install). On an H200: tests,
-# benchmarks and apply ~2 minutes in 2026-11 (the k = all factor benchmark, added since: est. under a minute more);
-# the paper-shaped fit (40x8x128 -> 64x8x128, k = 1, 2, 4, 8, all) alone took ~6.5 minutes then (most of it host
-# work per target layer), so it gets its own call: STEPS=fit.
+# The GPU check of issue 4, one prepared script for a bare GPU machine (nothing to install). On an H200 (2026-11-30):
+# tests, the accumulation benchmark and the k = all factor 42 s; the paper-shaped fit (40x8x128 -> 64x8x128,
+# k = 1, 2, 4, 8, all, 2,048 tokens) 2m40s with its synthetic data; apply and tf32 about a minute more. Calls of the
+# device tool are limited to 10 minutes: run the fit in a call of its own (STEPS=fit).
 # Prepare here:   bench/gpu_bundle.sh                     (-> .gpu-bundle.tar.xz, programs built with nvcc here)
 # Run there:      STEPS="test bench factor apply tf32" bash bench/gpu_check.sh "$OUT"   then, in a second call,
 #                 STEPS=fit bash bench/gpu_check.sh "$OUT"  (carry .gpu-bundle.tar.xz; with no STEPS, all of them)
