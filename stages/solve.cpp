@@ -27,6 +27,7 @@ struct SolveUnit {
     member = paired ? g.token_group % 2 : 0;
     const int color = paired ? g.layer_group * g.token_groups + index : g.layer_groups * g.token_groups + comm.rank();
     pair = comm.split(color, comm.rank());
+    CROSSKV_ASSERT(!paired || pair->rank() == member, "a pair's ranks are its members in token-group order");
   }
   bool solves_keys() const { return !paired || member == 0; }
   bool solves_values() const { return !paired || member == 1; }
