@@ -127,13 +127,6 @@ void log_rank_memory(Context& ctx, const std::string& label, const std::vector<M
   for (int r = 0; r < ctx.comm.size(); ++r) spdlog::info("{}: rank {} holds {}", label, r, human_bytes(per_rank[r]));
 }
 
-// The checkpointed sums of a pass do not fit the job's moments (a state written by another version).
-void check_restored_size(const CheckpointStore& store, size_t have, size_t want) {
-  if (have != want)
-    throw InputError(store.dir() + ": the checkpoint holds " + std::to_string(have) + " sums of this pass, the job " +
-                     std::to_string(want) + " (written by another version?); use --fresh to start over");
-}
-
 // One streaming pass in rounds, checkpointed after each. Several readers reduce their round's sums (fixed order) into
 // this rank's share of the pass and gather the shares back into complete moments at the end. One reader's share is
 // its moments: nothing to reduce, and checkpoints read the sums where they are (a device's, without a flush), so the
@@ -165,18 +158,19 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   CROSSKV_ASSERT(one_reader || !state.deferred, "only one reader defers a checkpoint's sums");
   if (one_reader && state.deferred && state.pass == pass) {  // the state's latest pass, straight into the moments
     const std::vector<double> d = read_deferred(*state.deferred, live.f);
-    check_restored_size(store, d.size(), nd);
+    check_state_size(state.deferred->path, d.size(), nd);
     unpack_doubles(d.data());
     state.deferred.reset();
   } else if (one_reader && !(base_f.empty() && base_d.empty())) {
-    check_restored_size(store, base_f.size(), nf);
-    check_restored_size(store, base_d.size(), nd);
+    check_state_size(store.dir(), base_f.size(), nf);
+    check_state_size(store.dir(), base_d.size(), nd);
     place_sums(live.f, 0, static_cast<int64_t>(nf), base_f.data());
     unpack_doubles(base_d.data());
   }
   // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds) and keeps it
   // for that pass's checkpoints; in this pass a reader's moments are current from here on.
-  const bool was_complete = state.pass > pass || state.rounds_done == pass_rounds(cal, readers.size());
+  const int64_t rounds = pass_rounds(cal, readers.size());
+  const bool was_complete = state.pass > pass || state.rounds_done == rounds;
   if (one_reader && state.pass == pass) {
     std::vector<float>().swap(base_f);
     std::vector<double>().swap(base_d);
@@ -184,7 +178,7 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   PassStats st;
   if (!was_complete) {
     if (state.rounds_done > 0)
-      spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, pass_rounds(cal, readers.size()));
+      spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
     auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
       if (!ctx.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +

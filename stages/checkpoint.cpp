@@ -200,11 +200,15 @@ std::string read_state(const std::string& path, int64_t seq, int rank, bool defe
 
 }  // namespace
 
+void check_state_size(const std::string& where, uint64_t have, uint64_t want) {
+  if (have != want)
+    throw InputError(where + ": the checkpoint holds " + std::to_string(have) + " sums of this pass, the job " +
+                     std::to_string(want) + " (written by another version?); use --fresh to start over");
+}
+
 std::vector<double> read_deferred(const PassState::Deferred& d,
                                   const std::vector<ComputeBackend::SumPiece<float>>& into) {
-  if (static_cast<uint64_t>(flat_size(into)) != d.f_count)
-    throw InputError(d.path + ": the checkpoint holds " + std::to_string(d.f_count) + " sums of this pass, the job " +
-                     std::to_string(flat_size(into)) + " (written by another version?); use --fresh to start over");
+  check_state_size(d.path, d.f_count, static_cast<uint64_t>(flat_size(into)));
   std::ifstream in(d.path, std::ios::binary);
   auto read = [&](uint64_t at, void* dst, uint64_t bytes) {
     in.seekg(static_cast<std::streamoff>(at));

@@ -41,6 +41,10 @@ struct LiveSums {
   std::vector<ComputeBackend::SumPiece<double>> d;
 };
 
+// A state's sums of a pass (`have`) must be as many as the job's moments take (`want`); else a UserError naming
+// `where` (a state written by another version).
+void check_state_size(const std::string& where, uint64_t have, uint64_t want);
+
 // Deferred sums into host memory: the floats into `into` a segment at a time (place_sums; their count must match),
 // the doubles returned.
 std::vector<double> read_deferred(const PassState::Deferred& d, const std::vector<ComputeBackend::SumPiece<float>>& into);
