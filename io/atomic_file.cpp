@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <regex>
 
 #include "core/error.hpp"
 
@@ -71,6 +72,16 @@ void commit_file(const std::string& tmp, const std::string& path) {
   if (rc != 0) throw SystemError("fsync(" + tmp + "): " + errno_text());
   if (::rename(tmp.c_str(), path.c_str()) != 0) throw SystemError("rename(" + tmp + ", " + path + "): " + errno_text());
   fsync_dir(std::filesystem::path(path).parent_path().string());
+}
+
+std::vector<std::string> remove_files_matching(const std::string& dir, const std::string& pattern) {
+  const std::regex re(pattern);
+  std::error_code ec;
+  std::vector<std::string> matched;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    if (std::regex_match(e.path().filename().string(), re)) matched.push_back(e.path().string());
+  for (const auto& p : matched) std::filesystem::remove(p, ec);
+  return matched;
 }
 
 }  // namespace crosskv

@@ -3,6 +3,7 @@
 // leaves at most a stray "*.tmp-<pid>" file, never a partial file under the final name.
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace crosskv {
 
@@ -27,5 +28,8 @@ void write_file_atomic(const std::string& path, const std::string& content);
 void commit_file(const std::string& tmp, const std::string& path);
 void fsync_dir(const std::string& dir);
 std::string temp_name_for(const std::string& path);
+// Removes the files in `dir` whose names match `pattern` (temporaries that killed writes left: "<name>.tmp-<pid>");
+// returns their paths. A missing folder has none.
+std::vector<std::string> remove_files_matching(const std::string& dir, const std::string& pattern);
 
 }  // namespace crosskv

@@ -230,6 +230,7 @@ std::vector<double> read_deferred(const PassState::Deferred& d,
 
 void install_stop_signal_handlers() {
   std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGINT, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
 }
 bool stop_requested() { return g_stop != 0; }
@@ -275,15 +276,60 @@ std::vector<int64_t> CheckpointStore::committed() const {
   return seqs;
 }
 
+// A commit record as written by save(), or why it is not one.
+std::optional<nlohmann::json> CheckpointStore::read_commit(int64_t seq, std::string& why) const {
+  std::ifstream in(commit_path(seq));
+  if (!in) {
+    why = "unreadable";
+    return std::nullopt;
+  }
+  nlohmann::json c = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  auto integer = [&](const char* key) { return c.contains(key) && c[key].is_number_integer(); };
+  if (c.is_discarded() || !c.is_object())
+    why = "not valid JSON";
+  else if (!integer("seq") || c["seq"].get<int64_t>() != seq)
+    why = "its seq is not " + std::to_string(seq);
+  else if (!integer("pass") || (c["pass"] != 1 && c["pass"] != 2))
+    why = "its pass is not 1 or 2";
+  else if (!integer("rounds_done") || c["rounds_done"].get<int64_t>() < 0)
+    why = "its rounds_done is not a count";
+  else if (!integer("ranks") || c["ranks"].get<int64_t>() <= 0)
+    why = "its ranks is not a count";
+  else if (!c.contains("identity") || !c["identity"].is_object())
+    why = "it has no identity";
+  else
+    return c;
+  return std::nullopt;
+}
+
+void CheckpointStore::remove_stray_temporaries() const {
+  // Each rank its own states' temporaries, rank 0 the commits': nobody removes a file another rank may be writing.
+  const std::string mine = comm_.rank() == 0
+                               ? "(state-[0-9]+-rank0\\.bin|commit-[0-9]+\\.json)\\.tmp-[0-9]+"
+                               : "state-[0-9]+-rank" + std::to_string(comm_.rank()) + "\\.bin\\.tmp-[0-9]+";
+  for (const auto& p : remove_files_matching(dir_, mine))
+    spdlog::warn("removed {}: a temporary file of an interrupted checkpoint write", p);
+}
+
 std::optional<PassState> CheckpointStore::load(bool fresh, bool cache, bool defer) {
-  const auto seqs = committed();
-  if (cache && !fresh && !seqs.empty()) {
+  remove_stray_temporaries();
+  // Commits that read, newest first: a damaged one is reported and the previous one used.
+  std::vector<std::pair<int64_t, nlohmann::json>> commits;
+  for (int64_t seq : committed()) {
+    std::string why;
+    if (auto c = read_commit(seq, why)) {
+      commits.emplace_back(seq, std::move(*c));
+      if (commits.size() == 2) break;
+    } else if (comm_.rank() == 0) {
+      spdlog::warn("checkpoint {}: {} is damaged ({}); falling back to the previous commit", seq, commit_path(seq),
+                   why);
+    }
+  }
+  if (cache && !fresh && !commits.empty()) {
     // Moments about another provisional shift (an internal choice, e.g. after a domain that sorts first was added)
     // are re-read rather than refused.
-    nlohmann::json commit;
-    std::ifstream(commit_path(seqs.front())) >> commit;
-    nlohmann::json theirs = commit["identity"], ours = identity_;
-    if (theirs != ours && theirs.is_object()) {
+    nlohmann::json theirs = commits.front().second["identity"], ours = identity_;
+    if (theirs != ours) {
       theirs.erase("shift_sha256");
       ours.erase("shift_sha256");
       if (theirs == ours) {
@@ -301,23 +347,30 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache, bool defe
     comm_.barrier();
     return std::nullopt;
   }
-  if (seqs.empty()) return std::nullopt;
-  nlohmann::json commit;
-  std::ifstream(commit_path(seqs.front())) >> commit;
-  if (commit["identity"] != identity_) {
+  if (commits.empty()) return std::nullopt;
+  const auto& [newest, newest_commit] = commits.front();
+  const nlohmann::json& theirs = newest_commit["identity"];
+  if (theirs != identity_) {
     std::string diff;
     for (auto it = identity_.begin(); it != identity_.end(); ++it)
-      if (commit["identity"].value(it.key(), nlohmann::json()) != it.value())
+      if (theirs.value(it.key(), nlohmann::json()) != it.value())
         diff += (diff.empty() ? "" : ", ") + it.key() + " (checkpoint: " +
-                commit["identity"].value(it.key(), nlohmann::json()).dump().substr(0, 80) + ", now: " +
+                theirs.value(it.key(), nlohmann::json()).dump().substr(0, 80) + ", now: " +
                 it.value().dump().substr(0, 80) + ")";
-    throw UserError(commit_path(seqs.front()) + ": the committed checkpoint is for another job; differs in " + diff +
+    throw UserError(commit_path(newest) + ": the committed checkpoint is for another job; differs in " + diff +
                     "; use --fresh to start over");
   }
-  for (size_t i = 0; i < seqs.size() && i < 2; ++i) {
-    const int64_t seq = seqs[i];
+  for (size_t i = 0; i < commits.size(); ++i) {
+    const auto& [seq, commit] = commits[i];
     PassState s;
-    const std::string why = read_state(state_path(seq, comm_.rank()), seq, comm_.rank(), defer, s);
+    std::string why = commit["identity"] != identity_ ? "of another job"
+                                                      : read_state(state_path(seq, comm_.rank()), seq, comm_.rank(), defer, s);
+    // A commit speaks for its states: they must say the same pass and rounds (both are edited only by hand).
+    if (why.empty() && (s.pass != commit["pass"].get<int>() || s.rounds_done != commit["rounds_done"].get<int64_t>() ||
+                        commit["ranks"].get<int>() != comm_.size()))
+      why = "inconsistent with " + commit_path(seq) + " (state: pass " + std::to_string(s.pass) + ", " +
+            std::to_string(s.rounds_done) + " rounds; commit: pass " + commit["pass"].dump() + ", " +
+            commit["rounds_done"].dump() + " rounds, " + commit["ranks"].dump() + " ranks)";
     const bool ok = why.empty();
     if (!ok) s = PassState{};  // release what a bad file made us read
     if (!ok) spdlog::warn("checkpoint {}: {} is {}", seq, state_path(seq, comm_.rank()), why);
@@ -328,7 +381,7 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache, bool defe
       return s;
     }
     spdlog::warn("checkpoint {} does not verify on every rank; {}", seq,
-                 i + 1 < seqs.size() ? "falling back to the previous one" : "starting over");
+                 i + 1 < commits.size() ? "falling back to the previous one" : "starting over");
   }
   return std::nullopt;
 }

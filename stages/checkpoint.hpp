@@ -71,13 +71,15 @@ class CheckpointStore {
   std::string state_path(int64_t seq, int rank) const;
   std::string commit_path(int64_t seq) const;
   std::vector<int64_t> committed() const;  // newest first
+  std::optional<nlohmann::json> read_commit(int64_t seq, std::string& why) const;
+  void remove_stray_temporaries() const;
   std::string dir_;
   nlohmann::json identity_;
   Comm& comm_;
   int64_t seq_ = 0;
 };
 
-// SIGTERM / SIGUSR1 set this flag (installed by crosskv-fit's main).
+// SIGTERM, SIGINT and SIGUSR1 set this flag (installed by crosskv-fit's main).
 void install_stop_signal_handlers();
 bool stop_requested();
 

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
@@ -37,6 +38,24 @@ std::string layer_file(int l) {
   return buf;
 }
 
+// Files an interrupted atomic write left ("<name>.tmp-<pid>").
+void remove_temporaries(const std::string& dir) {
+  for (const auto& p : remove_files_matching(dir, ".*\\.tmp-[0-9]+"))
+    spdlog::warn("removed {}: a temporary file of an interrupted export", p);
+}
+
+// Leaves in `dir` only the files named in `keep`: a finished k<K>/ holds exactly its manifest's files.
+void keep_only(const std::string& dir, const std::set<std::string>& keep) {
+  std::error_code ec;
+  std::vector<fs::path> extra;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (!keep.count(e.path().filename().string())) extra.push_back(e.path());
+  for (const auto& p : extra) {
+    fs::remove_all(p, ec);
+    spdlog::warn("removed {}: not a file of the mapper", p.string());
+  }
+}
+
 }  // namespace
 
 ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
@@ -57,7 +76,11 @@ void ArtifactWriter::begin(const nlohmann::json& identity) {
     const std::string idfile = (fs::path(record_dir(k)) / "identity.json").string();
     std::ifstream in(idfile);
     const std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!old.empty() && old == id) continue;  // an interrupted export of this job: its layers stand
+    if (!old.empty() && old == id) {  // an interrupted export of this job: its layers stand, its temporaries go
+      remove_temporaries(partial_dir(k));
+      remove_temporaries(record_dir(k));
+      continue;
+    }
     std::error_code ec;
     fs::remove_all(partial_dir(k), ec);
     fs::create_directories(record_dir(k), ec);
@@ -191,6 +214,11 @@ void ArtifactWriter::write_job(const Job& job) {
     for (int a : fk.layers) layers_csv += (layers_csv.empty() ? "" : ",") + std::to_string(a);
     const std::string file = layer_file(l);
     const std::string path = (fs::path(partial_dir(k)) / file).string();
+    if (fault("kill_in_layer_write", files_ + 1, rank_)) {  // a write cut short: its temporary stays behind
+      AtomicFile partial(path);
+      partial.write(wk, wbytes / 2);
+      std::raise(SIGKILL);
+    }
     write_safetensors(path,
                       {{"k.weight", wdtype, wshape, wk, wbytes},
                        {"k.bias", "F32", bshape, fk.b.data(), fk.b.size() * 4},
@@ -256,9 +284,12 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
           {"token_stride", c.token_stride},
           {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}}}};
     for (auto it = extra.begin(); it != extra.end(); ++it) m[it.key()] = it.value();
+    std::set<std::string> files = {"manifest.json"};
+    for (const auto& e : layers_[i]) files.insert(e["file"].get<std::string>());
     write_file_atomic((fs::path(partial_dir(k)) / "manifest.json").string(), m.dump(2) + "\n");
     std::error_code ec;
     fs::remove_all(record_dir(k), ec);
+    keep_only(partial_dir(k), files);
     fs::remove_all(final_dir(k), ec);
     fs::rename(partial_dir(k), final_dir(k), ec);
     if (ec) throw SystemError("rename " + partial_dir(k) + " -> " + final_dir(k) + ": " + ec.message());

@@ -1,6 +1,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include <spdlog/sinks/ostream_sink.h>
 
 #include "core/comm.hpp"
 #include "core/half.hpp"
@@ -312,4 +316,81 @@ TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
     }
   CheckpointStore bad(dir.str("ck2"), identity, *comm);
   EXPECT_FALSE(bad.load(false).has_value());
+}
+
+namespace {
+
+// Two committed checkpoints (rounds 1 and 2) in dir/ck.
+void two_commits(const TempDir& dir, const nlohmann::json& identity, Comm& comm) {
+  CheckpointStore store(dir.str("ck"), identity, comm);
+  for (int64_t rounds : {1, 2}) {
+    PassState s;
+    s.rounds_done = rounds;
+    s.pass1_f = {static_cast<float>(rounds)};
+    s.pass1_d = {0.5};
+    store.save(s);
+  }
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+// A damaged commit record is treated like a damaged state: named in the log, the previous commit used.
+TEST(Checkpoint, ADamagedCommitFallsBackToThePreviousOne) {
+  auto comm = make_single_comm();
+  const nlohmann::json identity = {{"job", "commits"}};
+  for (const std::string garbage : {"{\"seq\": 2, \"pass\": ", "\x01\x02 not json", "[1, 2]", "{\"seq\": 2}",
+                                    "{\"seq\": 7, \"pass\": 1, \"rounds_done\": 2, \"ranks\": 1, \"identity\": {}}"}) {
+    SCOPED_TRACE(garbage);
+    TempDir dir;
+    two_commits(dir, identity, *comm);
+    write_text(dir.str("ck/commit-2.json"), garbage);
+    std::ostringstream log;
+    auto previous = spdlog::default_logger();
+    spdlog::set_default_logger(
+        std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(log)));
+    auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+    spdlog::set_default_logger(previous);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->rounds_done, 1);
+    EXPECT_EQ(got->pass1_f, std::vector<float>{1.0f});
+    EXPECT_THAT(log.str(), ::testing::HasSubstr(dir.str("ck/commit-2.json") + " is damaged"));
+    EXPECT_THAT(log.str(), ::testing::HasSubstr("falling back to the previous commit"));
+  }
+}
+
+// A commit must say what its states say: an edited rounds_done (or pass) does not verify.
+TEST(Checkpoint, ACommitInconsistentWithItsStatesIsNotUsed) {
+  auto comm = make_single_comm();
+  const nlohmann::json identity = {{"job", "consistent"}};
+  TempDir dir;
+  two_commits(dir, identity, *comm);
+  auto commit = nlohmann::json::parse(read_all(dir.str("ck/commit-2.json")));
+  commit["rounds_done"] = 5;
+  write_text(dir.str("ck/commit-2.json"), commit.dump());
+  auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->rounds_done, 1) << "the edited commit is passed over for the previous one";
+  commit = nlohmann::json::parse(read_all(dir.str("ck/commit-1.json")));
+  commit["pass"] = 2;
+  write_text(dir.str("ck/commit-1.json"), commit.dump());
+  EXPECT_FALSE(CheckpointStore(dir.str("ck"), identity, *comm).load(false).has_value()) << "neither verifies";
+}
+
+// Temporaries of interrupted writes are removed when the store is loaded (this rank's states, rank 0's commits).
+TEST(Checkpoint, StrayTemporariesAreRemovedOnLoad) {
+  auto comm = make_single_comm();
+  const nlohmann::json identity = {{"job", "tmp"}};
+  TempDir dir;
+  two_commits(dir, identity, *comm);
+  for (const char* name : {"state-3-rank0.bin.tmp-4242", "commit-3.json.tmp-4242", "notes.txt"})
+    write_text(dir.str(std::string("ck/") + name), "x");
+  ASSERT_TRUE(CheckpointStore(dir.str("ck"), identity, *comm).load(false).has_value());
+  EXPECT_FALSE(fs::exists(dir.str("ck/state-3-rank0.bin.tmp-4242")));
+  EXPECT_FALSE(fs::exists(dir.str("ck/commit-3.json.tmp-4242")));
+  EXPECT_TRUE(fs::exists(dir.str("ck/notes.txt"))) << "only temporaries of crosskv's own files are removed";
 }

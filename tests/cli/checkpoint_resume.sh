@@ -35,7 +35,25 @@ ls halfw/checkpoint/domain-web/state-3-rank0.bin.tmp-* > /dev/null 2>&1 || die "
 [ ! -f halfw/checkpoint/domain-web/state-3-rank0.bin ] || die "a half-written state must not appear under its name"
 run halfw.yaml || { cat run.log run.err; die "resume after a kill in a state write failed"; }
 expect_in "resuming from committed checkpoint 2" run.log
+expect_in "a temporary file of an interrupted checkpoint write" run.log
 same ref halfw
+ls halfw/checkpoint/domain-web/*.tmp-* > /dev/null 2>&1 && die "a stray temporary was left in the checkpoint folder"
+
+# kill -9 while a layer file is half written: the resumed export removes the temporary, and every k<K>/ holds
+# exactly its manifest's files.
+cfg layerw
+set +e; CROSSKV_FAULT=kill_in_layer_write:3 "$FIT" layerw.yaml > run.log 2>&1; rc=$?; set -e
+[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137) in a layer write, got $rc"; }
+ls layerw/k*.partial/layer-*.safetensors.tmp-* > /dev/null 2>&1 || die "expected a half-written layer temp file"
+run layerw.yaml || { cat run.log run.err; die "resume after a kill in a layer write failed"; }
+expect_in "a temporary file of an interrupted export" run.log
+same ref layerw
+for k in k1 kall; do
+  python3 -c 'import json,os,sys; d=sys.argv[1]; m=json.load(open(d+"/manifest.json"))
+want={"manifest.json"}|{e["file"] for e in m["layers"]}; got=set(os.listdir(d))
+sys.exit(0 if got==want else print(d, "holds", sorted(got-want), "beyond its manifest") or 1)' layerw/$k \
+    || die "layerw/$k holds files its manifest does not name"
+done
 
 # kill -9 during export: after the first layer file, after two whole layers and a file of the third (two files per
 # layer: k = 1 and all), and after the first k folder is complete. Whole layers are not solved again.
@@ -64,18 +82,20 @@ sleep 0.4; kill -9 $pid 2>/dev/null || true; wait $pid 2>/dev/null || true
 run random.yaml || { cat run.log run.err; die "resume after kill -9 failed"; }
 same ref random
 
-# SIGTERM (and Slurm's SIGUSR1): exit 75 for the batch script to requeue; then resume.
-cfg term
-# The pause hook holds the run after its first commit until a signal comes, so the signal never races its end.
-CROSSKV_FAULT=pause_after_commit:1 "$FIT" term.yaml > run.log 2> run.err & pid=$!
-for _ in $(seq 1200); do [ -f term/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
-[ -f term/checkpoint/domain-web/commit-1.json ] || { kill -9 $pid; cat run.log run.err; die "no commit within 60 s"; }
-kill -TERM $pid; set +e; wait $pid; rc=$?; set -e
-[ "$rc" = 75 ] || { cat run.log run.err; die "SIGTERM: exit $rc, expected 75 (requeue)"; }
-expect_in "interrupted" run.err
-[ -e term/k1 ] && die "an interrupted run must not leave a complete-looking artifact"
-run term.yaml || { cat run.log run.err; die "resume after SIGTERM failed"; }
-same ref term
+# SIGTERM, and SIGINT (Ctrl-C) alike: exit 75 for the batch script to requeue, one line saying so; then resume.
+for sig in TERM INT; do
+  cfg stop$sig
+  # The pause hook holds the run after its first commit until a signal comes, so the signal never races its end.
+  CROSSKV_FAULT=pause_after_commit:1 "$FIT" stop$sig.yaml > run.log 2> run.err & pid=$!
+  for _ in $(seq 1200); do [ -f stop$sig/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
+  [ -f stop$sig/checkpoint/domain-web/commit-1.json ] || { kill -9 $pid; cat run.log run.err; die "no commit within 60 s"; }
+  kill -$sig $pid; set +e; wait $pid; rc=$?; set -e
+  [ "$rc" = 75 ] || { cat run.log run.err; die "SIG$sig: exit $rc, expected 75 (requeue)"; }
+  [ "$(wc -l < run.err)" = 1 ] && expect_in "crosskv-fit: interrupted" run.err || { cat run.err; die "SIG$sig: one line"; }
+  [ -e stop$sig/k1 ] && die "an interrupted run must not leave a complete-looking artifact"
+  run stop$sig.yaml || { cat run.log run.err; die "resume after SIG$sig failed"; }
+  same ref stop$sig
+done
 
 # A bit-flipped newest checkpoint: fall back to the previous one, say so, and still match.
 cfg flip
