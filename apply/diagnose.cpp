@@ -52,6 +52,7 @@ Cache read_cache(const std::string& path, bool want_queries) {
   ShardReader r(path);
   const ShardHeader& h = r.header();
   Cache c;
+  c.path = path;
   c.spec = h.spec;
   c.tokens = h.tokens;
   const int64_t W = int64_t{h.spec.n_layers} * h.spec.features_per_layer();
@@ -83,6 +84,7 @@ Cache read_caches(const std::vector<std::string>& paths, bool want_queries) {
     all.positions.insert(all.positions.end(), c.positions.begin(), c.positions.end());
     for (size_t s = 1; s < c.seq_offsets.size(); ++s) all.seq_offsets.push_back(all.tokens + c.seq_offsets[s]);
     all.tokens += c.tokens;
+    all.path += ", " + paths[i];
   }
   return all;
 }
@@ -275,11 +277,13 @@ nlohmann::json Evaluation::json() const {
 }
 
 Evaluation evaluate(Transfer& tr, const Cache& source, const Cache& target) {
-  check_kv_spec(tr.manifest(), true, source.spec, "source cache");
-  check_kv_spec(tr.manifest(), false, target.spec, "target cache");
+  const std::string src_name = source.path.empty() ? "the source cache" : source.path,
+                    tgt_name = target.path.empty() ? "the target cache" : target.path;
+  check_kv_spec(tr.manifest(), true, source.spec, src_name);
+  check_kv_spec(tr.manifest(), false, target.spec, tgt_name);
   if (source.tokens != target.tokens || source.seq_offsets != target.seq_offsets)
-    throw InputError("source and target caches hold different tokens (" + std::to_string(source.tokens) + " vs " +
-                     std::to_string(target.tokens) + ", or different sequences)");
+    throw InputError(tgt_name + ": holds other tokens than " + src_name + " (" + std::to_string(target.tokens) +
+                     " vs " + std::to_string(source.tokens) + ", or other sequences)");
   const KvSpec &S = tr.source(), &Tg = tr.target();
   const int64_t T = source.tokens, XW = S.n_layers * S.features_per_layer(), YW = Tg.n_layers * Tg.features_per_layer();
   std::vector<float> xk = source.keys;

@@ -15,6 +15,7 @@ namespace crosskv {
 
 // One model's cache for a set of tokens, as captured (keys and queries post-RoPE), fp32 [T, L, H, D].
 struct Cache {
+  std::string path;  // the shard(s) it was read from, for messages
   KvSpec spec;
   std::vector<float> keys, values, queries;  // queries empty when not captured
   std::vector<int32_t> positions;

@@ -1,5 +1,7 @@
 // crosskv-apply --mapper DIR --source SHARD.h5 --out SHARD.h5: a source model's captured KV cache mapped into a
 // shard in the target model's format (keys post target-RoPE), ready to compare with the target's own capture.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
@@ -7,12 +9,35 @@
 
 #include "apply/transfer.hpp"
 #include "core/backend.hpp"
+#include "core/cli.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "io/atomic_file.hpp"
 #include "io/shard.hpp"
 
 using namespace crosskv;
+
+namespace {
+
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ec;
+  if (std::filesystem::equivalent(a, b, ec)) return true;
+  return std::filesystem::weakly_canonical(a, ec) == std::filesystem::weakly_canonical(b, ec);
+}
+
+// Mapped rows [t0, t0 + rows) of one kind: every value finite, or an InputError naming the layer and token.
+void check_finite(const std::vector<float>& mapped, const char* kind, int64_t t0, const KvSpec& target,
+                  const std::string& source) {
+  const auto bad = std::find_if(mapped.begin(), mapped.end(), [](float x) { return !std::isfinite(x); });
+  if (bad == mapped.end()) return;
+  const int64_t i = bad - mapped.begin(), width = target.n_layers * target.features_per_layer();
+  throw InputError(source + ": mapped " + kind + " of target layer " +
+                   std::to_string((i % width) / target.features_per_layer()) + " are not finite at token " +
+                   std::to_string(t0 + i / width) + " (" + (std::isnan(*bad) ? "NaN" : "Inf") +
+                   "; check the source shard's values there)");
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"crosskv-apply: map a source model's KV shard into the target model's format"};
@@ -26,12 +51,15 @@ int main(int argc, char** argv) {
                  "take the target's RoPE positions from this shard (default: the source shard's positions)");
   app.add_option("--dtype", dtype_name, "stored dtype of the output: float32, float16, bfloat16 (default: the source's)");
   app.add_option("--block-tokens", block, "tokens per block")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--device", device, "cpu or cuda")->capture_default_str();
+  app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--resident", resident, "keep every layer's weights in memory (default: one layer at a time)");
   app.add_flag("--no-target-rope", no_rope, "diagnostics only: leave the mapped keys without the target RoPE");
-  CLI11_PARSE(app, argc, argv);
+  if (auto rc = parse_command_line(app, argc, argv, "crosskv-apply")) return *rc;
   setup_logging(0, 1, "info");
   return run_tool("crosskv-apply", [&]() -> int {
+    for (const auto& [flag, input] : {std::pair{"--source", source}, std::pair{"--target-positions", positions_from}})
+      if (!input.empty() && same_file(out, input))
+        throw UserError("--out: " + out + " is the " + flag + " shard; write the mapped shard elsewhere");
     auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
     Transfer tr(mapper, *be, TransferOptions{resident, !no_rope, true});
     ShardReader src(source);
@@ -81,6 +109,8 @@ int main(int argc, char** argv) {
         src.read_rows("keys", t0, n, 1, k.data(), scratch);
         src.read_rows("values", t0, n, 1, v.data(), scratch);
         tr.apply(k.data(), v.data(), spos.data() + t0, tpos.data() + t0, n, ok.data(), ov.data());
+        check_finite(ok, "keys", t0, tr.target(), source);
+        check_finite(ov, "values", t0, tr.target(), source);
         w.write_rows("keys", t0, n, ok.data());
         w.write_rows("values", t0, n, ov.data());
         progress.add(n);

@@ -9,6 +9,7 @@
 
 #include "apply/diagnose.hpp"
 #include "apply/report.hpp"
+#include "core/cli.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "io/atomic_file.hpp"
@@ -25,9 +26,9 @@ int main(int argc, char** argv) {
       ->required();
   app.add_option("--json", json_path, "where to write the figures (JSON)")->required();
   app.add_option("--html", html_path, "also write a report to open in a browser");
-  app.add_option("--device", device, "cpu or cuda")->capture_default_str();
+  app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--require-ok", require_ok, "exit 4 when the verdict is not LIKELY TO TRANSFER");
-  CLI11_PARSE(app, argc, argv);
+  if (auto rc = parse_command_line(app, argc, argv, "crosskv-eval")) return *rc;
   setup_logging(0, 1, "info");
   return run_tool("crosskv-eval", [&]() -> int {
     auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();

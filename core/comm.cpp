@@ -62,6 +62,28 @@ void filled_through_host(Comm& comm, size_t n, const Comm::Fill<T>& fill, std::v
 }
 }  // namespace
 
+void agree_on_user_error(Comm& comm, const std::exception_ptr& error) {
+  if (comm.size() == 1) {  // nothing to agree on: the error as it is
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  std::vector<double> codes(comm.size(), 0.0);
+  std::string what;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const UserError& e) {
+      codes[comm.rank()] = user_error_code(e);
+      what = e.what();
+    }
+  }
+  comm.allreduce_sum(codes.data(), codes.size());
+  const auto first = std::find_if(codes.begin(), codes.end(), [](double c) { return c != 0.0; });
+  if (first == codes.end()) return;
+  const int reporter = static_cast<int>(first - codes.begin());
+  throw AgreedError(what, static_cast<int>(*first), reporter == comm.rank());
+}
+
 void Comm::allgather_drained(const std::vector<float>& chunk, size_t n, const Drain<float>& drain) {
   // One segment's layout is that segment's own (as above): gather each into a buffer of its size.
   std::vector<float> mine, seg;

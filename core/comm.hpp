@@ -1,10 +1,15 @@
 #pragma once
 // Collectives: a small interface; the single-process form is a no-op. MPI now, NCCL with the CUDA backend.
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "core/error.hpp"
 
 namespace crosskv {
 
@@ -51,6 +56,36 @@ struct ShareSegment {
 std::vector<ShareSegment> share_layout(size_t n, int ranks);
 // The number of values rank `rank` owns in that layout (a share's size, to allocate it once).
 size_t share_size(size_t n, int ranks, int rank);
+
+// Every rank passes its user error (or none) and learns whether any rank had one: if so, every rank throws an
+// AgreedError with that error's exit code, which the lowest such rank alone reports (its message); else returns.
+// A single-process comm rethrows the error itself.
+void agree_on_user_error(Comm& comm, const std::exception_ptr& error);
+
+// Runs `check` (with no collectives inside) on every rank and agrees on its user errors (agree_on_user_error), so
+// that a mistake every rank finds, in a config or an input file, is reported once, not by every rank.
+template <class Check>
+auto agreed(Comm& comm, Check&& check) {
+  using R = decltype(check());
+  std::exception_ptr error;
+  if constexpr (std::is_void_v<R>) {
+    try {
+      check();
+    } catch (const UserError&) {
+      error = std::current_exception();
+    }
+    agree_on_user_error(comm, error);
+  } else {
+    std::optional<R> result;
+    try {
+      result.emplace(check());
+    } catch (const UserError&) {
+      error = std::current_exception();
+    }
+    agree_on_user_error(comm, error);
+    return std::move(*result);
+  }
+}
 
 std::unique_ptr<Comm> make_single_comm();
 // Requires MPI to be initialised (see MpiSession).

@@ -1,5 +1,6 @@
 #include "core/config.hpp"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -83,7 +84,8 @@ struct Reader {
   }
   double number(const YAML::Node& n, const std::string& key) const {
     double v;
-    if (!n.IsScalar() || !YAML::convert<double>::decode(n, v)) fail(n, key, "expected a number");
+    if (!n.IsScalar() || !YAML::convert<double>::decode(n, v) || !std::isfinite(v))
+      fail(n, key, "expected a finite number" + (n.IsScalar() ? ", got " + n.Scalar() : std::string()));
     return v;
   }
 

@@ -30,6 +30,19 @@ class SystemError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A user's mistake that every rank of a job knows of (agreed() in core/comm.hpp): one rank reports it, with the
+// exit code of its error; the others exit with the same code quietly.
+class AgreedError : public std::runtime_error {
+ public:
+  AgreedError(const std::string& what, int exit_code, bool report)
+      : std::runtime_error(what), exit_code(exit_code), report(report) {}
+  int exit_code;
+  bool report;
+};
+
+// The tools' exit code for a user's mistake: 3 for a system that cannot be solved, else 2.
+inline int user_error_code(const UserError& e) { return dynamic_cast<const SolveError*>(&e) ? 3 : 2; }
+
 [[noreturn]] void assertion_failed(const char* expr, const char* file, int line, const std::string& msg);
 
 // A command-line tool's body with the tools' exit codes: 2 for a user's mistake (UserError), 1 for anything else,

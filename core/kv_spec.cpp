@@ -1,5 +1,8 @@
 #include "core/kv_spec.hpp"
 
+#include <cmath>
+#include <sstream>
+
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
@@ -18,6 +21,47 @@ int positive_int(const nlohmann::json& j, const char* key, const std::string& wh
   if (!j.contains(key) || !j.at(key).is_number_integer() || j.at(key).get<long long>() <= 0)
     throw InputError(where + ": kv_spec." + key + " must be a positive integer");
   return j.at(key).get<int>();
+}
+
+std::string number_text(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// A rope parameter that the frequencies use: finite and above `min` (or at least, with `inclusive`).
+void check_param(const std::optional<double>& v, const char* key, double min, bool inclusive, const std::string& type,
+                 const std::string& where) {
+  if (!v) return;  // a missing parameter the type needs is named by Rope()
+  const bool ok = std::isfinite(*v) && (inclusive ? *v >= min : *v > min);
+  if (!ok)
+    throw InputError(where + ": kv_spec.rope." + key + " must be a finite number " + (inclusive ? ">= " : "> ") +
+                     number_text(min) + " for rope type \"" + type + "\", got " + number_text(*v));
+}
+
+// Every parameter the rope type reads, so that no frequency comes out 0, negative, infinite or NaN (SPEC §2).
+void validate_rope(const RopeSpec& r, const std::string& where) {
+  const std::string& t = r.type;
+  if (t == "none") return;
+  check_param(r.theta, "theta", 1.0, false, t, where);
+  if (t == "linear" || t == "llama3" || t == "yarn") check_param(r.factor, "factor", 0.0, false, t, where);
+  if (t == "llama3" || t == "yarn")
+    check_param(r.original_max_position_embeddings, "original_max_position_embeddings", 0.0, false, t, where);
+  if (t == "llama3") {
+    check_param(r.low_freq_factor, "low_freq_factor", 0.0, false, t, where);
+    check_param(r.high_freq_factor, "high_freq_factor", 0.0, false, t, where);
+    if (r.low_freq_factor && r.high_freq_factor && !(*r.high_freq_factor > *r.low_freq_factor))
+      throw InputError(where + ": kv_spec.rope.high_freq_factor must be greater than low_freq_factor for rope type "
+                               "\"llama3\", got " + number_text(*r.high_freq_factor) + " and " +
+                       number_text(*r.low_freq_factor));
+  }
+  if (t == "yarn") {
+    check_param(r.beta_fast, "beta_fast", 0.0, false, t, where);
+    check_param(r.beta_slow, "beta_slow", 0.0, false, t, where);
+    check_param(r.mscale, "mscale", 0.0, true, t, where);
+    check_param(r.mscale_all_dim, "mscale_all_dim", 0.0, true, t, where);
+    check_param(r.attention_factor, "attention_factor", 0.0, false, t, where);
+  }
 }
 
 }  // namespace
@@ -41,7 +85,7 @@ KvSpec parse_kv_spec(const std::string& json_text, const std::string& where) {
   const auto& r = j["rope"];
   if (!r.contains("type") || !r["type"].is_string()) throw InputError(where + ": kv_spec.rope.type must be a string");
   s.rope.type = r["type"].get<std::string>();
-  if (r.contains("theta") && r["theta"].is_number()) s.rope.theta = r["theta"].get<double>();
+  if (auto theta = opt_number(r, "theta", where)) s.rope.theta = *theta;
   s.rope.rotary_dim = s.head_dim;
   if (r.contains("rotary_dim") && !r["rotary_dim"].is_null()) {
     if (!r["rotary_dim"].is_number_integer()) throw InputError(where + ": kv_spec.rope.rotary_dim must be an integer");
@@ -63,6 +107,7 @@ KvSpec parse_kv_spec(const std::string& json_text, const std::string& where) {
   s.rope.mscale_all_dim = opt_number(r, "mscale_all_dim", where);
   s.rope.attention_factor = opt_number(r, "attention_factor", where);
   if (r.contains("truncate") && r["truncate"].is_boolean()) s.rope.truncate = r["truncate"].get<bool>();
+  validate_rope(s.rope, where);
   return s;
 }
 

@@ -96,6 +96,14 @@ Rope::Rope(const KvSpec& spec, const std::string& where)
   }
   // Hugging Face keeps inv_freq as an fp32 buffer; round the same way so stripping matches the model.
   for (double& f : inv_freq_) f = static_cast<double>(static_cast<float>(f));
+  for (size_t i = 0; i < inv_freq_.size(); ++i)
+    if (!std::isfinite(inv_freq_[i]) || !(inv_freq_[i] > 0.0))
+      throw InputError(where + ": kv_spec.rope (type \"" + r.type + "\", theta " + std::to_string(r.theta) +
+                       ") gives frequency " + std::to_string(inv_freq_[i]) + " for dimension pair " + std::to_string(i) +
+                       " (expected finite and > 0)");
+  if (!std::isfinite(attention_factor_) || !(attention_factor_ > 0.0))
+    throw InputError(where + ": kv_spec.rope gives attention factor " + std::to_string(attention_factor_) +
+                     " (expected finite and > 0)");
 }
 
 void Rope::angles(int64_t pos, float* c, float* s) const {

@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -126,6 +128,14 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   CROSSKV_ASSERT(target_layer >= 0 && target_layer < static_cast<int>(m.layers.size()), "target layer out of range");
   const MapperLayerEntry& e = m.layers[target_layer];
   const std::string file = (fs::path(m.dir) / e.file).string();
+  std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(file, ec))) {
+    // A link may stay inside the mapper folder; one that leaves it would make the folder apply another's weights.
+    const fs::path to = fs::canonical(file, ec), dir = fs::canonical(m.dir, ec);
+    if (ec || to.parent_path() != dir)
+      throw InputError(file + ": a symlink leaving the mapper folder (to " + fs::read_symlink(file, ec).string() +
+                       "); a mapper's layer files must be its own");
+  }
   std::ifstream in(file, std::ios::binary);
   if (!in) throw InputError(file + ": missing (named by " + m.path + ")");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -146,6 +156,12 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
       throw InputError(file + ": tensor '" + name + "' has shape [" + got + "], expected [" + want + "]");
     }
     if (!weight && it->second.dtype != "F32") throw InputError(file + ": tensor '" + std::string(name) + "' must be F32");
+    const auto& v = it->second.values;
+    const auto bad = std::find_if(v.begin(), v.end(), [](float x) { return !std::isfinite(x); });
+    if (bad != v.end())
+      throw InputError(file + ": target layer " + std::to_string(target_layer) + ", tensor '" + name + "' holds " +
+                       (std::isnan(*bad) ? "NaN" : "Inf") + " at element " + std::to_string(bad - v.begin()) +
+                       " (a mapper's weights and biases must be finite)");
     return std::move(it->second.values);
   };
   MapperLayer l;

@@ -320,12 +320,16 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   const bool root = world.comm.rank() == 0;
   const int P = world.comm.size();
   const int planned = opts.plan_only && opts.plan_ranks > 0 ? opts.plan_ranks : P;
-  if (cfg.layer_groups > 0 && planned % cfg.layer_groups != 0)
-    throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.layer_groups) +
-                      " does not divide the job's " + std::to_string(planned) + " ranks");
-
   clock.start("validate");
-  Calibration cal = validate(cfg);
+  // Every rank validates the same files: a mistake is agreed on and reported once (by rank 0).
+  Calibration cal = agreed(world.comm, [&] {
+    if (cfg.layer_groups > 0 && planned % cfg.layer_groups != 0)
+      throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.layer_groups) +
+                        " does not divide the job's " + std::to_string(planned) + " ranks");
+    return validate(cfg);
+  });
+  if (root)
+    for (const auto& line : cal.skipped) spdlog::warn("{}", line);
   const PairDims d = cal.dims();
   spdlog::info("{} shard pairs in {} domain(s), {} tokens used (stride {}); source {} [{}x{}x{}], target {} [{}x{}x{}]",
                cal.shards.size(), cal.domains.size(), cal.tokens_used, cfg.token_stride, cal.source_model, d.Ls, d.Hs,
@@ -337,13 +341,17 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   // two rounds of inputs (stored bf16 keys and values of both models, and their fp32 conversions: 16 bytes per
   // value). The smallest free memory over the ranks caps max_moment_gib (more layer groups, or two passes).
   double max_gib = cfg.max_moment_gib;
-  double device_gib = -1;
+  double device_gib = -1, least_free_gib = -1;
   if (!opts.plan_only) {
     std::vector<double> free_gib(P, 0.0);
     const int64_t mine = world.backend.device_memory_free();
     free_gib[world.comm.rank()] = mine < 0 ? -1.0 : static_cast<double>(mine) / (1ull << 30);
     world.comm.allreduce_sum(free_gib.data(), free_gib.size());
-    const double least = *std::min_element(free_gib.begin(), free_gib.end());
+    least_free_gib = *std::min_element(free_gib.begin(), free_gib.end());
+  }
+  // The same figures on every rank from here to the plan: its mistakes are agreed on and reported once.
+  const FitPlan plan = agreed(world.comm, [&] {
+    const double least = least_free_gib;
     if (least >= 0) {
       const double inputs_gib = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0 / (1ull << 30);
       device_gib = 0.9 * least - inputs_gib;
@@ -360,13 +368,14 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
         max_gib = device_gib;
       }
     }
-  }
-  const FitPlan plan = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, max_gib, read_bpt, planned, cfg.layer_groups);
-  if (device_gib >= 0 && plan.rank_moment_bytes > device_gib * (1ull << 30))
-    throw ConfigError(cfg.config_path + ": runtime.layer_groups: a rank's moments need " +
-                      human_bytes(static_cast<double>(plan.rank_moment_bytes)) + " but the device has room for " +
-                      human_bytes(device_gib * (1ull << 30)) + " beside its inputs; use more layer groups (or " +
-                      "auto), more ranks, or smaller runtime.block_tokens");
+    FitPlan p = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, max_gib, read_bpt, planned, cfg.layer_groups);
+    if (device_gib >= 0 && p.rank_moment_bytes > device_gib * (1ull << 30))
+      throw ConfigError(cfg.config_path + ": runtime.layer_groups: a rank's moments need " +
+                        human_bytes(static_cast<double>(p.rank_moment_bytes)) + " but the device has room for " +
+                        human_bytes(device_gib * (1ull << 30)) + " beside its inputs; use more layer groups (or " +
+                        "auto), more ranks, or smaller runtime.block_tokens");
+    return p;
+  });
   res.plan_text = format_plan(plan) +
                   format_host_memory(estimate_host_memory(plan, cfg.block_tokens, cal.stored_bytes_per_token,
                                                        world.backend.prepares_on_device()));

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/backend.hpp"
+#include "core/cli.hpp"
 #include "core/comm.hpp"
 #include "core/threads.hpp"
 #include "core/error.hpp"
@@ -45,9 +46,11 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", plan_ranks, "with --plan: plan a job of this many ranks (default: this job's)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--fresh", fresh, "start over: remove committed checkpoints instead of resuming from them");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+      ->check(CLI::IsMember(log_levels()))
+      ->capture_default_str();
   app.add_flag("--version", version, "print the version and build features");
-  CLI11_PARSE(app, argc, argv);
+  if (auto rc = parse_command_line(app, argc, argv, "crosskv-fit")) return *rc;
   if (version) {
     std::printf("crosskv-fit %s (cuda: %s, nccl: %s, mpi: yes)\n", CROSSKV_VERSION, cuda_compiled_in() ? "yes" : "no",
                 nccl_compiled_in() ? "yes" : "no");
@@ -63,10 +66,12 @@ int main(int argc, char** argv) {
   setup_logging(comm->rank(), comm->size(), log_level);
   const int world = comm->size();
   try {
-    FitConfig cfg = load_fit_config(config_path);
+    // A mistake in the config (or a missing device) is every rank's: agreed on, reported by rank 0 alone.
+    const FitConfig cfg = agreed(*comm, [&] { return load_fit_config(config_path); });
     const int device = choose_device(cfg, mpi_local_rank());
-    std::unique_ptr<ComputeBackend> backend =
-        device < 0 ? make_cpu_backend() : make_cuda_backend(device, comm->rank(), cfg.tf32);
+    std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] {
+      return device < 0 ? make_cpu_backend() : make_cuda_backend(device, comm->rank(), cfg.tf32);
+    });
     // GPU ranks reduce over NCCL (the same fixed-order sums as MPI) when each has a GPU of its own on every node:
     // NCCL refuses two ranks of one communicator on one device.
     if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) {
@@ -89,9 +94,18 @@ int main(int argc, char** argv) {
     FitResult r = run_fit(cfg, FitOptions{plan_only, fresh, plan_ranks}, ctx);
     if (plan_only && comm->rank() == 0) std::cout << r.plan_text;
     return 0;
+  } catch (const AgreedError& e) {
+    // Every rank knows (agreed()): one line from one rank, the same exit code everywhere, no MPI_Abort.
+    if (e.report) {
+      std::fprintf(stderr, "crosskv-fit: error: %s\n", e.what());
+      std::fflush(stderr);
+    }
+    return e.exit_code;
   } catch (const Interrupted& e) {
-    // Every rank reaches this together (the stop decision is collective): exit for the batch system to requeue.
-    std::fprintf(stderr, "crosskv-fit: interrupted: %s; run the same command again to resume\n", e.what());
+    // Every rank reaches this together (the stop decision is collective): exit for the batch system to requeue;
+    // rank 0 says so.
+    if (comm->rank() == 0)
+      std::fprintf(stderr, "crosskv-fit: interrupted: %s; run the same command again to resume\n", e.what());
     return kExitRequeue;
   } catch (const SolveError& e) {
     return fail(e.what(), 3, world);

@@ -39,14 +39,32 @@ void check_output_writable(const std::string& dir) {
     throw InputError("output.dir: " + dir + " is not writable (" + p.string() + ")");
 }
 
+// The export replaces "<out>/k<K>" and "<out>/k<K>.partial" folders; anything else under those names is the user's.
+void check_artifact_names(const FitConfig& cfg) {
+  for (const auto& k : cfg.ks)
+    for (const std::string suffix : {"", ".partial"}) {
+      const fs::path p = fs::path(cfg.output_dir) / ("k" + k.label() + suffix);
+      std::error_code ec;
+      const auto st = fs::symlink_status(p, ec);
+      if (!fs::exists(st) || fs::is_directory(st)) continue;
+      throw InputError("output.dir: " + p.string() + " exists and is not a folder (the k = " + k.label() +
+                       " mapper goes there); move it away");
+    }
+}
+
 }  // namespace
 
 Calibration validate(const FitConfig& cfg) {
   Calibration cal;
   cal.cfg = cfg;
   check_output_writable(cfg.output_dir);
-  const auto src = list_store(cfg.source_store, "source.store");
-  const auto tgt = list_store(cfg.target_store, "target.store");
+  check_artifact_names(cfg);
+  StoreListing src_list = list_store(cfg.source_store, "source.store");
+  StoreListing tgt_list = list_store(cfg.target_store, "target.store");
+  const std::vector<std::string>& src = src_list.shards;
+  const std::vector<std::string>& tgt = tgt_list.shards;
+  cal.skipped = src_list.skipped;
+  cal.skipped.insert(cal.skipped.end(), tgt_list.skipped.begin(), tgt_list.skipped.end());
   const std::set<std::string> src_set(src.begin(), src.end()), tgt_set(tgt.begin(), tgt.end());
   // Domains with shards left for the fit (held-out shards, eval.shards, are not read by it).
   const std::set<std::string> eval_set(cfg.eval_shards.begin(), cfg.eval_shards.end());
@@ -113,6 +131,7 @@ Calibration validate(const FitConfig& cfg) {
   if (cal.shards.empty()) throw InputError("source.store: no shards (*.h5) found in " + cfg.source_store);
 
   int64_t budget = cfg.max_tokens.value_or(INT64_MAX);
+  std::map<std::string, std::string> fingerprints;  // a shard pair's fingerprint -> its source path
   bool first = true;
   for (auto& p : cal.shards) {
     ShardReader s(p.source_path), t(p.target_path);
@@ -153,11 +172,20 @@ Calibration validate(const FitConfig& cfg) {
       if (!ok) throw InputError(r->header().path + ": seq_offsets must rise from 0 to T = " + std::to_string(r->header().tokens));
     }
     const auto pos_s = s.positions(), pos_t = t.positions();
+    if (pos_s != pos_t) {
+      size_t i = std::mismatch(pos_s.begin(), pos_s.end(), pos_t.begin()).first - pos_s.begin();
+      throw InputError(p.target_path + ": positions differ from " + p.source_path + " at token " + std::to_string(i) +
+                       " (" + std::to_string(pos_t[i]) + " vs " + std::to_string(pos_s[i]) +
+                       "; both models must see each token at the same position)");
+    }
     Sha256 h;
     h.update(ids_s.data(), ids_s.size() * sizeof(int32_t));
     h.update(pos_s.data(), pos_s.size() * sizeof(int32_t));
     h.update(pos_t.data(), pos_t.size() * sizeof(int32_t));
     p.fingerprint = h.hex();
+    if (auto [it, fresh] = fingerprints.emplace(p.fingerprint, p.source_path); !fresh)
+      throw InputError(p.source_path + ": the same token_ids and positions as " + it->second +
+                       " (the same data under two names: its tokens would be counted twice); remove one");
     p.rows = hs.tokens;
     const int64_t available = (p.rows + cfg.token_stride - 1) / cfg.token_stride;
     p.used = std::min(available, budget);

@@ -2,13 +2,16 @@
 // baselines, hardened manifests.
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <random>
 
 #include "apply/diagnose.hpp"
 #include "apply/report.hpp"
 #include "apply/transfer.hpp"
 #include "core/rope.hpp"
+#include "core/sha256.hpp"
 #include "helpers.hpp"
+#include "io/safetensors.hpp"
 #include "io/shard.hpp"
 
 using namespace crosskv;
@@ -318,5 +321,70 @@ TEST(HardenedManifest, ACacheOfAnotherModelIsRefusedWithWhatDiffers) {
   Transfer tr(a.dir, *be);
   Cache wrong = read_cache(a.tmp.str("target/web/shard-000.h5"), true);  // the target's cache as the source
   Cache t = wrong;
-  expect_error<InputError>([&] { evaluate(tr, wrong, t); }, {"source cache", "kv_spec does not match", "n_layers"});
+  expect_error<InputError>([&] { evaluate(tr, wrong, t); },
+                           {a.tmp.str("target/web/shard-000.h5"), "kv_spec does not match the mapper's source",
+                            "n_layers"});
+  Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+  Cache other = read_cache(a.tmp.str("source/web/shard-001.h5"), true);  // the target side named by its file too
+  expect_error<InputError>([&] { evaluate(tr, s, other); },
+                           {a.tmp.str("source/web/shard-001.h5"), "kv_spec does not match the mapper's target"});
+}
+
+// A manifest edited by hand is validated like a shard: rope parameters that give no frequencies are refused.
+TEST(HardenedManifest, RopeParametersAreValidatedLikeAShards) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  for (const double theta : {0.0, -1.0, 1e-300}) {
+    nlohmann::json m = a.manifest;
+    m["target"]["kv_spec"]["rope"]["theta"] = theta;
+    a.write(m);
+    expect_error<InputError>([&] { Transfer tr(a.dir, *be); },
+                             {"manifest.json", "target.kv_spec", "kv_spec.rope.theta", "finite number > 1"});
+  }
+  nlohmann::json m = a.manifest;
+  m["target"]["kv_spec"]["rope"]["factor"] = 0;
+  a.write(m);
+  expect_error<InputError>([&] { Transfer tr(a.dir, *be); }, {"target.kv_spec", "kv_spec.rope.factor"});
+}
+
+// Weights that are not finite are refused by layer and tensor, even when the manifest's SHA-256 was updated.
+TEST(HardenedManifest, NonFiniteWeightsAreRefusedByLayerAndTensor) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  const std::string file = a.dir + "/layer-004.safetensors";
+  std::ifstream in(file, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto t = parse_safetensors(bytes, file);
+  t["v.bias"].values[3] = NAN;
+  std::vector<TensorOut> out;
+  for (const char* name : {"k.weight", "k.bias", "v.weight", "v.bias"})
+    out.push_back({name, "F32", t[name].shape, t[name].values.data(), t[name].values.size() * 4});
+  write_safetensors(file, out, {});
+  nlohmann::json m = a.manifest;
+  m["layers"][4]["sha256"] = sha256_file(file);
+  a.write(m);
+  Transfer tr(a.dir, *be);
+  std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
+      Y(10 * tr.target().n_layers * tr.target().features_per_layer());
+  expect_error<InputError>([&] { tr.map_content(false, X.data(), 10, Y.data()); },
+                           {file, "target layer 4", "tensor 'v.bias'", "NaN", "element 3"});
+}
+
+// A layer file that is a symlink out of the mapper folder is refused; one inside it is fine.
+TEST(HardenedManifest, ALayerFileLinkedFromOutsideTheFolderIsRefused) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  const std::string file = a.dir + "/layer-002.safetensors", outside = a.tmp.str("elsewhere.safetensors");
+  fs::rename(file, outside);
+  fs::create_symlink(outside, file);
+  Transfer tr(a.dir, *be);
+  std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
+      Y(10 * tr.target().n_layers * tr.target().features_per_layer());
+  expect_error<InputError>([&] { tr.map_content(true, X.data(), 10, Y.data()); },
+                           {file, "symlink leaving the mapper folder", "elsewhere.safetensors"});
+  fs::remove(file);
+  fs::rename(outside, a.dir + "/moved.safetensors");
+  fs::create_symlink("moved.safetensors", file);
+  Transfer again(a.dir, *be);
+  EXPECT_NO_THROW(again.map_content(true, X.data(), 10, Y.data()));
 }

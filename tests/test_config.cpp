@@ -141,3 +141,17 @@ TEST(Threads, RanksOnANodeShareItsCores) {
   if (keep_blas) setenv("OPENBLAS_NUM_THREADS", blas.c_str(), 1);
   configure_threads(1);
 }
+
+TEST(Config, NonFiniteNumbersAreErrors) {
+  for (const char* v : {".inf", "-.inf", ".nan", ".NaN", "1e999"}) {
+    SCOPED_TRACE(v);
+    expect_error<ConfigError>([&] { parse_fit_config(kBase + "fit: {lambda: " + v + "}\n", "my.yaml"); },
+                              {"my.yaml:", "fit.lambda", "finite"});
+    expect_error<ConfigError>(
+        [&] { parse_fit_config(kBase + "runtime: {max_moment_gib: " + v + "}\n", "my.yaml"); },
+        {"runtime.max_moment_gib", "finite"});
+    expect_error<ConfigError>(
+        [&] { parse_fit_config(kBase + "calibration: {weights: {web: " + v + "}}\n", "my.yaml"); },
+        {"calibration.weights.web", "finite"});
+  }
+}

@@ -5,6 +5,11 @@
 #include "io/h5.hpp"
 #include "io/shard.hpp"
 
+#include <spdlog/sinks/ostream_sink.h>
+
+#include <sstream>
+#include <tuple>
+
 using namespace crosskv;
 using namespace crosskv::test;
 
@@ -51,6 +56,7 @@ class BadInput : public ::testing::Test {
     h5::write_string_attr(f, "kv_spec", spec);
   }
   TempDir tmp;
+  std::ostringstream log_text;
 };
 
 }  // namespace
@@ -154,4 +160,76 @@ TEST_F(BadInput, MissingAttribute) {
 TEST_F(BadInput, NotAShard) {
   write_text(shard("source", 1), "this is not HDF5");
   expect_fit_error(yaml(), {shard("source", 1), "not a readable HDF5 file"});
+}
+
+TEST_F(BadInput, RopeParametersOutOfRangeAreRefusedByShardAndKey) {
+  // The source is "default" with theta 10000; the target llama3 (factor 8, low 1, high 4, orig 8192).
+  const std::vector<std::tuple<std::string, std::string, std::string, std::string>> cases = {
+      {"source", "\"theta\":10000.0", "\"theta\":0.0", "kv_spec.rope.theta"},
+      {"source", "\"theta\":10000.0", "\"theta\":-5.0", "kv_spec.rope.theta"},
+      {"source", "\"theta\":10000.0", "\"theta\":1e-300", "kv_spec.rope.theta"},
+      {"source", "\"theta\":10000.0", "\"theta\":1.0", "kv_spec.rope.theta"},
+      {"source", "\"theta\":10000.0", "\"theta\":\"big\"", "kv_spec.rope.theta"},
+      {"target", "\"factor\":8.0", "\"factor\":0.0", "kv_spec.rope.factor"},
+      {"target", "\"factor\":8.0", "\"factor\":-2.0", "kv_spec.rope.factor"},
+      {"target", "\"high_freq_factor\":4.0", "\"high_freq_factor\":1.0", "kv_spec.rope.high_freq_factor"},
+      {"target", "\"original_max_position_embeddings\":8192.0", "\"original_max_position_embeddings\":0.0",
+       "kv_spec.rope.original_max_position_embeddings"},
+      {"source", "\"type\":\"default\"", "\"type\":\"linear\",\"factor\":0", "kv_spec.rope.factor"},
+  };
+  for (const auto& [side, from, to, key] : cases) {
+    SCOPED_TRACE(side + ": " + to);
+    set_kv_spec(shard(side, 0), from, to);
+    expect_fit_error(yaml(), {shard(side, 0), key});
+    set_kv_spec(shard(side, 0), to, from);
+  }
+  EXPECT_FALSE(fs::exists(tmp.str("out"))) << "a refused kv_spec leaves no output folder";
+}
+
+TEST_F(BadInput, TheSameShardCopiedUnderAnotherNameIsRefused) {
+  for (const char* side : {"source", "target"}) fs::copy_file(shard(side, 0), tmp.str(std::string(side) + "/web/copy.h5"));
+  expect_fit_error(yaml(), {"copy.h5", "same token_ids and positions as", "shard-000.h5", "counted twice"});
+}
+
+TEST_F(BadInput, SourceAndTargetPositionsThatDifferAreRefused) {
+  poke<int32_t>(shard("target", 1), "positions", {40}, H5T_NATIVE_INT32, 7777);
+  expect_fit_error(yaml(), {shard("target", 1), "positions differ from", shard("source", 1), "token 40"});
+}
+
+TEST_F(BadInput, ARegularFileWhereAnArtifactFolderGoesIsRefused) {
+  write_text(tmp.str("out/k2"), "not a folder");
+  expect_fit_error(yaml(), {"output.dir", tmp.str("out/k2"), "is not a folder"});
+  EXPECT_EQ(std::ifstream(tmp.str("out/k2")).get(), 'n') << "the file is left as it was";
+}
+
+TEST_F(BadInput, ASymlinkLoopInAStoreIsNamedOnce) {
+  fs::create_directory_symlink(tmp.str("source"), tmp.str("source/web/loop"));
+  try {
+    fit_yaml(yaml());
+    ADD_FAILURE() << "expected an error";
+  } catch (const UserError& e) {
+    const std::string msg = e.what();
+    EXPECT_THAT(msg, ::testing::HasSubstr("source.store"));
+    EXPECT_THAT(msg, ::testing::HasSubstr("symlink loop"));
+    EXPECT_THAT(msg, ::testing::HasSubstr(tmp.str("source/web/loop")));
+    EXPECT_LT(msg.size(), 600u) << msg;
+  }
+}
+
+TEST_F(BadInput, StoreEntriesThatAreSkippedAreLogged) {
+  fs::create_directories(tmp.str("source/web/folder.h5"));
+  fs::create_symlink(tmp.str("nowhere.h5"), tmp.str("target/web/dangling.h5"));
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(log_text);
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  try {
+    fit_yaml(yaml());
+  } catch (...) {
+    spdlog::set_default_logger(previous);
+    throw;
+  }
+  spdlog::set_default_logger(previous);
+  const std::string log = log_text.str();
+  EXPECT_THAT(log, ::testing::HasSubstr(tmp.str("source/web/folder.h5") + ": skipped (a folder, not a shard)"));
+  EXPECT_THAT(log, ::testing::HasSubstr(tmp.str("target/web/dangling.h5") + ": skipped (a dangling symlink)"));
 }

@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/cli.hpp"
 #include "core/error.hpp"
 #include "core/rope.hpp"
 #include "io/h5.hpp"
@@ -17,7 +18,7 @@ int main(int argc, char** argv) {
   std::string shard, out;
   app.add_option("--shard", shard, "shard (SPEC §5)")->required();
   app.add_option("--out", out, "HDF5 file to write")->required();
-  CLI11_PARSE(app, argc, argv);
+  if (auto rc = parse_command_line(app, argc, argv, "crosskv-strip")) return *rc;
   return run_tool("crosskv-strip", [&]() -> int {
     ShardReader r(shard);
     const ShardHeader& h = r.header();

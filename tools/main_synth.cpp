@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/cli.hpp"
 #include "core/error.hpp"
 #include "tools/synth.hpp"
 
@@ -68,7 +69,7 @@ int main(int argc, char** argv) {
   app.add_option("--large-mean", o.large_mean, "offset of the large-mean key channels")->capture_default_str();
   app.add_flag("--with-queries", o.with_queries, "also write queries");
   app.add_flag("!--contiguous-positions", o.gapped_positions, "positions 0,1,2,... in every sequence");
-  CLI11_PARSE(app, argc, argv);
+  if (auto rc = parse_command_line(app, argc, argv, "crosskv-synth")) return *rc;
   return run_tool("crosskv-synth", [&]() -> int {
     finish_side(o.source, conv_s, "source");
     finish_side(o.target, conv_t, "target");

@@ -67,7 +67,25 @@ bad "kv_spec does not match the mapper's source" "$APPLY" --mapper out-fp32/k2 -
 bad "manifest.json: missing" "$APPLY" --mapper nowhere --source $SRC --out x.h5
 cp -r out-fp32/k2 broken && truncate -s -4 broken/layer-005.safetensors
 bad "layer-005.safetensors: SHA-256 does not match" "$APPLY" --mapper broken --source $SRC --out x.h5
-bad "kv_spec does not match the mapper's target" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $SRC --json x.json
+bad "$SRC: kv_spec does not match the mapper's target" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $SRC --json x.json
+# --out must not be an input: the source shard is left as it was.
+cp $SRC src-copy.h5
+bad "--out: $SRC is the --source shard" "$APPLY" --mapper out-fp32/k2 --source $SRC --out $SRC
+bad "is the --source shard" "$APPLY" --mapper out-fp32/k2 --source $SRC --out ./held/source/../source/heldout/shard-000.h5
+cmp -s $SRC src-copy.h5 || die "crosskv-apply overwrote its --source"
+# A manifest edited by hand is validated like a shard; mapped values that are not finite are refused by layer and token.
+cp -r out-fp32/k2 edited
+"$PYTHON" -c 'import json,sys; p=sys.argv[1]; m=json.load(open(p)); m["target"]["kv_spec"]["rope"]["theta"]=0; json.dump(m,open(p,"w"))' edited/manifest.json
+bad "kv_spec.rope.theta must be a finite number > 1" "$APPLY" --mapper edited --source $SRC --out x.h5
+cp $SRC nan.h5
+"$PYTHON" -c 'import h5py,sys; f=h5py.File(sys.argv[1],"r+"); v=f["values"]; x=v[5]; x[...]=float("inf"); v[5]=x' nan.h5
+bad "are not finite at token 5" "$APPLY" --mapper out-fp32/k2 --source nan.h5 --out x.h5
+# Usage errors: one line, exit 2, whichever tool.
+bad "--nope" "$APPLY" --mapper out-fp32/k2 --source $SRC --out x.h5 --nope
+bad "--device" "$APPLY" --mapper out-fp32/k2 --source $SRC --out x.h5 --device tpu
+bad "--json" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $TGT
+bad "--out" "$SYNTH"
+bad "--bogus" "$(dirname "$APPLY")/crosskv-strip" --shard $SRC --out y.h5 --bogus
 [ -z "$(ls x.h5* x.json* 2> /dev/null)" ] || die "a failed command must not leave an output behind: $(ls x.h5* x.json*)"
 # A fit that names held-out shards leaves them out and diagnoses every k on them: eval-k<K>.json, report.html.
 for side in source target; do mkdir -p cal/$side/heldout && cp held/$side/heldout/shard-000.h5 cal/$side/heldout/; done

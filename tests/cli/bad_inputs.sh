@@ -21,6 +21,13 @@ if "$FIT" --version | grep -q "cuda: no"; then
 elif ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
   check 2 "runtime.device: cuda: no CUDA device 0 on host" cuda.yaml   # built with CUDA, no GPU here
 fi
+# Usage errors: one line, exit 2 (not CLI11's 105/109).
+check 2 "--log-level: bogus not in" typo.yaml --log-level bogus
+check 2 "--nope" typo.yaml --nope
+check 2 "--ranks" typo.yaml --plan --ranks 0
+printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: inf-out}\nfit: {lambda: .inf}\n' > inf.yaml
+check 2 "inf.yaml:4: fit.lambda: expected a finite number" inf.yaml
+[ -e inf-out ] && die "a refused config must create nothing"
 # Two jobs writing the same output folder: the second is refused.
 printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: shared-out}\nfit: {k: [1]}\n' > lock.yaml
 mkdir -p shared-out && exec 9> shared-out/.crosskv-fit.lock && flock -n 9 && echo "pid 4242 on otherhost" >&9

@@ -21,6 +21,21 @@ set +e; $MPI -np 2 -x CROSSKV_FAULT=kill_before_commit:2 "$FIT" np2c.yaml > np2c
 $MPI -np 2 "$FIT" np2c.yaml > np2c.log 2>&1 || { cat np2c.log; die "2-rank resume failed"; }
 grep -q "resuming from committed checkpoint 1" np2c.log || { cat np2c.log; die "did not resume"; }
 for f in out2d/k2/layer-*.safetensors; do cmp -s "$f" "out2c/k2/$(basename "$f")" || die "$f differs after kill and resume"; done
+# A config mistake under mpiexec: every rank finds it, rank 0 alone reports it (one line), every rank exits 2.
+printf 'source: {store: data/source}\ntarget: {store: data/target}\noutput: {dir: outbad}\nfit: {k: [1], lamda: 1}\n' > typo.yaml
+set +e; $MPI -np 2 "$FIT" typo.yaml > typo.log 2> typo.err; rc=$?; set -e
+[ "$rc" = 2 ] || { cat typo.log typo.err; die "a config error under mpiexec: exit $rc, expected 2"; }
+[ "$(grep -c "crosskv-fit: error" typo.err)" = 1 ] && grep -q "typo.yaml:4: fit.lamda: unknown key" typo.err \
+  || { cat typo.err; die "a config error under mpiexec must be reported once"; }
+# SIGUSR1 to mpiexec (OpenMPI forwards it to the ranks): the job stops at its round's end, exit 75, one line.
+printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out2f}\nruntime: {block_tokens: 100, checkpoint: {every_shards: 1}}\n' > np2f.yaml
+$MPI -np 2 -x CROSSKV_FAULT=pause_after_commit:1 "$FIT" np2f.yaml > np2f.log 2> np2f.err & pid=$!
+for _ in $(seq 1200); do [ -f out2f/checkpoint/domain-web/commit-1.json ] && break; sleep 0.05; done
+sleep 0.2; kill -USR1 $pid; set +e; wait $pid; rc=$?; set -e
+[ "$rc" = 75 ] || { cat np2f.log np2f.err; die "SIGUSR1 to mpiexec: exit $rc, expected 75"; }
+[ "$(grep -c "crosskv-fit: interrupted" np2f.err)" = 1 ] || { cat np2f.err; die "SIGUSR1: one rank must say so, once"; }
+$MPI -np 2 "$FIT" np2f.yaml > np2f.log 2>&1 || { cat np2f.log; die "resume after SIGUSR1 failed"; }
+for f in out2d/k2/layer-*.safetensors; do cmp -s "$f" "out2f/k2/$(basename "$f")" || die "$f differs after SIGUSR1 and resume"; done
 # One dead rank never hangs the other: rank 1 is killed, the job ends within a bounded time naming the rank.
 printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1]}\noutput: {dir: out2e}\nruntime: {block_tokens: 100, checkpoint: {every_shards: 1}}\n' > np2e.yaml
 set +e; timeout 120 $MPI -np 2 -x CROSSKV_FAULT=kill_before_commit:1 -x CROSSKV_FAULT_RANK=1 "$FIT" np2e.yaml > np2e.log 2>&1; rc=$?; set -e
