@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "apply/transfer.hpp"
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/cli.hpp"
 #include "core/error.hpp"
@@ -76,10 +77,10 @@ int main(int argc, char** argv) {
         throw InputError(positions_from + ": token_ids differ from " + source + " (not the same tokens)");
       tpos = p.positions();
     }
-    StoredDtype dt = h.key_dtype;
-    if (dtype_name == "float32") dt = StoredDtype::f32;
-    else if (dtype_name == "float16") dt = StoredDtype::f16;
-    else if (dtype_name == "bfloat16") dt = StoredDtype::bf16;
+    Dtype dt = h.key_dtype;
+    if (dtype_name == "float32") dt = Dtype::f32;
+    else if (dtype_name == "float16") dt = Dtype::f16;
+    else if (dtype_name == "bfloat16") dt = Dtype::bf16;
     else if (!dtype_name.empty()) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype_name + "\"");
     const std::string tmp = temp_name_for(out);
     struct RemoveUnlessCommitted {  // a failed run leaves no partial shard behind

@@ -2,17 +2,15 @@
 // diagnostics of a mapper (SPEC §7) against the target's own capture of the same tokens, with baselines.
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 
 #include <CLI/CLI.hpp>
 
-#include "apply/diagnose.hpp"
-#include "apply/report.hpp"
+#include "backends/backends.hpp"
 #include "core/cli.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "io/atomic_file.hpp"
+#include "stages/eval.hpp"
 
 using namespace crosskv;
 
@@ -32,25 +30,17 @@ int main(int argc, char** argv) {
   setup_logging(0, 1, "info");
   return run_tool("crosskv-eval", [&]() -> int {
     auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
-    Transfer tr(mapper, *be, TransferOptions{true, true, true});
-    Cache s = read_cache(source, false), t = read_cache(target, true);
-    Evaluation ev = evaluate(tr, s, t);
-    nlohmann::json j = ev.json();
-    j["mapper"] = mapper;
+    const Cache s = read_cache(source, false), t = read_cache(target, true);
+    const auto evals = evaluate_mappers({mapper}, s, t, *be, /*verify=*/true);
+    const Evaluation& ev = evals.front().evaluation;
+    nlohmann::json j = evals.front().json();
     j["source"] = source;
     j["target"] = target;
     write_file_atomic(json_path, j.dump(2) + "\n");
-    if (!html_path.empty()) {
-      ReportInput in;
-      in.title = tr.manifest().source_model + " -> " + tr.manifest().target_model;
-      in.manifests.push_back(tr.manifest().json);
-      in.evaluations.push_back(ev);
-      in.eval_source = source;
-      // The fit's R² heatmaps, when the mapper still sits in its output folder.
-      std::ifstream svg(std::filesystem::path(mapper) / ".." / "r2_heatmap.svg");
-      if (svg) in.heatmap_svg.assign(std::istreambuf_iterator<char>(svg), std::istreambuf_iterator<char>());
-      write_file_atomic(html_path, render_report(in));
-    }
+    // The fit's R² heatmaps are embedded when the mapper still sits in its output folder.
+    if (!html_path.empty())
+      write_file_atomic(html_path, render_evaluation_report(
+                                       evals, source, (std::filesystem::path(mapper) / ".." / "r2_heatmap.svg").string()));
     auto f = [](const std::optional<double>& x) { return x ? std::to_string(*x) : std::string("n/a"); };
     spdlog::info("held-out R² k {:.4f}, v {:.4f}; attention cosine {}; K-concentration {}; V-concentration {}",
                  ev.mapper.r2_k, ev.mapper.r2_v, f(ev.mapper.attention_cosine), f(ev.mapper.k_concentration),

@@ -2,6 +2,7 @@
 #include <cblas.h>
 #include <lapacke.h>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/error.hpp"
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"

@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/config.hpp"
@@ -220,8 +221,8 @@ int main(int argc, char** argv) {
     be->begin_inputs();
     be->stage_inputs({{Xs.data(), rows * d.X() * 2}, {Ys.data(), rows * d.Y() * 2}, {pos.data(), rows * 4}});
     const ComputeBackend::Strip sx{&rs, pos.data()}, sy{&rt, pos.data()};
-    const float* x = be->prepare({Xs.data(), ComputeBackend::Stored::bf16, rows, d.X()}, &sx, shx.data(), hx);
-    const float* y = be->prepare({Ys.data(), ComputeBackend::Stored::bf16, rows, d.Y()}, &sy, shy.data(), hy);
+    const float* x = be->prepare({Xs.data(), Dtype::bf16, rows, d.X()}, &sx, shx.data(), hx);
+    const float* y = be->prepare({Ys.data(), Dtype::bf16, rows, d.Y()}, &sy, shy.data(), hy);
     m.accumulate_staged(*be, x, y, rows);
   };
   // The next round's first block makes the sums resident again (zeroed on the device: nothing crosses PCIe).

@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/moments.hpp"

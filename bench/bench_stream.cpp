@@ -2,6 +2,7 @@
 // finiteness), with no moment blocks to accumulate. Prints one JSON line.
 #include <cstdio>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/config.hpp"

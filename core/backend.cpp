@@ -11,17 +11,16 @@ namespace crosskv {
 
 const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
                              const float* shift, std::vector<float>& host) {
-  using Stored = ComputeBackend::Stored;
   const int64_t cols = in.cols;
   if (strip) CROSSKV_ASSERT(cols % strip->rope->head_dim() == 0, "prepare: row width is not a multiple of head_dim");
   host.resize(static_cast<size_t>(in.rows * cols));
   for (int64_t t = 0; t < in.rows; ++t) {
     float* o = host.data() + t * cols;
-    if (in.dtype == Stored::f32) {
+    if (in.dtype == Dtype::f32) {
       std::copy_n(static_cast<const float*>(in.data) + t * cols, cols, o);
     } else {
       const uint16_t* r = static_cast<const uint16_t*>(in.data) + t * cols;
-      if (in.dtype == Stored::bf16)
+      if (in.dtype == Dtype::bf16)
         for (int64_t c = 0; c < cols; ++c) o[c] = bf16_to_float(r[c]);
       else
         for (int64_t c = 0; c < cols; ++c) o[c] = fp16_to_float(r[c]);
@@ -33,12 +32,12 @@ const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const Comput
   return host.data();
 }
 
-const float* ComputeBackend::prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+const float* InputPreparation::prepare(const StoredBlock& in, const Strip* strip, const float* shift,
                                      std::vector<float>& host) {
   return prepare_on_host(in, strip, shift, host);
 }
 
-const float* ComputeBackend::gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) {
+const float* InputPreparation::gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) {
   const int64_t W = int64_t{L} * H * D;
   host.resize(static_cast<size_t>(rows * W));
   for (int64_t t = 0; t < rows; ++t)
@@ -48,7 +47,7 @@ const float* ComputeBackend::gather_heads(int64_t rows, int L, int H, int D, con
   return host.data();
 }
 
-void ComputeBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum,
+void InputPreparation::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum,
                                   double* sumsq) {
   for (int64_t t = 0; t < rows; ++t) {
     const float* x = X + t * ldx;
@@ -58,7 +57,7 @@ void ComputeBackend::column_stats(int64_t rows, int64_t cols, const float* X, in
   }
 }
 
-void ComputeBackend::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms,
+void DenseMaths::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms,
                                      int64_t lda, int64_t ldb, int64_t ldc) {
   for (const CrossTerm& t : terms) cross_acc(rows, m, n, t.A, lda, t.B, ldb, t.C, ldc);
 }
@@ -74,11 +73,11 @@ void copy_host_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int6
 }
 }  // namespace
 
-void ComputeBackend::copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+void Residency::copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
                                bool dst_on_device) {
   copy_host_sums(pieces, off, len, dst, dst_on_device);
 }
-void ComputeBackend::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+void Residency::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
                                bool dst_on_device) {
   copy_host_sums(pieces, off, len, dst, dst_on_device);
 }
@@ -90,8 +89,8 @@ void zero_host(T* p, int64_t count) {
   for (int64_t at = 0; at < count; at += kPart) std::fill_n(p + at, std::min(kPart, count - at), T{0});
 }
 }  // namespace
-void ComputeBackend::zero_sums(float* p, int64_t count) { zero_host(p, count); }
-void ComputeBackend::zero_sums(double* p, int64_t count) { zero_host(p, count); }
+void Residency::zero_sums(float* p, int64_t count) { zero_host(p, count); }
+void Residency::zero_sums(double* p, int64_t count) { zero_host(p, count); }
 
 void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, double* A, int64_t lda, double* diag) {
   const int64_t nl = t.nl, F = t.F;
@@ -118,15 +117,15 @@ void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, doub
     for (int64_t i = 0; i < nl * F; ++i) diag[i] = A[i * lda + i];
 }
 
-void ComputeBackend::assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag) {
+void DenseMaths::assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag) {
   assemble_cov_on_host(t, lambda, A, lda, diag);
 }
 
-void ComputeBackend::download(const float* operand, int64_t count, float* host) {
+void InputPreparation::download(const float* operand, int64_t count, float* host) {
   std::copy_n(operand, count, host);
 }
 
-void ComputeBackend::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) { to_half_on_host(in, n, bf16, out); }
+void InputPreparation::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) { to_half_on_host(in, n, bf16, out); }
 
 void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out) {
 #pragma omp parallel for schedule(static) if (n > (int64_t{1} << 20))

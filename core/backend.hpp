@@ -7,93 +7,20 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
+
 namespace crosskv {
 
 class Rope;
 
-class ComputeBackend {
+// The dense maths every backend implements first: fp32 products into sums, fp64 assembly, factorisations and solves.
+class DenseMaths {
  public:
-  virtual ~ComputeBackend() = default;
-  virtual std::string name() const = 0;
-
-  // Where the operands live. A device backend keeps every sum passed as C (or to column_stats) resident on the
-  // device from its first use until flush(), which makes the host copies current and drops the residency: call
-  // flush() before reading, packing or changing sums on the host.
-  // Inputs come in rounds (one block of rows): begin_inputs() starts one; stage_inputs() names host arrays that the
-  // round's calls read (a device backend copies each once, asynchronously, into one of two buffer sets); prepare()
-  // and gather_heads() return operands made by the backend (a device backend makes them on the device). Operands
-  // are named in calls until the next begin_inputs(). Host backends ignore staging.
-  struct HostSpan {
-    const void* data;
-    int64_t bytes;
-  };
-  static HostSpan floats(const float* p, int64_t count) { return {p, count * 4}; }
-  // A hint that C arguments will fall in host sums [p, p + count) until flush(): a device backend makes the range
-  // resident as one allocation now, zeroed on the device when `host_is_zero` (the caller's promise), else copied up.
-  // Calls for a range already resident do nothing.
-  virtual void keep_resident(float* p, int64_t count, bool host_is_zero) {}
-  // A round's reduction reads the sums where they are current (no flush, no packed host copy): a SumPiece is a
-  // [rows x cols] part of host sums (leading dim ld) at `at` in a flat order of the pieces. copy_sums copies flat values
-  // [off, off + len) to dst, which is this backend's device memory when dst_on_device (a device comm's buffer), else
-  // host memory; a resident sum is read from its device copy.
-  template <class T>
-  struct SumPiece {
-    T* p;
-    int64_t rows, cols, ld, at;
-  };
-  virtual void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
-                         bool dst_on_device);
-  virtual void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
-                         bool dst_on_device);
-  // Sets sums [p, p + count) to zero where they are current: on the device for a resident range (which stays
-  // resident; its host copy is left alone and stays stale), else on the host.
-  virtual void zero_sums(float* p, int64_t count);
-  virtual void zero_sums(double* p, int64_t count);
-  // Forgets every resident sum without copying it back: the host copies keep whatever they held, and the caller
-  // overwrites them (after a round's reduction has read the device copies).
-  virtual void drop_resident() {}
-  virtual void begin_inputs() {}
-  virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
-  virtual void flush() {}
-  // Waits until the device has finished every call made so far (for timing; host backends return at once).
-  virtual void synchronize() {}
-  // Free memory of the device, in bytes, or -1 for a host backend (no limit beyond the host's).
-  virtual int64_t device_memory_free() const { return -1; }
-  // True when prepare() and gather_heads() make their results on the device (the host vectors are then left alone).
-  virtual bool prepares_on_device() const { return false; }
-
-  // Stored values of one block as read from a shard, staged: [rows x cols] of bf16 / fp16 bits or fp32.
-  enum class Stored { f32, f16, bf16 };
-  struct StoredBlock {
-    const void* data;
-    Stored dtype;
-    int64_t rows, cols;
-  };
-  // RoPE to strip from keys (SPEC §2): `rope` per head of every row, at the row's position (a staged int32 array).
-  struct Strip {
-    const Rope* rope;
-    const int32_t* positions;
-  };
-  // The moments' inputs from stored values in one pass (SPEC §2-3): fp32, RoPE stripped (strip may be null), minus
-  // shift[cols]. Returns the operand: `host` (resized, filled) on a host backend, device memory on a device one.
-  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, std::vector<float>& host);
-  // Head-major copy of X [rows x L*H*D]: out[t, (h*L + a)*D + j] = X[t, a*H*D + h*D + j]. Returns the operand.
-  virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host);
-  // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 sums, resident like C).
-  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq);
-  // Copies `count` values of an operand (or a staged host array) of the current round to `host` (tests, diagnostics).
-  virtual void download(const float* operand, int64_t count, float* host);
-  // fp32 -> bf16 or fp16 bits (round to nearest even, NaN kept), for export.
-  virtual void to_half(const float* in, int64_t n, bool bf16, uint16_t* out);
+  virtual ~DenseMaths() = default;
 
   // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
                          int64_t ldb, float* C, int64_t ldc) = 0;
-  // Read-only host arrays used as B by matmul_acc again and again (a mapper's weights kept for serving): a device
-  // backend keeps a copy until forget_constant(), so that B crosses PCIe once. The caller leaves the array unchanged
-  // while it is kept.
-  virtual void keep_constant(const float* p, int64_t count) {}
-  virtual void forget_constant(const float* p) {}
   // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; B may be kept). fp32.
   virtual void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
                           int64_t ldb, float* C, int64_t ldc) = 0;
@@ -138,6 +65,100 @@ class ComputeBackend {
   // Solves L X = B (transpose: L^T X = B) in place with the leading n x n block of a lower factor.
   virtual void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                                 int64_t ldb) = 0;
+};
+
+// Input preparation: stored values of a block to the moments' operands. The host implementations are the defaults.
+class InputPreparation {
+ public:
+  virtual ~InputPreparation() = default;
+  // True when prepare() and gather_heads() make their results on the device (the host vectors are then left alone).
+  virtual bool prepares_on_device() const { return false; }
+
+  // Stored values of one block as read from a shard, staged: [rows x cols] of bf16 / fp16 bits or fp32.
+  struct StoredBlock {
+    const void* data;
+    Dtype dtype;
+    int64_t rows, cols;
+  };
+  // RoPE to strip from keys (SPEC §2): `rope` per head of every row, at the row's position (a staged int32 array).
+  struct Strip {
+    const Rope* rope;
+    const int32_t* positions;
+  };
+  // The moments' inputs from stored values in one pass (SPEC §2-3): fp32, RoPE stripped (strip may be null), minus
+  // shift[cols]. Returns the operand: `host` (resized, filled) on a host backend, device memory on a device one.
+  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, std::vector<float>& host);
+  // Head-major copy of X [rows x L*H*D]: out[t, (h*L + a)*D + j] = X[t, a*H*D + h*D + j]. Returns the operand.
+  virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host);
+  // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 sums, resident like C).
+  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq);
+  // Copies `count` values of an operand (or a staged host array) of the current round to `host` (tests, diagnostics).
+  virtual void download(const float* operand, int64_t count, float* host);
+  // fp32 -> bf16 or fp16 bits (round to nearest even, NaN kept), for export.
+  virtual void to_half(const float* in, int64_t n, bool bf16, uint16_t* out);
+};
+
+// Residency: where sums and operands live. A host backend's defaults keep everything on the host.
+class Residency {
+ public:
+  virtual ~Residency() = default;
+
+  // Where the operands live. A device backend keeps every sum passed as C (or to column_stats) resident on the
+  // device from its first use until flush(), which makes the host copies current and drops the residency: call
+  // flush() before reading, packing or changing sums on the host.
+  // Inputs come in rounds (one block of rows): begin_inputs() starts one; stage_inputs() names host arrays that the
+  // round's calls read (a device backend copies each once, asynchronously, into one of two buffer sets); prepare()
+  // and gather_heads() return operands made by the backend (a device backend makes them on the device). Operands
+  // are named in calls until the next begin_inputs(). Host backends ignore staging.
+  struct HostSpan {
+    const void* data;
+    int64_t bytes;
+  };
+  static HostSpan floats(const float* p, int64_t count) { return {p, count * 4}; }
+  // A hint that C arguments will fall in host sums [p, p + count) until flush(): a device backend makes the range
+  // resident as one allocation now, zeroed on the device when `host_is_zero` (the caller's promise), else copied up.
+  // Calls for a range already resident do nothing.
+  virtual void keep_resident(float* p, int64_t count, bool host_is_zero) {}
+  // A round's reduction reads the sums where they are current (no flush, no packed host copy): a SumPiece is a
+  // [rows x cols] part of host sums (leading dim ld) at `at` in a flat order of the pieces. copy_sums copies flat values
+  // [off, off + len) to dst, which is this backend's device memory when dst_on_device (a device comm's buffer), else
+  // host memory; a resident sum is read from its device copy.
+  template <class T>
+  struct SumPiece {
+    T* p;
+    int64_t rows, cols, ld, at;
+  };
+  virtual void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+                         bool dst_on_device);
+  virtual void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+                         bool dst_on_device);
+  // Sets sums [p, p + count) to zero where they are current: on the device for a resident range (which stays
+  // resident; its host copy is left alone and stays stale), else on the host.
+  virtual void zero_sums(float* p, int64_t count);
+  virtual void zero_sums(double* p, int64_t count);
+  // Forgets every resident sum without copying it back: the host copies keep whatever they held, and the caller
+  // overwrites them (after a round's reduction has read the device copies).
+  virtual void drop_resident() {}
+  virtual void begin_inputs() {}
+  virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
+  virtual void flush() {}
+  // Waits until the device has finished every call made so far (for timing; host backends return at once).
+  virtual void synchronize() {}
+  // Free memory of the device, in bytes, or -1 for a host backend (no limit beyond the host's).
+  virtual int64_t device_memory_free() const { return -1; }
+  // Read-only host arrays used as B by matmul_acc again and again (a mapper's weights kept for serving): a device
+  // backend keeps a copy until forget_constant(), so that B crosses PCIe once. The caller leaves the array unchanged
+  // while it is kept.
+  virtual void keep_constant(const float* p, int64_t count) {}
+  virtual void forget_constant(const float* p) {}
+};
+
+// A compute backend: the three concerns together. CPU (BLAS/LAPACK, backends/) is the reference; CUDA lives in cuda/.
+// A new backend implements DenseMaths first and inherits the host's input preparation and residency.
+class ComputeBackend : public DenseMaths, public InputPreparation, public Residency {
+ public:
+  ~ComputeBackend() override = default;
+  virtual std::string name() const = 0;
 };
 
 // The parts of `pieces` (sorted by `at`, back to back) that fall in flat values [off, off + len), as 2-D runs:
@@ -194,13 +215,5 @@ const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const Comput
 // fp32 -> bf16 or fp16 bits on the host, in parallel (the CPU backend's to_half, and export's: the bits of the
 // device's conversion).
 void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out);
-
-std::unique_ptr<ComputeBackend> make_cpu_backend();
-// Defined in cuda/: the CUDA backend on `device` (rank `rank` names it in messages; tf32 lets cuBLAS use TF32
-// tensor cores for the fp32 moments), or a stub that throws "built without CUDA".
-std::unique_ptr<ComputeBackend> make_cuda_backend(int device, int rank = 0, bool tf32 = false);
-bool cuda_compiled_in();
-bool nccl_compiled_in();
-int cuda_device_count();  // 0 when built without CUDA or no device present
 
 }  // namespace crosskv

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -62,6 +63,18 @@ void filled_through_host(Comm& comm, size_t n, const Comm::Fill<T>& fill, std::v
 }
 }  // namespace
 
+std::vector<std::string> gather_strings(Comm& comm, const std::string& mine) {
+  std::vector<double> len(comm.size(), 0.0);
+  len[comm.rank()] = static_cast<double>(mine.size());
+  comm.allreduce_sum(len.data(), len.size());
+  std::vector<std::string> out(comm.size());
+  for (int r = 0; r < comm.size(); ++r) {
+    out[r] = r == comm.rank() ? mine : std::string(static_cast<size_t>(len[r]), '\0');
+    comm.broadcast(out[r].data(), out[r].size(), r);
+  }
+  return out;
+}
+
 void agree_on_user_error(Comm& comm, const std::exception_ptr& error) {
   if (comm.size() == 1) {  // nothing to agree on: the error as it is
     if (error) std::rethrow_exception(error);
@@ -106,6 +119,59 @@ void Comm::reduce_scatter_filled(size_t n, const Fill<double>& fill, std::vector
   filled_through_host(*this, n, fill, chunk);
 }
 
+// Sums in a fixed order, independent of the transport's reduction algorithm, so that the same job gives
+// byte-identical results: buffers go in segments; in each, rank r owns a contiguous part, receives every rank's copy
+// of it (alltoallv) and adds them in rank order 0..P-1. allgather (allgatherv) reverses the layout.
+template <class T>
+void FixedOrderComm::scatter(const T* in, size_t n, std::vector<T>& chunk) {
+  const size_t P = static_cast<size_t>(size());
+  const int me = rank();
+  chunk.clear();
+  chunk.reserve(share_size(n, size(), me));
+  std::vector<int> rcounts(P), rdispls(P);
+  std::vector<T> mine;
+  for (const ShareSegment& s : share_layout(n, size())) {
+    const int c = s.counts[me];
+    for (size_t r = 0; r < P; ++r) {
+      rcounts[r] = c;
+      rdispls[r] = static_cast<int>(r) * c;
+    }
+    mine.resize(static_cast<size_t>(c) * P);
+    alltoallv(in + s.off, s.counts.data(), s.displs.data(), mine.data(), rcounts.data(), rdispls.data(), sizeof(T));
+    const size_t base = chunk.size();
+    chunk.insert(chunk.end(), mine.begin(), mine.begin() + c);
+    for (size_t r = 1; r < P; ++r)
+      for (int i = 0; i < c; ++i) chunk[base + i] += mine[r * c + i];
+  }
+}
+
+template <class T>
+void FixedOrderComm::gather(const std::vector<T>& chunk, T* out, size_t n) {
+  size_t at = 0;
+  for (const ShareSegment& s : share_layout(n, size())) {
+    const int c = s.counts[rank()];
+    allgatherv(chunk.data() + at, c, out + s.off, s.counts.data(), s.displs.data(), sizeof(T));
+    at += c;
+  }
+}
+
+void FixedOrderComm::allreduce_sum(float* d, size_t n) {
+  if (size() == 1) return;
+  std::vector<float> chunk;
+  scatter(d, n, chunk);
+  gather(chunk, d, n);
+}
+void FixedOrderComm::allreduce_sum(double* d, size_t n) {
+  if (size() == 1) return;
+  std::vector<double> chunk;
+  scatter(d, n, chunk);
+  gather(chunk, d, n);
+}
+void FixedOrderComm::reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) { scatter(in, n, c); }
+void FixedOrderComm::reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) { scatter(in, n, c); }
+void FixedOrderComm::allgather(const std::vector<float>& c, float* out, size_t n) { gather(c, out, n); }
+void FixedOrderComm::allgather(const std::vector<double>& c, double* out, size_t n) { gather(c, out, n); }
+
 namespace {
 
 class SingleComm final : public Comm {
@@ -136,7 +202,12 @@ void check_mpi(int rc, const char* call, size_t count) {
                     " (count " + std::to_string(count) + "): " + std::string(msg, len));
 }
 
-class MpiComm final : public Comm {
+MPI_Datatype mpi_type(size_t bytes) {
+  CROSSKV_ASSERT(bytes == 4 || bytes == 8, "values of 4 or 8 bytes");
+  return bytes == 4 ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+class MpiComm final : public FixedOrderComm {
  public:
   explicit MpiComm(MPI_Comm comm = MPI_COMM_WORLD, bool owned = false) : comm_(comm), owned_(owned) {
     check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank", 0);
@@ -156,8 +227,6 @@ class MpiComm final : public Comm {
     MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
     return std::make_unique<MpiComm>(sub, true);
   }
-  void allreduce_sum(float* d, size_t n) override { reduce(d, n, MPI_FLOAT); }
-  void allreduce_sum(double* d, size_t n) override { reduce(d, n, MPI_DOUBLE); }
   void broadcast(void* d, size_t bytes, int root) override {
     auto* p = static_cast<char*>(d);
     for (size_t off = 0; off < bytes; off += kChunk) {
@@ -171,62 +240,21 @@ class MpiComm final : public Comm {
     check_mpi(MPI_Allreduce(&in, &out, 1, MPI_INT, MPI_LAND, comm_), "MPI_Allreduce(LAND)", 1);
     return out != 0;
   }
-
-  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& c) override { scatter(in, n, c, MPI_FLOAT); }
-  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& c) override {
-    scatter(in, n, c, MPI_DOUBLE);
+  void alltoallv(const void* send, const int* send_counts, const int* send_displs, void* recv,
+                 const int* recv_counts, const int* recv_displs, size_t bytes) override {
+    const MPI_Datatype t = mpi_type(bytes);
+    check_mpi(MPI_Alltoallv(send, send_counts, send_displs, t, recv, recv_counts, recv_displs, t, comm_),
+              "MPI_Alltoallv", static_cast<size_t>(send_counts[0]));
   }
-  void allgather(const std::vector<float>& c, float* out, size_t n) override { gather(c, out, n, MPI_FLOAT); }
-  void allgather(const std::vector<double>& c, double* out, size_t n) override { gather(c, out, n, MPI_DOUBLE); }
+  void allgatherv(const void* mine, int count, void* out, const int* counts, const int* displs,
+                  size_t bytes) override {
+    const MPI_Datatype t = mpi_type(bytes);
+    check_mpi(MPI_Allgatherv(mine, count, t, out, counts, displs, t, comm_), "MPI_Allgatherv",
+              static_cast<size_t>(count));
+  }
 
  private:
   static constexpr size_t kChunk = size_t{1} << 30;  // bytes per MPI_Bcast
-
-  // Sums in a fixed order, independent of MPI's reduction algorithm, so that the same job gives byte-identical
-  // results: buffers go in segments; in each, rank r owns a contiguous part, receives every rank's copy of it
-  // (MPI_Alltoallv) and adds them in rank order 0..P-1. allgather (MPI_Allgatherv) reverses the layout.
-  std::vector<ShareSegment> segments(size_t n) const { return share_layout(n, size_); }
-  template <class T>
-  void scatter(const T* in, size_t n, std::vector<T>& chunk, MPI_Datatype type) {
-    const size_t P = static_cast<size_t>(size_);
-    chunk.clear();
-    chunk.reserve(share_size(n, size_, rank_));
-    std::vector<int> rcounts(P), rdispls(P);
-    std::vector<T> mine;
-    for (const ShareSegment& s : segments(n)) {
-      const int c = s.counts[rank_];
-      for (size_t r = 0; r < P; ++r) {
-        rcounts[r] = c;
-        rdispls[r] = static_cast<int>(r) * c;
-      }
-      mine.resize(static_cast<size_t>(c) * P);
-      check_mpi(MPI_Alltoallv(in + s.off, s.counts.data(), s.displs.data(), type, mine.data(), rcounts.data(),
-                              rdispls.data(), type, comm_),
-                "MPI_Alltoallv", s.len);
-      const size_t base = chunk.size();
-      chunk.insert(chunk.end(), mine.begin(), mine.begin() + c);
-      for (size_t r = 1; r < P; ++r)
-        for (int i = 0; i < c; ++i) chunk[base + i] += mine[r * c + i];
-    }
-  }
-  template <class T>
-  void gather(const std::vector<T>& chunk, T* out, size_t n, MPI_Datatype type) {
-    size_t at = 0;
-    for (const ShareSegment& s : segments(n)) {
-      const int c = s.counts[rank_];
-      check_mpi(MPI_Allgatherv(chunk.data() + at, c, type, out + s.off, s.counts.data(), s.displs.data(), type,
-                               comm_),
-                "MPI_Allgatherv", s.len);
-      at += c;
-    }
-  }
-  template <class T>
-  void reduce(T* d, size_t n, MPI_Datatype type) {
-    if (size_ == 1) return;
-    std::vector<T> chunk;
-    scatter(d, n, chunk, type);
-    gather(chunk, d, n, type);
-  }
   MPI_Comm comm_;
   bool owned_;
   int rank_ = 0, size_ = 1;

@@ -47,6 +47,34 @@ class Comm {
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 };
 
+// The collective algorithms over a transport (as xgboost splits Comm and Coll): fixed-order sums made of all-to-all
+// and all-gather exchanges, so the same job gives the same bits whatever the transport. A transport implements only
+// those two exchanges, broadcast, barrier, all_ok and split.
+class FixedOrderComm : public Comm {
+ public:
+  void allreduce_sum(float* data, size_t n) override;
+  void allreduce_sum(double* data, size_t n) override;
+  // Segment by segment (share_layout): rank r receives every rank's copy of its part and adds them in rank order.
+  void reduce_scatter_sum(const float* in, size_t n, std::vector<float>& chunk) override;
+  void reduce_scatter_sum(const double* in, size_t n, std::vector<double>& chunk) override;
+  void allgather(const std::vector<float>& chunk, float* out, size_t n) override;
+  void allgather(const std::vector<double>& chunk, double* out, size_t n) override;
+
+  // Values of `bytes` bytes each (4: float, 8: double). alltoallv: to rank q go send_counts[q] values at
+  // send_displs[q] of `send`; from rank q come recv_counts[q] values, placed at recv_displs[q] of `recv`.
+  virtual void alltoallv(const void* send, const int* send_counts, const int* send_displs, void* recv,
+                         const int* recv_counts, const int* recv_displs, size_t bytes) = 0;
+  // Rank q's `counts[q]` values land at displs[q] of `out`, on every rank.
+  virtual void allgatherv(const void* mine, int count, void* out, const int* counts, const int* displs,
+                          size_t bytes) = 0;
+
+ private:
+  template <class T>
+  void scatter(const T* in, size_t n, std::vector<T>& chunk);
+  template <class T>
+  void gather(const std::vector<T>& chunk, T* out, size_t n);
+};
+
 // The layout of reduce_scatter_sum/allgather shares, the same for every Comm (so checkpointed shares do not depend
 // on the collectives): segments of at most P * 2^24 elements; in each, rank r owns counts[r] elements at displs[r].
 struct ShareSegment {
@@ -56,6 +84,9 @@ struct ShareSegment {
 std::vector<ShareSegment> share_layout(size_t n, int ranks);
 // The number of values rank `rank` owns in that layout (a share's size, to allocate it once).
 size_t share_size(size_t n, int ranks, int rank);
+
+// Every rank's string, on every rank (lengths summed over ranks, then one broadcast per rank).
+std::vector<std::string> gather_strings(Comm& comm, const std::string& mine);
 
 // Every rank passes its user error (or none) and learns whether any rank had one: if so, every rank throws an
 // AgreedError with that error's exit code, which the lowest such rank alone reports (its message); else returns.
@@ -90,9 +121,6 @@ auto agreed(Comm& comm, Check&& check) {
 std::unique_ptr<Comm> make_single_comm();
 // Requires MPI to be initialised (see MpiSession).
 std::unique_ptr<Comm> make_mpi_comm();
-// Defined in cuda/: NCCL collectives on `device`, bootstrapped (unique id), barriers and votes through `host`; or a
-// stub that throws "built without NCCL".
-std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, int device);
 
 // RAII MPI_Init/MPI_Finalize for the programs' main().
 class MpiSession {

@@ -13,14 +13,6 @@
 
 namespace crosskv {
 
-const char* to_string(WeightDtype d) {
-  switch (d) {
-    case WeightDtype::fp32: return "fp32";
-    case WeightDtype::bf16: return "bf16";
-    case WeightDtype::fp16: return "fp16";
-  }
-  return "?";
-}
 const char* to_string(ProbeMode p) { return p == ProbeMode::same_head ? "same_head" : "all_heads"; }
 std::string KChoice::label() const { return is_all() ? "all" : std::to_string(value); }
 
@@ -168,9 +160,9 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
     }
     if (auto d = fit["dtype"]) {
       std::string v = r.str(d, "fit.dtype");
-      if (v == "fp32") c.dtype = WeightDtype::fp32;
-      else if (v == "bf16") c.dtype = WeightDtype::bf16;
-      else if (v == "fp16") c.dtype = WeightDtype::fp16;
+      if (v == "fp32") c.dtype = Dtype::f32;
+      else if (v == "bf16") c.dtype = Dtype::bf16;
+      else if (v == "fp16") c.dtype = Dtype::f16;
       else r.fail(d, "fit.dtype", "expected fp32, bf16 or fp16, got \"" + v + "\"");
     }
   }

@@ -7,13 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
+
 namespace crosskv {
 
-enum class WeightDtype { fp32, bf16, fp16 };
 enum class ProbeMode { same_head, all_heads };
 enum class DeviceKind { auto_, cpu, cuda };
 
-const char* to_string(WeightDtype d);
 const char* to_string(ProbeMode p);
 
 // k = 0 means "all" source layers.
@@ -33,7 +33,7 @@ struct FitConfig {
   std::vector<KChoice> ks = {{1}, {2}, {4}, {8}, {0}};
   double lambda = 0.01;
   ProbeMode probe = ProbeMode::same_head;
-  WeightDtype dtype = WeightDtype::fp32;
+  Dtype dtype = Dtype::f32;
   std::string output_dir;
   // Held-out shard pairs (paths relative to the stores): left out of the fit, diagnosed after it (report.html).
   std::vector<std::string> eval_shards;

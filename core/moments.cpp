@@ -67,7 +67,7 @@ std::vector<BlockRef> Moments::new_blocks(const std::vector<std::pair<int64_t, i
 void Moments::add_plan(const MomentPlan& plan) {
   const int64_t F = d_.F(), G = d_.G(), Y = d_.Y();
   const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-  std::vector<std::pair<int, int>> grams, crosses;  // new blocks, in plan order (the order pack_live uses)
+  std::vector<std::pair<int, int>> grams, crosses;  // new blocks, in plan order (the order of the flat live state)
   std::set<std::pair<int, int>> seen_gram, seen_cross;
   for (auto p : plan.gram) {
     CROSSKV_ASSERT(p.first <= p.second && p.second < Ls, "bad gram pair");
@@ -203,28 +203,18 @@ void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float*
   }
 }
 
-void Moments::finish_pass(Comm& comm) {
-  std::vector<float> f;
-  std::vector<double> d;
-  pack_live(f, d);
-  comm.allreduce_sum(f.data(), f.size());
-  comm.allreduce_sum(d.data(), d.size());
-  unpack_live(f.data(), d.data());
-  mark_pass_complete();
-}
-
 namespace {
 template <class Fn>
 void for_each_live(const std::vector<BlockRef>& gram, const std::vector<bool>& gram_live,
                    const std::vector<BlockRef>& cross, const std::vector<bool>& cross_live, bool head_live,
                    const std::vector<BlockRef>& head_gram, const std::vector<BlockRef>& head_cross, Fn fn) {
   for (size_t i = 0; i < gram.size(); ++i)
-    if (gram_live[i]) fn(i, 0);
+    if (gram_live[i]) fn(i, Moments::BlockKind::gram);
   for (size_t i = 0; i < cross.size(); ++i)
-    if (cross_live[i]) fn(i, 1);
+    if (cross_live[i]) fn(i, Moments::BlockKind::cross);
   if (head_live) {
-    for (size_t i = 0; i < head_gram.size(); ++i) fn(i, 2);
-    for (size_t i = 0; i < head_cross.size(); ++i) fn(i, 3);
+    for (size_t i = 0; i < head_gram.size(); ++i) fn(i, Moments::BlockKind::head_gram);
+    for (size_t i = 0; i < head_cross.size(); ++i) fn(i, Moments::BlockKind::head_cross);
   }
 }
 }  // namespace
@@ -233,42 +223,22 @@ size_t Moments::live_floats() const {
   size_t n = 0;
   auto* self = this;
   for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_,
-                [&](size_t i, int which) { n += self->live_block(i, which).size(); });
+                [&](size_t i, BlockKind kind) { n += self->live_block(i, kind).size(); });
   return n;
 }
 
 size_t Moments::live_doubles() const { return stats_done_ ? 0 : 1 + sum_x_.size() + 2 * sum_y_.size(); }
 
-void Moments::pack_live(std::vector<float>& f, std::vector<double>& d) const {
-  f.resize(live_floats());
-  d.resize(live_doubles());
-  float* pf = f.data();
-  for (const auto& [b, at] : live_layout())
-    for (int64_t r = 0; r < b->rows; ++r) std::copy_n(b->row(r), b->cols, pf + at + r * b->cols);
-  if (stats_done_) return;
-  double* pd = d.data();
-  *pd++ = n_;
-  for (const std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) pd = std::copy(v->begin(), v->end(), pd);
-}
-
 std::vector<std::pair<const BlockRef*, int64_t>> Moments::live_layout() const {
   std::vector<std::pair<const BlockRef*, int64_t>> out;
   int64_t off = 0;
   auto* self = this;
-  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, int w) {
-    const BlockRef& b = self->live_block(i, w);
+  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, BlockKind kind) {
+    const BlockRef& b = self->live_block(i, kind);
     out.emplace_back(&b, off);
     off += b.size();
   });
   return out;
-}
-
-void Moments::unpack_live(const float* f, const double* d) {
-  std::vector<ComputeBackend::SumPiece<float>> fp;
-  std::vector<ComputeBackend::SumPiece<double>> dp;
-  live_pieces(fp, dp);
-  place_sums(fp, 0, flat_size(fp), f);
-  unpack_live_doubles(d);
 }
 
 void Moments::unpack_live_doubles(const double* d) {
@@ -359,13 +329,14 @@ void Moments::add(const Moments& o, double weight) {
   }
 }
 
-const BlockRef& Moments::live_block(size_t i, int which) const {
-  switch (which) {
-    case 0: return gram_[i];
-    case 1: return cross_[i];
-    case 2: return head_gram_[i];
-    default: return head_cross_[i];
+const BlockRef& Moments::live_block(size_t i, BlockKind kind) const {
+  switch (kind) {
+    case BlockKind::gram: return gram_[i];
+    case BlockKind::cross: return cross_[i];
+    case BlockKind::head_gram: return head_gram_[i];
+    case BlockKind::head_cross: return head_cross_[i];
   }
+  CROSSKV_ASSERT(false, "unknown block kind");
 }
 
 void Moments::derive_head_probe() {

@@ -66,6 +66,9 @@ struct MomentPlan {
 
 class Moments {
  public:
+  // The kinds of fp32 blocks: Gram (a, b), cross (a, l), and the same-head probe's per-head Gram and cross blocks.
+  enum class BlockKind { gram, cross, head_gram, head_cross };
+
   Moments() = default;
   Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<float> shift_y);
 
@@ -80,21 +83,15 @@ class Moments {
   // The same for inputs already shifted (by shift_x()/shift_y()) and staged or prepared in the backend's current
   // round (ComputeBackend::begin_inputs): X and Y are the backend's operands, possibly device memory.
   void accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows);
-  // Ends a pass: sums the pass's blocks over ranks and marks them complete.
-  void finish_pass(Comm& comm);
-
-  // The live state (this pass's blocks, and the token statistics in the first pass) as flat vectors in a fixed
-  // order: for reductions in rounds and for checkpoints. unpack_live overwrites the live state.
+  // The live state (this pass's blocks, and the token statistics in the first pass), flat in a fixed order: the
+  // layout of round reductions and checkpoints. Its sizes:
   size_t live_floats() const;
   size_t live_doubles() const;
-  void pack_live(std::vector<float>& f, std::vector<double>& d) const;
-  void unpack_live(const float* f, const double* d);
-  // The live state as pieces in pack_live's order, appended to f and d after the pieces already there (so the
-  // pieces of several Moments, in turn, are their packed states back to back): for a reduction that reads the sums
-  // where they are (ComputeBackend::copy_sums), and for gathering them back in place (place_sums, then
-  // unpack_live_doubles).
+  // The live state as pieces in that order, appended to f and d after the pieces already there (so the pieces of
+  // several Moments, in turn, are their flat states back to back): for a reduction that reads the sums where they are
+  // (ComputeBackend::copy_sums), and for gathering them back in place (place_sums, then unpack_live_doubles).
   void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, std::vector<ComputeBackend::SumPiece<double>>& d);
-  // unpack_live's doubles, after its floats were written through live_pieces.
+  // The live doubles (token statistics), after the floats were written through live_pieces.
   void unpack_live_doubles(const double* d);
   // Zeroes the live state where it is current: a device backend zeroes resident sums on the device (they stay
   // resident), the rest is zeroed on the host.
@@ -139,8 +136,8 @@ class Moments {
 
  private:
   const BlockRef& gram_block(int a, int b) const;
-  const BlockRef& live_block(size_t i, int which) const;
-  // Every live block with its offset in pack_live's order.
+  const BlockRef& live_block(size_t i, BlockKind kind) const;
+  // Every live block with its offset in the flat live state.
   std::vector<std::pair<const BlockRef*, int64_t>> live_layout() const;
   const BlockRef& cross_block(int a, int l) const;
   // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).

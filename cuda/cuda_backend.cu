@@ -10,11 +10,13 @@
 #include <set>
 #include <vector>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "core/rope.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/resources.hpp"
 #include "cuda/kernels.hpp"
 
 namespace crosskv {
@@ -30,6 +32,12 @@ void fail(const char* call, const std::string& status, const Where& w, const std
 
 namespace {
 
+using cuda::BlasHandle;
+using cuda::DeviceArray;
+using cuda::Event;
+using cuda::SolverHandle;
+using cuda::SolverParams;
+using cuda::Stream;
 using cuda::Where;
 #define CK(expr, ops) CROSSKV_CUDA_CHECK(expr, where_, ops)
 
@@ -56,6 +64,15 @@ class DeviceBuffer {
     p_ = nullptr;
     cap_ = 0;
   }
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), cap_(std::exchange(o.cap_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(cap_, o.cap_);
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { release(); }
 
  private:
@@ -119,32 +136,23 @@ class Arena {
 
 class CudaBackend final : public ComputeBackend {
  public:
+  // Streams, handles, events and buffers are owned (cuda/resources.hpp): a constructor that throws half-way leaks
+  // none of them.
   CudaBackend(int device, int rank, bool tf32)
-      : where_{rank, device}, slots_{Slot(where_), Slot(where_)} {
-    int n = 0;
-    const cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) n = 0;
-    if (device < 0 || device >= n)
-      throw UserError("runtime.device: cuda: no CUDA device " + std::to_string(device) + " on host " + host_name() +
-                      " for rank " + std::to_string(rank) + " (" + std::to_string(n) + " present" +
-                      (e != cudaSuccess ? std::string(", ") + cudaGetErrorString(e) : std::string()) + ")");
-    CK(cudaSetDevice(device), dims({{"device", device}}));
+      : where_(select_device(device, rank)),
+        compute_(where_),
+        copy_(where_),
+        blas_(where_),
+        solver_(where_),
+        params_(where_),
+        slots_{Slot(where_), Slot(where_)},
+        info_(1, where_) {
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, device), "");
     name_ = "cuda:" + std::to_string(device) + " (" + prop.name + (tf32 ? ", tf32" : "") + ")";
-    CK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking), "");
-    CK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking), "");
-    CK(cublasCreate(&blas_), "");
     CK(cublasSetStream(blas_, compute_), "");
     CK(cublasSetMathMode(blas_, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH), "");
-    CK(cusolverDnCreate(&solver_), "");
     CK(cusolverDnSetStream(solver_, compute_), "");
-    CK(cusolverDnCreateParams(&params_), "");
-    for (auto& s : slots_) {
-      CK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming), "");
-      CK(cudaEventCreateWithFlags(&s.used, cudaEventDisableTiming), "");
-    }
-    CK(cudaMalloc(&info_, sizeof(int)), "");
   }
 
   ~CudaBackend() override {
@@ -153,16 +161,20 @@ class CudaBackend final : public ComputeBackend {
     for (auto& [h, s] : sums_) cudaFree(s.dev);
     for (auto& [h, s] : dsums_) cudaFree(s.dev);
     for (auto& [h, s] : constants_) cudaFree(const_cast<float*>(s.dev));
-    for (auto& s : slots_) {
-      cudaEventDestroy(s.copied);
-      cudaEventDestroy(s.used);
-    }
-    cudaFree(info_);
-    cusolverDnDestroyParams(params_);
-    cusolverDnDestroy(solver_);
-    cublasDestroy(blas_);
-    cudaStreamDestroy(copy_);
-    cudaStreamDestroy(compute_);
+  }
+
+  // The device of this backend, checked and made current before any of its resources are made.
+  static Where select_device(int device, int rank) {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) n = 0;
+    if (device < 0 || device >= n)
+      throw UserError("runtime.device: cuda: no CUDA device " + std::to_string(device) + " on host " + host_name() +
+                      " for rank " + std::to_string(rank) + " (" + std::to_string(n) + " present" +
+                      (e != cudaSuccess ? std::string(", ") + cudaGetErrorString(e) : std::string()) + ")");
+    const Where where{rank, device};
+    CROSSKV_CUDA_CHECK(cudaSetDevice(device), where, "device " + std::to_string(device));
+    return where;
   }
 
   std::string name() const override { return name_; }
@@ -213,7 +225,7 @@ class CudaBackend final : public ComputeBackend {
 
   const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
                        std::vector<float>& host) override {
-    const size_t elt = in.dtype == Stored::f32 ? 4 : 2, n = static_cast<size_t>(in.rows * in.cols);
+    const size_t elt = dtype_bytes(in.dtype), n = static_cast<size_t>(in.rows * in.cols);
     const std::string ops = dims({{"rows", in.rows}, {"cols", in.cols}, {"bytes per value", static_cast<int64_t>(elt)}});
     const void* d_in = operand(in.data, n * elt);
     float* out = static_cast<float*>(slots_[cur_].dev.alloc(n * 4));
@@ -229,10 +241,7 @@ class CudaBackend final : public ComputeBackend {
       sa.inv_attention = static_cast<float>(1.0 / r.attention_factor());
     }
     const float* d_shift = shift ? static_cast<const float*>(upload(shift, static_cast<size_t>(in.cols) * 4)) : nullptr;
-    const auto kind = in.dtype == Stored::f32   ? cuda::StoredKind::f32
-                      : in.dtype == Stored::f16 ? cuda::StoredKind::f16
-                                                : cuda::StoredKind::bf16;
-    CK(cuda::launch_prepare(d_in, kind, in.rows, in.cols, sa, d_shift, out, compute_), "prepare kernel, " + ops);
+    CK(cuda::launch_prepare(d_in, in.dtype, in.rows, in.cols, sa, d_shift, out, compute_), "prepare kernel, " + ops);
     return out;
   }
 
@@ -492,10 +501,10 @@ class CudaBackend final : public ComputeBackend {
     char* dev;
   };
   struct Slot {
-    explicit Slot(const Where& w) : host(true, w), dev(false, w) {}
+    explicit Slot(const Where& w) : host(true, w), dev(false, w), copied(w), used(w) {}
     Arena host, dev;  // pinned staging and device memory of this round's inputs and products
     std::vector<Span> spans;
-    cudaEvent_t copied{}, used{};
+    Event copied, used;
   };
   template <class T>
   struct Sum {
@@ -673,10 +682,10 @@ class CudaBackend final : public ComputeBackend {
 
   Where where_;
   std::string name_;
-  cudaStream_t compute_{}, copy_{};
-  cublasHandle_t blas_{};
-  cusolverDnHandle_t solver_{};
-  cusolverDnParams_t params_{};
+  Stream compute_, copy_;
+  BlasHandle blas_;
+  SolverHandle solver_;
+  SolverParams params_;
   Slot slots_[2];
   int cur_ = -1;
   Residents<float> sums_;
@@ -690,7 +699,7 @@ class CudaBackend final : public ComputeBackend {
   DeviceBuffer<float> apply_;
   DeviceBuffer<char> work_;
   std::vector<char> host_work_;
-  int* info_ = nullptr;
+  DeviceArray<int> info_;
 };
 
 }  // namespace

@@ -1,4 +1,5 @@
 // Built when CUDA is compiled out: the CUDA backend exists only as an explicit refusal.
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"

@@ -13,14 +13,14 @@ int blocks_for(int64_t n) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535L * 16)));
 }
 
-__device__ __forceinline__ float load(const void* p, StoredKind kind, int64_t i) {
-  if (kind == StoredKind::f32) return static_cast<const float*>(p)[i];
+__device__ __forceinline__ float load(const void* p, Dtype kind, int64_t i) {
+  if (kind == Dtype::f32) return static_cast<const float*>(p)[i];
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  if (kind == StoredKind::bf16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  if (kind == Dtype::bf16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
   return __half2float(__ushort_as_half(h));
 }
 
-__global__ void prepare_kernel(const void* in, StoredKind kind, int64_t rows, int64_t cols, StripArgs s,
+__global__ void prepare_kernel(const void* in, Dtype kind, int64_t rows, int64_t cols, StripArgs s,
                                const float* shift, float* out) {
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
@@ -128,7 +128,7 @@ cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const
   return cudaGetLastError();
 }
 
-cudaError_t launch_prepare(const void* in, StoredKind kind, int64_t rows, int64_t cols, const StripArgs& strip,
+cudaError_t launch_prepare(const void* in, Dtype kind, int64_t rows, int64_t cols, const StripArgs& strip,
                            const float* shift, float* out, cudaStream_t stream) {
   if (rows * cols == 0) return cudaSuccess;
   prepare_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(in, kind, rows, cols, strip, shift, out);

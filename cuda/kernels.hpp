@@ -5,9 +5,9 @@
 
 #include <cstdint>
 
-namespace crosskv::cuda {
+#include "core/dtype.hpp"
 
-enum class StoredKind : int { f32 = 0, f16 = 1, bf16 = 2 };
+namespace crosskv::cuda {
 
 // RoPE strip tables on the device: inv_freq [rotary/2] (fp64, as the host computes angles), per-row positions.
 struct StripArgs {
@@ -19,7 +19,7 @@ struct StripArgs {
 };
 
 // out[rows x cols] = fp32(in) (RoPE stripped per head when strip.inv_freq) - shift[cols] (shift may be null).
-cudaError_t launch_prepare(const void* in, StoredKind kind, int64_t rows, int64_t cols, const StripArgs& strip,
+cudaError_t launch_prepare(const void* in, Dtype kind, int64_t rows, int64_t cols, const StripArgs& strip,
                            const float* shift, float* out, cudaStream_t stream);
 // out[t, (h*L + a)*D + j] = X[t, (a*H + h)*D + j].
 cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int D, float* out, cudaStream_t stream);

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "backends/backends.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/resources.hpp"
 
 namespace crosskv {
 namespace {
@@ -35,18 +37,18 @@ class NcclComm final : public Comm {
  public:
   NcclComm(std::unique_ptr<Comm> host, int device) : host_(std::move(host)), where_{host_->rank(), device} {
     CK(cudaSetDevice(device), "device " + std::to_string(device));
-    CK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "");
+    stream_ = cuda::Stream(where_);
     ncclUniqueId id{};
     if (host_->rank() == 0) CK(ncclGetUniqueId(&id), "");
     host_->broadcast(&id, sizeof id, 0);
-    CK(ncclCommInitRank(&comm_, host_->size(), id, host_->rank()),
+    ncclComm_t comm{};
+    CK(ncclCommInitRank(&comm, host_->size(), id, host_->rank()),
        "ranks " + std::to_string(host_->size()) + ", rank " + std::to_string(host_->rank()));
+    comm_ = cuda::NcclHandle::adopt(comm);
   }
   ~NcclComm() override {
     cudaStreamSynchronize(stream_);
-    ncclCommDestroy(comm_);
     cudaFree(buf_);
-    cudaStreamDestroy(stream_);
   }
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
@@ -169,8 +171,9 @@ class NcclComm final : public Comm {
 
   std::unique_ptr<Comm> host_;
   cuda::Where where_;
-  cudaStream_t stream_{};
-  ncclComm_t comm_{};
+  // Declared in this order so that the communicator goes before its stream.
+  cuda::Stream stream_;
+  cuda::NcclHandle comm_;
   void* buf_ = nullptr;
   size_t cap_ = 0;
 };

@@ -7,15 +7,6 @@
 
 namespace crosskv {
 
-const char* to_string(StoredDtype d) {
-  switch (d) {
-    case StoredDtype::f32: return "float32";
-    case StoredDtype::f16: return "float16";
-    case StoredDtype::bf16: return "bfloat16";
-  }
-  return "?";
-}
-size_t dtype_bytes(StoredDtype d) { return d == StoredDtype::f32 ? 4 : 2; }
 
 namespace {
 
@@ -60,7 +51,7 @@ ShardReader::ShardReader(const std::string& path) {
   if (h_.has_queries) h_.query_dtype = check_kv_dataset("queries", h_.spec.n_q_heads);
 }
 
-StoredDtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
+Dtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
   h5::Handle d = h5::open_dataset(file_, name, h_.path);
   auto s = h5::dataset_shape(d, h_.path + ":" + name);
   const std::vector<int64_t> want = {h_.tokens, h_.spec.n_layers, heads, h_.spec.head_dim};
@@ -78,10 +69,10 @@ StoredDtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
   if (h5::has_attr(d, "dtype")) attr = h5::read_string_attr(d, "dtype", h_.path + ":" + name);
   const H5T_class_t cls = H5Tget_class(t);
   const size_t size = H5Tget_size(t);
-  if (attr == "bfloat16" && cls == H5T_INTEGER && size == 2) return StoredDtype::bf16;
+  if (attr == "bfloat16" && cls == H5T_INTEGER && size == 2) return Dtype::bf16;
   if (attr.empty() || attr == "float32" || attr == "float16") {
-    if (cls == H5T_FLOAT && size == 4) return StoredDtype::f32;
-    if (cls == H5T_FLOAT && size == 2) return StoredDtype::f16;
+    if (cls == H5T_FLOAT && size == 4) return Dtype::f32;
+    if (cls == H5T_FLOAT && size == 2) return Dtype::f16;
   }
   throw InputError(h_.path + ": dataset '" + name + "' has an unknown dtype (class " + std::to_string(cls) +
                    ", " + std::to_string(size) + " bytes" + (attr.empty() ? "" : ", dtype attribute \"" + attr + "\"") +
@@ -105,7 +96,7 @@ h5::Handle row_selection(hid_t dset, int64_t t0, int64_t count, int64_t stride, 
 
 }  // namespace
 
-StoredDtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_t count, int64_t stride,
+Dtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_t count, int64_t stride,
                                      std::vector<float>& f32, std::vector<uint16_t>& u16) const {
   return read_into(name, t0, count, stride, [&](size_t n) {
     f32.resize(n);
@@ -113,7 +104,7 @@ StoredDtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_
   }, u16);
 }
 
-StoredDtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
+Dtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
                                    const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16) const {
   const std::string where = h_.path + ":" + name;
   CROSSKV_ASSERT(count > 0 && t0 >= 0 && t0 + (count - 1) * stride < h_.tokens, "row range out of bounds: " + where);
@@ -125,14 +116,14 @@ StoredDtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t 
   std::vector<hsize_t> mdims(shape.begin(), shape.end());
   mdims[0] = count;
   h5::Handle mspace(H5Screate_simple(static_cast<int>(mdims.size()), mdims.data(), nullptr), H5Sclose);
-  const StoredDtype dt = name == "keys" ? h_.key_dtype : name == "values" ? h_.value_dtype : h_.query_dtype;
+  const Dtype dt = name == "keys" ? h_.key_dtype : name == "values" ? h_.value_dtype : h_.query_dtype;
   const size_t n = static_cast<size_t>(count * row);
   herr_t rc;
-  if (dt == StoredDtype::f32) {
+  if (dt == Dtype::f32) {
     rc = H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, f32_dest(n));
   } else {
     u16.resize(n);
-    if (dt == StoredDtype::bf16) {
+    if (dt == Dtype::bf16) {
       rc = H5Dread(d, H5T_NATIVE_UINT16, mspace, fspace, H5P_DEFAULT, u16.data());
     } else {
       h5::Handle ft(H5Dget_type(d), H5Tclose);
@@ -148,10 +139,10 @@ StoredDtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t 
 
 void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, int64_t stride, float* out,
                             std::vector<uint16_t>& raw) const {
-  const StoredDtype dt = read_into(name, t0, count, stride, [&](size_t) { return out; }, raw);
-  if (dt == StoredDtype::f32) return;
+  const Dtype dt = read_into(name, t0, count, stride, [&](size_t) { return out; }, raw);
+  if (dt == Dtype::f32) return;
   const size_t n = raw.size();
-  if (dt == StoredDtype::bf16)
+  if (dt == Dtype::bf16)
     for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(raw[i]);
   else
     for (size_t i = 0; i < n; ++i) out[i] = fp16_to_float(raw[i]);
@@ -168,7 +159,7 @@ void ShardReader::read_positions(int64_t t0, int64_t count, int64_t stride, int3
 }
 
 ShardWriter::ShardWriter(const std::string& path, const std::string& model, const std::string& domain,
-                         const KvSpec& spec, int64_t tokens, StoredDtype dtype, bool with_queries,
+                         const KvSpec& spec, int64_t tokens, Dtype dtype, bool with_queries,
                          int64_t chunk_tokens)
     : path_(path), spec_(spec), tokens_(tokens), dtype_(dtype) {
   file_ = h5::create_file(path);
@@ -190,13 +181,13 @@ void ShardWriter::create_kv(const std::string& name, int heads, int64_t chunk_to
   h5::Handle space(H5Screate_simple(4, dims, nullptr), H5Sclose);
   h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   if (tokens_ > 0) h5::check(H5Pset_chunk(dcpl, 4, chunk), "H5Pset_chunk", path_);
-  h5::Handle type = dtype_ == StoredDtype::f32    ? h5::Handle(H5Tcopy(H5T_IEEE_F32LE), H5Tclose)
-                    : dtype_ == StoredDtype::bf16 ? h5::Handle(H5Tcopy(H5T_STD_U16LE), H5Tclose)
+  h5::Handle type = dtype_ == Dtype::f32    ? h5::Handle(H5Tcopy(H5T_IEEE_F32LE), H5Tclose)
+                    : dtype_ == Dtype::bf16 ? h5::Handle(H5Tcopy(H5T_STD_U16LE), H5Tclose)
                                                   : float16_type();
   h5::Handle d(h5::check(H5Dcreate2(file_, name.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT), "H5Dcreate2",
                          path_ + ":" + name),
                H5Dclose);
-  if (dtype_ == StoredDtype::bf16) h5::write_string_attr(d, "dtype", "bfloat16");
+  if (dtype_ == Dtype::bf16) h5::write_string_attr(d, "dtype", "bfloat16");
 }
 
 namespace {
@@ -231,12 +222,12 @@ void ShardWriter::write_rows(const std::string& name, int64_t t0, int64_t count,
   mdims[0] = count;
   h5::Handle mspace(H5Screate_simple(4, mdims.data(), nullptr), H5Sclose);
   const size_t n = static_cast<size_t>(count * shape[1] * shape[2] * shape[3]);
-  if (dtype_ == StoredDtype::f32) {
+  if (dtype_ == Dtype::f32) {
     h5::check(H5Dwrite(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, data), "H5Dwrite", path_ + ":" + name);
     return;
   }
   std::vector<uint16_t> raw(n);
-  if (dtype_ == StoredDtype::bf16) {
+  if (dtype_ == Dtype::bf16) {
     for (size_t i = 0; i < n; ++i) raw[i] = float_to_bf16(data[i]);
     h5::check(H5Dwrite(d, H5T_NATIVE_UINT16, mspace, fspace, H5P_DEFAULT, raw.data()), "H5Dwrite", path_ + ":" + name);
   } else {

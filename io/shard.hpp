@@ -5,21 +5,19 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "core/kv_spec.hpp"
 #include "io/h5.hpp"
 
 namespace crosskv {
 
-enum class StoredDtype { f32, f16, bf16 };
-const char* to_string(StoredDtype d);
-size_t dtype_bytes(StoredDtype d);
 
 struct ShardHeader {
   std::string path;
   std::string model, domain;
   KvSpec spec;
   int64_t tokens = 0;
-  StoredDtype key_dtype = StoredDtype::f32, value_dtype = StoredDtype::f32, query_dtype = StoredDtype::f32;
+  Dtype key_dtype = Dtype::f32, value_dtype = Dtype::f32, query_dtype = Dtype::f32;
   bool has_queries = false;
 };
 
@@ -38,15 +36,15 @@ class ShardReader {
   void read_rows(const std::string& dataset, int64_t t0, int64_t count, int64_t stride, float* out,
                  std::vector<uint16_t>& raw) const;
   // The same rows as stored, without conversion: fp32 into f32, bf16/fp16 bits into u16 (the other is left alone).
-  StoredDtype read_stored(const std::string& dataset, int64_t t0, int64_t count, int64_t stride,
+  Dtype read_stored(const std::string& dataset, int64_t t0, int64_t count, int64_t stride,
                           std::vector<float>& f32, std::vector<uint16_t>& u16) const;
   // The same rows of `positions`.
   void read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const;
 
  private:
-  StoredDtype check_kv_dataset(const std::string& name, int heads);
+  Dtype check_kv_dataset(const std::string& name, int heads);
   // fp32 rows go to f32_dest(count of values), half rows into u16.
-  StoredDtype read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
+  Dtype read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
                         const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16) const;
   ShardHeader h_;
   h5::Handle file_;
@@ -56,7 +54,7 @@ class ShardReader {
 class ShardWriter {
  public:
   ShardWriter(const std::string& path, const std::string& model, const std::string& domain, const KvSpec& spec,
-              int64_t tokens, StoredDtype dtype, bool with_queries = false, int64_t chunk_tokens = 256);
+              int64_t tokens, Dtype dtype, bool with_queries = false, int64_t chunk_tokens = 256);
   void write_token_ids(const std::vector<int32_t>& ids);
   void write_positions(const std::vector<int32_t>& pos);
   void write_seq_offsets(const std::vector<int64_t>& offs);
@@ -69,7 +67,7 @@ class ShardWriter {
   std::string path_;
   KvSpec spec_;
   int64_t tokens_;
-  StoredDtype dtype_;
+  Dtype dtype_;
   h5::Handle file_;
 };
 

@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/cli.hpp"
 #include "core/comm.hpp"
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "crosskv-fit: error: missing CONFIG.yaml (see --help)\n");
     return 2;
   }
-  install_stop_signal_handlers();  // before MPI_Init, which can take seconds: a signal then is still a clean stop
+  StopFlag::install_signal_handlers();  // before MPI_Init, which can take seconds: a signal then is still a clean stop
   MpiSession mpi(&argc, &argv);
   std::unique_ptr<Comm> comm = make_mpi_comm();
   setup_logging(comm->rank(), comm->size(), log_level);

@@ -26,9 +26,6 @@ namespace fs = std::filesystem;
 namespace crosskv {
 namespace {
 
-volatile std::sig_atomic_t g_stop = 0;
-void on_stop_signal(int) { g_stop = 1; }
-
 constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '2'};
 
 // A state file is a header, then four vectors (each a count and its values: pass 1's floats and doubles, pass 2's),
@@ -228,12 +225,6 @@ std::vector<double> read_deferred(const PassState::Deferred& d,
   return doubles;
 }
 
-void install_stop_signal_handlers() {
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGINT, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);
-}
-bool stop_requested() { return g_stop != 0; }
 
 nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, int ranks) {
   nlohmann::json shards = nlohmann::json::array();
@@ -252,8 +243,8 @@ nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, 
           {"shards", shards}};
 }
 
-CheckpointStore::CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm)
-    : dir_(std::move(dir)), identity_(std::move(identity)), comm_(comm) {}
+CheckpointStore::CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm, StopFlag stop)
+    : dir_(std::move(dir)), identity_(std::move(identity)), comm_(comm), stop_(stop) {}
 
 std::string CheckpointStore::state_path(int64_t seq, int rank) const {
   return (fs::path(dir_) / ("state-" + std::to_string(seq) + "-rank" + std::to_string(rank) + ".bin")).string();
@@ -470,7 +461,7 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
   }
   seq_ = seq;
   if (fault("pause_after_commit", seq, comm_.rank()))
-    for (int i = 0; i < 2400 && !stop_requested(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    for (int i = 0; i < 2400 && !stop_.requested(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
 }
 
 }  // namespace crosskv

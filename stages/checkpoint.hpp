@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/backend.hpp"
+#include "core/stop.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {
@@ -57,7 +58,8 @@ constexpr int kExitRequeue = 75;  // EX_TEMPFAIL: the batch script requeues
 
 class CheckpointStore {
  public:
-  CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm);
+  // `stop` ends the pause_after_commit test hook (core/fault.hpp).
+  CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm, StopFlag stop = {});
   // The newest committed checkpoint that verifies on every rank. With a committed checkpoint of another identity:
   // UserError listing what differs, unless `fresh` (then everything is removed). With `cache`, a checkpoint that
   // differs only in its provisional shift is removed and the data read again.
@@ -76,11 +78,9 @@ class CheckpointStore {
   std::string dir_;
   nlohmann::json identity_;
   Comm& comm_;
+  StopFlag stop_;
   int64_t seq_ = 0;
 };
 
-// SIGTERM, SIGINT and SIGUSR1 set this flag (installed by crosskv-fit's main).
-void install_stop_signal_handlers();
-bool stop_requested();
 
 }  // namespace crosskv

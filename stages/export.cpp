@@ -190,14 +190,14 @@ nlohmann::json ArtifactWriter::layer_entries() const {
 void ArtifactWriter::write_job(const Job& job) {
   const PairDims d = plan_.dims;
   const int l = job.l;
-  const bool half = cal_.cfg.dtype != WeightDtype::fp32;
-  const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == WeightDtype::bf16 ? "BF16" : "F16";
+  const bool half = cal_.cfg.dtype != Dtype::f32;
+  const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == Dtype::bf16 ? "BF16" : "F16";
   for (size_t i = 0; i < plan_.ks.size(); ++i) {
     const KPlan& k = plan_.ks[i];
     const LayerFit &fk = job.fk[i], &fv = job.fv[i];
     if (half) {
       const auto c0 = std::chrono::steady_clock::now();
-      const bool bf16 = cal_.cfg.dtype == WeightDtype::bf16;
+      const bool bf16 = cal_.cfg.dtype == Dtype::bf16;
       half_k_.resize(fk.W.size());
       half_v_.resize(fv.W.size());
       to_half_on_host(fk.W.data(), static_cast<int64_t>(fk.W.size()), bf16, half_k_.data());
@@ -271,7 +271,7 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
           {"lambda", c.lambda},
           {"lambda_scale", "covariance"},
           {"probe", to_string(c.probe)},
-          {"dtype", to_string(c.dtype)},
+          {"dtype", weight_dtype_name(c.dtype)},
           {"content_space", true},
           {"params", k.params},
           {"bias_params", k.bias_params}}},

@@ -1,13 +1,17 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <vector>
 
+#include "core/backend.hpp"
+#include "core/comm.hpp"
+#include "core/error.hpp"
 #include "core/log.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {
 
-double weight_bytes(WeightDtype d) { return d == WeightDtype::fp32 ? 4.0 : 2.0; }
+double weight_bytes(Dtype d) { return d == Dtype::f32 ? 4.0 : 2.0; }
 
 FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
                   double max_moment_gib, double read_bytes_per_token, int ranks, int layer_groups) {
@@ -45,19 +49,20 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
       f4 * 2 * std::min<double>(full.gram.size(), d.Lt * kmax * (kmax + 1) / 2) * d.F() * d.F();
   const double sel_cross = f4 * 2 * d.Lt * kmax * d.F() * d.G();
   const double probe_bytes = f4 * 3 * probe_plan.floats(d);
-  auto one_pass = [&](int G) { return static_cast<int64_t>(gram + (p.full_moment_bytes - gram) / G); };
-  auto two_pass = [&](int G) {
-    return static_cast<int64_t>(std::max(probe_bytes / G + f4 * 3 * d.Ls * d.F() * d.F(), sel_gram + sel_cross / G));
+  auto one_pass = [&](int groups) { return static_cast<int64_t>(gram + (p.full_moment_bytes - gram) / groups); };
+  auto two_pass = [&](int groups) {
+    return static_cast<int64_t>(
+        std::max(probe_bytes / groups + f4 * 3 * d.Ls * d.F() * d.F(), sel_gram + sel_cross / groups));
   };
   const double limit = max_moment_gib * (1ull << 30);
   p.ranks = ranks;
   p.layer_groups_auto = layer_groups == 0;
   if (layer_groups == 0) {
     layer_groups = 0;
-    for (int G = 1; G <= ranks && !layer_groups; ++G)
-      if (ranks % G == 0 && one_pass(G) <= limit) layer_groups = G;
-    for (int G = 1; G <= ranks && !layer_groups; ++G)
-      if (ranks % G == 0 && two_pass(G) <= limit) layer_groups = G;
+    for (int groups = 1; groups <= ranks && !layer_groups; ++groups)
+      if (ranks % groups == 0 && one_pass(groups) <= limit) layer_groups = groups;
+    for (int groups = 1; groups <= ranks && !layer_groups; ++groups)
+      if (ranks % groups == 0 && two_pass(groups) <= limit) layer_groups = groups;
     if (!layer_groups) layer_groups = ranks;
   }
   p.layer_groups = layer_groups;
@@ -90,18 +95,18 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
 
 HostMemory estimate_host_memory(const FitPlan& p, int64_t block_tokens, double stored_bytes_per_token, bool device) {
   const PairDims& d = p.dims;
-  const int G = p.layer_groups, T = p.ranks / p.layer_groups;
+  const int groups = p.layer_groups, T = p.ranks / p.layer_groups;
   const double X = static_cast<double>(d.X()), Y = static_cast<double>(d.Y()), B = static_cast<double>(block_tokens);
   HostMemory m;
   m.device = device;
   m.moments = static_cast<double>(p.rank_moment_bytes);
   // What a reader accumulates in a pass: its layer group's share of the pass's blocks.
-  const double live = p.single_pass ? static_cast<double>(p.full_moment_bytes) / G
-                                    : static_cast<double>(std::max(p.probe_moment_bytes, p.selected_moment_bytes)) / G;
+  const double live = p.single_pass ? static_cast<double>(p.full_moment_bytes) / groups
+                                    : static_cast<double>(std::max(p.probe_moment_bytes, p.selected_moment_bytes)) / groups;
   if (T > 1)  // 1/T of the live blocks; a pass-2 state also keeps pass 1's share
-    m.share = (p.single_pass ? live : static_cast<double>(p.probe_moment_bytes + p.selected_moment_bytes) / G) / T;
+    m.share = (p.single_pass ? live : static_cast<double>(p.probe_moment_bytes + p.selected_moment_bytes) / groups) / T;
   else if (!p.single_pass)
-    m.share = static_cast<double>(p.probe_moment_bytes) / G;
+    m.share = static_cast<double>(p.probe_moment_bytes) / groups;
   // Two blocks in flight: stored keys and values of both models, and on the host their fp32 inputs (stripped and raw
   // keys, values); a device backend stages the stored bytes in pinned memory instead.
   const double stored = stored_bytes_per_token;
@@ -110,7 +115,7 @@ HostMemory estimate_host_memory(const FitPlan& p, int64_t block_tokens, double s
   // The solve: readers in pairs hold one kind's moments and factor one k = all system (an odd last reader, or a
   // layer group of one, holds and factors both); the raw-key probe blocks are gone.
   const bool pairs = T % 2 == 0;
-  m.solve_moments = (m.moments - static_cast<double>(p.probe_moment_bytes) / 3.0 / G) / (pairs ? 2.0 : 1.0);
+  m.solve_moments = (m.moments - static_cast<double>(p.probe_moment_bytes) / 3.0 / groups) / (pairs ? 2.0 : 1.0);
   double nested = 0, all = 0;
   for (const auto& k : p.ks) (k.count < d.Ls ? nested : all) = static_cast<double>(k.features);
   const double n = std::max(nested, all);
@@ -161,6 +166,51 @@ std::string format_plan(const FitPlan& p) {
     o << buf;
   }
   return o.str();
+}
+
+FitPlan plan_job(const Calibration& cal, Context& ctx, int ranks, bool plan_only) {
+  const FitConfig& cfg = cal.cfg;
+  const PairDims d = cal.dims();
+  // On a device the moments stay resident for a whole round: a rank's share must fit the device's free memory beside
+  // two rounds of inputs (stored bf16 keys and values of both models, and their fp32 conversions: 16 bytes per
+  // value). The smallest free memory over the ranks caps max_moment_gib (more layer groups, or two passes).
+  double least_free_gib = -1;
+  if (!plan_only) {
+    std::vector<double> free_gib(ctx.comm.size(), 0.0);
+    const int64_t mine = ctx.backend.device_memory_free();
+    free_gib[ctx.comm.rank()] = mine < 0 ? -1.0 : static_cast<double>(mine) / (1ull << 30);
+    ctx.comm.allreduce_sum(free_gib.data(), free_gib.size());
+    least_free_gib = *std::min_element(free_gib.begin(), free_gib.end());
+  }
+  return agreed(ctx.comm, [&] {
+    double max_gib = cfg.max_moment_gib, device_gib = -1;
+    const double least = least_free_gib;
+    if (least >= 0) {
+      const double inputs_gib = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0 / (1ull << 30);
+      device_gib = 0.9 * least - inputs_gib;
+      if (device_gib <= 0)
+        throw ConfigError(cfg.config_path + ": runtime.block_tokens: " + std::to_string(cfg.block_tokens) +
+                          " tokens per block need " + human_bytes(inputs_gib * (1ull << 30)) +
+                          " of device memory for inputs alone; the device has " + human_bytes(least * (1ull << 30)) +
+                          " free");
+      if (device_gib < max_gib) {
+        spdlog::info("moments per rank capped at {} by the device's free memory ({} free, {} for two rounds of "
+                     "inputs; runtime.max_moment_gib is {} GiB)",
+                     human_bytes(device_gib * (1ull << 30)), human_bytes(least * (1ull << 30)),
+                     human_bytes(inputs_gib * (1ull << 30)), cfg.max_moment_gib);
+        max_gib = device_gib;
+      }
+    }
+    FitPlan p = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, max_gib, cal.stored_bytes_per_token, ranks,
+                          cfg.layer_groups);
+    if (device_gib >= 0 && p.rank_moment_bytes > device_gib * (1ull << 30))
+      throw ConfigError(cfg.config_path + ": runtime.layer_groups: a rank's moments need " +
+                        human_bytes(static_cast<double>(p.rank_moment_bytes)) + " but the device has room for " +
+                        human_bytes(device_gib * (1ull << 30)) + " beside its inputs; use more layer groups (or " +
+                        "auto), more ranks, or smaller runtime.block_tokens");
+    p.host = estimate_host_memory(p, cfg.block_tokens, cal.stored_bytes_per_token, ctx.backend.prepares_on_device());
+    return p;
+  });
 }
 
 }  // namespace crosskv

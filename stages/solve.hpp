@@ -1,7 +1,10 @@
 #pragma once
 // Stage 6: the ridge solves of every k for this rank's target layers, handed to the export (stages/export).
+#include <functional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/moments.hpp"
 #include "stages/stages.hpp"
@@ -20,5 +23,14 @@ class ArtifactWriter;
 void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
                   const std::vector<std::vector<int>>& rankings, double lambda, ArtifactWriter& writer,
                   const std::string& ckpt_dir);
+
+// Stages 6-7 for the job: an ArtifactWriter for every k (an interrupted export of the same job keeps the layers it
+// wrote), this rank's layers solved and written (solve_layers), and on rank 0 every rank's manifest entries gathered
+// and the manifests written with `manifest_extra()` (called there, after the solves). Returns the k<K>/ folders on
+// rank 0, nothing elsewhere.
+std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
+                                          Moments& mv, const std::vector<std::vector<int>>& rankings,
+                                          const std::string& ckpt_dir,
+                                          const std::function<nlohmann::json()>& manifest_extra);
 
 }  // namespace crosskv

@@ -11,6 +11,7 @@
 #include "core/config.hpp"
 #include "core/kv_spec.hpp"
 #include "core/moments.hpp"
+#include "core/stop.hpp"
 
 namespace crosskv {
 
@@ -23,6 +24,7 @@ struct Context {
   Comm& comm;                 // every rank of the job
   ComputeBackend& backend;
   Grid* grid = nullptr;       // the rank grid (stages/grid.hpp); none: one layer group
+  StopFlag stop = {};         // a stop request (by default the process's signals): ends the job at a safe point
   Comm& readers() const;      // the ranks that share this rank's moments and split the shards among them
 };
 
@@ -61,20 +63,6 @@ struct KPlan {
   int64_t bias_params = 0;
 };
 
-struct FitPlan {
-  PairDims dims;
-  int64_t tokens = 0;
-  std::vector<KPlan> ks;  // ascending by count
-  bool single_pass = true;
-  int ranks = 1, layer_groups = 1;  // the grid (stages/grid.hpp)
-  bool layer_groups_auto = false;
-  int64_t full_moment_bytes = 0, probe_moment_bytes = 0;  // the job's
-  int64_t rank_moment_bytes = 0;  // most moment memory of a rank (its share of the blocks + exchanged Gram blocks)
-  double accumulate_flops = 0, solve_flops = 0;
-  double read_bytes_per_token = 0;
-  int64_t selected_moment_bytes = 0;  // two passes: the job's blocks of the top-kmax selections (keys and values)
-};
-
 // Host memory of one rank, estimated from its plan (the program and its libraries not included): the peak of a pass
 // and of the solve. For sizing a batch job's memory request; the log's "holds" lines and max RSS are the measure.
 struct HostMemory {
@@ -88,6 +76,21 @@ struct HostMemory {
   double pass() const { return moments + share + buffers; }
   double solve() const { return solve_moments + factors + workspace; }
 };
+struct FitPlan {
+  PairDims dims;
+  int64_t tokens = 0;
+  std::vector<KPlan> ks;  // ascending by count
+  bool single_pass = true;
+  int ranks = 1, layer_groups = 1;  // the grid (stages/grid.hpp)
+  bool layer_groups_auto = false;
+  int64_t full_moment_bytes = 0, probe_moment_bytes = 0;  // the job's
+  int64_t rank_moment_bytes = 0;  // most moment memory of a rank (its share of the blocks + exchanged Gram blocks)
+  double accumulate_flops = 0, solve_flops = 0;
+  double read_bytes_per_token = 0;
+  int64_t selected_moment_bytes = 0;  // two passes: the job's blocks of the top-kmax selections (keys and values)
+  HostMemory host;  // one rank's host memory (plan_job fills it in)
+};
+
 HostMemory estimate_host_memory(const FitPlan& plan, int64_t block_tokens, double stored_bytes_per_token, bool device);
 std::string format_host_memory(const HostMemory& m);
 
@@ -97,7 +100,11 @@ std::string format_host_memory(const HostMemory& m);
 FitPlan make_plan(const PairDims& dims, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
                   double max_moment_gib, double read_bytes_per_token, int ranks = 1, int layer_groups = 1);
 std::string format_plan(const FitPlan& plan);
-double weight_bytes(WeightDtype d);
+// Stage 2 for a job of `ranks` ranks: make_plan with runtime.max_moment_gib capped by the smallest free device memory
+// over the job's ranks (asked collectively, unless `plan_only`: a plan needs no device), and the host memory
+// estimate. Every rank computes the same plan: its mistakes are agreed on and reported once (core/comm.hpp).
+FitPlan plan_job(const Calibration& cal, Context& ctx, int ranks, bool plan_only);
+double weight_bytes(Dtype d);
 
 struct PassStats {
   int64_t tokens = 0;

@@ -21,17 +21,17 @@ namespace {
 
 // One dataset of one block as stored: fp32 in f32, bf16/fp16 bits in u16.
 struct Stored {
-  StoredDtype dtype = StoredDtype::f32;
+  Dtype dtype = Dtype::f32;
   std::vector<float> f32;
   std::vector<uint16_t> u16;
   int64_t cols = 0;
   ComputeBackend::StoredBlock block(int64_t rows) const {
-    using S = ComputeBackend::Stored;
-    const S t = dtype == StoredDtype::f32 ? S::f32 : dtype == StoredDtype::f16 ? S::f16 : S::bf16;
-    return {dtype == StoredDtype::f32 ? static_cast<const void*>(f32.data()) : u16.data(), t, rows, cols};
+    using S = Dtype;
+    const S t = dtype == Dtype::f32 ? S::f32 : dtype == Dtype::f16 ? S::f16 : S::bf16;
+    return {dtype == Dtype::f32 ? static_cast<const void*>(f32.data()) : u16.data(), t, rows, cols};
   }
   ComputeBackend::HostSpan span() const {
-    return dtype == StoredDtype::f32 ? ComputeBackend::floats(f32.data(), static_cast<int64_t>(f32.size()))
+    return dtype == Dtype::f32 ? ComputeBackend::floats(f32.data(), static_cast<int64_t>(f32.size()))
                                      : ComputeBackend::HostSpan{u16.data(), static_cast<int64_t>(u16.size() * 2)};
   }
 };
@@ -45,7 +45,7 @@ struct Block {
   std::vector<float> xk, xk_raw, xv, yk, yk_raw, yv;
 };
 
-struct Readers {
+struct ShardPairReader {
   const ShardPair* pair;
   ShardReader source, target;
 };
@@ -65,12 +65,12 @@ void check_finite(const Stored& s, int64_t rows, int64_t per_layer, const std::s
                   int64_t t0, int64_t stride) {
   int64_t i;
   bool nan;
-  if (s.dtype == StoredDtype::f32) {
+  if (s.dtype == Dtype::f32) {
     const auto* u = reinterpret_cast<const uint32_t*>(s.f32.data());
     i = first_nonfinite<uint32_t>(u, static_cast<int64_t>(s.f32.size()), 0x7f800000u);
     nan = i >= 0 && (u[i] & 0x007fffffu) != 0;
   } else {
-    const uint16_t exponent = s.dtype == StoredDtype::bf16 ? 0x7f80 : 0x7c00;
+    const uint16_t exponent = s.dtype == Dtype::bf16 ? 0x7f80 : 0x7c00;
     i = first_nonfinite<uint16_t>(s.u16.data(), static_cast<int64_t>(s.u16.size()), exponent);
     nan = i >= 0 && (s.u16[i] & static_cast<uint16_t>(~exponent & 0x7fff)) != 0;
   }
@@ -87,7 +87,7 @@ struct BlockShifts {
 
 // Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair as stored; with `host`, also prepares
 // the moments' inputs on the host (raw keys only when want_raw).
-void read_block(Readers& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
+void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
                 bool want_raw, const BlockShifts* host, Block& b) {
   const int64_t stride = cal.cfg.token_stride, t0 = j0 * stride;
   const PairDims d = cal.dims();
@@ -203,7 +203,7 @@ std::vector<float> column_means(const std::vector<float>& v, int64_t rows, int64
 
 Shifts compute_shifts(const Calibration& cal) {
   const ShardPair& p = cal.shift_shard;
-  Readers r{&p, ShardReader(p.source_path), ShardReader(p.target_path)};
+  ShardPairReader r{&p, ShardReader(p.source_path), ShardReader(p.target_path)};
   Rope rs(cal.source, p.source_path), rt(cal.target, p.target_path);
   const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
   Block b;
@@ -286,7 +286,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
     std::thread producer([&] {
       try {
         for (const ShardPair* p : mine) {
-          Readers r{p, ShardReader(p->source_path), ShardReader(p->target_path)};
+          ShardPairReader r{p, ShardReader(p->source_path), ShardReader(p->target_path)};
           for (int64_t j = 0; j < p->used; j += B) {
             std::optional<Block> b = queue.take_free();
             if (!b) return;
@@ -306,7 +306,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
         progress.add(todo > 0 ? b->rows * job_todo / todo : b->rows);
         st.tokens += b->rows;
         queue.recycle(std::move(*b));
-        if (stop_requested()) {
+        if (ctx.stop.requested()) {
           abandoned = true;
           break;
         }

@@ -52,13 +52,14 @@ void check_artifact_names(const FitConfig& cfg) {
     }
 }
 
-}  // namespace
+// Both stores' shards (relative paths).
+struct Listed {
+  std::vector<std::string> source;
+  std::set<std::string> target;
+};
 
-Calibration validate(const FitConfig& cfg) {
-  Calibration cal;
-  cal.cfg = cfg;
-  check_output_writable(cfg.output_dir);
-  check_artifact_names(cfg);
+// The stores listed, the domains chosen, every shard paired by relative path (held-out shards apart).
+Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
   StoreListing src_list = list_store(cfg.source_store, "source.store");
   StoreListing tgt_list = list_store(cfg.target_store, "target.store");
   const std::vector<std::string>& src = src_list.shards;
@@ -130,6 +131,11 @@ Calibration validate(const FitConfig& cfg) {
   }
   if (cal.shards.empty()) throw InputError("source.store: no shards (*.h5) found in " + cfg.source_store);
 
+  return {src, tgt_set};
+}
+
+// Each pair's headers, token ids and positions checked against each other and the first pair; tokens counted.
+void read_pairs(const FitConfig& cfg, Calibration& cal) {
   int64_t budget = cfg.max_tokens.value_or(INT64_MAX);
   std::map<std::string, std::string> fingerprints;  // a shard pair's fingerprint -> its source path
   bool first = true;
@@ -192,9 +198,13 @@ Calibration validate(const FitConfig& cfg) {
     budget -= p.used;
     cal.tokens_used += p.used;
   }
+}
+
+// The pair whose first block gives the provisional shift: the store's first pair over every domain when usable.
+void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration& cal) {
   cal.shift_shard = cal.shards.front();
-  for (const auto& r : src) {
-    if (!tgt_set.count(r) || shard_domain(r).empty()) continue;
+  for (const auto& r : listed.source) {
+    if (!listed.target.count(r) || shard_domain(r).empty()) continue;
     if (r == cal.shift_shard.rel) break;
     try {
       ShardReader s((fs::path(cfg.source_store) / r).string()), t((fs::path(cfg.target_store) / r).string());
@@ -212,6 +222,10 @@ Calibration validate(const FitConfig& cfg) {
     }
     break;
   }
+}
+
+// What the config asks of the shapes the shards have.
+void check_fit_against_shapes(const FitConfig& cfg, const Calibration& cal) {
   if (cal.tokens_used < 2) throw InputError("calibration: fewer than 2 tokens selected (check max_tokens and the shards)");
   if (cfg.probe == ProbeMode::same_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
     throw ConfigError(cfg.config_path + ": fit.probe: same_head needs equal KV head counts (source " +
@@ -228,6 +242,19 @@ Calibration validate(const FitConfig& cfg) {
     if (!k.is_all() && k.value > cal.source.n_layers)
       throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " exceeds the source's " +
                         std::to_string(cal.source.n_layers) + " layers");
+}
+
+}  // namespace
+
+Calibration validate(const FitConfig& cfg) {
+  Calibration cal;
+  cal.cfg = cfg;
+  check_output_writable(cfg.output_dir);
+  check_artifact_names(cfg);
+  const Listed listed = pair_shards(cfg, cal);
+  read_pairs(cfg, cal);
+  choose_shift_shard(cfg, listed, cal);
+  check_fit_against_shapes(cfg, cal);
   return cal;
 }
 

@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 
+#include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/config.hpp"
@@ -93,6 +94,26 @@ inline FitResult fit_with(const FitConfig& cfg) {
 
 inline FitResult fit_yaml(const std::string& yaml, const std::string& name = "cfg.yaml") {
   return fit_with(parse_fit_config(yaml, name));
+}
+
+// A Moments' live state flat, in the order reductions and checkpoints use (Moments::live_pieces), read on the host;
+// and written back. Tests' oracle of the layout.
+inline void pack_live(const Moments& m, std::vector<float>& f, std::vector<double>& d) {
+  std::vector<ComputeBackend::SumPiece<float>> pf;
+  std::vector<ComputeBackend::SumPiece<double>> pd;
+  const_cast<Moments&>(m).live_pieces(pf, pd);
+  f.resize(static_cast<size_t>(flat_size(pf)));
+  d.resize(static_cast<size_t>(flat_size(pd)));
+  auto cpu = make_cpu_backend();
+  cpu->copy_sums(pf, 0, flat_size(pf), f.data(), false);
+  cpu->copy_sums(pd, 0, flat_size(pd), d.data(), false);
+}
+inline void unpack_live(Moments& m, const float* f, const double* d) {
+  std::vector<ComputeBackend::SumPiece<float>> pf;
+  std::vector<ComputeBackend::SumPiece<double>> pd;
+  m.live_pieces(pf, pd);
+  place_sums(pf, 0, flat_size(pf), f);
+  m.unpack_live_doubles(d);
 }
 
 // Runs fn, expects an exception of type E whose message contains every one of `parts`.

@@ -8,6 +8,7 @@
 #include "apply/diagnose.hpp"
 #include "apply/report.hpp"
 #include "apply/transfer.hpp"
+#include "backends/backends.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"

@@ -23,7 +23,7 @@ TEST(Config, DefaultsFollowTheSpec) {
   ASSERT_EQ(c.ks.size(), 5u);
   EXPECT_TRUE(c.ks.back().is_all());
   EXPECT_EQ(c.probe, ProbeMode::same_head);
-  EXPECT_EQ(c.dtype, WeightDtype::fp32);
+  EXPECT_EQ(c.dtype, Dtype::f32);
   EXPECT_EQ(c.block_tokens, 4096);
   EXPECT_EQ(c.token_stride, 1);
 }
@@ -40,7 +40,7 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(c.ks.size(), 3u);
   EXPECT_DOUBLE_EQ(c.lambda, 0.0);
   EXPECT_EQ(c.probe, ProbeMode::all_heads);
-  EXPECT_EQ(c.dtype, WeightDtype::bf16);
+  EXPECT_EQ(c.dtype, Dtype::bf16);
   EXPECT_EQ(c.device, DeviceKind::cpu);
   EXPECT_EQ(c.checkpoint_every_shards, 2);
 }

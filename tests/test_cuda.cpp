@@ -11,6 +11,7 @@
 #include <set>
 #include <tuple>
 
+#include "backends/backends.hpp"
 #include "core/half.hpp"
 #include "core/moments.hpp"
 #include "core/rope.hpp"
@@ -71,8 +72,8 @@ TEST_F(Cuda, MomentsMatchTheCpuOverManyBlocks) {
   gpu_->flush();
   std::vector<float> fa, fb;
   std::vector<double> da, db;
-  a.pack_live(fa, da);
-  b.pack_live(fb, db);
+  pack_live(a, fa, da);
+  pack_live(b, fb, db);
   ASSERT_EQ(fa.size(), fb.size());
   // fp32 sums of `total` products of O(1) values, in a different order: error ~ eps * sqrt(total) * magnitude.
   const float tol = 4 * 1.2e-7f * std::sqrt(static_cast<float>(total)) * max_abs(fa);
@@ -255,7 +256,7 @@ class ShadowBackend final : public ComputeBackend {
   const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
                        std::vector<float>& host) override {
     StoredBlock copy = in;
-    copy.data = operand(in.data, in.rows * in.cols * (in.dtype == Stored::f32 ? 4 : 2));
+    copy.data = operand(in.data, in.rows * in.cols * dtype_bytes(in.dtype));
     Strip st{};
     if (strip) st = {strip->rope, static_cast<const int32_t*>(operand(strip->positions, in.rows * 4))};
     std::vector<float>& out = product();
@@ -489,7 +490,7 @@ void check_prepare(ComputeBackend& dev) {
   const auto x = random_rows(rows * cols, 12, 0.3f), shift = random_rows(cols, 13, 0.1f);
   std::vector<uint16_t> bf(x.size()), hf(x.size());
   for (size_t i = 0; i < x.size(); ++i) bf[i] = float_to_bf16(x[i]), hf[i] = float_to_fp16(x[i]);
-  using S = ComputeBackend::Stored;
+  using S = Dtype;
   const ComputeBackend::StoredBlock blocks[] = {
       {x.data(), S::f32, rows, cols}, {hf.data(), S::f16, rows, cols}, {bf.data(), S::bf16, rows, cols}};
   for (const RopeSpec& rope : every_rope()) {
@@ -586,8 +587,8 @@ void check_rounds_and_passes(ComputeBackend& dev) {
       total += rows;
     }
     dev.flush();
-    a.pack_live(fa, da);
-    b.pack_live(fb, db);
+    pack_live(a, fa, da);
+    pack_live(b, fb, db);
     ASSERT_EQ(fa.size(), fb.size()) << what;
     ASSERT_GT(fa.size(), 0u) << what;
     const float tol = 4 * 1.2e-7f * std::sqrt(static_cast<float>(total)) * std::max(1.0f, max_abs(fa));
@@ -607,7 +608,7 @@ void check_rounds_and_passes(ComputeBackend& dev) {
   round(300, "pass 2");
   const size_t pass2_floats = fa.size();
   EXPECT_EQ(pass2_floats, static_cast<size_t>(full.floats(d) - d.Ls * d.F() * d.F())) << "only new blocks are live";
-  b.unpack_live(fa.data(), da.data());  // resumed from a checkpoint: non-zero sums to copy up
+  unpack_live(b, fa.data(), da.data());  // resumed from a checkpoint: non-zero sums to copy up
   round(400, "pass 2, from unpacked sums");
 }
 
@@ -699,8 +700,8 @@ void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool 
         total += rows;
       }
       if (round == 1) {  // what the pass's gathered shares will hold (the CPU's sums of both rounds)
-        ka.pack_live(uk, ukd);
-        va.pack_live(uv, uvd);
+        pack_live(ka, uk, ukd);
+        pack_live(va, uv, uvd);
       }
       reduce_round({&ka, &va}, *cpu, host_comm, fa, da);
       reduce_round({&kb, &vb}, dev, dev_comm, fb, db);
@@ -716,7 +717,7 @@ void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool 
     // The moments now take the gathered values (here the CPU's own sums, for both sides) and the pass is complete.
     for (auto [m, f, dd] : {std::tuple{&ka, &uk, &ukd}, std::tuple{&va, &uv, &uvd}, std::tuple{&kb, &uk, &ukd},
                             std::tuple{&vb, &uv, &uvd}}) {
-      m->unpack_live(f->data(), dd->data());
+      unpack_live(*m, f->data(), dd->data());
       m->mark_pass_complete();
     }
     if (pass == 1)
@@ -746,7 +747,7 @@ namespace {
 // A Moments' live state as pack_live lays it out.
 std::pair<std::vector<float>, std::vector<double>> packed(const Moments& m) {
   std::pair<std::vector<float>, std::vector<double>> p;
-  m.pack_live(p.first, p.second);
+  pack_live(m, p.first, p.second);
   return p;
 }
 
@@ -768,7 +769,7 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
   b.accumulate(dev, X2.data(), Y2.data(), rows);
   std::vector<float> want;
   std::vector<double> wantd;
-  a.pack_live(want, wantd);
+  pack_live(a, want, wantd);
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
   b.live_pieces(fp, dp);
@@ -908,7 +909,7 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
     store.save(state, &live);
     std::vector<float> want;
     std::vector<double> wantd;
-    a.pack_live(want, wantd);
+    pack_live(a, want, wantd);
     auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
     ASSERT_TRUE(got.has_value());
     EXPECT_EQ(got->rounds_done, round + 1);
@@ -922,7 +923,7 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
   dev.flush();  // the pass's end: the host moments are current
   std::vector<float> fb;
   std::vector<double> db;
-  b.pack_live(fb, db);
+  pack_live(b, fb, db);
   auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false, false, /*defer=*/true);
   ASSERT_TRUE(got.has_value() && got->deferred.has_value());
   EXPECT_TRUE(got->pass1_f.empty()) << "deferred sums are not read by load";

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backends/backends.hpp"
 #include "core/half.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
@@ -224,7 +225,7 @@ TEST(Fit, Bf16AndFp16ExportsRoundTheFp32Weights) {
   }
 }
 
-class StoredDtypes : public ::testing::TestWithParam<StoredDtype> {};
+class StoredDtypes : public ::testing::TestWithParam<Dtype> {};
 
 TEST_P(StoredDtypes, HalfPrecisionShardsFitLikeFp32) {
   TempDir tmp;
@@ -240,7 +241,7 @@ TEST_P(StoredDtypes, HalfPrecisionShardsFitLikeFp32) {
     for (double v : l["r2_v"]) EXPECT_GT(v, 0.3);
 }
 
-INSTANTIATE_TEST_SUITE_P(Half, StoredDtypes, ::testing::Values(StoredDtype::f16, StoredDtype::bf16));
+INSTANTIATE_TEST_SUITE_P(Half, StoredDtypes, ::testing::Values(Dtype::f16, Dtype::bf16));
 
 TEST(Fit, TokenStrideAndMaxTokensSubsampleAtReadTime) {
   TempDir tmp;
@@ -313,7 +314,7 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
   for (bool sabotage : {false, true}) {
     Calibration cal;
     cal.cfg.output_dir = dir.str(sabotage ? "bad" : "good");
-    cal.cfg.dtype = WeightDtype::bf16;
+    cal.cfg.dtype = Dtype::bf16;
     FitPlan plan;
     plan.dims = PairDims{3, 2, 4, 5, 2, 4};
     for (int k : {1, 3}) plan.ks.push_back(KPlan{k == 3 ? "all" : "1", k, k * plan.dims.F(), 0, 0});

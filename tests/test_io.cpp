@@ -6,6 +6,7 @@
 
 #include <spdlog/sinks/ostream_sink.h>
 
+#include "backends/backends.hpp"
 #include "core/comm.hpp"
 #include "core/half.hpp"
 #include "helpers.hpp"
@@ -31,7 +32,7 @@ KvSpec tiny_spec() {
   return s;
 }
 
-void write_shard(const std::string& path, StoredDtype dt, const std::vector<float>& keys, int64_t T) {
+void write_shard(const std::string& path, Dtype dt, const std::vector<float>& keys, int64_t T) {
   ShardWriter w(path, "m", "web", tiny_spec(), T, dt, false, 3);
   std::vector<int32_t> ids(T), pos(T);
   for (int64_t t = 0; t < T; ++t) ids[t] = pos[t] = static_cast<int32_t>(t);
@@ -45,7 +46,7 @@ void write_shard(const std::string& path, StoredDtype dt, const std::vector<floa
 
 }  // namespace
 
-class ShardDtypes : public ::testing::TestWithParam<StoredDtype> {};
+class ShardDtypes : public ::testing::TestWithParam<Dtype> {};
 
 TEST_P(ShardDtypes, RoundTripWithStrideAndOffsets) {
   TempDir tmp;
@@ -63,8 +64,8 @@ TEST_P(ShardDtypes, RoundTripWithStrideAndOffsets) {
   r.read_rows("keys", 1, 3, 3, out.data(), scratch);  // tokens 1, 4, 7
   auto stored = [&](float x) {
     switch (GetParam()) {
-      case StoredDtype::f16: return fp16_to_float(float_to_fp16(x));
-      case StoredDtype::bf16: return bf16_to_float(float_to_bf16(x));
+      case Dtype::f16: return fp16_to_float(float_to_fp16(x));
+      case Dtype::bf16: return bf16_to_float(float_to_bf16(x));
       default: return x;
     }
   };
@@ -75,13 +76,13 @@ TEST_P(ShardDtypes, RoundTripWithStrideAndOffsets) {
   EXPECT_EQ(pos, (std::vector<int32_t>{1, 4, 7}));
 }
 
-INSTANTIATE_TEST_SUITE_P(All, ShardDtypes, ::testing::Values(StoredDtype::f32, StoredDtype::f16, StoredDtype::bf16));
+INSTANTIATE_TEST_SUITE_P(All, ShardDtypes, ::testing::Values(Dtype::f32, Dtype::f16, Dtype::bf16));
 
 TEST(Shard, ReadsVariableLengthStringAttributesAsH5pyWritesThem) {
   TempDir tmp;
   const std::string path = tmp.str("s.h5");
   std::vector<float> keys(4 * 16, 1.0f);
-  write_shard(path, StoredDtype::f32, keys, 4);
+  write_shard(path, Dtype::f32, keys, 4);
   {  // Replace the fixed-length string attributes with variable-length UTF-8 ones (h5py's default for str).
     h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
     for (const char* name : {"crosskv_format", "model", "domain", "kv_spec"}) {

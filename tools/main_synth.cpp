@@ -73,9 +73,9 @@ int main(int argc, char** argv) {
   return run_tool("crosskv-synth", [&]() -> int {
     finish_side(o.source, conv_s, "source");
     finish_side(o.target, conv_t, "target");
-    if (dtype == "float32") o.dtype = StoredDtype::f32;
-    else if (dtype == "float16") o.dtype = StoredDtype::f16;
-    else if (dtype == "bfloat16") o.dtype = StoredDtype::bf16;
+    if (dtype == "float32") o.dtype = Dtype::f32;
+    else if (dtype == "float16") o.dtype = Dtype::f16;
+    else if (dtype == "bfloat16") o.dtype = Dtype::bf16;
     else throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype + "\"");
     if (relation == "family") o.relation = SynthRelation::family;
     else if (relation == "linear") o.relation = SynthRelation::linear;

@@ -18,7 +18,7 @@ struct SynthOptions {
   std::string out;
   KvSpec source, target;
   std::string source_model = "synth-small", target_model = "synth-large";
-  StoredDtype dtype = StoredDtype::f32;
+  Dtype dtype = Dtype::f32;
   std::vector<std::string> domains = {"web"};
   int shards_per_domain = 2;
   int sequences_per_shard = 4;

@@ -1,0 +1,23 @@
+#pragma once
+// The backends layer: the CPU backend (backends/), and the CUDA backend and NCCL collectives (cuda/, or a stub that
+// refuses them by name when compiled out). Only programs and tests choose a backend; the stages see the interfaces
+// (core/backend.hpp, core/comm.hpp).
+#include <memory>
+
+#include "core/backend.hpp"
+#include "core/comm.hpp"
+
+namespace crosskv {
+
+std::unique_ptr<ComputeBackend> make_cpu_backend();
+// The CUDA backend on `device` (rank `rank` names it in messages; tf32 lets cuBLAS use TF32 tensor cores for the
+// fp32 moments), or the stub's error "built without CUDA".
+std::unique_ptr<ComputeBackend> make_cuda_backend(int device, int rank = 0, bool tf32 = false);
+bool cuda_compiled_in();
+bool nccl_compiled_in();
+int cuda_device_count();  // 0 when built without CUDA or no device present
+// NCCL collectives on `device`, bootstrapped (unique id), barriers and votes through `host`; or the stub's error
+// "built without NCCL".
+std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, int device);
+
+}  // namespace crosskv

@@ -1,0 +1,17 @@
+#pragma once
+// The one element type of stored tensors: shards' keys, values and queries, the backend's staged blocks, and the
+// artifacts' weights. Its names: "float32" / "float16" / "bfloat16" in shards (SPEC §5), "fp32" / "fp16" / "bf16" in
+// configs and manifests (SPEC §6).
+#include <cstddef>
+
+namespace crosskv {
+
+enum class Dtype : int { f32 = 0, f16 = 1, bf16 = 2 };  // the values are the CUDA kernels' too
+
+inline size_t dtype_bytes(Dtype d) { return d == Dtype::f32 ? 4 : 2; }
+// The shard name: float32, float16, bfloat16.
+inline const char* to_string(Dtype d) { return d == Dtype::f32 ? "float32" : d == Dtype::f16 ? "float16" : "bfloat16"; }
+// The config and manifest name: fp32, fp16, bf16.
+inline const char* weight_dtype_name(Dtype d) { return d == Dtype::f32 ? "fp32" : d == Dtype::f16 ? "fp16" : "bf16"; }
+
+}  // namespace crosskv

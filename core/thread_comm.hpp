@@ -1,0 +1,20 @@
+#pragma once
+// An in-process communicator: P ranks as P threads of one process, with the same fixed-order collectives as MPI
+// (FixedOrderComm), so that the distributed logic (grids, reductions, Gram exchange, checkpoint votes, whole fits) is
+// unit-tested without mpiexec, as xgboost tests its collectives in memory.
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/comm.hpp"
+
+namespace crosskv {
+
+// P communicators of one group: comms[r] is rank r's, to be used by one thread each. A rank that waits longer than
+// `timeout_s` at a collective (another rank failed or never came) throws SystemError instead of hanging.
+std::vector<std::unique_ptr<Comm>> make_thread_comms(int ranks, double timeout_s = 120.0);
+
+// Runs body(comm) for every rank on its own thread and joins them; rethrows the first rank's exception (by rank).
+void run_ranks(int ranks, const std::function<void(Comm&)>& body, double timeout_s = 120.0);
+
+}  // namespace crosskv

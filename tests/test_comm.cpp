@@ -1,0 +1,223 @@
+// The distributed logic in one process: ranks as threads over the in-process communicator (core/thread_comm), with
+// data whose expected result every rank can compute (as nccl-tests does). The mpiexec tests (tests/cli/mpi_*.sh) run
+// the same code over MPI.
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <mutex>
+
+#include "core/thread_comm.hpp"
+#include "helpers.hpp"
+#include "io/mapper.hpp"
+#include "stages/checkpoint.hpp"
+#include "stages/grid.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+namespace {
+
+float value(int rank, size_t i) { return static_cast<float>((i % 97) * 0.37 + rank * 1.13) / (1.0f + rank); }
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+// Sums in rank order on every rank, whatever the transport: the same bits as adding the ranks' values in order.
+TEST(ThreadComm, FixedOrderSumsGiveEveryRankTheSameBits) {
+  for (int P : {1, 2, 3, 5}) {
+    SCOPED_TRACE(P);
+    const size_t n = 1009;
+    std::vector<float> expected(n, 0.0f);
+    for (size_t i = 0; i < n; ++i)
+      for (int r = 0; r < P; ++r) expected[i] = r == 0 ? value(0, i) : expected[i] + value(r, i);
+    run_ranks(P, [&](Comm& comm) {
+      std::vector<float> mine(n);
+      for (size_t i = 0; i < n; ++i) mine[i] = value(comm.rank(), i);
+      std::vector<float> chunk;
+      comm.reduce_scatter_sum(mine.data(), n, chunk);
+      ASSERT_EQ(chunk.size(), share_size(n, P, comm.rank()));
+      std::vector<float> all(n);
+      comm.allgather(chunk, all.data(), n);
+      EXPECT_EQ(0, std::memcmp(all.data(), expected.data(), n * sizeof(float))) << "rank " << comm.rank();
+      std::vector<double> d(n);
+      for (size_t i = 0; i < n; ++i) d[i] = comm.rank() + 0.5 * i;
+      comm.allreduce_sum(d.data(), n);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(d[i], P * (P - 1) / 2.0 + P * 0.5 * i);
+    });
+  }
+}
+
+TEST(ThreadComm, BroadcastVotesAndSplitsFollowTheMpiContract) {
+  run_ranks(4, [](Comm& comm) {
+    int token = comm.rank() == 2 ? 42 : -1;
+    comm.broadcast(&token, sizeof token, 2);
+    EXPECT_EQ(token, 42);
+    EXPECT_TRUE(comm.all_ok(true));
+    EXPECT_FALSE(comm.all_ok(comm.rank() != 3));
+    // Colors by parity, ordered by a key that reverses the ranks: {3, 1} and {2, 0}.
+    auto sub = comm.split(comm.rank() % 2, -comm.rank());
+    EXPECT_EQ(sub->size(), 2);
+    EXPECT_EQ(sub->rank(), comm.rank() >= 2 ? 0 : 1);
+    double x = comm.rank();
+    sub->allreduce_sum(&x, 1);
+    EXPECT_EQ(x, comm.rank() % 2 == 0 ? 2.0 : 4.0);
+    auto again = comm.split(0, comm.rank());  // a second split of the same comm starts afresh
+    EXPECT_EQ(again->size(), 4);
+    EXPECT_EQ(again->rank(), comm.rank());
+  });
+}
+
+TEST(ThreadComm, ARankThatNeverComesIsATimeoutNotAHang) {
+  expect_error<SystemError>(
+      [] {
+        run_ranks(2, [](Comm& comm) {
+          if (comm.rank() == 0) comm.barrier();
+        }, 0.5);
+      },
+      {"thread comm: rank 0 waited", "of 2"});
+}
+
+// A mistake some ranks find is agreed on: every rank throws AgreedError, the lowest failing rank reports it.
+TEST(ThreadComm, UserErrorsAreAgreedOnAndReportedOnce) {
+  std::mutex m;
+  std::vector<std::pair<int, bool>> seen;
+  run_ranks(3, [&](Comm& comm) {
+    try {
+      agreed(comm, [&] {
+        if (comm.rank() > 0) throw SolveError("rank " + std::to_string(comm.rank()) + " cannot solve");
+      });
+      ADD_FAILURE() << "rank " << comm.rank() << " did not throw";
+    } catch (const AgreedError& e) {
+      EXPECT_EQ(e.exit_code, 3);
+      if (e.report) EXPECT_STREQ(e.what(), "rank 1 cannot solve");
+      std::lock_guard<std::mutex> lk(m);
+      seen.emplace_back(comm.rank(), e.report);
+    }
+    EXPECT_EQ(agreed(comm, [&] { return comm.rank() * 2; }), comm.rank() * 2) << "no error: each rank's value";
+  });
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<std::pair<int, bool>>{{0, false}, {1, true}, {2, false}}));
+}
+
+TEST(Grid, RanksFormLayerGroupsTimesTokenGroups) {
+  run_ranks(6, [](Comm& comm) {
+    Grid g = make_grid(comm, 3);
+    EXPECT_EQ(g.layer_groups, 3);
+    EXPECT_EQ(g.token_groups, 2);
+    EXPECT_EQ(g.layer_group, comm.rank() / 2);
+    EXPECT_EQ(g.token_group, comm.rank() % 2);
+    EXPECT_EQ(g.readers->size(), 2);
+    EXPECT_EQ(g.readers->rank(), g.token_group);
+    EXPECT_EQ(g.peers->size(), 3);
+    EXPECT_EQ(g.peers->rank(), g.layer_group);
+    EXPECT_TRUE(g.owns_target(g.layer_group + 3));
+    EXPECT_FALSE(g.owns_target(g.layer_group + 1));
+  });
+}
+
+// A newest checkpoint that does not verify on one rank makes every rank fall back to the previous one.
+TEST(Checkpoint, EveryRankFallsBackWhenOneRanksNewestStateIsBad) {
+  TempDir dir;
+  const nlohmann::json identity = {{"job", "vote"}};
+  run_ranks(3, [&](Comm& comm) {
+    CheckpointStore store(dir.str("ck"), identity, comm);
+    for (int64_t rounds : {1, 2}) {
+      PassState s;
+      s.rounds_done = rounds;
+      s.pass1_f = {static_cast<float>(comm.rank() + rounds)};
+      store.save(s);
+    }
+  });
+  {
+    std::fstream f(dir.str("ck/state-2-rank2.bin"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(40);
+    f.put('\x7f');
+  }
+  run_ranks(3, [&](Comm& comm) {
+    auto got = CheckpointStore(dir.str("ck"), identity, comm).load(false);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->rounds_done, 1) << "rank " << comm.rank();
+    EXPECT_EQ(got->pass1_f, std::vector<float>{static_cast<float>(comm.rank() + 1)});
+  });
+}
+
+// Whole fits with ranks as threads: grids of one and several layer groups (Gram exchange, solve pairs, a reader
+// alone), one and two passes. The same job twice gives the same bytes; any grid agrees with one rank to fp32
+// accumulation tolerance.
+TEST(DistributedFit, ThreadRanksMatchOneRankAndRepeatByteForByte) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1, 2, all]}", "one"));
+  struct Job {
+    int ranks;
+    std::string runtime;
+  };
+  for (const Job& job : {Job{2, "{block_tokens: 200}"}, Job{3, "{block_tokens: 200, layer_groups: 1}"},
+                         Job{4, "{block_tokens: 200, layer_groups: 2}"},
+                         Job{2, "{block_tokens: 200, max_moment_gib: 0.0001}"}}) {
+    SCOPED_TRACE(std::to_string(job.ranks) + " ranks, " + job.runtime);
+    for (const char* out : {"a", "b"}) {
+      const std::string yaml = "source: {store: " + tmp.str("source") + "}\ntarget: {store: " + tmp.str("target") +
+                               "}\nfit: {k: [1, 2, all]}\noutput: {dir: " + tmp.str(out) + "}\nruntime: " +
+                               job.runtime + "\n";
+      fs::remove_all(tmp.str(out));
+      run_ranks(job.ranks, [&](Comm& comm) {
+        auto be = make_cpu_backend();
+        Context ctx{comm, *be};
+        run_fit(parse_fit_config(yaml, "cfg.yaml"), FitOptions{}, ctx);
+      });
+    }
+    const auto manifest = nlohmann::json::parse(file_bytes(tmp.str("a/kall/manifest.json")));
+    EXPECT_EQ(manifest["grid"]["ranks"], job.ranks);
+    EXPECT_EQ(manifest["grid"]["collectives"], "threads");
+    EXPECT_EQ(manifest["passes"], job.runtime.find("max_moment_gib") == std::string::npos ? 1 : 2);
+    for (const char* k : {"k1", "k2", "kall"}) {
+      for (const auto& e : fs::directory_iterator(tmp.str(std::string("a/") + k))) {
+        const std::string name = e.path().filename().string();
+        if (name == "manifest.json") continue;  // it holds the stage times
+        EXPECT_TRUE(file_bytes(e.path().string()) == file_bytes(tmp.str("b/") + k + "/" + name)) << e.path();
+      }
+      Mapper a = load_mapper(tmp.str(std::string("a/") + k)), one = load_mapper(tmp.str(std::string("one/") + k));
+      for (size_t l = 0; l < a.layers.size(); ++l) {
+        EXPECT_EQ(a.layers[l].source_layers, one.layers[l].source_layers);
+        for (size_t i = 0; i < a.layers[l].wk.size(); ++i)
+          ASSERT_NEAR(a.layers[l].wk[i], one.layers[l].wk[i], 2e-3 * (1.0 + std::abs(one.layers[l].wk[i])))
+              << k << " layer " << l << " element " << i;
+      }
+    }
+  }
+}
+
+// A stop request (the context's flag, as a signal sets the process's) ends every rank of a fit at the round's end
+// with Interrupted and no artifact; the same job again resumes to the bytes of an uninterrupted one.
+TEST(DistributedFit, AStopRequestEndsEveryRankAndTheJobResumes) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  auto yaml = [&](const std::string& out) {
+    return "source: {store: " + tmp.str("source") + "}\ntarget: {store: " + tmp.str("target") +
+           "}\nfit: {k: [1, all]}\noutput: {dir: " + tmp.str(out) +
+           "}\nruntime: {block_tokens: 200, checkpoint: {every_shards: 1}}\n";
+  };
+  auto fit = [&](const std::string& out, volatile std::sig_atomic_t& stop) {
+    run_ranks(2, [&](Comm& comm) {
+      auto be = make_cpu_backend();
+      Context ctx{comm, *be, nullptr, StopFlag(stop)};
+      run_fit(parse_fit_config(yaml(out), "cfg.yaml"), FitOptions{}, ctx);
+    });
+  };
+  volatile std::sig_atomic_t go = 0, stop = 1;
+  fit("ref", go);
+  expect_error<Interrupted>([&] { fit("stopped", stop); }, {"stopped by a signal in round 1 of pass 1"});
+  EXPECT_FALSE(fs::exists(tmp.str("stopped/k1"))) << "an interrupted fit leaves no complete-looking artifact";
+  fit("stopped", go);
+  for (const char* k : {"k1", "kall"})
+    for (const auto& e : fs::directory_iterator(tmp.str(std::string("ref/") + k)))
+      if (e.path().filename() != "manifest.json")
+        EXPECT_TRUE(file_bytes(e.path().string()) ==
+                    file_bytes(tmp.str(std::string("stopped/") + k + "/" + e.path().filename().string())))
+            << e.path();
+}
