@@ -8,7 +8,7 @@
 // Prints one JSON object. Without a GPU it prints the reason and exits 77.
 //   crosskv-bench-gpu [Ls Hs Ds Lt Ht Dt rows blocks]   (default: Qwen3 14B -> 32B, 40x8x128 -> 64x8x128, 4096, 3)
 //   crosskv-bench-gpu --fit CONFIG.yaml [cpu|cuda]      a whole fit in this process (no MPI), timed
-//   crosskv-bench-gpu --factor [Ls Hs Ds rows]          the k = all system: host-assembled vs assemble_cov (40 8 128)
+//   crosskv-bench-gpu --factor [Ls Hs Ds rows]          the k = all system: host-assembled vs factor_cov (40 8 128)
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -49,8 +49,9 @@ int fit_main(const std::string& config, const std::string& device) {
 }
 
 // The k = all system of one kind: Cxx + λI over every source layer, assembled on the host and uploaded (the fit's
-// path until 2026-11-30) against assembled by the backend from the fp32 blocks (ComputeBackend::assemble_cov), each
-// then factored keeping the factor on the device, as the fit does. Same run, same moments; prints one JSON object.
+// path until 2026-11-30: factor_system) against assembled by the backend from the fp32 blocks and factored there
+// (factor_cov, as the fit does; "assemble_cov_s" is then only the host's terms, "factor_assembled_s" the rest).
+// Same run, same moments; prints one JSON object.
 int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
   const PairDims d{Ls, H, D, 1, H, D};
   Moments m(d, std::vector<float>(d.X(), 0.0f), std::vector<float>(d.Y(), 0.0f));
@@ -76,16 +77,18 @@ int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
   for (int64_t i = 0; i < n; ++i) A[i * n + i] += lambda;
   const double host_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  std::vector<double> pivots(n), pivots2(n), diag(n);
-  const int64_t info_host = be.cholesky(n, A.data(), n, pivots.data());
+  std::vector<double> diag(n);
+  const auto host_made = be.factor_system(n, A.data(), n);  // uploaded and factored
   const double host_factor_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  BigVector<double> A2(n * n);  // fresh pages, as the fit's Factor has
   t0 = Clock::now();
-  be.assemble_cov(m.cov_xx_terms(all), lambda, A2.data(), n, diag.data());
-  const double dev_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const auto terms = m.cov_xx_terms(all);
+  const double dev_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();  // the terms only
   t0 = Clock::now();
-  const int64_t info_dev = be.cholesky(n, A2.data(), n, pivots2.data());
+  const auto dev_made = be.factor_cov(terms, lambda, diag.data());  // assembled where it is factored
   const double dev_factor_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const std::vector<double>& pivots = host_made->pivots;
+  const std::vector<double>& pivots2 = dev_made->pivots;
+  const int64_t info_host = host_made->info, info_dev = dev_made->info;
   double max_rel = 0;
   for (int64_t i = 0; i < n; ++i) max_rel = std::max(max_rel, std::fabs(pivots2[i] - pivots[i]) / pivots[i]);
   std::printf("{\"backend\": \"%s\", \"features\": %lld, \"system_gb\": %.2f, \"host_assemble_s\": %.2f, "

@@ -35,11 +35,9 @@ class DenseMaths {
                                int64_t ldb, int64_t ldc);
   // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
-  // Cxx + lambda*I of some source layers (Moments::cov_xx_terms), to be factored by the backend that assembles it:
-  // A[i*F + p, j*F + q] = g_ij(p, q) / N - mean[i*F + p] * mean[j*F + q], g_ij an [F x F] fp32 block of sums read as
-  // stored, transposed, or symmetric from its upper triangle; diag[n] receives A's diagonal. A device backend
-  // uploads the fp32 blocks (half the bytes of the fp64 system) and assembles on the device without writing host A
-  // (an untouched multi-GB buffer costs nothing), and the next cholesky(…, A, …) factors the device's copy.
+  // Cxx + lambda*I of some source layers (Moments::cov_xx_terms): A[i*F + p, j*F + q] = g_ij(p, q) / N -
+  // mean[i*F + p] * mean[j*F + q], g_ij an [F x F] fp32 block of sums read as stored, transposed, or symmetric from
+  // its upper triangle.
   struct CovBlock {
     enum Read : int { as_is = 0, transposed = 1, upper = 2 };
     const float* p;
@@ -52,17 +50,32 @@ class DenseMaths {
     std::vector<double> mean;      // [nl * F]
     double inv_n = 0;
   };
-  virtual void assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag);
-  // In-place lower Cholesky of a symmetric row-major fp64 matrix (lower triangle read). Returns 0, or the
-  // 1-based order of the leading minor that is not positive definite. With `pivots`, the caller reads only the
-  // factor's diagonal, written to pivots[n]: a device backend copies just that back (host A is not written) and keeps
-  // the factor for the solves that name A (its most recent few; a solve with a factor it no longer holds is an
-  // assertion, never a solve with the host's values).
-  virtual int64_t cholesky(int64_t n, double* A, int64_t lda, double* pivots) = 0;
-  int64_t cholesky(int64_t n, double* A, int64_t lda) { return cholesky(n, A, lda, nullptr); }
-  // Solves (L L^T) X = B in place, L from cholesky() (a leading n x n block of it may be used). B row-major.
+
+  // A factored system, owned by its handle: in host memory for a host backend, device memory for a device one, and
+  // released with the handle. Solves name the handle (no lookup by address; a backend holds as many as exist).
+  struct SystemFactor {
+    virtual ~SystemFactor() = default;
+    int64_t n = 0;               // the system's order
+    int64_t info = 0;            // 0, or the 1-based order of the first leading minor that is not positive definite
+    std::vector<double> pivots;  // the factor's diagonal (the caller judges near-singular pivots from it)
+  };
+  using FactorPtr = std::unique_ptr<SystemFactor>;
+  // Cxx + lambda*I assembled where this backend factors it, and factored; diag[n] receives the system's diagonal. A
+  // device backend uploads the fp32 blocks (half the bytes of the fp64 system) and keeps the factor there. `reuse`,
+  // a factor of this backend no longer needed, lends its memory.
+  virtual FactorPtr factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr reuse = nullptr);
+  // A host system [n x n] (lower triangle read; A is left as it is) factored where this backend works.
+  virtual FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse = nullptr);
+  // With the leading n x n block of a factor: (L L^T) X = B, or L X = B (transpose: L^T X = B). B row-major, host.
+  virtual void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb);
+  virtual void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
+                                int64_t ldb);
+
+  // The kernels on host arrays, the reference the factors above are tested against: in-place lower Cholesky of a
+  // symmetric row-major fp64 matrix (lower triangle read), returning 0 or the first leading minor that is not
+  // positive definite; and solves with the leading n x n block of a lower factor.
+  virtual int64_t cholesky(int64_t n, double* A, int64_t lda) = 0;
   virtual void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) = 0;
-  // Solves L X = B (transpose: L^T X = B) in place with the leading n x n block of a lower factor.
   virtual void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                                 int64_t ldb) = 0;
 };
@@ -204,7 +217,7 @@ void place_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t 
   });
 }
 
-// assemble_cov on the host (all of A): the CPU backend's, and Moments::cov_xx's.
+// Cxx + lambda*I on the host (all of A): host factors' (factor_cov) and Moments::cov_xx's.
 void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, double* A, int64_t lda, double* diag);
 
 // prepare() on the host: the CPU backend's, the reference for device backends, and what a reader thread runs when

@@ -121,7 +121,7 @@ class Moments {
   std::vector<double> var_y(int l) const;           // diag of Cyy [G]
   // Cxx for the listed source layers (in that order), written into A (lda) as [n*F x n*F], full symmetric.
   void cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const;
-  // What cov_xx assembles, for a backend to assemble (ComputeBackend::assemble_cov): blocks, means, 1/N.
+  // What cov_xx assembles, for a backend to assemble and factor (ComputeBackend::factor_cov): blocks, means, 1/N.
   ComputeBackend::CovTerms cov_xx_terms(const std::vector<int>& layers) const;
   // Cxy for the listed source layers and target layer l: [n*F x G] (ldb).
   void cov_xy(const std::vector<int>& layers, int l, double* B, int64_t ldb) const;

@@ -35,25 +35,24 @@ class Lap {
 // A pivot this small against its diagonal means the system is singular at the precision of fp32 moments.
 constexpr double kSingularPivot = 1e-12;
 
-// Factors a system with diagonal `diag` (λ included; the backend may hold the system: assemble_cov), and returns
-// the order of the first leading minor that is not (numerically) positive definite, or 0.
-int64_t factor_assembled(ComputeBackend& be, double* A, int64_t n, const std::vector<double>& diag) {
-  // Only the pivots are read here; the factor itself is used by the backend's solves (a device keeps it).
-  std::vector<double> pivots(n);
-  int64_t info = be.cholesky(n, A, n, pivots.data());
-  const int64_t ok = info > 0 ? info - 1 : n;
+// The order of the first leading minor of a factored system with diagonal `diag` (λ included) that is not
+// (numerically) positive definite, or 0.
+int64_t first_bad_minor(const ComputeBackend::SystemFactor& f, const std::vector<double>& diag) {
+  const int64_t ok = f.info > 0 ? f.info - 1 : f.n;
   for (int64_t i = 0; i < ok; ++i) {
-    const double p = pivots[i];
+    const double p = f.pivots[i];
     if (!(p * p > kSingularPivot * std::max(diag[i], std::numeric_limits<double>::min()))) return i + 1;
   }
-  return info;
+  return f.info;
 }
 
-// Adds λ to the diagonal of a host system, then factor_assembled.
-int64_t factor(ComputeBackend& be, double* A, int64_t n, double lambda) {
+// A host system plus λ on its diagonal, factored by the backend; `bad` receives first_bad_minor.
+ComputeBackend::FactorPtr factor(ComputeBackend& be, double* A, int64_t n, double lambda, int64_t& bad) {
   std::vector<double> diag(n);
   for (int64_t i = 0; i < n; ++i) diag[i] = A[i * n + i] += lambda;
-  return factor_assembled(be, A, n, diag);
+  auto f = be.factor_system(n, A, n);
+  bad = first_bad_minor(*f, diag);
+  return f;
 }
 
 }  // namespace
@@ -113,11 +112,11 @@ void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>&
   Lap lap(times);
   f.order = order;
   f.n = static_cast<int64_t>(order.size()) * m.dims().F();
-  f.L.resize(f.n * f.n);  // written by a host backend's assemble_cov; a device backend leaves it untouched
   std::vector<double> diag(f.n);
-  be.assemble_cov(m.cov_xx_terms(order), lambda, f.L.data(), f.n, diag.data());
+  const ComputeBackend::CovTerms terms = m.cov_xx_terms(order);
   lap.to(&SolveTimes::assemble);
-  f.bad_minor = factor_assembled(be, f.L.data(), f.n, diag);
+  f.system = be.factor_cov(terms, lambda, diag.data(), std::move(f.system));  // assembled and factored there
+  f.bad_minor = first_bad_minor(*f.system, diag);
   lap.to(&SolveTimes::factor);
 }
 
@@ -210,14 +209,14 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     BigVector<double>& Z = ws.z;
     Z.assign(Cxy.begin(), Cxy.end());
     lap.to(&SolveTimes::assemble);
-    be.triangular_solve(n_ok, f.L.data(), f.n, false, G, Z.data(), G);
+    be.solve_triangular(*f.system, n_ok, false, G, Z.data(), G);
     lap.to(&SolveTimes::substitute);
     for (int k : nested) {
       const int64_t nk = k * F;
       if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, k, f, nk, F, lambda);
       BigVector<double>& W = ws.w;
       W.assign(Z.begin(), Z.begin() + nk * G);
-      be.triangular_solve(nk, f.L.data(), f.n, true, G, W.data(), G);
+      be.solve_triangular(*f.system, nk, true, G, W.data(), G);
       lap.to(&SolveTimes::substitute);
       out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + k), W.data(), Cxy.data(), lambda));
       lap.to(&SolveTimes::finish);
@@ -240,7 +239,7 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     BigVector<double>& W = ws.w;
     W.assign(Cxy.begin(), Cxy.end());
     lap.to(&SolveTimes::assemble);
-    be.cholesky_solve(f.n, f.L.data(), f.n, G, W.data(), G);
+    be.solve(*f.system, f.n, G, W.data(), G);
     lap.to(&SolveTimes::substitute);
     out.push_back(finish_fit(m, l, f.order, W.data(), Cxy.data(), lambda));
     lap.to(&SolveTimes::finish);
@@ -271,11 +270,13 @@ ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, con
       if (!any) continue;
       m.head_cov_xx(a, h, A.data());
       m.head_cov_xy(a, h, C.data());
-      if (int64_t bad = factor(be, A.data(), Ds, lambda); bad > 0)
+      int64_t bad = 0;
+      const auto f = factor(be, A.data(), Ds, lambda, bad);
+      if (bad > 0)
         throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) + " head " + std::to_string(h) +
                          ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
       W = C;
-      be.cholesky_solve(Ds, A.data(), Ds, Y, W.data(), Y);
+      be.solve(*f, Ds, Y, W.data(), Y);
       for (int l = 0; l < d.Lt; ++l) {
         if (mine && !mine(a, l, h)) continue;
         std::copy_n(var[l].begin() + int64_t{h} * Dt, Dt, vy.begin());
@@ -299,14 +300,16 @@ ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, con
     for (int l = 0; l < d.Lt && !any; ++l) any = !mine || mine(a, l, -1);
     if (!any) continue;
     m.cov_xx({a}, A.data(), F);
-    if (int64_t bad = factor(be, A.data(), F, lambda); bad > 0)
+    int64_t bad = 0;
+    const auto f = factor(be, A.data(), F, lambda, bad);
+    if (bad > 0)
       throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) +
                        ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
     for (int l = 0; l < d.Lt; ++l) {
       if (mine && !mine(a, l, -1)) continue;
       m.cov_xy({a}, l, C.data(), G);
       W = C;
-      be.cholesky_solve(F, A.data(), F, G, W.data(), G);
+      be.solve(*f, F, G, W.data(), G);
       auto r2 = r2_per_head(W.data(), C.data(), F, G, G, m.var_y(l), lambda, H);
       std::copy(r2.begin(), r2.end(), r.per_head.begin() + (int64_t{a} * d.Lt + l) * H);
       r.mean[int64_t{a} * d.Lt + l] = mean_ignoring_nan(r2);

@@ -5,11 +5,11 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.hpp"
 #include "core/memory.hpp"
 
 namespace crosskv {
 
-class ComputeBackend;
 class Moments;
 
 struct LayerFit {
@@ -31,11 +31,12 @@ double mean_ignoring_nan(const std::vector<double>& v);
 struct Factor {
   std::vector<int> order;  // source layers, in factor order
   int64_t n = 0;           // order.size() * F
-  BigVector<double> L;     // [n x n], lower (on a device backend the factor stays there and L is not written)
+  ComputeBackend::FactorPtr system;  // held by the backend that factored it (on a device backend, in its memory)
   int64_t bad_minor = 0;   // 0, or the first leading minor that is not positive definite
 };
-// Where solving time goes (seconds, summed over calls): fp64 systems assembled on the host from the moments,
-// factorisations, substitutions, and the finish (R², biases, weights rounded and put in source-layer order).
+// Where solving time goes (seconds, summed over calls): right-hand sides (Cxy) assembled from the moments, the
+// systems Cxx + λI assembled and factored by the backend, substitutions, and the finish (R², biases, weights
+// rounded and put in source-layer order).
 struct SolveTimes {
   double assemble = 0, factor = 0, substitute = 0, finish = 0;
 };

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <set>
 #include <vector>
 
 #include "backends/backends.hpp"
@@ -74,6 +73,7 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { release(); }
+  T* data() const { return p_; }
 
  private:
   T* p_ = nullptr;
@@ -405,14 +405,20 @@ class CudaBackend final : public ComputeBackend {
        dims({{"m", m}, {"rows", rows}, {"lda", lda}, {"ldc", ldc}}));
   }
 
+  // A factor in device memory, owned by its handle.
+  struct CudaFactor final : SystemFactor {
+    DeviceBuffer<double> dev;  // [n x n], lower, row-major (lda = n)
+  };
+
   // The system is assembled on the device from the fp32 blocks (uploaded one at a time: half the bytes of the fp64
-  // system), kept as the next factor of A; only its diagonal is copied to the host (into diag: host A is not touched).
-  void assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag) override {
+  // system) and factored there; only its diagonal and the factor's pivots come to the host.
+  FactorPtr factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr reuse) override {
     const int64_t F = t.F, nl = t.nl, n = nl * F;
-    if (n == 0) return;
-    const std::string ops = dims({{"layers", nl}, {"F", F}, {"lda", lda}});
-    DeviceFactor& f = new_factor(A);
-    double* dA = f.dev.get(static_cast<size_t>((n - 1) * lda + n), where_);
+    auto f = cuda_factor(std::move(reuse));
+    f->n = n;
+    if (n == 0) return f;
+    const std::string ops = dims({{"layers", nl}, {"F", F}});
+    double* dA = f->dev.get(static_cast<size_t>(n * n), where_);
     double* dmean = mean_.get(static_cast<size_t>(n), where_);
     CK(cudaMemcpyAsync(dmean, t.mean.data(), n * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
     float* dg = block_.get(static_cast<size_t>(F * F), where_);
@@ -424,74 +430,58 @@ class CudaBackend final : public ComputeBackend {
                              cudaMemcpyHostToDevice, compute_),
            ops + ", block " + dims({{"i", i}, {"j", j}}));
         CK(cuda::launch_assemble_cov_block(dg, g.read, F, dmean + i * F, dmean + j * F, t.inv_n, lambda, i == j,
-                                           dA + i * F * lda + j * F, i == j ? nullptr : dA + j * F * lda + i * F, lda,
+                                           dA + i * F * n + j * F, i == j ? nullptr : dA + j * F * n + i * F, n,
                                            compute_),
            "assemble_cov kernel, " + ops);
       }
-    copy_diagonal(dA, n, lda, diag, ops);
-    f.host = A;
-    f.n = n;
-    f.lda = lda;
-    f.diag = diag_tag(A, n, lda);
-    f.factored = false;
-    assembled_.insert(A);
+    copy_diagonal(dA, n, n, diag, ops);
+    factor_on_device(*f, ops);
+    return f;
   }
 
-  int64_t cholesky(int64_t n, double* A, int64_t lda, double* pivots) override {
+  FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse) override {
+    auto f = cuda_factor(std::move(reuse));
+    f->n = n;
+    if (n == 0) return f;
+    const std::string ops = dims({{"n", n}, {"lda", lda}});
+    double* dA = f->dev.get(static_cast<size_t>(n * n), where_);
+    CK(cudaMemcpy2DAsync(dA, n * sizeof(double), A, lda * sizeof(double), n * sizeof(double), n,
+                         cudaMemcpyHostToDevice, compute_),
+       ops);
+    factor_on_device(*f, ops);
+    return f;
+  }
+
+  void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) override {
+    CROSSKV_ASSERT(n <= f.n, "a solve with more rows than its factor");
+    solve_on_device(as_cuda(f).dev.data(), n, f.n, nrhs, B, ldb, {false, true});
+  }
+  void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
+                        int64_t ldb) override {
+    CROSSKV_ASSERT(n <= f.n, "a solve with more rows than its factor");
+    solve_on_device(as_cuda(f).dev.data(), n, f.n, nrhs, B, ldb, {transpose});
+  }
+
+  // The kernels on host arrays (reference checks): uploaded, computed, copied back.
+  int64_t cholesky(int64_t n, double* A, int64_t lda) override {
     if (n == 0) return 0;
     const size_t count = static_cast<size_t>((n - 1) * lda + n);
     const std::string ops = dims({{"n", n}, {"lda", lda}});
-    // Factors stay on the device for the solves that follow: the last few, most recent first. A system assembled
-    // here (assemble_cov) is factored where it is.
-    DeviceFactor* pre = nullptr;
-    for (auto& f : factors_)
-      if (f->host == A && !f->factored && f->n == n && f->lda == lda && diag_tag(A, n, lda) == f->diag) pre = f.get();
-    if (pre) {
-      std::stable_partition(factors_.begin(), factors_.end(), [&](const auto& f) { return f.get() == pre; });
-    } else {
-      CROSSKV_ASSERT(!assembled_.count(A), "CUDA backend: cholesky of a system assembled on the device and no "
-                                           "longer held there, or whose diagonal changed on the host (" + ops + ")");
-      new_factor(A);
-    }
-    assembled_.erase(A);
-    DeviceFactor& f = *factors_.front();
-    double* dA = f.dev.get(count, where_);
-    if (!pre) CK(cudaMemcpyAsync(dA, A, count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
-    size_t dev_bytes = 0, host_bytes = 0;
-    // Row-major lower = column-major upper.
-    CK(cusolverDnXpotrf_bufferSize(solver_, params_, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, dA, lda, CUDA_R_64F,
-                                   &dev_bytes, &host_bytes),
-       ops);
-    void* dws = work_.get(std::max<size_t>(dev_bytes, 1), where_);
-    host_work_.resize(std::max<size_t>(host_bytes, 1));
-    CK(cusolverDnXpotrf(solver_, params_, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, dA, lda, CUDA_R_64F, dws, dev_bytes,
-                        host_work_.data(), host_bytes, info_),
-       ops);
-    int info = 0;
-    CK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, compute_), ops);
-    if (!pivots) {
-      CK(cudaMemcpyAsync(A, dA, count * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
-      device_only_.erase(A);
-    } else {
-      device_only_.insert(A);
-    }
-    copy_diagonal(dA, n, lda, pivots, ops);  // synchronises
-    CROSSKV_ASSERT(info >= 0, "cusolverDnXpotrf: illegal argument " + std::to_string(-info) + " (" + ops + ")");
-    f.host = A;
-    f.n = n;
-    f.lda = lda;
-    f.diag = diag_tag(A, n, lda);
-    f.factored = true;
+    double* dA = other_.get(count, where_);
+    CK(cudaMemcpyAsync(dA, A, count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
+    const int info = potrf(dA, n, lda, ops);
+    CK(cudaMemcpyAsync(A, dA, count * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
     return info;
   }
 
   void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override {
-    solve(n, L, lda, nrhs, B, ldb, {false, true});
+    solve_on_device(upload_factor(n, L, lda), n, lda, nrhs, B, ldb, {false, true});
   }
 
   void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                         int64_t ldb) override {
-    solve(n, L, lda, nrhs, B, ldb, {transpose});
+    solve_on_device(upload_factor(n, L, lda), n, lda, nrhs, B, ldb, {transpose});
   }
 
  private:
@@ -609,15 +599,6 @@ class CudaBackend final : public ComputeBackend {
       std::fill_n(p, count, T{0});
   }
 
-  // A factor computed here and still on the device, for the host array it was copied back to. A hash of the host
-  // array's diagonal bits guards against that memory having been reused for another matrix.
-  struct DeviceFactor {
-    const double* host = nullptr;
-    int64_t n = 0, lda = 0;
-    uint64_t diag = 0;
-    bool factored = false;  // false: assembled by assemble_cov, waiting for cholesky
-    DeviceBuffer<double> dev;
-  };
   // The diagonal of device matrix dA (n values, lda + 1 apart) to host `out` (if given); waits for the stream.
   void copy_diagonal(const double* dA, int64_t n, int64_t lda, double* out, const std::string& ops) {
     if (out)
@@ -626,47 +607,57 @@ class CudaBackend final : public ComputeBackend {
          ops);
     CK(cudaStreamSynchronize(compute_), ops);
   }
-  // A new entry at the front for host array A (an older one of A is dropped; the oldest goes when full).
-  DeviceFactor& new_factor(const double* A) {
-    forget_factor(A);
-    if (factors_.size() == kFactorsKept) factors_.pop_back();
-    factors_.insert(factors_.begin(), std::make_unique<DeviceFactor>());
-    return *factors_.front();
-  }
-  static constexpr size_t kFactorsKept = 4;  // k = all and one target layer's, for keys and values
-  void forget_factor(const double* host) {
-    factors_.erase(std::remove_if(factors_.begin(), factors_.end(), [&](const auto& f) { return f->host == host; }),
-                   factors_.end());
-  }
-
-  // FNV-1a over the bits of the diagonal (exact, and NaN-safe: untouched or reused host memory may hold anything).
-  static uint64_t diag_tag(const double* A, int64_t n, int64_t lda) {
-    uint64_t h = 1469598103934665603ULL;
-    for (int64_t i = 0; i < n; ++i) {
-      uint64_t bits;
-      std::memcpy(&bits, A + i * lda + i, sizeof bits);
-      h = (h ^ bits) * 1099511628211ULL;
+  static std::unique_ptr<CudaFactor> cuda_factor(FactorPtr reuse) {
+    if (auto* c = dynamic_cast<CudaFactor*>(reuse.get())) {
+      reuse.release();
+      return std::unique_ptr<CudaFactor>(c);
     }
-    return h;
+    return std::make_unique<CudaFactor>();
+  }
+  static const CudaFactor& as_cuda(const SystemFactor& f) {
+    const auto* c = dynamic_cast<const CudaFactor*>(&f);
+    CROSSKV_ASSERT(c, "a factor of another backend");
+    return *c;
+  }
+  // cusolverDnXpotrf in place on device matrix dA (row-major lower = column-major upper); returns LAPACK's info.
+  int potrf(double* dA, int64_t n, int64_t lda, const std::string& ops) {
+    size_t dev_bytes = 0, host_bytes = 0;
+    CK(cusolverDnXpotrf_bufferSize(solver_, params_, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, dA, lda, CUDA_R_64F,
+                                   &dev_bytes, &host_bytes),
+       ops);
+    void* dws = work_.get(std::max<size_t>(dev_bytes, 1), where_);
+    host_work_.resize(std::max<size_t>(host_bytes, 1));
+    CK(cusolverDnXpotrf(solver_, params_, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, dA, lda, CUDA_R_64F, dws, dev_bytes,
+                        host_work_.data(), host_bytes, info_),
+       ops);
+    int info = 0;
+    CK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
+    CROSSKV_ASSERT(info >= 0, "cusolverDnXpotrf: illegal argument " + std::to_string(-info) + " (" + ops + ")");
+    return info;
+  }
+  // Factors f's device system in place and copies its pivots to the host.
+  void factor_on_device(CudaFactor& f, const std::string& ops) {
+    double* dA = f.dev.data();
+    f.info = potrf(dA, f.n, f.n, ops);
+    f.pivots.resize(static_cast<size_t>(f.n));
+    copy_diagonal(dA, f.n, f.n, f.pivots.data(), ops);
+  }
+  // A host factor's leading n x n block, uploaded for one solve.
+  const double* upload_factor(int64_t n, const double* L, int64_t lda) {
+    if (n == 0) return nullptr;
+    const size_t count = static_cast<size_t>((n - 1) * lda + n);
+    double* d = other_.get(count, where_);
+    CK(cudaMemcpyAsync(d, L, count * sizeof(double), cudaMemcpyHostToDevice, compute_), dims({{"n", n}, {"lda", lda}}));
+    return d;
   }
 
-  // Triangular solves with the leading n x n block of L, one per entry of `transposes`, in order.
-  void solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb,
-             std::initializer_list<bool> transposes) {
+  // Triangular solves with the leading n x n block of device factor dL (leading dim lda), one per entry of
+  // `transposes`, in order, on host B.
+  void solve_on_device(const double* dL, int64_t n, int64_t lda, int64_t nrhs, double* B, int64_t ldb,
+                       std::initializer_list<bool> transposes) {
     if (n == 0 || nrhs == 0) return;
     const std::string ops = dims({{"n", n}, {"lda", lda}, {"nrhs", nrhs}, {"ldb", ldb}});
-    const double* dL = nullptr;
-    for (auto& f : factors_)
-      if (f->factored && L == f->host && lda == f->lda && n <= f->n && diag_tag(L, f->n, lda) == f->diag)
-        dL = f->dev.get(0, where_);
-    if (!dL) {
-      CROSSKV_ASSERT(!device_only_.count(L), "CUDA backend: a solve names a factor kept only on the device, and "
-                                             "no longer held there (" + ops + ")");
-      const size_t count = static_cast<size_t>((n - 1) * lda + n);
-      double* d = other_.get(count, where_);
-      CK(cudaMemcpyAsync(d, L, count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
-      dL = d;
-    }
     const size_t bcount = static_cast<size_t>((n - 1) * ldb + nrhs);
     double* dB = rhs_.get(bcount, where_);
     CK(cudaMemcpyAsync(dB, B, bcount * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
@@ -691,9 +682,6 @@ class CudaBackend final : public ComputeBackend {
   Residents<float> sums_;
   Residents<double> dsums_;
   std::map<const float*, Sum<const float>> constants_;  // kept read-only operands (keep_constant)
-  std::vector<std::unique_ptr<DeviceFactor>> factors_;
-  std::set<const double*> device_only_;  // host arrays holding only a factor's diagonal
-  std::set<const double*> assembled_;    // host arrays holding only the diagonal of a system assembled here
   DeviceBuffer<double> other_, rhs_, mean_;
   DeviceBuffer<float> block_;
   DeviceBuffer<float> apply_;

@@ -29,7 +29,7 @@ cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int6
 // fp32 -> bf16 / fp16 bits, round to nearest even, NaN quieted as on the host.
 cudaError_t launch_to_half(const float* in, int64_t n, bool bf16, uint16_t* out, cudaStream_t stream);
 
-// One [F x F] block of Cxx + lambda*I (ComputeBackend::assemble_cov), as the host computes it (no fused multiply-add,
+// One [F x F] block of Cxx + lambda*I (ComputeBackend::factor_cov), as the host computes it (no fused multiply-add,
 // so the bits match): a[p*lda + q] = g(p, q) * inv_n - mean_i[p] * mean_j[q] (+ lambda when p == q and diagonal), g
 // read from `g` (ld F) as stored (read 0), transposed (1) or from its upper triangle (2); also written transposed to
 // at (the block (j, i)) unless null.

@@ -152,7 +152,8 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
   writer.drain();
   progress.finish();
   const SolveTimes& st = workspace.times;
-  spdlog::info("solve: {} assembling fp64 systems, {} factoring, {} substituting, {} R²/biases/weights; files "
+  spdlog::info("solve: {} assembling right-hand sides, {} assembling and factoring systems, {} substituting, {} "
+               "R²/biases/weights; files "
                "converted and written in {} ({} converting; {} of it behind the solves)",
                human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
                human_seconds(st.finish), human_seconds(writer.write_seconds()), human_seconds(writer.convert_seconds()),

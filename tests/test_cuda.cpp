@@ -154,10 +154,9 @@ TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
   for (int64_t i = 0; i < n * ldb; i += ldb) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
 }
 
-// Factoring for pivots: the host gets the pivots only (host A untouched), the solves use the factor kept on the
-// device, and a solve naming a factor no longer kept (four newer ones) stops with an assertion instead of using the
-// host's values.
-TEST_F(Cuda, DiagonalOnlyFactorsStayOnTheDevice) {
+// Factors are handles owning their device memory: many held at once (no fixed number kept), each solving like the
+// CPU's factor of the same system, the host's matrix left as it was, and the pivots copied to the host.
+TEST_F(Cuda, FactorHandlesOwnTheirDeviceMemory) {
   const int64_t n = 200, nrhs = 5;
   std::mt19937_64 rng(9);
   std::normal_distribution<double> nd(0, 1);
@@ -172,23 +171,28 @@ TEST_F(Cuda, DiagonalOnlyFactorsStayOnTheDevice) {
       }
     return A;
   };
-  const auto A = spd();
-  auto Lc = A, Lg = A;
-  ASSERT_EQ(cpu_->cholesky(n, Lc.data(), n), 0);
-  std::vector<double> pivots(n);
-  ASSERT_EQ(gpu_->cholesky(n, Lg.data(), n, pivots.data()), 0);
-  for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(Lc[i * n + i], pivots[i], 1e-10) << "pivot " << i;
-  EXPECT_EQ(Lg, A) << "the host keeps what it had";
+  std::vector<std::vector<double>> systems;
+  std::vector<ComputeBackend::FactorPtr> held;
+  for (int i = 0; i < 6; ++i) {
+    systems.push_back(spd());
+    const auto before = systems.back();
+    held.push_back(gpu_->factor_system(n, systems.back().data(), n));
+    ASSERT_EQ(held.back()->info, 0);
+    EXPECT_EQ(systems.back(), before) << "the host keeps what it had";
+  }
   std::vector<double> B(n * nrhs);
   for (auto& x : B) x = nd(rng);
-  auto Bc = B, Bg = B;
-  cpu_->cholesky_solve(n, Lc.data(), n, nrhs, Bc.data(), nrhs);
-  gpu_->cholesky_solve(n, Lg.data(), n, nrhs, Bg.data(), nrhs);
-  for (size_t i = 0; i < B.size(); ++i) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
-  std::vector<std::vector<double>> newer(4, spd());
-  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child runs the test afresh, with its own CUDA context
-  for (auto& m : newer) ASSERT_EQ(gpu_->cholesky(n, m.data(), n, pivots.data()), 0);
-  EXPECT_DEATH(gpu_->cholesky_solve(n, Lg.data(), n, nrhs, Bg.data(), nrhs), "no longer held");
+  for (size_t s = 0; s < systems.size(); ++s) {  // the oldest too: nothing was evicted
+    auto L = systems[s];
+    ASSERT_EQ(cpu_->cholesky(n, L.data(), n), 0);
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(L[i * n + i], held[s]->pivots[i], 1e-10) << "pivot " << i;
+    auto Bc = B, Bg = B;
+    cpu_->cholesky_solve(n, L.data(), n, nrhs, Bc.data(), nrhs);
+    gpu_->solve(*held[s], n, nrhs, Bg.data(), nrhs);
+    for (size_t i = 0; i < B.size(); ++i) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
+  }
+  const auto recycled = gpu_->factor_system(n, systems[0].data(), n, std::move(held[1]));  // memory lent back
+  EXPECT_EQ(recycled->pivots, held[0]->pivots);
 }
 
 TEST_F(Cuda, NotPositiveDefiniteReportsTheSameMinorAsTheCpu) {
@@ -307,49 +311,45 @@ class ShadowBackend final : public ComputeBackend {
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     cpu_->gram_acc(rows, m, staged(A, (rows - 1) * lda + m), lda, resident(sums_, C, (m - 1) * ldc + m), ldc);
   }
-  // A system assembled "on the device" is held here and the host copy poisoned: only the next cholesky of A may
-  // use it. Factors asked for with pivots are kept here (the last four, as on the device) and the host copy is
-  // poisoned: a solve must find its factor here, and nothing may read the host's.
-  void assemble_cov(const CovTerms& t, double lambda, double* A, int64_t lda, double* diag) override {
-    const int64_t n = t.nl * t.F;
-    std::vector<double> dev(n == 0 ? 0 : (n - 1) * lda + n);
-    assemble_cov_on_host(t, lambda, dev.data(), lda, diag);
-    poison(A, n, lda);
-    assembled_[A] = std::move(dev);
+  // Factors are the device's: each wraps a factor of the CPU backend that only this backend's solves can reach
+  // (a solve with another backend's factor is an assertion there). Systems are assembled "on the device".
+  struct ShadowFactor final : SystemFactor {
+    FactorPtr inner;
+  };
+  FactorPtr wrap(FactorPtr inner) {
+    auto f = std::make_unique<ShadowFactor>();
+    f->n = inner->n;
+    f->info = inner->info;
+    f->pivots = inner->pivots;
+    f->inner = std::move(inner);
+    return f;
+  }
+  static const SystemFactor& inner(const SystemFactor& f) {
+    const auto* s = dynamic_cast<const ShadowFactor*>(&f);
+    if (!s) ADD_FAILURE() << "a solve with a factor this backend did not make";
+    return *s->inner;
+  }
+  FactorPtr factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr) override {
     ++assembled;
+    return wrap(cpu_->factor_cov(t, lambda, diag));
   }
   int assembled = 0;
-  int64_t cholesky(int64_t n, double* A, int64_t lda, double* pivots) override {
-    std::vector<double> L(n == 0 ? 0 : (n - 1) * lda + n);
-    if (auto it = assembled_.find(A); it != assembled_.end()) {
-      L = std::move(it->second);
-      assembled_.erase(it);
-    } else {
-      std::copy(A, A + L.size(), L.begin());
-    }
-    const int64_t info = cpu_->cholesky(n, L.data(), lda, pivots);
-    factors_.erase(std::remove_if(factors_.begin(), factors_.end(), [&](const auto& f) { return f.first == A; }),
-                   factors_.end());
-    if (!pivots || n == 0) {
-      std::copy(L.begin(), L.end(), A);
-      device_only_.erase(A);
-      return info;
-    }
-    factors_.emplace(factors_.begin(), A, std::move(L));
-    if (factors_.size() > 4) factors_.pop_back();
-    device_only_.insert(A);
-    poison(A, n, lda);
-    return info;
+  FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr) override {
+    return wrap(cpu_->factor_system(n, A, lda));
   }
-  static void poison(double* A, int64_t n, int64_t lda) {
-    for (int64_t i = 0; i < n; ++i) std::fill_n(A + i * lda, n, std::numeric_limits<double>::quiet_NaN());
+  void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) override {
+    cpu_->solve(inner(f), n, nrhs, B, ldb);
   }
+  void solve_triangular(const SystemFactor& f, int64_t n, bool t, int64_t nrhs, double* B, int64_t ldb) override {
+    cpu_->solve_triangular(inner(f), n, t, nrhs, B, ldb);
+  }
+  int64_t cholesky(int64_t n, double* A, int64_t lda) override { return cpu_->cholesky(n, A, lda); }
   void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override {
-    cpu_->cholesky_solve(n, factor(L), lda, nrhs, B, ldb);
+    cpu_->cholesky_solve(n, L, lda, nrhs, B, ldb);
   }
   void triangular_solve(int64_t n, const double* L, int64_t lda, bool t, int64_t nrhs, double* B,
                         int64_t ldb) override {
-    cpu_->triangular_solve(n, factor(L), lda, t, nrhs, B, ldb);
+    cpu_->triangular_solve(n, L, lda, t, nrhs, B, ldb);
   }
   int flushes = 0;
   // A round's reduction reads the shadow copies of resident sums (a device comm's buffer is host memory here), zeroes
@@ -449,16 +449,7 @@ class ShadowBackend final : public ComputeBackend {
   std::deque<Round> rounds_;
   std::map<float*, std::vector<float>> sums_;
   std::map<double*, std::vector<double>> dsums_;
-  std::vector<std::pair<const double*, std::vector<double>>> factors_;
   std::map<const float*, std::vector<float>> constants_;
-  std::set<const double*> device_only_;
-  std::map<const double*, std::vector<double>> assembled_;
-  const double* factor(const double* L) {
-    for (const auto& [host, copy] : factors_)
-      if (host == L) return copy.data();
-    if (device_only_.count(L)) ADD_FAILURE() << "a solve names a factor no longer kept";
-    return L;
-  }
 };
 
 }  // namespace
@@ -824,19 +815,20 @@ void check_assembled_factor(ComputeBackend& dev, bool exact) {
   const double lambda = 0.01;
   for (const std::vector<int>& order : {std::vector<int>{2, 0, 1}, std::vector<int>{1}, std::vector<int>{0, 2}}) {
     const int64_t n = static_cast<int64_t>(order.size()) * d.F(), nrhs = 5;
-    std::vector<double> want(n * n), got(n * n, -1.0);
+    std::vector<double> want(n * n);
     m.cov_xx(order, want.data(), n);
     for (int64_t i = 0; i < n; ++i) want[i * n + i] += lambda;
-    std::vector<double> diag(n), pivots(n);
-    dev.assemble_cov(m.cov_xx_terms(order), lambda, got.data(), n, diag.data());
+    std::vector<double> diag(n);
+    const auto f = dev.factor_cov(m.cov_xx_terms(order), lambda, diag.data());
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(want[i * n + i], diag[i]) << "diagonal " << i;
     ASSERT_EQ(cpu->cholesky(n, want.data(), n), 0);
-    ASSERT_EQ(dev.cholesky(n, got.data(), n, pivots.data()), 0);
-    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(want[i * n + i], pivots[i], exact ? 0.0 : 1e-12 * want[i * n + i]);
+    ASSERT_EQ(f->info, 0);
+    ASSERT_EQ(f->n, n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(want[i * n + i], f->pivots[i], exact ? 0.0 : 1e-12 * want[i * n + i]);
     const auto b = random_rows(n * nrhs, 63, 0.0f);
     std::vector<double> xw(b.begin(), b.end()), xg = xw;
     cpu->cholesky_solve(n, want.data(), n, nrhs, xw.data(), nrhs);
-    dev.cholesky_solve(n, got.data(), n, nrhs, xg.data(), nrhs);
+    dev.solve(*f, n, nrhs, xg.data(), nrhs);
     for (int64_t i = 0; i < n * nrhs; ++i)
       ASSERT_NEAR(xw[i], xg[i], exact ? 0.0 : 1e-9 * (1 + std::fabs(xw[i]))) << "layers " << order.size() << ", " << i;
   }
