@@ -1,1 +1,2 @@
-// Empty: a layer's check library is the layer's archive linked whole (CMakeLists.txt, crosskv_layer).
+// A layer's check program: its archive linked whole (CMakeLists.txt, crosskv_layer); any undefined reference fails.
+int main() { return 0; }
