@@ -125,54 +125,42 @@ struct HostFactor final : DenseMaths::SystemFactor {
   BigVector<double> L;
 };
 
-// `reuse` when it is a host factor (its memory kept), else a new one.
-std::unique_ptr<HostFactor> host_factor(DenseMaths::FactorPtr reuse) {
-  if (auto* h = dynamic_cast<HostFactor*>(reuse.get())) {
-    reuse.release();
-    return std::unique_ptr<HostFactor>(h);
-  }
-  return std::make_unique<HostFactor>();
-}
-
-const HostFactor& as_host(const DenseMaths::SystemFactor& f) {
-  const auto* h = dynamic_cast<const HostFactor*>(&f);
-  CROSSKV_ASSERT(h, "a factor of another backend");
-  return *h;
+// Factors f.L (its order f.n) in place with the backend's kernel; the pivots are its diagonal.
+void factor_in_place(DenseMaths& be, HostFactor& f) {
+  f.info = be.cholesky(f.n, f.L.data(), f.n);
+  f.pivots.resize(static_cast<size_t>(f.n));
+  for (int64_t i = 0; i < f.n; ++i) f.pivots[i] = f.L[i * f.n + i];
 }
 
 }  // namespace
 
 DenseMaths::FactorPtr DenseMaths::factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr reuse) {
-  auto f = host_factor(std::move(reuse));
+  auto f = reuse_or_make<HostFactor>(std::move(reuse));
   f->n = t.nl * t.F;
   f->L.resize(static_cast<size_t>(f->n * f->n));
   assemble_cov_on_host(t, lambda, f->L.data(), f->n, diag);
-  f->info = cholesky(f->n, f->L.data(), f->n);
-  f->pivots.resize(static_cast<size_t>(f->n));
-  for (int64_t i = 0; i < f->n; ++i) f->pivots[i] = f->L[i * f->n + i];
+  factor_in_place(*this, *f);
   return f;
 }
 
 DenseMaths::FactorPtr DenseMaths::factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse) {
-  auto f = host_factor(std::move(reuse));
+  auto f = reuse_or_make<HostFactor>(std::move(reuse));
   f->n = n;
   f->L.resize(static_cast<size_t>(n * n));
   for (int64_t i = 0; i < n; ++i) std::copy_n(A + i * lda, n, f->L.data() + i * n);
-  f->info = cholesky(n, f->L.data(), n);
-  f->pivots.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) f->pivots[i] = f->L[i * n + i];
+  factor_in_place(*this, *f);
   return f;
 }
 
 void DenseMaths::solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) {
   CROSSKV_ASSERT(n <= f.n, "a solve with more rows than its factor");
-  cholesky_solve(n, as_host(f).L.data(), f.n, nrhs, B, ldb);
+  cholesky_solve(n, own<HostFactor>(f).L.data(), f.n, nrhs, B, ldb);
 }
 
 void DenseMaths::solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
                                   int64_t ldb) {
   CROSSKV_ASSERT(n <= f.n, "a solve with more rows than its factor");
-  triangular_solve(n, as_host(f).L.data(), f.n, transpose, nrhs, B, ldb);
+  triangular_solve(n, own<HostFactor>(f).L.data(), f.n, transpose, nrhs, B, ldb);
 }
 
 void InputPreparation::download(const float* operand, int64_t count, float* host) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/error.hpp"
 
 namespace crosskv {
 
@@ -60,6 +61,22 @@ class DenseMaths {
     std::vector<double> pivots;  // the factor's diagonal (the caller judges near-singular pivots from it)
   };
   using FactorPtr = std::unique_ptr<SystemFactor>;
+  // A backend's own factor type T: `reuse` when it is one (its memory kept), else a new one; and a factor named in a
+  // solve, which must be this backend's.
+  template <class T>
+  static std::unique_ptr<T> reuse_or_make(FactorPtr reuse) {
+    if (auto* f = dynamic_cast<T*>(reuse.get())) {
+      reuse.release();
+      return std::unique_ptr<T>(f);
+    }
+    return std::make_unique<T>();
+  }
+  template <class T>
+  static const T& own(const SystemFactor& f) {
+    const auto* t = dynamic_cast<const T*>(&f);
+    CROSSKV_ASSERT(t, "a factor of another backend");
+    return *t;
+  }
   // Cxx + lambda*I assembled where this backend factors it, and factored; diag[n] receives the system's diagonal. A
   // device backend uploads the fp32 blocks (half the bytes of the fp64 system) and keeps the factor there. `reuse`,
   // a factor of this backend no longer needed, lends its memory.

@@ -414,7 +414,7 @@ class CudaBackend final : public ComputeBackend {
   // system) and factored there; only its diagonal and the factor's pivots come to the host.
   FactorPtr factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr reuse) override {
     const int64_t F = t.F, nl = t.nl, n = nl * F;
-    auto f = cuda_factor(std::move(reuse));
+    auto f = reuse_or_make<CudaFactor>(std::move(reuse));
     f->n = n;
     if (n == 0) return f;
     const std::string ops = dims({{"layers", nl}, {"F", F}});
@@ -440,7 +440,7 @@ class CudaBackend final : public ComputeBackend {
   }
 
   FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse) override {
-    auto f = cuda_factor(std::move(reuse));
+    auto f = reuse_or_make<CudaFactor>(std::move(reuse));
     f->n = n;
     if (n == 0) return f;
     const std::string ops = dims({{"n", n}, {"lda", lda}});
@@ -454,12 +454,12 @@ class CudaBackend final : public ComputeBackend {
 
   void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) override {
     CROSSKV_ASSERT(n <= f.n, "a solve with more rows than its factor");
-    solve_on_device(as_cuda(f).dev.data(), n, f.n, nrhs, B, ldb, {false, true});
+    solve_on_device(own<CudaFactor>(f).dev.data(), n, f.n, nrhs, B, ldb, {false, true});
   }
   void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
                         int64_t ldb) override {
     CROSSKV_ASSERT(n <= f.n, "a solve with more rows than its factor");
-    solve_on_device(as_cuda(f).dev.data(), n, f.n, nrhs, B, ldb, {transpose});
+    solve_on_device(own<CudaFactor>(f).dev.data(), n, f.n, nrhs, B, ldb, {transpose});
   }
 
   // The kernels on host arrays (reference checks): uploaded, computed, copied back.
@@ -606,18 +606,6 @@ class CudaBackend final : public ComputeBackend {
                            static_cast<size_t>(n), cudaMemcpyDeviceToHost, compute_),
          ops);
     CK(cudaStreamSynchronize(compute_), ops);
-  }
-  static std::unique_ptr<CudaFactor> cuda_factor(FactorPtr reuse) {
-    if (auto* c = dynamic_cast<CudaFactor*>(reuse.get())) {
-      reuse.release();
-      return std::unique_ptr<CudaFactor>(c);
-    }
-    return std::make_unique<CudaFactor>();
-  }
-  static const CudaFactor& as_cuda(const SystemFactor& f) {
-    const auto* c = dynamic_cast<const CudaFactor*>(&f);
-    CROSSKV_ASSERT(c, "a factor of another backend");
-    return *c;
   }
   // cusolverDnXpotrf in place on device matrix dA (row-major lower = column-major upper); returns LAPACK's info.
   int potrf(double* dA, int64_t n, int64_t lda, const std::string& ops) {

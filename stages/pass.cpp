@@ -165,12 +165,12 @@ void add_stats(PassStats& to, const PassStats& s) {
   to.bytes += s.bytes;
 }
 
-// Pass 1 domain by domain, each with complete moments of its own (<ckpt_dir>/domain-<name>), summed with the
-// domains' weights into `into`.
+// Pass 1 domain by domain, each with complete moments of its own (<ckpt_dir>/domain-<name>) over `full` and the
+// probe's `pp`, summed with the domains' weights into `into`.
 PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, const std::string& ckpt_dir,
-                          bool fresh, const Shifts& sh, FitMoments& into) {
+                          bool fresh, const Shifts& sh, const MomentPlan& full, const MomentPlan& pp,
+                          FitMoments& into) {
   const PairDims d = cal.dims();
-  const MomentPlan pp = probe_plan(d, cal.cfg.probe), full = MomentPlan::full(d, false);
   Sha256 shift_hash;
   for (const auto* v : {&sh.xk, &sh.yk, &sh.xk_raw, &sh.yk_raw, &sh.xv, &sh.yv})
     shift_hash.update(v->data(), v->size() * sizeof(float));
@@ -232,7 +232,7 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
     throw ConfigError(cal.cfg.config_path +
                       ": calibration.weights needs a single-pass fit (raise runtime.max_moment_gib)");
   if (per_domain) {
-    p1.stats = per_domain_pass(cal, plan, ctx, ckpt_dir, fresh, sh, p1.m);
+    p1.stats = per_domain_pass(cal, plan, ctx, ckpt_dir, fresh, sh, full, pp, p1.m);
   } else {
     const bool one_reader = ctx.readers().size() == 1;  // its checkpointed sums are read straight into its moments
     p1.store = std::make_unique<CheckpointStore>(ckpt_dir, checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm,

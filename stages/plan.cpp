@@ -184,7 +184,7 @@ FitPlan plan_job(const Calibration& cal, Context& ctx, int ranks, bool plan_only
   }
   return agreed(ctx.comm, [&] {
     double max_gib = cfg.max_moment_gib, device_gib = -1;
-    const double least = least_free_gib;
+    const double least = least_free_gib;  // GiB, -1 for host backends
     if (least >= 0) {
       const double inputs_gib = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0 / (1ull << 30);
       device_gib = 0.9 * least - inputs_gib;
