@@ -93,7 +93,9 @@ TEST(ThreadComm, UserErrorsAreAgreedOnAndReportedOnce) {
       ADD_FAILURE() << "rank " << comm.rank() << " did not throw";
     } catch (const AgreedError& e) {
       EXPECT_EQ(e.exit_code, 3);
-      if (e.report) EXPECT_STREQ(e.what(), "rank 1 cannot solve");
+      if (e.report) {
+        EXPECT_STREQ(e.what(), "rank 1 cannot solve");
+      }
       std::lock_guard<std::mutex> lk(m);
       seen.emplace_back(comm.rank(), e.report);
     }
@@ -216,8 +218,9 @@ TEST(DistributedFit, AStopRequestEndsEveryRankAndTheJobResumes) {
   fit("stopped", go);
   for (const char* k : {"k1", "kall"})
     for (const auto& e : fs::directory_iterator(tmp.str(std::string("ref/") + k)))
-      if (e.path().filename() != "manifest.json")
+      if (e.path().filename() != "manifest.json") {
         EXPECT_TRUE(file_bytes(e.path().string()) ==
                     file_bytes(tmp.str(std::string("stopped/") + k + "/" + e.path().filename().string())))
             << e.path();
+      }
 }
