@@ -1,7 +1,6 @@
 #include "core/moments.hpp"
 
 #include <algorithm>
-#include <set>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -13,35 +12,6 @@ namespace crosskv {
 // Below this many elements the host loops run on one thread (a parallel region costs more than it saves).
 constexpr int64_t kParallelMin = int64_t{1} << 22;
 
-FloatArena::FloatArena(int64_t count) : n_(count) {
-  CROSSKV_ASSERT(count >= 0, "negative arena size");
-  p_ = static_cast<float*>(allocate_zeroed(static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(float)));
-}
-
-FloatArena::~FloatArena() { release_zeroed(p_, static_cast<size_t>(std::max<int64_t>(n_, 1)) * sizeof(float)); }
-
-MomentPlan MomentPlan::full(const PairDims& d, bool head_probe) {
-  MomentPlan p;
-  for (int a = 0; a < d.Ls; ++a)
-    for (int b = a; b < d.Ls; ++b) p.gram.emplace_back(a, b);
-  for (int a = 0; a < d.Ls; ++a)
-    for (int l = 0; l < d.Lt; ++l) p.cross.emplace_back(a, l);
-  if (head_probe) p.probe_heads = all_heads(d);
-  return p;
-}
-
-std::vector<int> MomentPlan::all_heads(const PairDims& d) {
-  std::vector<int> h(d.Hs);
-  for (int i = 0; i < d.Hs; ++i) h[i] = i;
-  return h;
-}
-
-int64_t MomentPlan::floats(const PairDims& d) const {
-  int64_t n = static_cast<int64_t>(gram.size()) * d.F() * d.F() + static_cast<int64_t>(cross.size()) * d.F() * d.G();
-  n += static_cast<int64_t>(probe_heads.size()) * (int64_t{d.Ls} * d.Ds * d.Ds + int64_t{d.Ls} * d.Ds * d.Lt * d.Dt);
-  return n;
-}
-
 Moments::Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<float> shift_y)
     : d_(dims), shift_x_(std::move(shift_x)), shift_y_(std::move(shift_y)) {
   CROSSKV_ASSERT(static_cast<int64_t>(shift_x_.size()) == d_.X() && static_cast<int64_t>(shift_y_.size()) == d_.Y(),
@@ -49,108 +19,10 @@ Moments::Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<f
   sum_x_.assign(d_.X(), 0.0);
   sum_y_.assign(d_.Y(), 0.0);
   sq_y_.assign(d_.Y(), 0.0);
+  blocks_ = MomentBlocks(d_);
 }
 
-std::vector<BlockRef> Moments::new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes) {
-  int64_t total = 0;
-  for (const auto& [r, c] : shapes) total += r * c;
-  arenas_.push_back(std::make_unique<FloatArena>(total));
-  float* p = arenas_.back()->data();
-  std::vector<BlockRef> out;
-  for (const auto& [r, c] : shapes) {
-    out.push_back({r * c != 0 ? p : nullptr, r, c, c});
-    p += r * c;
-  }
-  return out;
-}
-
-void Moments::add_plan(const MomentPlan& plan) {
-  const int64_t F = d_.F(), G = d_.G(), Y = d_.Y();
-  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-  std::vector<std::pair<int, int>> grams, crosses;  // new blocks, in plan order (the order of the flat live state)
-  std::set<std::pair<int, int>> seen_gram, seen_cross;
-  for (auto p : plan.gram) {
-    CROSSKV_ASSERT(p.first <= p.second && p.second < Ls, "bad gram pair");
-    if (!gram_idx_.count(p) && seen_gram.insert(p).second) grams.push_back(p);
-  }
-  for (auto p : plan.cross) {
-    CROSSKV_ASSERT(p.first < Ls && p.second < Lt, "bad cross pair");
-    if (!cross_idx_.count(p) && seen_cross.insert(p).second) crosses.push_back(p);
-  }
-  const bool heads = !plan.probe_heads.empty() && head_cross_.empty();
-  std::vector<bool> probe(H, false);
-  if (heads) {
-    CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
-    for (int h : plan.probe_heads) {
-      CROSSKV_ASSERT(h >= 0 && h < H, "bad probe head");
-      probe[h] = true;
-    }
-  }
-  if (grams.empty() && crosses.empty() && !heads) return;
-  // Panels: source layers whose Gram row or cross row this plan adds whole.
-  std::vector<int64_t> gram_row(Ls, 0), cross_row(Ls, 0);
-  for (const auto& pr : grams) ++gram_row[pr.first];
-  for (const auto& pr : crosses) ++cross_row[pr.first];
-  // Layout of the arena: Gram panels, cross panels (consecutive ones adjacent), single blocks, same-head blocks.
-  int64_t off = 0;
-  std::vector<int64_t> gpanel(Ls, -1), cpanel(Ls, -1);
-  for (int a = 0; a < Ls; ++a)
-    if (gram_row[a] == Ls - a) gpanel[a] = off, off += F * (Ls - a) * F;
-  for (int a = 0; a < Ls; ++a)
-    if (cross_row[a] == Lt) cpanel[a] = off, off += F * Y;
-  std::vector<int64_t> gsingle(grams.size(), -1), csingle(crosses.size(), -1);
-  for (size_t i = 0; i < grams.size(); ++i)
-    if (gpanel[grams[i].first] < 0) gsingle[i] = off, off += F * F;
-  for (size_t i = 0; i < crosses.size(); ++i)
-    if (cpanel[crosses[i].first] < 0) csingle[i] = off, off += F * G;
-  const int64_t head_off = off;
-  if (heads)
-    for (int h = 0; h < H; ++h)
-      if (probe[h]) off += int64_t{Ls} * Ds * Ds + int64_t{Ls} * Ds * Lt * Dt;
-  arenas_.push_back(std::make_unique<FloatArena>(off));
-  live_arenas_.push_back(arenas_.back().get());
-  float* base = arenas_.back()->data();
-  for (size_t i = 0; i < grams.size(); ++i) {
-    const auto [a, b] = grams[i];
-    gram_idx_.emplace(grams[i], gram_.size());
-    gram_.push_back(gpanel[a] >= 0 ? BlockRef{base + gpanel[a] + (b - a) * F, F, F, (Ls - a) * F}
-                                   : BlockRef{base + gsingle[i], F, F, F});
-    gram_live_.push_back(true);
-    gram_in_panel_.push_back(gpanel[a] >= 0);
-  }
-  for (size_t i = 0; i < crosses.size(); ++i) {
-    const auto [a, l] = crosses[i];
-    cross_idx_.emplace(crosses[i], cross_.size());
-    cross_.push_back(cpanel[a] >= 0 ? BlockRef{base + cpanel[a] + l * G, F, G, Y}
-                                    : BlockRef{base + csingle[i], F, G, G});
-    cross_live_.push_back(true);
-    cross_in_panel_.push_back(cpanel[a] >= 0);
-  }
-  for (int a = 0; a < Ls; ++a)
-    if (gpanel[a] >= 0) panels_.push_back({a * F, F, false, a * F, (Ls - a) * F, base + gpanel[a], (Ls - a) * F});
-  for (int a = 0; a < Ls;) {
-    if (cpanel[a] < 0) {
-      ++a;
-      continue;
-    }
-    int b = a;
-    while (b + 1 < Ls && cpanel[b + 1] >= 0) ++b;
-    panels_.push_back({a * F, (b - a + 1) * F, true, 0, Y, base + cpanel[a], Y});
-    a = b + 1;
-  }
-  if (heads) {
-    float* p = base + head_off;
-    head_gram_.assign(int64_t{Ls} * H, BlockRef{});
-    head_cross_.assign(H, BlockRef{});
-    for (int h = 0; h < H; ++h) {
-      if (!probe[h]) continue;
-      for (int a = 0; a < Ls; ++a, p += int64_t{Ds} * Ds) head_gram_[int64_t{a} * H + h] = {p, Ds, Ds, Ds};
-      head_cross_[h] = {p, int64_t{Ls} * Ds, int64_t{Lt} * Dt, int64_t{Lt} * Dt};
-      p += int64_t{Ls} * Ds * Lt * Dt;
-    }
-    head_live_ = true;
-  }
-}
+void Moments::add_plan(const MomentPlan& plan) { blocks_.add_plan(plan); }
 
 void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
   const int64_t XW = d_.X(), YW = d_.Y();
@@ -164,85 +36,26 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
 }
 
 void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows) {
-  const int64_t XW = d_.X(), YW = d_.Y(), F = d_.F(), G = d_.G();
-  for (const FloatArena* a : live_arenas_) be.keep_resident(a->data(), a->size(), live_zero_);
-  live_zero_ = false;
+  const int64_t XW = d_.X(), YW = d_.Y();
+  blocks_.make_resident(be);
   if (!stats_done_) {
     be.column_stats(rows, XW, X, XW, sum_x_.data(), nullptr);
     be.column_stats(rows, YW, Y, YW, sum_y_.data(), sq_y_.data());
     n_ += static_cast<double>(rows);
   }
-  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds;
-  // Head-major copies: source head h of every layer side by side, likewise for the targets.
-  const float* hx = head_live_ ? be.gather_heads(rows, Ls, H, Ds, X, hx_) : nullptr;
-  const float* hy = head_live_ ? be.gather_heads(rows, Lt, d_.Ht, d_.Dt, Y, hy_) : nullptr;
-  for (const Panel& pn : panels_)
-    be.cross_acc(rows, pn.m, pn.n, X + pn.x_col, XW, (pn.from_y ? Y : X) + pn.b_col, pn.from_y ? YW : XW, pn.C,
-                 pn.ldc);
-  std::vector<ComputeBackend::CrossTerm> grams, crosses;  // blocks outside panels (contiguous)
-  for (const auto& [p, i] : gram_idx_) {
-    if (!gram_live_[i] || gram_in_panel_[i]) continue;
-    if (p.first == p.second)
-      be.gram_acc(rows, F, X + p.first * F, XW, gram_[i].p, F);
-    else
-      grams.push_back({X + p.first * F, X + p.second * F, gram_[i].p});
-  }
-  for (const auto& [p, i] : cross_idx_)
-    if (cross_live_[i] && !cross_in_panel_[i]) crosses.push_back({X + p.first * F, Y + p.second * G, cross_[i].p});
-  be.cross_acc_batch(rows, F, F, grams, XW, XW, F);
-  be.cross_acc_batch(rows, F, G, crosses, XW, YW, G);
-  if (head_live_) {
-    for (int h = 0; h < H; ++h)
-      if (!head_cross_[h].empty())
-        be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * d_.Dt, hx + int64_t{h} * Ls * Ds, XW,
-                     hy + int64_t{h} * Lt * d_.Dt, YW, head_cross_[h].p, int64_t{Lt} * d_.Dt);
-    for (int a = 0; a < Ls; ++a)
-      for (int h = 0; h < H; ++h)
-        if (!head_cross_[h].empty())
-          be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].p, Ds);
-  }
+  blocks_.accumulate(be, X, Y, rows);
 }
-
-namespace {
-template <class Fn>
-void for_each_live(const std::vector<BlockRef>& gram, const std::vector<bool>& gram_live,
-                   const std::vector<BlockRef>& cross, const std::vector<bool>& cross_live, bool head_live,
-                   const std::vector<BlockRef>& head_gram, const std::vector<BlockRef>& head_cross, Fn fn) {
-  for (size_t i = 0; i < gram.size(); ++i)
-    if (gram_live[i]) fn(i, Moments::BlockKind::gram);
-  for (size_t i = 0; i < cross.size(); ++i)
-    if (cross_live[i]) fn(i, Moments::BlockKind::cross);
-  if (head_live) {
-    for (size_t i = 0; i < head_gram.size(); ++i) fn(i, Moments::BlockKind::head_gram);
-    for (size_t i = 0; i < head_cross.size(); ++i) fn(i, Moments::BlockKind::head_cross);
-  }
-}
-}  // namespace
 
 size_t Moments::live_floats() const {
   size_t n = 0;
-  auto* self = this;
-  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_,
-                [&](size_t i, BlockKind kind) { n += self->live_block(i, kind).size(); });
+  for (const auto& [b, at] : blocks_.live_layout()) n += b->size();
   return n;
 }
 
 size_t Moments::live_doubles() const { return stats_done_ ? 0 : 1 + sum_x_.size() + 2 * sum_y_.size(); }
 
-std::vector<std::pair<const BlockRef*, int64_t>> Moments::live_layout() const {
-  std::vector<std::pair<const BlockRef*, int64_t>> out;
-  int64_t off = 0;
-  auto* self = this;
-  for_each_live(gram_, gram_live_, cross_, cross_live_, head_live_, head_gram_, head_cross_, [&](size_t i, BlockKind kind) {
-    const BlockRef& b = self->live_block(i, kind);
-    out.emplace_back(&b, off);
-    off += b.size();
-  });
-  return out;
-}
-
 void Moments::unpack_live_doubles(const double* d) {
-  live_zero_ = false;
+  blocks_.touched();
   if (!stats_done_) {
     n_ = *d++;
     std::copy_n(d, sum_x_.size(), sum_x_.begin());
@@ -257,7 +70,7 @@ void Moments::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f,
                           std::vector<ComputeBackend::SumPiece<double>>& d) {
   const int64_t f_at = flat_size(f);
   int64_t d_at = flat_size(d);
-  for (const auto& [b, at] : live_layout()) f.push_back({b->p, b->rows, b->cols, b->ld, f_at + at});
+  for (const auto& [b, at] : blocks_.live_layout()) f.push_back({b->p, b->rows, b->cols, b->ld, f_at + at});
   if (stats_done_) return;
   d.push_back({&n_, 1, 1, 1, d_at++});
   for (std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
@@ -268,8 +81,7 @@ void Moments::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f,
 }
 
 void Moments::zero_live(ComputeBackend& be) {
-  for (const FloatArena* a : live_arenas_) be.zero_sums(a->data(), a->size());  // a live arena holds live blocks only
-  live_zero_ = true;
+  blocks_.zero_live(be);
   if (!stats_done_) {
     n_ = 0;
     be.zero_sums(sum_x_.data(), static_cast<int64_t>(sum_x_.size()));
@@ -280,21 +92,12 @@ void Moments::zero_live(ComputeBackend& be) {
 
 void Moments::mark_pass_complete() {
   stats_done_ = true;
-  std::fill(gram_live_.begin(), gram_live_.end(), false);
-  std::fill(cross_live_.begin(), cross_live_.end(), false);
-  head_live_ = false;
-  live_arenas_.clear();
-  live_zero_ = true;
-  panels_.clear();
+  blocks_.mark_complete();
 }
 
 void Moments::scale(double w) {
   if (w == 1.0) return;
-  const float wf = static_cast<float>(w);
-  for (auto* set : {&gram_, &cross_, &head_gram_, &head_cross_})
-    for (const BlockRef& b : *set)
-      for (int64_t r = 0; r < b.rows; ++r)
-        for (float* x = b.row(r); x != b.row(r) + b.cols; ++x) *x *= wf;
+  blocks_.scale(static_cast<float>(w));
   n_ *= w;
   for (auto& x : sum_x_) x *= w;
   for (auto& x : sum_y_) x *= w;
@@ -303,24 +106,7 @@ void Moments::scale(double w) {
 
 void Moments::add(const Moments& o, double weight) {
   CROSSKV_ASSERT(shift_x_ == o.shift_x_ && shift_y_ == o.shift_y_, "moments about different shifts");
-  CROSSKV_ASSERT(gram_idx_ == o.gram_idx_ && cross_idx_ == o.cross_idx_ && head_cross_.size() == o.head_cross_.size(),
-                 "moments with different blocks");
-  const float wf = static_cast<float>(weight);
-  live_zero_ = false;
-  auto add_all = [wf](std::vector<BlockRef>& a, const std::vector<BlockRef>& b) {
-    for (size_t i = 0; i < a.size(); ++i) {
-      CROSSKV_ASSERT(a[i].rows == b[i].rows && a[i].cols == b[i].cols, "moments with different block shapes");
-      for (int64_t r = 0; r < a[i].rows; ++r) {
-        float* x = a[i].row(r);
-        const float* y = b[i].row(r);
-        for (int64_t c = 0; c < a[i].cols; ++c) x[c] += wf == 1.0f ? y[c] : wf * y[c];
-      }
-    }
-  };
-  add_all(gram_, o.gram_);
-  add_all(cross_, o.cross_);
-  add_all(head_gram_, o.head_gram_);
-  add_all(head_cross_, o.head_cross_);
+  blocks_.add(o.blocks_, static_cast<float>(weight));
   n_ += weight * o.n_;
   for (size_t i = 0; i < sum_x_.size(); ++i) sum_x_[i] += weight * o.sum_x_[i];
   for (size_t i = 0; i < sum_y_.size(); ++i) {
@@ -329,61 +115,11 @@ void Moments::add(const Moments& o, double weight) {
   }
 }
 
-const BlockRef& Moments::live_block(size_t i, BlockKind kind) const {
-  switch (kind) {
-    case BlockKind::gram: return gram_[i];
-    case BlockKind::cross: return cross_[i];
-    case BlockKind::head_gram: return head_gram_[i];
-    case BlockKind::head_cross: return head_cross_[i];
-  }
-  CROSSKV_ASSERT(false, "unknown block kind");
-}
-
-void Moments::derive_head_probe() {
-  CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
-  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-  std::vector<std::pair<int64_t, int64_t>> shapes(int64_t{Ls} * H, {Ds, Ds});
-  shapes.insert(shapes.end(), H, {int64_t{Ls} * Ds, int64_t{Lt} * Dt});
-  const std::vector<BlockRef> blocks = new_blocks(shapes);
-  head_gram_.assign(blocks.begin(), blocks.begin() + int64_t{Ls} * H);
-  head_cross_.assign(blocks.begin() + int64_t{Ls} * H, blocks.end());
-  for (int a = 0; a < Ls; ++a) {
-    const auto& g = gram_block(a, a);
-    for (int h = 0; h < H; ++h)
-      for (int p = 0; p < Ds; ++p)
-        for (int q = p; q < Ds; ++q)
-          head_gram_[int64_t{a} * H + h].at(p, q) = g.at(int64_t{h} * Ds + p, int64_t{h} * Ds + q);
-    for (int l = 0; l < Lt; ++l) {
-      if (!has_cross(a, l)) continue;
-      const auto& c = cross_block(a, l);
-      for (int h = 0; h < H; ++h)
-        for (int p = 0; p < Ds; ++p)
-          std::copy_n(c.row(int64_t{h} * Ds + p) + int64_t{h} * Dt, Dt,
-                      head_cross_[h].row(int64_t{a} * Ds + p) + int64_t{l} * Dt);
-    }
-  }
-}
+void Moments::derive_head_probe() { blocks_.derive_head_probe(); }
 
 int64_t Moments::bytes() const {
-  int64_t b = static_cast<int64_t>(sizeof(double)) * (sum_x_.size() + 2 * sum_y_.size()) +
-              static_cast<int64_t>(sizeof(float)) * (shift_x_.size() + shift_y_.size());
-  for (const auto& v : gram_) b += v.size() * sizeof(float);
-  for (const auto& v : cross_) b += v.size() * sizeof(float);
-  for (const auto& v : head_gram_) b += v.size() * sizeof(float);
-  for (const auto& v : head_cross_) b += v.size() * sizeof(float);
-  return b;
-}
-
-const BlockRef& Moments::gram_block(int a, int b) const {
-  auto it = gram_idx_.find({a, b});
-  CROSSKV_ASSERT(it != gram_idx_.end(), "gram block (" + std::to_string(a) + "," + std::to_string(b) + ") missing");
-  return gram_[it->second];
-}
-
-const BlockRef& Moments::cross_block(int a, int l) const {
-  auto it = cross_idx_.find({a, l});
-  CROSSKV_ASSERT(it != cross_idx_.end(), "cross block (" + std::to_string(a) + "," + std::to_string(l) + ") missing");
-  return cross_[it->second];
+  return static_cast<int64_t>(sizeof(double)) * (sum_x_.size() + 2 * sum_y_.size()) +
+         static_cast<int64_t>(sizeof(float)) * (shift_x_.size() + shift_y_.size() + blocks_.floats());
 }
 
 std::vector<double> Moments::mean_x(int a) const {
@@ -416,7 +152,7 @@ ComputeBackend::CovTerms Moments::cov_xx_terms(const std::vector<int>& layers) c
   for (int64_t i = 0; i < t.nl; ++i)
     for (int64_t j = 0; j < t.nl; ++j) {
       const int a = layers[i], b = layers[j];
-      const BlockRef& g = gram_block(std::min(a, b), std::max(a, b));  // a missing block throws here
+      const BlockRef& g = blocks_.gram(std::min(a, b), std::max(a, b));  // a missing block throws here
       t.blocks.push_back({g.p, g.ld, a < b ? Read::as_is : a > b ? Read::transposed : Read::upper});
     }
   for (int a : layers)
@@ -433,7 +169,7 @@ void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t l
   const double inv_n = 1.0 / n_;
   const int64_t nl = static_cast<int64_t>(layers.size());
   std::vector<BlockRef> blocks(nl);
-  for (int64_t i = 0; i < nl; ++i) blocks[i] = cross_block(layers[i], l);
+  for (int64_t i = 0; i < nl; ++i) blocks[i] = blocks_.cross(layers[i], l);
 #pragma omp parallel for schedule(static) if (nl * F * G > kParallelMin)
   for (int64_t ip = 0; ip < nl * F; ++ip) {
     const int64_t i = ip / F, p = ip % F;
@@ -444,21 +180,9 @@ void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t l
   }
 }
 
-BlockRef Moments::complete_gram(int a, int b) {
-  CROSSKV_ASSERT(a <= b && b < d_.Ls, "bad gram pair");
-  auto [it, added] = gram_idx_.emplace(std::make_pair(a, b), gram_.size());
-  if (added) {
-    gram_.push_back(new_blocks({{d_.F(), d_.F()}}).front());
-    gram_live_.push_back(false);
-    gram_in_panel_.push_back(false);
-  }
-  CROSSKV_ASSERT(!gram_live_[it->second], "complete_gram on a block being accumulated");
-  return gram_[it->second];
-}
-
 void Moments::head_cov_xx(int a, int h, double* A) const {
   const int Ds = d_.Ds;
-  const auto& g = head_gram_.at(int64_t{a} * d_.Hs + h);
+  const auto& g = blocks_.head_gram(a, h);
   CROSSKV_ASSERT(!g.empty(), "same-head probe block of head " + std::to_string(h) + " not accumulated here");
   const int64_t base = a * d_.F() + int64_t{h} * Ds;
   for (int p = 0; p < Ds; ++p)
@@ -470,7 +194,7 @@ void Moments::head_cov_xx(int a, int h, double* A) const {
 
 void Moments::head_cov_xy(int a, int h, double* B) const {
   const int Ds = d_.Ds, Dt = d_.Dt, Lt = d_.Lt;
-  const auto& c = head_cross_.at(h);
+  const auto& c = blocks_.head_cross(h);
   CROSSKV_ASSERT(!c.empty(), "same-head probe block of head " + std::to_string(h) + " not accumulated here");
   const int64_t xbase = a * d_.F() + int64_t{h} * Ds;
   for (int p = 0; p < Ds; ++p)

@@ -1,6 +1,7 @@
 #pragma once
-// Moment accumulation (SPEC §3): fp32 Gram/cross blocks of shifted features and targets, fp64 sums.
-// Every later quantity (probe R², fits for any k and λ, in-sample R²) is a function of these.
+// Moment accumulation (SPEC §3): fp32 Gram/cross blocks of shifted features and targets (stored in MomentBlocks),
+// fp64 token sums, and the centred covariances they give. Every later quantity (probe R², fits for any k and λ,
+// in-sample R²) is a function of these.
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -9,66 +10,14 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/moment_blocks.hpp"
 
 namespace crosskv {
 
 class Comm;
 
-// fp32 moment blocks live in a few large zero-initialised allocations (one per add_plan, core/memory): untouched
-// pages cost nothing until written, and a device backend keeps a pass's blocks resident as one allocation.
-class FloatArena {
- public:
-  explicit FloatArena(int64_t count);
-  ~FloatArena();
-  FloatArena(const FloatArena&) = delete;
-  FloatArena& operator=(const FloatArena&) = delete;
-  float* data() const { return p_; }
-  int64_t size() const { return n_; }
-
- private:
-  float* p_ = nullptr;
-  int64_t n_ = 0;
-};
-
-// A moment block: rows x cols floats of arena memory, row-major with leading dimension ld (the blocks of a panel
-// share its rows); empty for an absent block.
-struct BlockRef {
-  float* p = nullptr;
-  int64_t rows = 0, cols = 0, ld = 0;
-  float* row(int64_t r) const { return p + r * ld; }
-  float& at(int64_t r, int64_t c) const { return p[r * ld + c]; }
-  int64_t size() const { return rows * cols; }
-  bool empty() const { return size() == 0; }
-  bool contiguous() const { return ld == cols; }
-};
-
-// Shapes of one kind (keys stripped, keys raw, or values) of a model pair.
-struct PairDims {
-  int Ls = 0, Hs = 0, Ds = 0;  // source layers, KV heads, head dim
-  int Lt = 0, Ht = 0, Dt = 0;  // target
-  int64_t F() const { return int64_t{Hs} * Ds; }  // features per source layer
-  int64_t G() const { return int64_t{Ht} * Dt; }  // targets per target layer
-  int64_t X() const { return Ls * F(); }
-  int64_t Y() const { return Lt * G(); }
-};
-
-// Which moment blocks to accumulate.
-struct MomentPlan {
-  std::vector<std::pair<int, int>> gram;   // source layer pairs (a, b), a <= b: [F x F]
-  std::vector<std::pair<int, int>> cross;  // (source a, target l): [F x G]
-  std::vector<int> probe_heads;            // same-head blocks of these heads: per (a, h) [Ds x Ds]; per h [Ls*Ds x Lt*Dt]
-
-  static MomentPlan full(const PairDims& d, bool head_probe);
-  static std::vector<int> all_heads(const PairDims& d);
-  bool empty() const { return gram.empty() && cross.empty() && probe_heads.empty(); }
-  int64_t floats(const PairDims& d) const;
-};
-
 class Moments {
  public:
-  // The kinds of fp32 blocks: Gram (a, b), cross (a, l), and the same-head probe's per-head Gram and cross blocks.
-  enum class BlockKind { gram, cross, head_gram, head_cross };
-
   Moments() = default;
   Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<float> shift_y);
 
@@ -107,12 +56,12 @@ class Moments {
   // absent cross blocks stay zero).
   void derive_head_probe();
   // A complete Gram block (a, b), created as zeros if absent: for blocks accumulated on other ranks.
-  BlockRef complete_gram(int a, int b);
+  BlockRef complete_gram(int a, int b) { return blocks_.complete_gram(a, b); }
 
   int64_t tokens() const { return static_cast<int64_t>(n_); }
-  bool has_gram(int a, int b) const { return gram_idx_.count({a, b}) > 0; }
-  bool has_cross(int a, int l) const { return cross_idx_.count({a, l}) > 0; }
-  bool has_head_probe(int h) const { return h < static_cast<int>(head_cross_.size()) && !head_cross_[h].empty(); }
+  bool has_gram(int a, int b) const { return blocks_.has_gram(a, b); }
+  bool has_cross(int a, int l) const { return blocks_.has_cross(a, l); }
+  bool has_head_probe(int h) const { return blocks_.has_head_probe(h); }
   int64_t bytes() const;
 
   // Centred covariances in fp64 (divided by N). Means are of the unshifted data.
@@ -135,13 +84,6 @@ class Moments {
   const std::vector<float>& shift_y() const { return shift_y_; }
 
  private:
-  const BlockRef& gram_block(int a, int b) const;
-  const BlockRef& live_block(size_t i, BlockKind kind) const;
-  // Every live block with its offset in the flat live state.
-  std::vector<std::pair<const BlockRef*, int64_t>> live_layout() const;
-  const BlockRef& cross_block(int a, int l) const;
-  // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).
-  std::vector<BlockRef> new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes);
   double mx(int64_t col) const { return sum_x_[col] / n_; }
   double my(int64_t col) const { return sum_y_[col] / n_; }
 
@@ -149,31 +91,8 @@ class Moments {
   double n_ = 0;
   std::vector<float> shift_x_, shift_y_;
   std::vector<double> sum_x_, sum_y_, sq_y_;
-  std::map<std::pair<int, int>, std::size_t> gram_idx_, cross_idx_;
-  std::vector<std::unique_ptr<FloatArena>> arenas_;
-  std::vector<BlockRef> gram_, cross_;
-  std::vector<BlockRef> head_gram_;   // [Ls*Hs] of Ds x Ds (upper)
-  std::vector<BlockRef> head_cross_;  // [Hs] of (Ls*Ds) x (Lt*Dt)
-  std::vector<float> hx_, hy_;        // head-major scratch
-  // Blocks being accumulated in the current pass (the rest are complete), the arenas that hold them, and whether
-  // they are all zero (just made, or zeroed after a round: on the host, or on the device where they stay resident,
-  // so keep_resident's promise holds whenever it can still create a range).
-  std::vector<bool> gram_live_, cross_live_;
-  bool head_live_ = false, stats_done_ = false;
-  std::vector<const FloatArena*> live_arenas_;
-  bool live_zero_ = true;
-  // Where a plan adds every Gram block (a, b >= a) or every cross block (a, l) of a source layer a, those blocks form
-  // a panel, [F x (Ls-a)F] or [F x Y] (consecutive cross panels: one [n*F x Y] matrix), accumulated by one wide GEMM
-  // each instead of block by block: C = X[:, x_col .. x_col+m)^T (Y or X)[:, b_col .. b_col+n).
-  struct Panel {
-    int64_t x_col, m;
-    bool from_y;
-    int64_t b_col, n;
-    float* C;
-    int64_t ldc;
-  };
-  std::vector<Panel> panels_;                       // of the live blocks
-  std::vector<bool> gram_in_panel_, cross_in_panel_;
+  bool stats_done_ = false;  // the token statistics are complete (after the first pass)
+  MomentBlocks blocks_;
 };
 
 }  // namespace crosskv
