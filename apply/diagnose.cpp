@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 
+#include "apply/layer_diagnostics.hpp"
 #include "core/error.hpp"
 #include "core/ridge.hpp"
 #include "core/rope.hpp"
@@ -106,8 +107,7 @@ Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const s
                      std::to_string(H) + " (needed for the attention diagnostics)");
   const int group = attention ? Hq / H : 1;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  Diagnostics out;
-  out.tokens = T;
+  std::vector<LayerDiagnostics> layers;
   std::vector<double> wq(T), p_true, p_pred;
   for (int l = 0; l < L; ++l) {
     LayerDiagnostics ld;
@@ -222,24 +222,9 @@ Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const s
       ld.k_concentration_mean = mean_of(ld.k_concentration);
       ld.v_concentration_mean = mean_of(ld.v_concentration);
     }
-    out.layers.push_back(std::move(ld));
+    layers.push_back(std::move(ld));
   }
-  std::vector<double> rk, rv, c, kc, vc;
-  for (const auto& ld : out.layers) {
-    rk.push_back(ld.r2_k_mean);
-    rv.push_back(ld.r2_v_mean);
-    c.push_back(ld.cosine_mean);
-    kc.push_back(ld.k_concentration_mean);
-    vc.push_back(ld.v_concentration_mean);
-  }
-  out.r2_k = mean_of(rk);
-  out.r2_v = mean_of(rv);
-  if (attention) {
-    out.attention_cosine = mean_of(c);
-    out.k_concentration = mean_of(kc);
-    out.v_concentration = mean_of(vc);
-  }
-  return out;
+  return summarize_layers(std::move(layers), T, attention);
 }
 
 nlohmann::json Diagnostics::json() const {
@@ -274,6 +259,28 @@ nlohmann::json Evaluation::json() const {
   j["verdict"] = verdict;
   j["ok"] = ok;
   return j;
+}
+
+void judge(Evaluation& ev) {
+  const VerdictThresholds th;
+  char buf[512];
+  if (ev.mapper.attention_cosine) {
+    const double c = *ev.mapper.attention_cosine, c0 = ev.mean_only.attention_cosine.value_or(0);
+    ev.ok = c >= th.min_cosine && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    std::snprintf(buf, sizeof buf,
+                  "%s: attention-output cosine %.3f (needs >= %.2f and above the mean-only %.3f); held-out R2 "
+                  "k %.3f, v %.3f (needs >= %.2f)",
+                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", c, th.min_cosine, c0, ev.mapper.r2_k, ev.mapper.r2_v,
+                  th.min_r2);
+  } else {
+    ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    std::snprintf(buf, sizeof buf,
+                  "%s (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
+                  "v %.3f (needs >= %.2f)",
+                  ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
+    ev.ok = false;  // without attention figures nothing says it transfers
+  }
+  ev.verdict = buf;
 }
 
 Evaluation evaluate(Transfer& tr, const Cache& source, const Cache& target) {
@@ -313,26 +320,7 @@ Evaluation evaluate(Transfer& tr, const Cache& source, const Cache& target) {
   }
   rt.apply_block(bk.data(), T, heads, target.positions.data());
   ev.mean_only = diagnose(target, bk, bv);
-  // The verdict.
-  const VerdictThresholds th;
-  char buf[512];
-  if (ev.mapper.attention_cosine) {
-    const double c = *ev.mapper.attention_cosine, c0 = ev.mean_only.attention_cosine.value_or(0);
-    ev.ok = c >= th.min_cosine && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
-    std::snprintf(buf, sizeof buf,
-                  "%s: attention-output cosine %.3f (needs >= %.2f and above the mean-only %.3f); held-out R2 "
-                  "k %.3f, v %.3f (needs >= %.2f)",
-                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", c, th.min_cosine, c0, ev.mapper.r2_k, ev.mapper.r2_v,
-                  th.min_r2);
-  } else {
-    ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
-    std::snprintf(buf, sizeof buf,
-                  "%s (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
-                  "v %.3f (needs >= %.2f)",
-                  ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
-    ev.ok = false;  // without attention figures nothing says it transfers
-  }
-  ev.verdict = buf;
+  judge(ev);
   return ev;
 }
 

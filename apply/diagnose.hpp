@@ -44,7 +44,8 @@ struct Diagnostics {
 };
 
 // `truth`: the target's own cache (with queries for the attention figures). `keys`/`values`: a prediction of it
-// in the same layout (keys post target-RoPE, as served).
+// in the same layout (keys post target-RoPE, as served). Scalar loops over the whole cache: the oracle of the
+// GEMM-based, streamed diagnostics (apply/layer_diagnostics, stages/eval), kept for tests and benchmarks.
 Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const std::vector<float>& values);
 
 struct Evaluation {
@@ -53,10 +54,14 @@ struct Evaluation {
   bool ok = false;
   nlohmann::json json() const;  // the mapper's figures at the top level, baselines and verdict beside them
 };
-// Maps `source` with the mapper and diagnoses against `target` (same tokens), with the two baselines: the mean-only
+// The oracle's evaluation (diagnose() on whole caches). Maps `source` with the mapper and diagnoses against `target`
+// (same tokens), with the two baselines: the mean-only
 // predictor (the mapper applied to the source's mean content over these tokens: a constant that uses no target
 // data) and the mapper without the target RoPE (the paper's "- inference RoPE" bug).
 Evaluation evaluate(Transfer& tr, const Cache& source, const Cache& target);
+
+// Sets ev.verdict and ev.ok from the mapper's figures and the mean-only baseline's (VerdictThresholds).
+void judge(Evaluation& ev);
 
 // Thresholds of the verdict.
 struct VerdictThresholds {

@@ -1,5 +1,6 @@
 // crosskv-eval --mapper DIR --source SHARD.h5 --target SHARD.h5 --json OUT.json [--html OUT.html]: held-out
-// diagnostics of a mapper (SPEC §7) against the target's own capture of the same tokens, with baselines.
+// diagnostics of a mapper (SPEC §7) against the target's own capture of the same tokens, with baselines. Under
+// mpirun the target layers are shared out over the ranks; rank 0 writes the outputs.
 #include <cstdio>
 #include <filesystem>
 
@@ -7,6 +8,7 @@
 
 #include "backends/backends.hpp"
 #include "core/cli.hpp"
+#include "core/comm.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "io/atomic_file.hpp"
@@ -27,27 +29,35 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--require-ok", require_ok, "exit 4 when the verdict is not LIKELY TO TRANSFER");
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-eval")) return *rc;
-  setup_logging(0, 1, "info");
-  return run_tool("crosskv-eval", [&]() -> int {
-    auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
-    const Cache s = read_cache(source, false), t = read_cache(target, true);
-    const auto evals = evaluate_mappers({mapper}, s, t, *be, /*verify=*/true);
-    const Evaluation& ev = evals.front().evaluation;
-    nlohmann::json j = evals.front().json();
-    j["source"] = source;
-    j["target"] = target;
-    write_file_atomic(json_path, j.dump(2) + "\n");
-    // The fit's R² heatmaps are embedded when the mapper still sits in its output folder.
-    if (!html_path.empty())
-      write_file_atomic(html_path, render_evaluation_report(
-                                       evals, source, (std::filesystem::path(mapper) / ".." / "r2_heatmap.svg").string()));
-    auto f = [](const std::optional<double>& x) { return x ? std::to_string(*x) : std::string("n/a"); };
-    spdlog::info("held-out R² k {:.4f}, v {:.4f}; attention cosine {}; K-concentration {}; V-concentration {}",
-                 ev.mapper.r2_k, ev.mapper.r2_v, f(ev.mapper.attention_cosine), f(ev.mapper.k_concentration),
-                 f(ev.mapper.v_concentration));
-    spdlog::info("baselines: mean-only cosine {}, without target RoPE cosine {}", f(ev.mean_only.attention_cosine),
-                 f(ev.no_target_rope.attention_cosine));
-    spdlog::info("verdict: {}", ev.verdict);
-    return require_ok && !ev.ok ? 4 : 0;
-  });
+  MpiSession mpi(&argc, &argv);
+  std::unique_ptr<Comm> comm = make_mpi_comm();
+  setup_logging(comm->rank(), comm->size(), "info");
+  const bool root = comm->rank() == 0;
+  try {
+    return run_tool("crosskv-eval", [&]() -> int {
+      auto be = agreed(*comm, [&] { return device == "cuda" ? make_cuda_backend(0, comm->rank()) : make_cpu_backend(); });
+      const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true);
+      const Evaluation& ev = evals.front().evaluation;
+      if (!root) return require_ok && !ev.ok ? 4 : 0;
+      nlohmann::json j = evals.front().json();
+      j["source"] = source;
+      j["target"] = target;
+      write_file_atomic(json_path, j.dump(2) + "\n");
+      // The fit's R² heatmaps are embedded when the mapper still sits in its output folder.
+      if (!html_path.empty())
+        write_file_atomic(html_path, render_evaluation_report(
+                                         evals, source, (std::filesystem::path(mapper) / ".." / "r2_heatmap.svg").string()));
+      auto f = [](const std::optional<double>& x) { return x ? std::to_string(*x) : std::string("n/a"); };
+      spdlog::info("held-out R² k {:.4f}, v {:.4f}; attention cosine {}; K-concentration {}; V-concentration {}",
+                   ev.mapper.r2_k, ev.mapper.r2_v, f(ev.mapper.attention_cosine), f(ev.mapper.k_concentration),
+                   f(ev.mapper.v_concentration));
+      spdlog::info("baselines: mean-only cosine {}, without target RoPE cosine {}", f(ev.mean_only.attention_cosine),
+                   f(ev.no_target_rope.attention_cosine));
+      spdlog::info("verdict: {}", ev.verdict);
+      return require_ok && !ev.ok ? 4 : 0;
+    });
+  } catch (const AgreedError& e) {  // every rank knows; the lowest failing rank reports
+    if (e.report) std::fprintf(stderr, "crosskv-eval: error: %s\n", e.what());
+    return e.exit_code;
+  }
 }

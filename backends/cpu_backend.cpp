@@ -25,6 +25,22 @@ class CpuBackend final : public ComputeBackend {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, n, k, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
   }
 
+  void gemm_batched(const BatchedGemm& g) override {
+    if (g.m == 0 || g.n == 0) return;
+    for (int64_t i = 0; i < g.batch; ++i)
+      cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans, g.m,
+                  g.n, g.k, g.alpha, g.A + i * g.stride_a, g.lda, g.B + i * g.stride_b, g.ldb, g.beta,
+                  g.C + i * g.stride_c, g.ldc);
+  }
+
+  bool concurrent_calls() const override { return true; }
+
+  void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) override {
+    if (n == 0) return;
+    const lapack_int info = LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'V', 'U', n, A, lda, w);
+    CROSSKV_ASSERT(info == 0, "dsyev failed: info " + std::to_string(info) + " (n=" + std::to_string(n) + ")");
+  }
+
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     if (rows == 0 || m == 0) return;
     cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, m, rows, 1.0f, A, lda, 1.0f, C, ldc);

@@ -34,6 +34,28 @@ class DenseMaths {
   };
   virtual void cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms, int64_t lda,
                                int64_t ldb, int64_t ldc);
+  // A batch of products of one shape: C_i = alpha op(A_i) op(B_i) + beta C_i for i < batch, X_i = X + i * stride_x
+  // (a stride may be 0: one operand for the whole batch). fp32 row-major host arrays; op(A) [m x k], op(B) [k x n].
+  // The held-out diagnostics' attention scores and outputs (strided-batched GEMM on a device).
+  struct BatchedGemm {
+    bool trans_a = false, trans_b = false;
+    int64_t m = 0, n = 0, k = 0;
+    float alpha = 1.0f, beta = 0.0f;
+    const float* A = nullptr;
+    int64_t lda = 0, stride_a = 0;
+    const float* B = nullptr;
+    int64_t ldb = 0, stride_b = 0;
+    float* C = nullptr;
+    int64_t ldc = 0, stride_c = 0;
+    int64_t batch = 1;
+  };
+  virtual void gemm_batched(const BatchedGemm& g) = 0;
+  // True when gemm_batched and symmetric_eigen may be called from several threads at once (a host backend, under
+  // SingleThreadedBlas); a device backend takes its calls one at a time and fills the device with each.
+  virtual bool concurrent_calls() const { return false; }
+  // Eigenvalues (ascending, into w[n]) and eigenvectors (the columns of A on return) of a symmetric row-major fp64
+  // matrix A[n x n], upper triangle read (LAPACK dsyev / cuSOLVER syevd).
+  virtual void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) = 0;
   // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
   // Cxx + lambda*I of some source layers (Moments::cov_xx_terms): A[i*F + p, j*F + q] = g_ij(p, q) / N -

@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+extern "C" int openblas_get_num_threads() __attribute__((weak));
 
 namespace crosskv {
 
@@ -27,6 +28,17 @@ ThreadChoice configure_threads(int local_ranks) {
   omp_set_num_threads(c.threads);
   if (openblas_set_num_threads) openblas_set_num_threads(c.threads);
   return c;
+}
+
+SingleThreadedBlas::SingleThreadedBlas() {
+  if (openblas_get_num_threads && openblas_set_num_threads) {
+    saved_ = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+  }
+}
+
+SingleThreadedBlas::~SingleThreadedBlas() {
+  if (saved_ > 0) openblas_set_num_threads(saved_);
 }
 
 }  // namespace crosskv

@@ -15,4 +15,17 @@ struct ThreadChoice {
 // OpenBLAS's and OpenMP's thread counts.
 ThreadChoice configure_threads(int local_ranks);
 
+// OpenBLAS on one thread for a scope (restored after), where the caller runs independent BLAS calls on OpenMP
+// threads: two thread pools spinning on the same cores cost more than either gains.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas();
+  ~SingleThreadedBlas();
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+
+ private:
+  int saved_ = 0;
+};
+
 }  // namespace crosskv

@@ -395,6 +395,60 @@ class CudaBackend final : public ComputeBackend {
     CK(cudaStreamSynchronize(compute_), ops);
   }
 
+  void gemm_batched(const BatchedGemm& g) override {
+    if (g.m == 0 || g.n == 0 || g.batch == 0) return;
+    const std::string ops = dims({{"m", g.m}, {"n", g.n}, {"k", g.k}, {"batch", g.batch}, {"lda", g.lda},
+                                  {"ldb", g.ldb}, {"ldc", g.ldc}});
+    // Extents of the host operands (a stride of 0 shares one matrix over the batch).
+    auto extent = [&](int64_t rows, int64_t cols, int64_t ld, int64_t stride) {
+      return static_cast<size_t>((g.batch - 1) * stride + (rows - 1) * ld + cols);
+    };
+    const size_t na = g.k ? extent(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, g.stride_a) : 0,
+                 nb = g.k ? extent(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, g.stride_b) : 0,
+                 nc = extent(g.m, g.n, g.ldc, g.stride_c);
+    float* d = apply_.get(na + nb + nc, where_);
+    float *dA = d, *dB = d + na, *dC = d + na + nb;
+    if (na) CK(cudaMemcpyAsync(dA, g.A, na * 4, cudaMemcpyHostToDevice, compute_), ops);
+    if (nb) CK(cudaMemcpyAsync(dB, g.B, nb * 4, cudaMemcpyHostToDevice, compute_), ops);
+    if (g.beta != 0.0f) CK(cudaMemcpyAsync(dC, g.C, nc * 4, cudaMemcpyHostToDevice, compute_), ops);
+    // Row-major C = op(A) op(B) is column-major C' = op(B)' op(A)'.
+    CK(cublasSgemmStridedBatched_64(blas_, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    g.n, g.m, g.k, &g.alpha, dB, g.ldb, g.stride_b, dA, g.lda, g.stride_a, &g.beta, dC,
+                                    g.ldc, g.stride_c, g.batch),
+       ops);
+    CK(cudaMemcpyAsync(g.C, dC, nc * 4, cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
+  }
+
+  void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) override {
+    if (n == 0) return;
+    const std::string ops = dims({{"n", n}, {"lda", lda}});
+    const size_t count = static_cast<size_t>(n * n);
+    double* dA = other_.get(count + static_cast<size_t>(n), where_);
+    double* dW = dA + count;
+    std::vector<double> packed(count);  // row-major upper = column-major lower, packed with leading dim n
+    for (int64_t i = 0; i < n; ++i) std::copy_n(A + i * lda, n, packed.data() + i * n);
+    CK(cudaMemcpyAsync(dA, packed.data(), count * sizeof(double), cudaMemcpyHostToDevice, compute_), ops);
+    size_t dev_bytes = 0, host_bytes = 0;
+    CK(cusolverDnXsyevd_bufferSize(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, CUDA_R_64F,
+                                   dA, n, CUDA_R_64F, dW, CUDA_R_64F, &dev_bytes, &host_bytes),
+       ops);
+    void* dws = work_.get(std::max<size_t>(dev_bytes, 1), where_);
+    host_work_.resize(std::max<size_t>(host_bytes, 1));
+    CK(cusolverDnXsyevd(solver_, params_, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, CUDA_R_64F, dA, n,
+                        CUDA_R_64F, dW, CUDA_R_64F, dws, dev_bytes, host_work_.data(), host_bytes, info_),
+       ops);
+    int info = 0;
+    CK(cudaMemcpyAsync(&info, info_, sizeof(int), cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaMemcpyAsync(packed.data(), dA, count * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaMemcpyAsync(w, dW, static_cast<size_t>(n) * sizeof(double), cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
+    CROSSKV_ASSERT(info == 0, "cusolverDnXsyevd failed: info " + std::to_string(info) + " (" + ops + ")");
+    // Column-major eigenvectors (column i = vector i) are the rows of the row-major array: transpose into A.
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) A[j * lda + i] = packed[i * n + j];
+  }
+
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
     if (rows == 0 || m == 0) return;
     const float* dA = static_cast<const float*>(operand(A, static_cast<size_t>((rows - 1) * lda + m) * 4));

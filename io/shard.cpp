@@ -81,14 +81,16 @@ Dtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
 
 namespace {
 
+// Rows t0, t0+stride, ... (count of them) of a [T, L, H, D] dataset; of one layer when layer >= 0.
 h5::Handle row_selection(hid_t dset, int64_t t0, int64_t count, int64_t stride, const std::vector<int64_t>& shape,
-                         const std::string& where) {
+                         const std::string& where, int layer = -1) {
   h5::Handle space(h5::check(H5Dget_space(dset), "H5Dget_space", where), H5Sclose);
   std::vector<hsize_t> start(shape.size(), 0), str(shape.size(), 1), cnt(shape.begin(), shape.end()),
       blk(shape.size(), 1);
   start[0] = t0;
   str[0] = stride;
   cnt[0] = count;
+  if (layer >= 0) start[1] = layer, cnt[1] = 1;
   h5::check(H5Sselect_hyperslab(space, H5S_SELECT_SET, start.data(), str.data(), cnt.data(), blk.data()),
             "H5Sselect_hyperslab", where);
   return space;
@@ -105,14 +107,17 @@ Dtype ShardReader::read_stored(const std::string& name, int64_t t0, int64_t coun
 }
 
 Dtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
-                                   const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16) const {
+                             const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16,
+                             int layer) const {
   const std::string where = h_.path + ":" + name;
   CROSSKV_ASSERT(count > 0 && t0 >= 0 && t0 + (count - 1) * stride < h_.tokens, "row range out of bounds: " + where);
   h5::Handle d = h5::open_dataset(file_, name, h_.path);
   auto shape = h5::dataset_shape(d, where);
   int64_t row = 1;
+  CROSSKV_ASSERT(layer < 0 || (shape.size() == 4 && layer < shape[1]), "layer out of range: " + where);
+  if (layer >= 0) shape[1] = 1;
   for (size_t i = 1; i < shape.size(); ++i) row *= shape[i];
-  h5::Handle fspace = row_selection(d, t0, count, stride, shape, where);
+  h5::Handle fspace = row_selection(d, t0, count, stride, shape, where, layer);
   std::vector<hsize_t> mdims(shape.begin(), shape.end());
   mdims[0] = count;
   h5::Handle mspace(H5Screate_simple(static_cast<int>(mdims.size()), mdims.data(), nullptr), H5Sclose);
@@ -132,14 +137,21 @@ Dtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t count,
   }
   if (rc < 0)
     throw InputError(h_.path + ": cannot read tokens " + std::to_string(t0) + ".." +
-                     std::to_string(t0 + (count - 1) * stride) + " of dataset '" + name +
-                     "' (truncated or corrupt file?)");
+                     std::to_string(t0 + (count - 1) * stride) + (layer >= 0 ? " of layer " + std::to_string(layer) : "") +
+                     " of dataset '" + name + "' (truncated or corrupt file?)");
   return dt;
+}
+
+void ShardReader::read_layer(const std::string& name, int layer, float* out, std::vector<uint16_t>& raw) const {
+  convert_rows(read_into(name, 0, h_.tokens, 1, [&](size_t) { return out; }, raw, layer), raw, out);
 }
 
 void ShardReader::read_rows(const std::string& name, int64_t t0, int64_t count, int64_t stride, float* out,
                             std::vector<uint16_t>& raw) const {
-  const Dtype dt = read_into(name, t0, count, stride, [&](size_t) { return out; }, raw);
+  convert_rows(read_into(name, t0, count, stride, [&](size_t) { return out; }, raw), raw, out);
+}
+
+void ShardReader::convert_rows(Dtype dt, const std::vector<uint16_t>& raw, float* out) {
   if (dt == Dtype::f32) return;
   const size_t n = raw.size();
   if (dt == Dtype::bf16)

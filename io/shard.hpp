@@ -38,6 +38,8 @@ class ShardReader {
   // The same rows as stored, without conversion: fp32 into f32, bf16/fp16 bits into u16 (the other is left alone).
   Dtype read_stored(const std::string& dataset, int64_t t0, int64_t count, int64_t stride,
                           std::vector<float>& f32, std::vector<uint16_t>& u16) const;
+  // One layer of every token of `dataset` as fp32 [tokens, heads*head_dim].
+  void read_layer(const std::string& dataset, int layer, float* out, std::vector<uint16_t>& raw) const;
   // The same rows of `positions`.
   void read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const;
 
@@ -45,7 +47,10 @@ class ShardReader {
   Dtype check_kv_dataset(const std::string& name, int heads);
   // fp32 rows go to f32_dest(count of values), half rows into u16.
   Dtype read_into(const std::string& name, int64_t t0, int64_t count, int64_t stride,
-                        const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16) const;
+                        const std::function<float*(size_t)>& f32_dest, std::vector<uint16_t>& u16,
+                        int layer = -1) const;
+  // Half rows read into raw, converted into out (fp32 rows were read there already).
+  static void convert_rows(Dtype dt, const std::vector<uint16_t>& raw, float* out);
   ShardHeader h_;
   h5::Handle file_;
 };

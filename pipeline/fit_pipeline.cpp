@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <sstream>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -163,16 +164,22 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
         {"passes", res.passes},
         {"r2_file", "../r2.h5"}};
   });
-  if (root && !cal.eval_shards.empty()) {
+  if (!cal.eval_shards.empty()) {
     clock.start("eval");
-    std::vector<std::string> src, tgt;
-    std::string names;
+    // Every rank evaluates its share of the target layers of every k that rank 0 exported.
+    std::string listed;
+    for (const auto& a : res.artifacts) listed += a + "\n";
+    std::vector<std::string> artifacts;
+    std::istringstream lines(gather_strings(ctx.comm, listed).front());
+    for (std::string a; std::getline(lines, a);) artifacts.push_back(a);
+    HeldOut held_out;
     for (const auto& p : cal.eval_shards) {
-      src.push_back(p.source_path);
-      tgt.push_back(p.target_path);
-      names += (names.empty() ? "" : ", ") + p.rel;
+      held_out.source_shards.push_back(p.source_path);
+      held_out.target_shards.push_back(p.target_path);
+      held_out.names += (held_out.names.empty() ? "" : ", ") + p.rel;
     }
-    res.report_path = evaluate_held_out(src, tgt, names, res.artifacts, cfg.output_dir, res.heatmap_path, ctx.backend);
+    res.report_path =
+        evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm);
   }
   clock.stop();
   ctx.comm.barrier();

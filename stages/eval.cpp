@@ -1,13 +1,27 @@
 #include "stages/eval.hpp"
 
+#include <algorithm>
+#include <array>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
 
+#include "apply/layer_diagnostics.hpp"
 #include "apply/report.hpp"
 #include "apply/transfer.hpp"
+#include "core/backend.hpp"
+#include "core/comm.hpp"
 #include "core/log.hpp"
+#include "core/rope.hpp"
+#include "core/threads.hpp"
 #include "io/atomic_file.hpp"
+#include "io/mapper.hpp"
+#include "io/shard.hpp"
 
 namespace fs = std::filesystem;
 
@@ -19,14 +33,266 @@ nlohmann::json MapperEvaluation::json() const {
   return j;
 }
 
-std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& dirs, const Cache& source,
-                                               const Cache& target, ComputeBackend& be, bool verify) {
+namespace {
+
+// One model's held-out shards, opened and checked against each other; read a layer at a time.
+struct HeldOutSide {
+  std::vector<std::unique_ptr<ShardReader>> shards;
+  std::vector<int64_t> first_token;  // of each shard in the concatenation
+  std::string name;                  // the shard paths, for messages
+  KvSpec spec;
+  bool queries = false;
+  int64_t tokens = 0;
+  std::vector<int32_t> positions;
+  std::vector<int64_t> seq_offsets;  // [S+1] over the concatenation
+
+  // Layer `l` of `dataset` of every token, [tokens x heads*head_dim].
+  std::vector<float> layer(const std::string& dataset, int l, int64_t width) const {
+    std::vector<float> out(tokens * width);
+    std::vector<uint16_t> raw;
+    for (size_t i = 0; i < shards.size(); ++i) shards[i]->read_layer(dataset, l, out.data() + first_token[i] * width, raw);
+    return out;
+  }
+};
+
+HeldOutSide open_side(const std::vector<std::string>& paths, bool want_queries) {
+  CROSSKV_ASSERT(!paths.empty(), "no held-out shards");
+  HeldOutSide s;
+  s.seq_offsets = {0};
+  for (size_t i = 0; i < paths.size(); ++i) {
+    auto r = std::make_unique<ShardReader>(paths[i]);
+    const ShardHeader& h = r->header();
+    const bool q = want_queries && h.has_queries;
+    if (i == 0) {
+      s.spec = h.spec, s.queries = q, s.name = paths[0];
+    } else {
+      if (h.spec != s.spec) throw InputError(paths[i] + ": kv_spec differs from " + paths[0]);
+      if (q != s.queries)
+        throw InputError(paths[i] + ": has " + (q ? "" : "no ") + "queries, unlike " + paths[0]);
+      s.name += ", " + paths[i];
+    }
+    const auto pos = r->positions();
+    const auto offs = r->seq_offsets();
+    s.positions.insert(s.positions.end(), pos.begin(), pos.end());
+    for (size_t j = 1; j < offs.size(); ++j) s.seq_offsets.push_back(s.tokens + offs[j]);
+    s.first_token.push_back(s.tokens);
+    s.tokens += h.tokens;
+    s.shards.push_back(std::move(r));
+  }
+  return s;
+}
+
+// A source layer in content space (keys RoPE-stripped) with its mean over the held-out tokens (the mean-only
+// baseline's input), resident while some target layer still selects it.
+struct SourceLayer {
+  std::vector<float> keys, values;
+  std::vector<float> mean_keys, mean_values;
+  int uses = 0;
+};
+
+// Per-layer figures as bytes (exact doubles, NaN kept) for gathering over ranks.
+void put(std::string& out, const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
+void put_vec(std::string& out, const std::vector<double>& v) {
+  const uint64_t n = v.size();
+  put(out, &n, sizeof n);
+  put(out, v.data(), n * sizeof(double));
+}
+void put_layer(std::string& out, const LayerDiagnostics& d) {
+  const int32_t l = d.layer;
+  put(out, &l, sizeof l);
+  for (const auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) put_vec(out, *v);
+  for (double x : {d.r2_k_mean, d.r2_v_mean, d.cosine_mean, d.k_concentration_mean, d.v_concentration_mean})
+    put(out, &x, sizeof x);
+}
+struct Reader {
+  const std::string& s;
+  size_t at = 0;
+  void get(void* p, size_t n) {
+    CROSSKV_ASSERT(at + n <= s.size(), "short diagnostics message");
+    std::memcpy(p, s.data() + at, n);
+    at += n;
+  }
+  std::vector<double> vec() {
+    uint64_t n = 0;
+    get(&n, sizeof n);
+    std::vector<double> v(n);
+    get(v.data(), n * sizeof(double));
+    return v;
+  }
+  LayerDiagnostics layer() {
+    LayerDiagnostics d;
+    int32_t l = 0;
+    get(&l, sizeof l);
+    d.layer = l;
+    for (auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) *v = vec();
+    for (double* x : {&d.r2_k_mean, &d.r2_v_mean, &d.cosine_mean, &d.k_concentration_mean, &d.v_concentration_mean})
+      get(x, sizeof *x);
+    return d;
+  }
+};
+
+// What one mapper's layer l predicts: [T x G] keys and values in content space.
+void map_layer(ComputeBackend& be, const MapperLayer& w, const std::map<int, SourceLayer>& src, int64_t T, int64_t F,
+               int64_t G, std::vector<float>& xk, std::vector<float>& xv, std::vector<float>& ck,
+               std::vector<float>& cv, std::vector<float>& mk, std::vector<float>& mv, std::vector<float>& scratch) {
+  const int64_t K = static_cast<int64_t>(w.source_layers.size()) * F;
+  xk.resize(T * K), xv.resize(T * K), mk.resize(K), mv.resize(K);
+  for (size_t j = 0; j < w.source_layers.size(); ++j) {
+    const SourceLayer& s = src.at(w.source_layers[j]);
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy_n(s.keys.data() + t * F, F, xk.data() + t * K + static_cast<int64_t>(j) * F);
+      std::copy_n(s.values.data() + t * F, F, xv.data() + t * K + static_cast<int64_t>(j) * F);
+    }
+    std::copy(s.mean_keys.begin(), s.mean_keys.end(), mk.begin() + static_cast<int64_t>(j) * F);
+    std::copy(s.mean_values.begin(), s.mean_values.end(), mv.begin() + static_cast<int64_t>(j) * F);
+  }
+  ck.resize(T * G), cv.resize(T * G);
+  map_one_layer(be, xk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, T, ck.data(), G, scratch);
+  map_one_layer(be, xv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, T, cv.data(), G, scratch);
+}
+
+}  // namespace
+
+EvalCost eval_cost(const KvSpec& source, const KvSpec& target, int64_t tokens, const std::vector<int64_t>& seq_offsets,
+                   bool queries, int mappers, int ranks) {
+  EvalCost c;
+  c.tokens = tokens;
+  c.layers_per_rank = (target.n_layers + ranks - 1) / ranks;
+  const LayerDiagnosticsCost lc = layer_diagnostics_cost(target, tokens, seq_offsets, queries);
+  const int64_t F = source.features_per_layer(), G = target.features_per_layer();
+  const int64_t layer_bytes = int64_t{4} * tokens * (2 * G + (queries ? int64_t{target.n_q_heads} * target.head_dim : 0));
+  const int64_t source_bytes = int64_t{4} * 2 * tokens * F * source.n_layers;  // every source layer selected
+  const int64_t prediction_bytes = int64_t{4} * tokens * (4 * G + 4 * F * source.n_layers);  // ck, cv, pk, gathered X
+  c.peak_bytes = layer_bytes + lc.scratch_bytes + source_bytes + prediction_bytes;
+  const double map_flops = 2.0 * 2.0 * static_cast<double>(tokens) * F * source.n_layers * G;  // at most, k = all
+  c.flops = static_cast<double>(c.layers_per_rank) * (lc.truth_flops + mappers * (3 * lc.prediction_flops + map_flops));
+  return c;
+}
+
+std::string EvalCost::text() const {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%lld held-out tokens, %lld target layer(s) per rank, at most %s in memory, %.3g GFLOP",
+                static_cast<long long>(tokens), static_cast<long long>(layers_per_rank), human_bytes(peak_bytes).c_str(),
+                flops / 1e9);
+  return buf;
+}
+
+std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& dirs, const HeldOut& data,
+                                               ComputeBackend& be, Comm& comm, bool verify) {
+  // Inputs opened and checked on every rank (the same files: the same errors, reported once).
+  struct Inputs {
+    HeldOutSide src, tgt;
+    std::vector<MapperManifest> mappers;
+  };
+  const auto in = agreed(comm, [&] {
+    auto inputs = std::make_shared<Inputs>();
+    inputs->src = open_side(data.source_shards, false);
+    inputs->tgt = open_side(data.target_shards, true);
+    for (const auto& dir : dirs) {
+      MapperManifest m = read_mapper_manifest(dir);
+      Rope(m.source, m.path + " (source.kv_spec)");
+      Rope(m.target, m.path + " (target.kv_spec)");
+      check_kv_spec(m, true, inputs->src.spec, inputs->src.name);
+      check_kv_spec(m, false, inputs->tgt.spec, inputs->tgt.name);
+      inputs->mappers.push_back(std::move(m));
+    }
+    const HeldOutSide &s = inputs->src, &t = inputs->tgt;
+    if (s.tokens != t.tokens || s.seq_offsets != t.seq_offsets)
+      throw InputError(t.name + ": holds other tokens than " + s.name + " (" + std::to_string(t.tokens) + " vs " +
+                       std::to_string(s.tokens) + ", or other sequences)");
+    return inputs;
+  });
+  const HeldOutSide &src = in->src, &tgt = in->tgt;
+  const KvSpec &S = src.spec, &Tg = tgt.spec;
+  const int64_t T = tgt.tokens, F = S.features_per_layer(), G = Tg.features_per_layer();
+  const int P = comm.size(), rank = comm.rank(), nm = static_cast<int>(dirs.size());
+  std::vector<int> mine;
+  for (int l = rank; l < Tg.n_layers; l += P) mine.push_back(l);
+  const EvalCost cost = eval_cost(S, Tg, T, tgt.seq_offsets, tgt.queries, nm, P);
+  spdlog::info("eval: {} mapper(s) on {}; {}", nm, data.names, cost.text());
+
+  // This rank's target layers, every mapper and baseline (no collectives inside: errors are agreed on after).
+  const std::string mine_bytes = agreed(comm, [&] {
+    std::map<int, SourceLayer> resident;
+    for (int l : mine)
+      for (const auto& m : in->mappers)
+        for (int a : m.layers.at(l).source_layers) ++resident[a].uses;
+    const Rope src_rope(S), tgt_rope(Tg);
+    // On a host backend BLAS runs on one thread and the diagnostics spread their units over OpenMP's threads.
+    std::optional<SingleThreadedBlas> one_thread;
+    if (be.concurrent_calls()) one_thread.emplace();
+    std::string out;
+    std::vector<float> xk, xv, ck, cv, mk, mv, pk, scratch, yk(G), yv(G), bk, bv;
+    Progress progress(P > 1 ? "eval (this rank's layers)" : "eval", static_cast<int64_t>(mine.size()) * T, 0);
+    for (int l : mine) {
+      LayerTruth truth;
+      truth.layer = l, truth.spec = Tg, truth.tokens = T;
+      truth.positions = tgt.positions.data(), truth.seq_offsets = tgt.seq_offsets.data();
+      truth.sequences = static_cast<int64_t>(tgt.seq_offsets.size()) - 1;
+      truth.keys = tgt.layer("keys", l, G);
+      truth.values = tgt.layer("values", l, G);
+      if (tgt.queries) truth.queries = tgt.layer("queries", l, int64_t{Tg.n_q_heads} * Tg.head_dim);
+      LayerDiagnoser dg(be, truth);
+      for (const auto& m : in->mappers) {
+        const MapperLayer w = load_mapper_layer(m, l, verify);
+        for (int a : w.source_layers) {
+          SourceLayer& s = resident[a];
+          if (!s.keys.empty()) continue;
+          s.keys = src.layer("keys", a, F);
+          s.values = src.layer("values", a, F);
+          src_rope.strip_block(s.keys.data(), T, S.n_kv_heads, src.positions.data());
+          s.mean_keys.assign(F, 0.0f), s.mean_values.assign(F, 0.0f);
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t c = 0; c < F; ++c) {
+              s.mean_keys[c] += s.keys[t * F + c] / static_cast<float>(T);
+              s.mean_values[c] += s.values[t * F + c] / static_cast<float>(T);
+            }
+        }
+        map_layer(be, w, resident, T, F, G, xk, xv, ck, cv, mk, mv, scratch);
+        pk = ck;
+        tgt_rope.apply_block(pk.data(), T, Tg.n_kv_heads, tgt.positions.data());
+        put_layer(out, dg.diagnose(pk.data(), cv.data()));
+        put_layer(out, dg.diagnose(ck.data(), cv.data()));  // without the target RoPE
+        // Mean-only: layer l's weights applied to the mean source content, for every token.
+        const auto K = static_cast<int64_t>(mk.size());
+        map_one_layer(be, mk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, 1, yk.data(), G, scratch);
+        map_one_layer(be, mv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, 1, yv.data(), G, scratch);
+        bk.resize(T * G), bv.resize(T * G);
+        for (int64_t t = 0; t < T; ++t) {
+          std::copy(yk.begin(), yk.end(), bk.begin() + t * G);
+          std::copy(yv.begin(), yv.end(), bv.begin() + t * G);
+        }
+        tgt_rope.apply_block(bk.data(), T, Tg.n_kv_heads, tgt.positions.data());
+        put_layer(out, dg.diagnose(bk.data(), bv.data()));
+        for (int a : w.source_layers)
+          if (--resident[a].uses == 0) resident.erase(a);
+      }
+      progress.add(T);
+    }
+    progress.finish();
+    return out;
+  });
+
+  // Every rank's layers, on every rank: per mapper, the mapper's and the two baselines' layers in layer order.
+  const std::vector<std::string> all = gather_strings(comm, mine_bytes);
+  std::vector<std::array<std::vector<LayerDiagnostics>, 3>> layers(nm);
+  for (int r = 0; r < P; ++r) {
+    Reader rd{all[r]};
+    for (int l = r; l < Tg.n_layers; l += P)
+      for (int i = 0; i < nm; ++i)
+        for (auto& v : layers[i]) v.push_back(rd.layer());
+  }
   std::vector<MapperEvaluation> out;
-  for (const auto& dir : dirs) {
-    Transfer tr(dir, be, TransferOptions{true, true, verify});
-    MapperEvaluation e{dir, tr.manifest().json, tr.manifest().source_model + " -> " + tr.manifest().target_model,
-                       evaluate(tr, source, target)};
-    out.push_back(std::move(e));
+  for (int i = 0; i < nm; ++i) {
+    for (auto& v : layers[i])
+      std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.layer < b.layer; });
+    Evaluation ev;
+    ev.mapper = summarize_layers(std::move(layers[i][0]), T, tgt.queries);
+    ev.no_target_rope = summarize_layers(std::move(layers[i][1]), T, tgt.queries);
+    ev.mean_only = summarize_layers(std::move(layers[i][2]), T, tgt.queries);
+    judge(ev);
+    const MapperManifest& m = in->mappers[i];
+    out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});
   }
   return out;
 }
@@ -45,21 +311,20 @@ std::string render_evaluation_report(const std::vector<MapperEvaluation>& evals,
   return render_report(in);
 }
 
-std::string evaluate_held_out(const std::vector<std::string>& source_shards,
-                              const std::vector<std::string>& target_shards, const std::string& held_out_names,
-                              const std::vector<std::string>& artifacts, const std::string& output_dir,
-                              const std::string& heatmap_path, ComputeBackend& be) {
-  const Cache s = read_caches(source_shards, false), t = read_caches(target_shards, true);
-  const auto evals = evaluate_mappers(artifacts, s, t, be, /*verify=*/false);
+std::string evaluate_held_out(const HeldOut& data, const std::vector<std::string>& artifacts,
+                              const std::string& output_dir, const std::string& heatmap_path, ComputeBackend& be,
+                              Comm& comm) {
+  const auto evals = evaluate_mappers(artifacts, data, be, comm, /*verify=*/false);
+  if (comm.rank() != 0) return {};
   for (const auto& e : evals) {
     const std::string k = fs::path(e.dir).filename().string();
     nlohmann::json j = e.json();
-    j["held_out_shards"] = held_out_names;
+    j["held_out_shards"] = data.names;
     write_file_atomic((fs::path(output_dir) / ("eval-" + k + ".json")).string(), j.dump(2) + "\n");
-    spdlog::info("held-out {} ({} tokens): {}", k, s.tokens, e.evaluation.verdict);
+    spdlog::info("held-out {} ({} tokens): {}", k, e.evaluation.mapper.tokens, e.evaluation.verdict);
   }
   const std::string report = (fs::path(output_dir) / "report.html").string();
-  write_file_atomic(report, render_evaluation_report(evals, held_out_names, heatmap_path));
+  write_file_atomic(report, render_evaluation_report(evals, data.names, heatmap_path));
   return report;
 }
 

@@ -295,6 +295,9 @@ class ShadowBackend final : public ComputeBackend {
     ++kept_constants;
   }
   void forget_constant(const float* p) override { forgotten_constants += static_cast<int>(constants_.erase(p)); }
+  // Host arrays in and out, as the device backend takes them: the host's kernels.
+  void gemm_batched(const BatchedGemm& g) override { cpu_->gemm_batched(g); }
+  void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) override { cpu_->symmetric_eigen(n, A, lda, w); }
   void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
                   float* C, int64_t ldc) override {
     const float* b = B;
