@@ -2,14 +2,33 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include <unistd.h>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 // Logs go to stdout; stderr is kept for the one-line error of a failing command.
 
 namespace crosskv {
 
+bool log_colours() {
+  auto set = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v && *v && std::strcmp(v, "0") != 0;
+  };
+  if (set("NO_COLOR")) return false;
+  if (set("CLICOLOR_FORCE")) return true;
+  // Under a launcher stdout may be a pseudo-terminal of the launcher's (OpenMPI's orted) whose output goes to a file
+  // (a Slurm job's): a terminal here does not mean a person reads it.
+  for (const char* launcher : {"OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK", "SLURM_JOB_ID"})
+    if (std::getenv(launcher)) return false;
+  return isatty(STDOUT_FILENO) == 1;
+}
+
 void setup_logging(int rank, int size, const std::string& level) {
-  auto logger = spdlog::stdout_color_mt("crosskv-" + std::to_string(rank));
+  auto logger = spdlog::stdout_color_mt("crosskv-" + std::to_string(rank),
+                                        log_colours() ? spdlog::color_mode::always : spdlog::color_mode::never);
   if (size > 1)
     logger->set_pattern("[%H:%M:%S.%e] [rank " + std::to_string(rank) + "] [%^%l%$] %v");
   else

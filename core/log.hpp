@@ -8,7 +8,10 @@
 
 namespace crosskv {
 
-// Sets the default logger: rank 0 logs at `level`, other ranks warnings and above.
+// Whether log lines carry ANSI colours: never with NO_COLOR, always with CLICOLOR_FORCE, else only when stdout is
+// a terminal and no launcher (mpirun, srun, a Slurm job) started this process.
+bool log_colours();
+// Sets the default logger: rank 0 logs at `level`, other ranks warnings and above; colours as log_colours().
 void setup_logging(int rank, int size, const std::string& level = "info");
 std::string human_bytes(double bytes);
 std::string human_count(double n);

@@ -49,6 +49,21 @@ assert b["no_target_rope"]["attention_cosine"] < j["attention_cosine"], "the mis
 assert abs(b["mean_only"]["r2_k"]) < 0.05 and b["mean_only"]["attention_cosine"] < j["attention_cosine"]
 print("eval:", {k: round(j[k], 3) for k in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration")})
 PY
+# Under mpirun the target layers are shared out over the ranks: the same figures, one verdict line, no colours.
+if [ -n "${MPIEXEC:-}" ]; then
+  $MPIEXEC -np 3 "$EVAL" --mapper out-fp32/k2 --source $SRC --target $TGT --json eval3.json > eval3.log 2>&1 \
+    || { cat eval3.log; die "crosskv-eval under mpiexec -np 3 failed"; }
+  [ "$(grep -c "verdict:" eval3.log)" = 1 ] || { cat eval3.log; die "one verdict line under mpiexec"; }
+  ! grep -q $'\e\[' eval3.log || die "crosskv-eval's log under mpiexec carries ANSI escape codes"
+  "$PYTHON" - <<'PY' || die "crosskv-eval -np 3 differs from -np 1"
+import json
+a, b = json.load(open("eval.json")), json.load(open("eval3.json"))
+for k in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration"):
+    assert abs(a[k] - b[k]) <= 1e-6 * max(1, abs(a[k])), (k, a[k], b[k])
+assert [l["layer"] for l in b["layers"]] == list(range(12))
+assert a["verdict"] == b["verdict"]
+PY
+fi
 grep -q "Verdict:" report.html && grep -q "<svg" report.html && grep -q "Probe R" report.html \
   || die "report.html lacks the verdict, the charts or the R² heatmaps"
 

@@ -8,6 +8,8 @@ for np in 1 2; do
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out%s}\nruntime: {block_tokens: 100}\n' $np > np$np.yaml
   $MPI -np $np "$FIT" np$np.yaml > np$np.log 2>&1 || { cat np$np.log; die "mpiexec -np $np failed"; }
 done
+# Log files hold no ANSI colour codes (mpiexec gives the ranks a pseudo-terminal even when its output is a file).
+! grep -q $'\e\[' np1.log np2.log || die "log lines under mpiexec carry ANSI escape codes"
 # The same job twice: byte-identical layer files (the reduction order is fixed, not MPI's).
 sed 's/out2/out2b/' np2.yaml > np2b.yaml
 $MPI -np 2 "$FIT" np2b.yaml > np2b.log 2>&1 || { cat np2b.log; die "second mpiexec -np 2 failed"; }
