@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <sstream>
+
+#include "core/log.hpp"
 
 namespace crosskv {
 namespace {
@@ -98,6 +101,60 @@ std::vector<double> per_layer(const Diagnostics& d, double LayerDiagnostics::*f)
 
 std::string opt(const std::optional<double>& x) { return x ? fmt(*x) : "n/a"; }
 
+// A manifest's k as a person writes it: 4, all.
+std::string k_label(const nlohmann::json& fit) {
+  if (!fit.contains("k")) return "?";
+  return fit["k"].is_string() ? fit["k"].get<std::string>() : fit["k"].dump();
+}
+
+// The k sweep on one screen: per k its size and held-out figures, the k with the best attention cosine (or R²
+// without queries) starred, and the smallest k that passes named.
+std::string sweep_summary(const ReportInput& in) {
+  std::ostringstream o;
+  auto k_of = [&](size_t i) {
+    const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
+                                             : nlohmann::json::object();
+    return k_label(fit);
+  };
+  auto score = [](const Evaluation& ev) {
+    return ev.mapper.attention_cosine ? *ev.mapper.attention_cosine : 0.5 * (ev.mapper.r2_k + ev.mapper.r2_v);
+  };
+  size_t best = 0;
+  for (size_t i = 1; i < in.evaluations.size(); ++i)
+    if (score(in.evaluations[i]) > score(in.evaluations[best])) best = i;
+  std::optional<size_t> smallest_ok;
+  for (size_t i = 0; i < in.evaluations.size(); ++i)
+    if (in.evaluations[i].ok) {
+      smallest_ok = i;
+      break;
+    }
+  o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th><th>parameters</th><th>bytes fp32</th>"
+       "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
+       "<th>K-concentration</th><th>V-concentration</th><th>verdict</th></tr>";
+  for (size_t i = 0; i < in.evaluations.size(); ++i) {
+    const Evaluation& ev = in.evaluations[i];
+    const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
+                                             : nlohmann::json::object();
+    const double params = fit.value("params", 0.0) + fit.value("bias_params", 0.0);
+    const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
+    o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(k_of(i)) << (i == best ? " &#9733;" : "")
+      << "</th><td>" << (params > 0 ? human_count(params) : "?") << "</td><td>"
+      << (params > 0 ? human_bytes(4 * params) : "?") << "</td><td>" << (params > 0 ? human_bytes(2 * params) : "?")
+      << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
+      << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
+      << opt(ev.mapper.v_concentration) << "</td><td style='text-align:left'>" << esc(verdict) << "</td></tr>";
+  }
+  o << "</table><p>&#9733; the best held-out " << (in.evaluations[best].mapper.attention_cosine ? "attention cosine"
+                                                                                               : "R² (no queries)")
+    << ": k = " << esc(k_of(best)) << ". ";
+  if (smallest_ok)
+    o << "The smallest k that passes the verdict: <b>k = " << esc(k_of(*smallest_ok)) << "</b>.";
+  else
+    o << "No k passes the verdict.";
+  o << " Details per k below.</p>";
+  return o.str();
+}
+
 }  // namespace
 
 std::string render_report(const ReportInput& in) {
@@ -106,14 +163,21 @@ std::string render_report(const ReportInput& in) {
     << "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}"
        "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
        ".ok{background:#e6f4e6;border:1px solid #7b7;padding:8px}.bad{background:#fbe9e9;border:1px solid #d88;"
-       "padding:8px}.charts svg{margin:4px}</style></head><body>";
+       "padding:8px}.charts svg{margin:4px}tr.okrow td{background:#f1faf1}</style></head><body>";
   o << "<h1>crosskv: " << esc(in.title) << "</h1>";
   if (in.evaluations.empty()) o << "<p>No held-out evaluation.</p>";
+  if (!in.evaluations.empty()) o << sweep_summary(in);
+  if (!in.heatmap_svg.empty()) {
+    std::string svg = in.heatmap_svg;
+    if (svg.rfind("<?xml", 0) == 0) svg = svg.substr(svg.find("?>") + 2);
+    o << "<details open><summary><b>Probe R² (calibration): which source layers predict each target layer"
+         "</b></summary>" << svg << "</details>";
+  }
   for (size_t i = 0; i < in.evaluations.size(); ++i) {
     const Evaluation& ev = in.evaluations[i];
     const nlohmann::json& m = i < in.manifests.size() ? in.manifests[i] : nlohmann::json::object();
     const auto fit = m.value("fit", nlohmann::json::object());
-    const std::string k = fit.contains("k") ? fit["k"].dump() : "?";
+    const std::string k = k_label(fit);
     o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
       << esc(ev.verdict) << "</p>";
     o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
@@ -166,11 +230,6 @@ std::string render_report(const ReportInput& in) {
       }
       o << "</table></details>";
     }
-  }
-  if (!in.heatmap_svg.empty()) {
-    std::string svg = in.heatmap_svg;
-    if (svg.rfind("<?xml", 0) == 0) svg = svg.substr(svg.find("?>") + 2);
-    o << "<h2>Probe R² (calibration)</h2>" << svg;
   }
   if (!in.manifests.empty()) {
     const auto& m = in.manifests.front();

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <tuple>
 
 #include "apply/diagnose.hpp"
 #include "apply/report.hpp"
@@ -257,6 +258,38 @@ TEST(Diagnostics, ReportIsOneSelfContainedHtmlFile) {
   EXPECT_NE(html.find("<svg"), std::string::npos);
   EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));  // no links but the SVG namespace
   EXPECT_EQ(html.find("<script"), std::string::npos);
+}
+
+TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
+  Cache c = toy_cache(2, 2, 2, 8, 64, 6);
+  ReportInput in;
+  in.title = "a -> b";
+  in.heatmap_svg = "<?xml version='1.0'?><svg id='heatmap'></svg>";
+  // k = 1 fails, k = 2 passes, k = all passes with the best cosine.
+  for (auto [k, sigma, ok] : {std::tuple<nlohmann::json, float, bool>{1, 0.9f, false}, {2, 0.3f, true},
+                              {"all", 0.05f, true}}) {
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> n(0, sigma);
+    auto keys = c.keys;
+    for (auto& x : keys) x += n(rng);
+    Evaluation ev;
+    ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, keys, c.values);
+    ev.ok = ok;
+    ev.verdict = std::string(ok ? "LIKELY TO TRANSFER" : "NOT READY") + ": attention-output cosine ...";
+    in.manifests.push_back({{"fit", {{"k", k}, {"params", 1000}, {"bias_params", 24}}}});
+    in.evaluations.push_back(ev);
+  }
+  const std::string html = render_report(in);
+  const size_t summary = html.find("The k sweep at a glance");
+  ASSERT_NE(summary, std::string::npos);
+  EXPECT_LT(summary, html.find("<h2>k = 1</h2>"));          // before the details per k
+  EXPECT_LT(html.find("id='heatmap'"), html.find("<h2>k = 1</h2>"));  // the heatmap embedded near the top
+  EXPECT_EQ(html.find("<?xml"), std::string::npos);
+  EXPECT_NE(html.find("<th>all &#9733;</th>"), std::string::npos) << "the best cosine is starred";
+  EXPECT_NE(html.find("smallest k that passes the verdict: <b>k = 2</b>"), std::string::npos);
+  EXPECT_NE(html.find("<td>1.02 K</td><td>4.00 KiB</td><td>2.00 KiB</td>"), std::string::npos)
+      << "parameters and bytes per dtype";
+  EXPECT_NE(html.find("NOT READY</td>"), std::string::npos);
 }
 
 // ---- Hardened manifests.
