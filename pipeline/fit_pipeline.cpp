@@ -20,6 +20,19 @@ namespace fs = std::filesystem;
 namespace crosskv {
 namespace {
 
+HeldOut held_out_shards(const Calibration& cal) {
+  HeldOut h;
+  for (const auto& p : cal.eval_shards) {
+    h.source_shards.push_back(p.source_path);
+    h.target_shards.push_back(p.target_path);
+    h.names += (h.names.empty() ? "" : ", ") + p.rel;
+  }
+  return h;
+}
+
+}  // namespace
+namespace {
+
 class StageClock {
  public:
   void start(const std::string& name) {
@@ -119,6 +132,14 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   clock.start("plan");
   const FitPlan plan = plan_job(cal, world, planned, opts.plan_only);
   res.plan_text = format_plan(plan) + format_host_memory(plan.host);
+  const HeldOut held_out = held_out_shards(cal);
+  if (!cal.eval_shards.empty())
+    res.plan_text += "  held-out eval (every k): " +
+                     agreed(world.comm, [&] {
+                       return held_out_cost(held_out, cal.source, cal.target, static_cast<int>(plan.ks.size()),
+                                            planned);
+                     }).text() +
+                     "\n";
   log_lines(res.plan_text);
   if (opts.plan_only) return res;
   Grid grid = make_grid(world.comm, plan.layer_groups);
@@ -172,12 +193,6 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     std::vector<std::string> artifacts;
     std::istringstream lines(gather_strings(ctx.comm, listed).front());
     for (std::string a; std::getline(lines, a);) artifacts.push_back(a);
-    HeldOut held_out;
-    for (const auto& p : cal.eval_shards) {
-      held_out.source_shards.push_back(p.source_path);
-      held_out.target_shards.push_back(p.target_path);
-      held_out.names += (held_out.names.empty() ? "" : ", ") + p.rel;
-    }
     res.report_path =
         evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm);
   }

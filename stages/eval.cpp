@@ -169,6 +169,11 @@ EvalCost eval_cost(const KvSpec& source, const KvSpec& target, int64_t tokens, c
   return c;
 }
 
+EvalCost held_out_cost(const HeldOut& data, const KvSpec& source, const KvSpec& target, int mappers, int ranks) {
+  const HeldOutSide t = open_side(data.target_shards, true);
+  return eval_cost(source, target, t.tokens, t.seq_offsets, t.queries, mappers, ranks);
+}
+
 std::string EvalCost::text() const {
   char buf[256];
   std::snprintf(buf, sizeof buf, "%lld held-out tokens, %lld target layer(s) per rank, at most %s in memory, %.3g GFLOP",

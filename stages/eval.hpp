@@ -38,6 +38,8 @@ struct EvalCost {
 };
 EvalCost eval_cost(const KvSpec& source, const KvSpec& target, int64_t tokens, const std::vector<int64_t>& seq_offsets,
                    bool queries, int mappers, int ranks);
+// The same for held-out shards (their headers and sequence offsets read).
+EvalCost held_out_cost(const HeldOut& data, const KvSpec& source, const KvSpec& target, int mappers, int ranks);
 
 // Each mapper in `dirs` diagnosed on the held-out shards with both baselines. Streamed by target layer: one target
 // layer (keys, values, queries) is read at a time and diagnosed for every mapper; a source layer is read once, when

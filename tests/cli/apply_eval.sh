@@ -105,11 +105,26 @@ bad "--bogus" "$(dirname "$APPLY")/crosskv-strip" --shard $SRC --out y.h5 --bogu
 # A fit that names held-out shards leaves them out and diagnoses every k on them: eval-k<K>.json, report.html.
 for side in source target; do mkdir -p cal/$side/heldout && cp held/$side/heldout/shard-000.h5 cal/$side/heldout/; done
 printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [1, all]}\noutput: {dir: out-eval}\neval: {shards: [heldout/shard-000.h5]}\n' > ev.yaml
+"$FIT" --plan ev.yaml > plan.log 2>&1 || { cat plan.log; die "--plan with eval.shards failed"; }
+grep -Eq "held-out eval \(every k\): [0-9]+ held-out tokens, 12 target layer\(s\) per rank, at most .* in memory, .* GFLOP" plan.log \
+  || { cat plan.log; die "--plan must print the eval's memory and flops"; }
 "$FIT" ev.yaml > ev.log 2>&1 || { cat ev.log; die "fit with eval.shards failed"; }
 expect_in "held-out kall" ev.log
 [ -f out-eval/eval-k1.json ] && [ -f out-eval/eval-kall.json ] && grep -q "Probe R" out-eval/report.html \
   || die "the fit did not write eval-k*.json and report.html"
 grep -q heldout out-eval/kall/manifest.json && die "a held-out shard was used for the fit"
+# With ranks, the eval's target layers are shared out; every k's figures are the same as with one.
+if [ -n "${MPIEXEC:-}" ]; then
+  sed 's/out-eval/out-eval2/' ev.yaml > ev2r.yaml
+  $MPIEXEC -np 2 "$FIT" ev2r.yaml > ev2r.log 2>&1 || { cat ev2r.log; die "fit with eval.shards under mpiexec -np 2 failed"; }
+  "$PYTHON" - <<'PY' || die "the eval under -np 2 differs from -np 1"
+import json
+for k in ("k1", "kall"):
+    a, b = json.load(open(f"out-eval/eval-{k}.json")), json.load(open(f"out-eval2/eval-{k}.json"))
+    for f in ("r2_k", "r2_v", "attention_cosine"):
+        assert abs(a[f] - b[f]) <= 1e-4, (k, f, a[f], b[f])  # -np 2 fits its mappers from moments summed in another order
+PY
+fi
 printf 'source: {store: cal/source}\ntarget: {store: cal/target}\noutput: {dir: o}\neval: {shards: [heldout/nope.h5]}\n' > ev2.yaml
 set +e; "$FIT" ev2.yaml > /dev/null 2> err.log; rc=$?; set -e
 [ "$rc" = 2 ] && grep -q 'eval.shards: "heldout/nope.h5" is not a shard of both' err.log || { cat err.log; die "a missing eval shard must be refused"; }
