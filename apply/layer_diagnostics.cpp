@@ -262,8 +262,9 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
   }
   // K-concentration: the key error's covariance C_g = dK^T dK / T along the eigenvectors v_i of each query head's
   // covariance, E_i = v_i^T C_g v_i, weighted by the eigenvalues.
-  std::vector<float> dk(T_ * G_), C(H_ * DD), W(Hq_ * DD);
-  std::vector<double> e2(H_ * T_, 0.0);  // squared value error per KV head and token
+  std::vector<float>&dk = dk_, &C = cov_, &W = proj_;  // kept between calls: no fresh pages per prediction
+  std::vector<double>& e2 = e2_;                       // squared value error per KV head and token
+  dk.resize(T_ * G_), C.resize(H_ * DD), W.resize(Hq_ * DD), e2.assign(H_ * T_, 0.0);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T_; ++t) {
     for (int64_t c = 0; c < G_; ++c) dk[t * G_ + c] = keys[t * G_ + c] - t_.keys[t * G_ + c];

@@ -60,7 +60,8 @@ class LayerDiagnoser {
   std::vector<double> wsq_;                  // [Hq x T]: sum over queries of the squared true attention weight
   std::vector<double> sig2_;                 // [Hq x D] eigenvalues of Q_j^T Q_j
   std::vector<float> vecs_;                  // [Hq x D x D] their eigenvectors (columns)
-  std::vector<float> pred_out_, scratch_;
+  std::vector<float> pred_out_, scratch_, dk_, cov_, proj_;
+  std::vector<double> e2_;
 };
 
 // The per-layer figures of a prediction over every layer, averaged as diagnose() does.

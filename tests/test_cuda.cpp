@@ -17,6 +17,7 @@
 #include "core/rope.hpp"
 #include "core/ridge.hpp"
 #include "helpers.hpp"
+#include "apply/layer_diagnostics.hpp"
 #include "apply/transfer.hpp"
 #include "io/mapper.hpp"
 #include "stages/checkpoint.hpp"
@@ -1075,4 +1076,103 @@ TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
   shadow.free_bytes = static_cast<int64_t>((inputs + two.rank_moment_bytes / 2.0) / 0.9);  // not even two passes
   expect_error<ConfigError>([&] { run_fit(small, FitOptions{}, ctx); },
                             {"cfg.yaml: runtime.layer_groups: a rank's moments need", "beside its inputs"});
+}
+
+// ---- Held-out diagnostics on the device: strided-batched GEMMs, syevd, and one layer's figures against the CPU's.
+TEST_F(Cuda, BatchedGemmOfEveryTransposeAndStrideMatchesTheCpu) {
+  const int64_t m = 37, n = 29, k = 45, batch = 3;
+  const auto A = random_rows(batch * 64 * 64, 1, 0.0f), B = random_rows(batch * 64 * 64, 2, 0.0f);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (int64_t stride_b : {int64_t{0}, int64_t{64 * 64}}) {
+        ComputeBackend::BatchedGemm g;
+        g.trans_a = ta, g.trans_b = tb, g.m = m, g.n = n, g.k = k, g.alpha = 0.5f, g.beta = 1.0f;
+        g.A = A.data(), g.lda = 64, g.stride_a = 64 * 64, g.B = B.data(), g.ldb = 64, g.stride_b = stride_b;
+        g.ldc = 40, g.stride_c = 40 * 40, g.batch = batch;
+        std::vector<float> c_cpu = random_rows(batch * 40 * 40, 3, 0.0f), c_gpu = c_cpu;
+        g.C = c_cpu.data();
+        cpu_->gemm_batched(g);
+        g.C = c_gpu.data();
+        gpu_->gemm_batched(g);
+        for (size_t i = 0; i < c_cpu.size(); ++i)
+          ASSERT_NEAR(c_gpu[i], c_cpu[i], 1e-4f * (1 + std::fabs(c_cpu[i])))
+              << "trans " << ta << tb << ", stride_b " << stride_b << ", element " << i;
+      }
+}
+
+TEST_F(Cuda, SymmetricEigenMatchesTheCpu) {
+  const int64_t n = 24;
+  const auto X = random_rows(100 * n, 4, 0.0f);
+  std::vector<double> A(n * n, 0.0);
+  for (int64_t t = 0; t < 100; ++t)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) A[i * n + j] += double(X[t * n + i]) * X[t * n + j];
+  auto a_cpu = A, a_gpu = A;
+  std::vector<double> w_cpu(n), w_gpu(n);
+  cpu_->symmetric_eigen(n, a_cpu.data(), n, w_cpu.data());
+  gpu_->symmetric_eigen(n, a_gpu.data(), n, w_gpu.data());
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(w_gpu[i], w_cpu[i], 1e-9 * w_cpu.back());
+    double dot = 0;  // eigenvectors (columns) equal up to sign
+    for (int64_t r = 0; r < n; ++r) dot += a_gpu[r * n + i] * a_cpu[r * n + i];
+    EXPECT_NEAR(std::fabs(dot), 1.0, 1e-8) << "eigenvector " << i;
+  }
+}
+
+namespace {
+
+// One random target layer (GQA, RoPE, sequences of several lengths) and a noisy prediction of it.
+struct RandomLayer {
+  std::vector<int32_t> positions;
+  std::vector<int64_t> offsets = {0, 70, 71, 300};
+  LayerTruth truth;
+  std::vector<float> keys, values;
+  RandomLayer() {
+    KvSpec s;
+    s.n_layers = 1, s.n_kv_heads = 2, s.n_q_heads = 6, s.head_dim = 16;
+    s.rope.type = "default", s.rope.theta = 10000, s.rope.rotary_dim = 16;
+    for (size_t i = 0; i + 1 < offsets.size(); ++i)
+      for (int64_t t = offsets[i]; t < offsets[i + 1]; ++t) positions.push_back(int32_t(t - offsets[i]));
+    const int64_t T = offsets.back();
+    truth.spec = s, truth.tokens = T, truth.positions = positions.data(), truth.seq_offsets = offsets.data();
+    truth.sequences = int64_t(offsets.size()) - 1;
+    truth.keys = random_rows(T * 32, 5, 0.0f), truth.values = random_rows(T * 32, 6, 0.0f);
+    truth.queries = random_rows(T * 96, 7, 0.0f);
+    keys = truth.keys, values = truth.values;
+    const auto noise = random_rows(T * 32, 8, 0.0f);
+    for (int64_t i = 0; i < T * 32; ++i) keys[i] += 0.3f * noise[i], values[i] -= 0.2f * noise[i];
+  }
+};
+
+// Figures of a layer from two backends: fp32 GEMMs in another order.
+void expect_same_figures(const LayerDiagnostics& a, const LayerDiagnostics& b) {
+  auto near = [](const std::vector<double>& x, const std::vector<double>& y, double tol, const char* what) {
+    ASSERT_EQ(x.size(), y.size()) << what;
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(x[i], y[i], tol * (1 + std::fabs(y[i]))) << what << "[" << i << "]";
+  };
+  near(a.r2_k, b.r2_k, 1e-6, "r2_k");
+  near(a.r2_v, b.r2_v, 1e-6, "r2_v");
+  near(a.cosine, b.cosine, 1e-5, "cosine");
+  near(a.k_concentration, b.k_concentration, 1e-4, "k_concentration");
+  near(a.v_concentration, b.v_concentration, 1e-4, "v_concentration");
+}
+
+}  // namespace
+
+// A backend that takes its calls one at a time (the shadow device) gets the host's figures: the units of the
+// attention run serially there, in row tiles.
+TEST(DeviceContract, LayerDiagnosticsThroughTheShadowDeviceEqualTheCpu) {
+  RandomLayer r;
+  ShadowBackend shadow;
+  ASSERT_FALSE(shadow.concurrent_calls());
+  auto cpu = make_cpu_backend();
+  LayerDiagnoser on_cpu(*cpu, r.truth), on_shadow(shadow, r.truth, /*tile_floats=*/3 * 40 * 300);
+  expect_same_figures(on_shadow.diagnose(r.keys.data(), r.values.data()),
+                      on_cpu.diagnose(r.keys.data(), r.values.data()));
+}
+
+TEST_F(Cuda, LayerDiagnosticsMatchTheCpu) {
+  RandomLayer r;
+  LayerDiagnoser on_cpu(*cpu_, r.truth), on_gpu(*gpu_, r.truth);
+  expect_same_figures(on_gpu.diagnose(r.keys.data(), r.values.data()), on_cpu.diagnose(r.keys.data(), r.values.data()));
 }
