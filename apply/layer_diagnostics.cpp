@@ -9,6 +9,8 @@
 #include <limits>
 #include <optional>
 
+#include <omp.h>
+
 #include "core/error.hpp"
 #include "core/ridge.hpp"
 #include "core/rope.hpp"
@@ -95,7 +97,9 @@ LayerDiagnosticsCost layer_diagnostics_cost(const KvSpec& s, int64_t tokens, con
   c.truth_flops = 2.0 * (Hq * att + Hq * T * D * D);
   c.prediction_flops = 2.0 * (Hq * att + H * T * D * D + Hq * D * D * D);
   const int64_t tile = longest ? group * tile_rows(longest, group) * longest : 0;
-  c.scratch_bytes += int64_t{4} * tile + int64_t{4} * 2 * tokens * s.n_q_heads * s.head_dim +
+  // A tile of scores per host thread (a device backend holds one), the truth's and a prediction's outputs.
+  c.scratch_bytes += int64_t{4} * tile * std::max(1, omp_get_max_threads()) +
+                     int64_t{4} * 2 * tokens * s.n_q_heads * s.head_dim +
                      int64_t{8} * s.n_q_heads * tokens;
   return c;
 }

@@ -35,7 +35,12 @@ int main(int argc, char** argv) {
   const bool root = comm->rank() == 0;
   try {
     return run_tool("crosskv-eval", [&]() -> int {
-      auto be = agreed(*comm, [&] { return device == "cuda" ? make_cuda_backend(0, comm->rank()) : make_cpu_backend(); });
+      // One rank per GPU: the rank's index on its node picks the device.
+      auto be = agreed(*comm, [&] {
+        const int n = cuda_device_count();
+        return device == "cuda" ? make_cuda_backend(n > 0 ? mpi_local_rank() % n : 0, comm->rank())
+                                : make_cpu_backend();
+      });
       const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true);
       const Evaluation& ev = evals.front().evaluation;
       if (!root) return require_ok && !ev.ok ? 4 : 0;
