@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <tuple>
 
 #include "core/error.hpp"
 #include "core/rope.hpp"
@@ -86,6 +87,8 @@ int64_t synthesize(const SynthOptions& o) {
   std::mt19937_64 rng(o.seed);
   // Maps: latent z (kLatent) -> content, per layer, for keys and values; extra layer-private latents.
   std::vector<Mat> As_k(Ls), As_v(Ls), Ps(Ls), At_k(Lt), At_v(Lt), Pt(Lt), Ml_k(Lt), Ml_v(Lt);
+  std::vector<Mat> N1_k(Lt), N2_k(Lt), N1_v(Lt), N2_v(Lt);  // the nonlinear relation's planted ReLU layers
+  constexpr int kPlantedHidden = 32;
   std::vector<std::vector<float>> ct_k(Lt), ct_v(Lt);
   const double zs = 1.0 / std::sqrt(static_cast<double>(kLatent));
   for (int a = 0; a < Ls; ++a) {
@@ -97,9 +100,14 @@ int64_t synthesize(const SynthOptions& o) {
     At_k[l] = random_matrix(rng, kLatent, static_cast<int>(G), zs);
     At_v[l] = random_matrix(rng, kLatent, static_cast<int>(G), zs);
     Pt[l] = random_matrix(rng, kLatent, static_cast<int>(G), zs * o.noise);
-    if (o.relation == SynthRelation::linear) {
+    if (o.relation != SynthRelation::family) {
       Ml_k[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
       Ml_v[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
+    }
+    if (o.relation == SynthRelation::nonlinear) {
+      for (auto* n1 : {&N1_k[l], &N1_v[l]}) *n1 = random_matrix(rng, static_cast<int>(F), kPlantedHidden, 1.0 / std::sqrt(double(F)));
+      for (auto* n2 : {&N2_k[l], &N2_v[l]})
+        *n2 = random_matrix(rng, kPlantedHidden, static_cast<int>(G), 2.0 / std::sqrt(double(kPlantedHidden)));
     }
     ct_k[l] = random_matrix(rng, 1, static_cast<int>(G), 1.0);
     ct_v[l] = random_matrix(rng, 1, static_cast<int>(G), 1.0);
@@ -218,6 +226,16 @@ int64_t synthesize(const SynthOptions& o) {
         } else {
           for (auto& x : ks) x = normal(rng);
           for (auto& x : vs) x = normal(rng);
+          if (o.relation == SynthRelation::nonlinear)  // relu(x N1) N2 of the source content (before the large mean)
+            for (int l = 0; l < Lt; ++l) {
+              const int a = l % Ls;
+              for (auto [x, n1, n2, y] : {std::tuple{&ks, &N1_k[l], &N2_k[l], &kt}, std::tuple{&vs, &N1_v[l], &N2_v[l], &vt}}) {
+                std::vector<float> h(kPlantedHidden, 0.0f);
+                gemv_acc(x->data() + a * F, *n1, static_cast<int>(F), kPlantedHidden, h.data());
+                for (auto& v : h) v = std::max(v, 0.0f);
+                gemv_acc(h.data(), *n2, kPlantedHidden, static_cast<int>(G), y->data() + l * G);
+              }
+            }
           add_large_mean(ks.data(), o.source);
           for (int l = 0; l < Lt; ++l) {
             const int a = l % Ls;

@@ -100,6 +100,7 @@ bad "--nope" "$APPLY" --mapper out-fp32/k2 --source $SRC --out x.h5 --nope
 bad "--device" "$APPLY" --mapper out-fp32/k2 --source $SRC --out x.h5 --device tpu
 bad "--json" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $TGT
 bad "--out" "$SYNTH"
+bad "--relation: expected family, linear or nonlinear, got \"quadratic\"" "$SYNTH" --out x-synth --relation quadratic
 bad "--bogus" "$(dirname "$APPLY")/crosskv-strip" --shard $SRC --out y.h5 --bogus
 [ -z "$(ls x.h5* x.json* 2> /dev/null)" ] || die "a failed command must not leave an output behind: $(ls x.h5* x.json*)"
 # A fit that names held-out shards leaves them out and diagnoses every k on them: eval-k<K>.json, report.html.
