@@ -1,0 +1,107 @@
+#include "core/mlp.hpp"
+
+#include <cmath>
+#include <random>
+
+#include "core/error.hpp"
+
+namespace crosskv {
+namespace {
+
+// C[rows x n] = A[rows x k] B[k x n] + bias (broadcast over rows), then ReLU when `relu`.
+void affine(ComputeBackend& be, const float* A, int64_t rows, int64_t k, const float* B, const float* bias, int64_t n,
+            bool relu, std::vector<float>& C) {
+  C.resize(static_cast<size_t>(rows * n));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(bias, n, C.data() + r * n);
+  ComputeBackend::BatchedGemm g;
+  g.m = rows, g.n = n, g.k = k, g.beta = 1.0f;
+  g.A = A, g.lda = k, g.B = B, g.ldb = n, g.C = C.data(), g.ldc = n;
+  be.gemm_batched(g);
+  if (relu)
+    for (auto& x : C) x = x > 0.0f ? x : 0.0f;
+}
+
+// grad_w[k x n] += A[rows x k]^T D[rows x n]; grad_b[n] += column sums of D.
+void weight_gradient(ComputeBackend& be, const float* A, int64_t rows, int64_t k, const std::vector<float>& D,
+                     int64_t n, float* grad_w, float* grad_b) {
+  ComputeBackend::BatchedGemm g;
+  g.trans_a = true, g.m = k, g.n = n, g.k = rows, g.beta = 1.0f;
+  g.A = A, g.lda = k, g.B = D.data(), g.ldb = n, g.C = grad_w, g.ldc = n;
+  be.gemm_batched(g);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) grad_b[c] += D[r * n + c];
+}
+
+// dA[rows x k] = (D[rows x n] W^T) masked where the layer's activation A was not positive (ReLU's derivative).
+void input_gradient(ComputeBackend& be, const std::vector<float>& D, int64_t rows, int64_t n, const float* W,
+                    int64_t k, const std::vector<float>& A, std::vector<float>& dA) {
+  dA.assign(static_cast<size_t>(rows * k), 0.0f);
+  ComputeBackend::BatchedGemm g;
+  g.trans_b = true, g.m = rows, g.n = k, g.k = n;
+  g.A = D.data(), g.lda = n, g.B = W, g.ldb = n, g.C = dA.data(), g.ldc = k;
+  be.gemm_batched(g);
+  for (size_t i = 0; i < dA.size(); ++i)
+    if (A[i] <= 0.0f) dA[i] = 0.0f;
+}
+
+}  // namespace
+
+MlpParams MlpParams::initial(const MlpShape& s, uint64_t seed) {
+  MlpParams p(s);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  const float s1 = static_cast<float>(std::sqrt(2.0 / static_cast<double>(s.in)));
+  const float s2 = static_cast<float>(std::sqrt(2.0 / static_cast<double>(s.hidden)));
+  for (int64_t i = 0; i < s.in * s.hidden; ++i) p.w1()[i] = s1 * n(rng);
+  for (int64_t i = 0; i < s.hidden * s.hidden; ++i) p.w2()[i] = s2 * n(rng);
+  return p;  // biases and the last layer stay zero
+}
+
+void mlp_forward(ComputeBackend& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws) {
+  const MlpShape& s = p.shape;
+  affine(be, X, rows, s.in, p.w1(), p.b1(), s.hidden, true, ws.h1);
+  affine(be, ws.h1.data(), rows, s.hidden, p.w2(), p.b2(), s.hidden, true, ws.h2);
+  affine(be, ws.h2.data(), rows, s.hidden, p.w3(), p.b3(), s.out, false, ws.out);
+}
+
+double mlp_loss_and_gradient(ComputeBackend& be, const MlpParams& p, const float* X, const float* R, int64_t rows,
+                             MlpParams& grad, MlpWorkspace& ws) {
+  const MlpShape& s = p.shape;
+  CROSSKV_ASSERT(grad.flat.size() == p.flat.size(), "gradient of another shape");
+  mlp_forward(be, p, X, rows, ws);
+  double loss = 0;
+  ws.d_out.resize(ws.out.size());
+  for (size_t i = 0; i < ws.out.size(); ++i) {
+    const float e = ws.out[i] - R[i];
+    loss += static_cast<double>(e) * e;
+    ws.d_out[i] = 2.0f * e;
+  }
+  weight_gradient(be, ws.h2.data(), rows, s.hidden, ws.d_out, s.out, grad.w3(), grad.b3());
+  input_gradient(be, ws.d_out, rows, s.out, p.w3(), s.hidden, ws.h2, ws.d_h2);
+  weight_gradient(be, ws.h1.data(), rows, s.hidden, ws.d_h2, s.hidden, grad.w2(), grad.b2());
+  input_gradient(be, ws.d_h2, rows, s.hidden, p.w2(), s.hidden, ws.h1, ws.d_h1);
+  weight_gradient(be, X, rows, s.in, ws.d_h1, s.hidden, grad.w1(), grad.b1());
+  return loss;
+}
+
+void Adam::step(MlpParams& p, const MlpParams& grad_sum, double count) {
+  CROSSKV_ASSERT(p.flat.size() == m_.size() && grad_sum.flat.size() == m_.size() && count > 0, "Adam: shapes");
+  ++t_;
+  const double c1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t_)), c2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t_));
+  const MlpShape& s = p.shape;
+  // Weight decay on the matrices only: [W1 | b1 | W2 | b2 | W3 | b3].
+  const int64_t b1 = s.in * s.hidden, w2 = b1 + s.hidden, b2 = w2 + s.hidden * s.hidden, w3 = b2 + s.hidden,
+                b3 = w3 + s.hidden * s.out;
+  auto decays = [&](int64_t i) { return i < b1 || (i >= w2 && i < b2) || (i >= w3 && i < b3); };
+  for (int64_t i = 0; i < static_cast<int64_t>(m_.size()); ++i) {
+    const double g = grad_sum.flat[i] / count;
+    m_[i] = static_cast<float>(o_.beta1 * m_[i] + (1 - o_.beta1) * g);
+    v_[i] = static_cast<float>(o_.beta2 * v_[i] + (1 - o_.beta2) * g * g);
+    double x = p.flat[i];
+    if (o_.weight_decay > 0 && decays(i)) x -= o_.lr * o_.weight_decay * x;
+    x -= o_.lr * (m_[i] / c1) / (std::sqrt(v_[i] / c2) + o_.eps);
+    p.flat[i] = static_cast<float>(x);
+  }
+}
+
+}  // namespace crosskv

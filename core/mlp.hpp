@@ -1,0 +1,76 @@
+#pragma once
+// The residual MLP of issue 15, per (target layer, kind): target = ridge(x) + f(x), with
+// f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the same content-space features as the ridge. W3 and b3 start at
+// zero, so training starts exactly at the ridge fit. fp32 parameters (the master weights), products through the
+// compute backend, Adam. Not yet a stage of the fit: issue 15 wires it in (training over ranks, gate, artifacts).
+#include <cstdint>
+#include <vector>
+
+#include "core/backend.hpp"
+
+namespace crosskv {
+
+struct MlpShape {
+  int64_t in = 0, hidden = 0, out = 0;
+  int64_t parameters() const { return in * hidden + hidden + hidden * hidden + hidden + hidden * out + out; }
+};
+
+// Every parameter in one flat fp32 array, the tensors views into it (a reduction or a checkpoint takes the array
+// whole): W1 [in x hidden], b1, W2 [hidden x hidden], b2, W3 [hidden x out], b3, all row-major.
+struct MlpParams {
+  MlpShape shape;
+  std::vector<float> flat;
+
+  MlpParams() = default;
+  explicit MlpParams(const MlpShape& s) : shape(s), flat(static_cast<size_t>(s.parameters()), 0.0f) {}
+  // He-normal W1 and W2 from `seed` (a fixed generator: the same seed gives the same bits), zero biases, and a zero
+  // last layer.
+  static MlpParams initial(const MlpShape& s, uint64_t seed);
+  float* w1() { return flat.data(); }
+  float* b1() { return w1() + shape.in * shape.hidden; }
+  float* w2() { return b1() + shape.hidden; }
+  float* b2() { return w2() + shape.hidden * shape.hidden; }
+  float* w3() { return b2() + shape.hidden; }
+  float* b3() { return w3() + shape.hidden * shape.out; }
+  const float* w1() const { return const_cast<MlpParams*>(this)->w1(); }
+  const float* b1() const { return const_cast<MlpParams*>(this)->b1(); }
+  const float* w2() const { return const_cast<MlpParams*>(this)->w2(); }
+  const float* b2() const { return const_cast<MlpParams*>(this)->b2(); }
+  const float* w3() const { return const_cast<MlpParams*>(this)->w3(); }
+  const float* b3() const { return const_cast<MlpParams*>(this)->b3(); }
+};
+
+// Activations of a batch, kept for the backward pass.
+struct MlpWorkspace {
+  std::vector<float> h1, h2, out, d_out, d_h2, d_h1;
+};
+
+// out[rows x out] = f(X) for X [rows x in] (row-major, leading dim `in`).
+void mlp_forward(ComputeBackend& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws);
+
+// The sum over the batch of squared errors of f(X) against the residual R [rows x out] (the target less the
+// ridge's prediction), returned, and its gradient (summed over the batch, not averaged: batches and ranks add up)
+// added to grad.
+double mlp_loss_and_gradient(ComputeBackend& be, const MlpParams& p, const float* X, const float* R, int64_t rows,
+                             MlpParams& grad, MlpWorkspace& ws);
+
+// Adam (decoupled weight decay on W1, W2, W3) with fp32 moments.
+class Adam {
+ public:
+  struct Options {
+    double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  };
+  Adam(const MlpShape& s, Options o) : o_(o), m_(static_cast<size_t>(s.parameters()), 0.0f), v_(m_) {}
+  // One step with the mean gradient `grad_sum / count`.
+  void step(MlpParams& p, const MlpParams& grad_sum, double count);
+  int64_t steps() const { return t_; }
+  const std::vector<float>& first_moment() const { return m_; }
+  const std::vector<float>& second_moment() const { return v_; }
+
+ private:
+  Options o_;
+  std::vector<float> m_, v_;
+  int64_t t_ = 0;
+};
+
+}  // namespace crosskv
