@@ -1,8 +1,10 @@
 #include "core/mlp.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
+#include "core/comm.hpp"
 #include "core/error.hpp"
 
 namespace crosskv {
@@ -102,6 +104,40 @@ void Adam::step(MlpParams& p, const MlpParams& grad_sum, double count) {
     x -= o_.lr * (m_[i] / c1) / (std::sqrt(v_[i] / c2) + o_.eps);
     p.flat[i] = static_cast<float>(x);
   }
+}
+
+MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
+                              int64_t rows, const MlpTraining& t) {
+  CROSSKV_ASSERT(t.batch_tokens > 0 && t.epochs >= 0, "MLP training: batch and epochs");
+  const int P = comm.size();
+  const int64_t local_batch = (t.batch_tokens + P - 1) / P;
+  double most = static_cast<double>(rows);  // the job's largest share fixes the number of steps per epoch
+  std::vector<double> shares(static_cast<size_t>(P), 0.0);
+  shares[comm.rank()] = most;
+  comm.allreduce_sum(shares.data(), shares.size());
+  most = *std::max_element(shares.begin(), shares.end());
+  const int64_t steps = static_cast<int64_t>(std::ceil(most / static_cast<double>(local_batch)));
+  MlpTrained out{MlpParams::initial(s, t.seed), {}, 0};
+  Adam adam(s, t.adam);
+  MlpParams grad(s);
+  MlpWorkspace ws;
+  for (int e = 0; e < t.epochs; ++e) {
+    double sums[2] = {0, 0};  // squared error and values over the job's tokens in this epoch
+    for (int64_t step = 0; step < steps; ++step) {
+      const int64_t r0 = std::min(rows, step * local_batch), n = std::min(rows, r0 + local_batch) - r0;
+      std::fill(grad.flat.begin(), grad.flat.end(), 0.0f);
+      double counts[2] = {n > 0 ? mlp_loss_and_gradient(be, out.params, X + r0 * s.in, R + r0 * s.out, n, grad, ws)
+                                : 0.0,
+                          static_cast<double>(n * s.out)};
+      comm.allreduce_sum(grad.flat.data(), grad.flat.size());
+      comm.allreduce_sum(counts, 2);
+      sums[0] += counts[0], sums[1] += counts[1];
+      if (counts[1] > 0) adam.step(out.params, grad, counts[1]);
+    }
+    out.epoch_mse.push_back(sums[1] > 0 ? sums[0] / sums[1] : 0.0);
+  }
+  out.steps = adam.steps();
+  return out;
 }
 
 }  // namespace crosskv

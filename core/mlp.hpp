@@ -73,4 +73,25 @@ class Adam {
   int64_t t_ = 0;
 };
 
+class Comm;
+
+// Data-parallel training of one residual MLP: each rank holds its share of the tokens, X [rows x in] and the ridge's
+// residual R [rows x out]. Every step takes the next batch_tokens / P (rounded up) rows of each rank, sums the
+// gradients over ranks in a fixed order (Comm::allreduce_sum) and applies the same Adam step everywhere, so every
+// rank ends with the same bits, and the same job gives the same bits again. Ranks with fewer rows take part in
+// every step (with the rows they have left, or none).
+struct MlpTraining {
+  int epochs = 10;
+  int64_t batch_tokens = 1024;
+  Adam::Options adam;
+  uint64_t seed = 0;
+};
+struct MlpTrained {
+  MlpParams params;
+  std::vector<double> epoch_mse;  // per epoch, over the job's tokens: each batch's squared error before its step
+  int64_t steps = 0;
+};
+MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
+                              int64_t rows, const MlpTraining& t);
+
 }  // namespace crosskv

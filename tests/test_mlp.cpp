@@ -7,6 +7,7 @@
 
 #include "backends/backends.hpp"
 #include "core/mlp.hpp"
+#include "core/thread_comm.hpp"
 #include "helpers.hpp"
 #include "io/mapper.hpp"
 #include "io/shard.hpp"
@@ -102,46 +103,32 @@ TEST(Mlp, TrainingStartsExactlyAtTheRidgeFit) {
 
 namespace {
 
-// Trains on (X, R) for `epochs` passes in batches, from `seed`; returns the parameters.
-MlpParams train(ComputeBackend& be, const MlpShape& s, const std::vector<float>& X, const std::vector<float>& R,
-                int64_t rows, int epochs, int64_t batch, uint64_t seed) {
-  MlpParams p = MlpParams::initial(s, seed);
-  Adam adam(s, Adam::Options{3e-3, 0.9, 0.999, 1e-8, 1e-4});
-  MlpWorkspace ws;
-  MlpParams grad(s);
-  for (int e = 0; e < epochs; ++e)
-    for (int64_t r0 = 0; r0 < rows; r0 += batch) {
-      const int64_t n = std::min(batch, rows - r0);
-      std::fill(grad.flat.begin(), grad.flat.end(), 0.0f);
-      mlp_loss_and_gradient(be, p, X.data() + r0 * s.in, R.data() + r0 * s.out, n, grad, ws);
-      adam.step(p, grad, static_cast<double>(n * s.out));
-    }
-  return p;
-}
-
-}  // namespace
-
 // The planted pair of crosskv-synth --relation nonlinear: values of target layer 0 are a linear map of source layer
-// 0 plus a ReLU layer of it. Ridge (k = 1) leaves R² clearly short of 1 on held-out tokens; the residual MLP,
-// trained on the calibration tokens' ridge residual, raises it. Training twice gives the same bits.
-TEST(Mlp, ResidualMlpLearnsWhatRidgeLeavesOfAPlantedNonlinearity) {
+// 0 plus a ReLU layer of it. Ridge (k = 1) is fitted; X are the source values of layer 0, R the target's less the
+// ridge's prediction, for the calibration tokens (c) and held-out ones (h); Yh the held-out target values.
+struct Planted {
   TempDir tmp;
-  for (auto [dir, seed, domain] : {std::tuple{"cal", uint64_t{0}, "web"}, {"held", uint64_t{99}, "held"}}) {
-    SynthOptions o = small_synth(tmp.str(dir), 31);
-    o.relation = SynthRelation::nonlinear, o.data_seed = seed, o.domains = {domain};
-    o.sequences_per_shard = 8, o.seq_len = 256;
-    synthesize(o);
+  int64_t F = 0, G = 0, rows = 0, held = 0;
+  std::vector<float> Xc, Rc, Xh, Rh, Yh;
+  Planted() {
+    for (auto [dir, seed, domain] : {std::tuple{"cal", uint64_t{0}, "web"}, {"held", uint64_t{99}, "held"}}) {
+      SynthOptions o = small_synth(tmp.str(dir), 31);
+      o.relation = SynthRelation::nonlinear, o.data_seed = seed, o.domains = {domain};
+      o.sequences_per_shard = 8, o.seq_len = 256;
+      synthesize(o);
+    }
+    fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0.001}"));
+    const MapperManifest m = read_mapper_manifest(tmp.str("cal/out/k1"));
+    const MapperLayer w = load_mapper_layer(m, 0);
+    EXPECT_EQ(w.source_layers, std::vector<int>{0});
+    F = m.source.features_per_layer(), G = m.target.features_per_layer();
+    rows = load(w, {"cal/source/web/shard-000.h5", "cal/source/web/shard-001.h5"}, Xc, Rc, nullptr);
+    held = load(w, {"held/source/held/shard-000.h5"}, Xh, Rh, &Yh);
   }
-  fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0.001}"));
-  const MapperManifest m = read_mapper_manifest(tmp.str("cal/out/k1"));
-  const MapperLayer w = load_mapper_layer(m, 0);
-  ASSERT_EQ(w.source_layers, std::vector<int>{0});
-  const int64_t F = m.source.features_per_layer(), G = m.target.features_per_layer();
-  auto be = make_cpu_backend();
-  // Source values of layer 0 (X), and the target's less the ridge's prediction (R), over some shards.
-  auto load = [&](const std::vector<std::string>& shards, std::vector<float>& X, std::vector<float>& R) {
+  int64_t load(const MapperLayer& w, const std::vector<std::string>& shards, std::vector<float>& X,
+               std::vector<float>& R, std::vector<float>* Y) {
     std::vector<uint16_t> raw;
-    int64_t rows = 0;
+    int64_t n = 0;
     for (const auto& path : shards) {
       std::string target = tmp.str(path);
       target.replace(target.rfind("/source/"), 8, "/target/");
@@ -150,6 +137,7 @@ TEST(Mlp, ResidualMlpLearnsWhatRidgeLeavesOfAPlantedNonlinearity) {
       std::vector<float> x(T * F), y(T * G);
       src.read_layer("values", 0, x.data(), raw);
       tgt.read_layer("values", 0, y.data(), raw);
+      if (Y) Y->insert(Y->end(), y.begin(), y.end());
       for (int64_t t = 0; t < T; ++t)
         for (int64_t c = 0; c < G; ++c) {
           double pred = w.bv[c];
@@ -158,38 +146,82 @@ TEST(Mlp, ResidualMlpLearnsWhatRidgeLeavesOfAPlantedNonlinearity) {
         }
       X.insert(X.end(), x.begin(), x.end());
       R.insert(R.end(), y.begin(), y.end());
-      rows += T;
+      n += T;
     }
-    return rows;
-  };
-  std::vector<float> Xc, Rc, Xh, Rh;
-  const int64_t rows = load({"cal/source/web/shard-000.h5", "cal/source/web/shard-001.h5"}, Xc, Rc);
-  const int64_t held = load({"held/source/held/shard-000.h5"}, Xh, Rh);
-  const MlpShape s{F, 64, G};
-  const MlpParams p = train(*be, s, Xc, Rc, rows, 30, 256, 5);
-  // Held-out R² of the values: ridge alone (residual Rh) against ridge + MLP (residual Rh - f(Xh)).
-  MlpWorkspace ws;
-  mlp_forward(*be, p, Xh.data(), held, ws);
-  std::vector<float> Yh(Rh.size());  // the target's values, for SST
-  {
-    std::vector<uint16_t> raw;
-    ShardReader tgt(tmp.str("held/target/held/shard-000.h5"));
-    tgt.read_layer("values", 0, Yh.data(), raw);
+    return n;
   }
-  double sst = 0, sse_ridge = 0, sse_mlp = 0;
-  for (int64_t c = 0; c < G; ++c) {
-    double mean = 0;
-    for (int64_t t = 0; t < held; ++t) mean += Yh[t * G + c] / double(held);
-    for (int64_t t = 0; t < held; ++t) {
-      sst += (Yh[t * G + c] - mean) * (Yh[t * G + c] - mean);
-      sse_ridge += double(Rh[t * G + c]) * Rh[t * G + c];
-      const double e = double(Rh[t * G + c]) - ws.out[t * G + c];
-      sse_mlp += e * e;
+  // Held-out R² of the values: ridge alone, and ridge + the MLP p.
+  std::pair<double, double> r2(ComputeBackend& be, const MlpParams& p) const {
+    MlpWorkspace ws;
+    mlp_forward(be, p, Xh.data(), held, ws);
+    double sst = 0, sse_ridge = 0, sse_mlp = 0;
+    for (int64_t c = 0; c < G; ++c) {
+      double mean = 0;
+      for (int64_t t = 0; t < held; ++t) mean += Yh[t * G + c] / double(held);
+      for (int64_t t = 0; t < held; ++t) {
+        sst += (Yh[t * G + c] - mean) * (Yh[t * G + c] - mean);
+        sse_ridge += double(Rh[t * G + c]) * Rh[t * G + c];
+        const double e = double(Rh[t * G + c]) - ws.out[t * G + c];
+        sse_mlp += e * e;
+      }
     }
+    return {1 - sse_ridge / sst, 1 - sse_mlp / sst};
   }
-  const double r2_ridge = 1 - sse_ridge / sst, r2_mlp = 1 - sse_mlp / sst;
-  std::printf("held-out R2 of target layer 0's values: ridge %.4f, ridge + MLP %.4f\n", r2_ridge, r2_mlp);
+};
+
+MlpTraining training(int epochs) {
+  MlpTraining t;
+  t.epochs = epochs, t.batch_tokens = 256, t.seed = 5;
+  t.adam.lr = 3e-3, t.adam.weight_decay = 1e-4;
+  return t;
+}
+
+}  // namespace
+
+// Ridge (k = 1) leaves R² clearly short of 1 on held-out tokens; the residual MLP, trained on the calibration
+// tokens' ridge residual, raises it. Training twice gives the same bits.
+TEST(Mlp, ResidualMlpLearnsWhatRidgeLeavesOfAPlantedNonlinearity) {
+  Planted d;
+  auto be = make_cpu_backend();
+  auto comm = make_single_comm();
+  const MlpShape s{d.F, 64, d.G};
+  const MlpTrained m = train_residual_mlp(*be, *comm, s, d.Xc.data(), d.Rc.data(), d.rows, training(30));
+  const auto [r2_ridge, r2_mlp] = d.r2(*be, m.params);
+  std::printf("held-out R2 of target layer 0's values: ridge %.4f, ridge + MLP %.4f (training MSE %.4f -> %.4f)\n",
+              r2_ridge, r2_mlp, m.epoch_mse.front(), m.epoch_mse.back());
   EXPECT_LT(r2_ridge, 0.95);
   EXPECT_GT(r2_mlp, r2_ridge + 0.05);
-  EXPECT_EQ(train(*be, s, Xc, Rc, rows, 2, 256, 5).flat, train(*be, s, Xc, Rc, rows, 2, 256, 5).flat);
+  EXPECT_LT(m.epoch_mse.back(), 0.5 * m.epoch_mse.front());
+  EXPECT_EQ(m.steps, 30 * ((d.rows + 255) / 256));
+  const auto again = train_residual_mlp(*be, *comm, s, d.Xc.data(), d.Rc.data(), d.rows, training(2));
+  EXPECT_EQ(again.params.flat,
+            train_residual_mlp(*be, *comm, s, d.Xc.data(), d.Rc.data(), d.rows, training(2)).params.flat);
+}
+
+// Data-parallel: the tokens split over 2 or 3 ranks (unequal shares), gradients summed in a fixed order. Every rank
+// ends with the same bits, the same job gives them again, and the model is as good as one rank's.
+TEST(Mlp, TrainingOverRanksGivesEveryRankTheSameWeights) {
+  Planted d;
+  const MlpShape s{d.F, 64, d.G};
+  for (int ranks : {2, 3}) {
+    std::vector<std::vector<float>> first(ranks), second(ranks);
+    for (auto* out : {&first, &second})
+      run_ranks(ranks, [&](Comm& comm) {
+        auto be = make_cpu_backend();
+        // Rank r takes a contiguous share, the last one smaller.
+        const int64_t share = (d.rows + ranks) / ranks, r0 = std::min(d.rows, comm.rank() * share),
+                      n = std::min(d.rows, r0 + share) - r0;
+        const auto m = train_residual_mlp(*be, comm, s, d.Xc.data() + r0 * s.in, d.Rc.data() + r0 * s.out, n,
+                                          training(10));
+        (*out)[comm.rank()] = m.params.flat;
+        if (comm.rank() == 0) {
+          MlpParams p(s);
+          p.flat = m.params.flat;
+          const auto [r2_ridge, r2_mlp] = d.r2(*be, p);
+          EXPECT_GT(r2_mlp, r2_ridge + 0.05) << ranks << " ranks";
+        }
+      });
+    for (int r = 1; r < ranks; ++r) EXPECT_EQ(first[r], first[0]) << "rank " << r << " of " << ranks;
+    EXPECT_EQ(second[0], first[0]) << "the same job on " << ranks << " ranks, twice";
+  }
 }
