@@ -8,6 +8,10 @@
 //     4,096, sequences of 1,024) with queries: the truth's side and three predictions (a mapper and two baselines),
 //     GFLOP/s against the backend's own GEMM rate on the attention shape in the same run, and the process's peak
 //     memory against one layer's footprint.
+//   crosskv-bench-eval mlp [cpu|cuda] [K]
+//     Training the residual MLP of one Qwen3-14B -> 32B-shaped (target layer, kind): K = 4 selected source layers of
+//     8 x 128 (4,096 features) -> 1,024 hidden -> 1,024 hidden -> 8 x 128, batches of 1,024 tokens; tokens/s and
+//     GFLOP/s (forward and backward: six GEMMs a layer) against the backend's GEMM rate on the first layer's shape.
 #include <sys/resource.h>
 
 #include <chrono>
@@ -25,6 +29,7 @@
 #include "core/comm.hpp"
 #include "core/config.hpp"
 #include "core/log.hpp"
+#include "core/mlp.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "stages/eval.hpp"
 #include "stages/stages.hpp"
@@ -156,6 +161,43 @@ int paper(const std::string& device, int64_t tokens) {
   return 0;
 }
 
+int mlp(const std::string& device, int64_t k) {
+  auto be = backend(device);
+  auto comm = make_single_comm();
+  const MlpShape s{k * 1024, 1024, 1024};
+  const int64_t batch = 1024, steps = 6, rows = batch * steps;
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> X(rows * s.in), R(rows * s.out);
+  for (auto* v : {&X, &R})
+    for (auto& x : *v) x = n(rng);
+  // The backend's GEMM on the first layer's forward shape, [batch x in] [in x hidden].
+  std::vector<float> C(batch * s.hidden);
+  ComputeBackend::BatchedGemm g;
+  g.m = batch, g.n = s.hidden, g.k = s.in, g.A = X.data(), g.lda = s.in, g.B = R.data(), g.ldb = s.hidden;
+  g.C = C.data(), g.ldc = s.hidden;
+  be->gemm_batched(g);
+  int reps = 0;
+  auto t0 = Clock::now();
+  while (since(t0) < 2.0 || reps < 3) be->gemm_batched(g), ++reps;
+  const double gemm_rate = 2.0 * batch * s.hidden * s.in * reps / since(t0);
+  MlpTraining t;
+  t.epochs = 1, t.batch_tokens = batch, t.seed = 1;
+  train_residual_mlp(*be, *comm, s, X.data(), R.data(), batch, t);  // warm-up
+  t0 = Clock::now();
+  const MlpTrained m = train_residual_mlp(*be, *comm, s, X.data(), R.data(), rows, t);
+  const double secs = since(t0);
+  const double per_token = 2.0 * 3.0 * static_cast<double>(s.in * s.hidden + s.hidden * s.hidden + s.hidden * s.out);
+  std::printf("{\"bench\": \"mlp-train\", \"backend\": \"%s\", \"shape\": [%lld, %lld, %lld], \"parameters\": %lld, "
+              "\"tokens\": %lld, \"steps\": %lld, \"seconds\": %.3f, \"tokens_per_s\": %.0f, \"gflops\": %.1f, "
+              "\"gemm_gflops_same_run\": %.1f, \"fraction_of_gemm\": %.3f}\n",
+              be->name().c_str(), static_cast<long long>(s.in), static_cast<long long>(s.hidden),
+              static_cast<long long>(s.out), static_cast<long long>(s.parameters()), static_cast<long long>(rows),
+              static_cast<long long>(m.steps), secs, rows / secs, per_token * rows / secs / 1e9, gemm_rate / 1e9,
+              per_token * rows / secs / gemm_rate);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -164,7 +206,8 @@ int main(int argc, char** argv) {
   try {
     if (mode == "demo") return demo(device, argc > 3 ? argv[3] : (fs::temp_directory_path() / "crosskv-bench-eval").string());
     if (mode == "paper") return paper(device, argc > 3 ? std::atoll(argv[3]) : 4096);
-    std::fprintf(stderr, "usage: crosskv-bench-eval demo|paper [cpu|cuda] [WORK_DIR|TOKENS]\n");
+    if (mode == "mlp") return mlp(device, argc > 3 ? std::atoll(argv[3]) : 4);
+    std::fprintf(stderr, "usage: crosskv-bench-eval demo|paper|mlp [cpu|cuda] [WORK_DIR|TOKENS|K]\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "crosskv-bench-eval: error: %s\n", e.what());
