@@ -11,7 +11,8 @@ cd "$ROOT"
 cmake --build "$BUILD" --target test_cuda crosskv-bench-gpu crosskv-bench-apply crosskv-synth > /dev/null
 STAGE=$(mktemp -d)
 mkdir -p "$STAGE/bin" "$STAGE/lib"
-cp "$BUILD/tests/test_cuda" "$BUILD/bench/crosskv-bench-gpu" "$BUILD/bench/crosskv-bench-apply" "$BUILD/crosskv-synth" \
+cp "$BUILD/tests/test_cuda" "$BUILD/bench/crosskv-bench-gpu" "$BUILD/bench/crosskv-bench-apply" \
+  "$BUILD/bench/crosskv-bench-eval" "$BUILD/crosskv-synth" \
   "$STAGE/bin/"
 for b in "$STAGE"/bin/*; do ldd "$b"; done | awk '/=> \// {print $3}' | sort -u | while read -r lib; do
   case "$lib" in

@@ -6,21 +6,22 @@
 # Prepare here:   bench/gpu_bundle.sh                     (-> .gpu-bundle.tar.xz, programs built with nvcc here)
 # Run there:      STEPS="test bench factor apply tf32" bash bench/gpu_check.sh "$OUT"   then, in a second call,
 #                 STEPS=fit bash bench/gpu_check.sh "$OUT"  (carry .gpu-bundle.tar.xz; with no STEPS, all of them)
-# Writes to OUT (8 files; the device tool returns at most 8): summary.txt (everything below in short, with each
+# Writes to OUT (9 files; the device tool returns what fits): summary.txt (everything below in short, with each
 #                 step's stderr), test_cuda.log (GPU against the CPU backend), bench_gpu.json and bench_gpu_tf32.json
 #                 (accumulation vs cuBLAS SGEMM at Qwen3 14B -> 32B shapes: host-shifted fp32, and the fit's own bf16
 #                 path with the fused kernel), apply_gpu.json (apply throughput of one Qwen3-8B -> 32B layer, weights
 #                 copied per call and kept on the GPU), factor_gpu.json (the k = all system of one kind, 40960
 #                 features: assembled on the host and uploaded, against assembled on the device from fp32 blocks),
+#                 eval_gpu.json (issue 14's eval of one Qwen3-32B layer and the MLP's training rate, on the GPU),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
-# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply fit tf32"),
+# env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply eval fit tf32"),
 #      FIT_K (the fit's k list, default "1, 2, 4, 8, all"; e.g. TOKENS=16384 FIT_K=1 times a pass at 8-GPU scale).
 # Then, here: bench/project.py OUT [OUT2]   (8 GPUs x 128K tokens from the benchmark and the fit log; see its --help)
 set -uo pipefail
 OUT=${1:-${OUT:-gpu-check-out}}
 TOKENS=${TOKENS:-2048}
-STEPS=" ${STEPS:-test bench factor apply fit tf32} "
+STEPS=" ${STEPS:-test bench factor apply eval fit tf32} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 BUNDLE=${BUNDLE:-.gpu-bundle.tar.xz}
 mkdir -p "$OUT"
@@ -72,6 +73,12 @@ if want apply; then
   step apply_gpu 40 "$B/bin/crosskv-bench-apply" cuda > "$OUT/apply_gpu.json" 2> "$E"
   step apply_gpu_resident 40 "$B/bin/crosskv-bench-apply" cuda 8 resident >> "$OUT/apply_gpu.json" 2>> "$E"
   note "  $(cat "$OUT/apply_gpu.json") $(tail -3 "$E")"
+fi
+
+if want eval; then  # issue 14: one Qwen3-32B-shaped layer's held-out diagnostics, and the MLP's training rate
+  step eval_gpu 60 "$B/bin/crosskv-bench-eval" paper cuda 4096 > "$OUT/eval_gpu.json" 2> "$E"
+  step mlp_gpu 30 "$B/bin/crosskv-bench-eval" mlp cuda 4 >> "$OUT/eval_gpu.json" 2>> "$E"
+  note "  $(cat "$OUT/eval_gpu.json") $(tail -3 "$E")"
 fi
 
 W=$(mktemp -d)
