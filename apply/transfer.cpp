@@ -23,6 +23,24 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
   be.matmul_acc(rows, K, G, scratch.data(), K, W, G, Y, YW);
 }
 
+void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, int64_t rows, float* Y, int64_t YW,
+                      MlpWorkspace& ws) {
+  if (mlp.flat.empty() || rows == 0) return;
+  mlp_forward(be, mlp, X, rows, ws);
+  const int64_t G = mlp.shape.out;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < G; ++c) Y[t * YW + c] += ws.out[t * G + c];
+}
+
+void gather_layers(const float* X, int64_t XW, const std::vector<int>& layers, int64_t F, int64_t rows,
+                   std::vector<float>& out) {
+  const int64_t K = static_cast<int64_t>(layers.size()) * F;
+  out.resize(rows * K);
+  for (int64_t t = 0; t < rows; ++t)
+    for (size_t j = 0; j < layers.size(); ++j)
+      std::copy_n(X + t * XW + layers[j] * F, F, out.data() + t * K + static_cast<int64_t>(j) * F);
+}
+
 Transfer::Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts)
     : m_(read_mapper_manifest(mapper_dir)), be_(be), opts_(opts), verified_(m_.target.n_layers, false) {
   // Both RoPE settings are checked (dynamic and unknown types are refused) before any data is touched.
@@ -60,6 +78,10 @@ void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_
   const int64_t XW = m_.source.n_layers * F, YW = m_.target.n_layers * G;
   map_one_layer(be_, X, XW, w.source_layers, F, (keys ? w.wk : w.wv).data(), (keys ? w.bk : w.bv).data(), G, rows,
                 out + int64_t{w.target_layer} * G, YW, scratch_);
+  const MlpParams& mlp = keys ? w.mlp_k : w.mlp_v;
+  if (mlp.flat.empty()) return;
+  gather_layers(X, XW, w.source_layers, F, rows, gathered_);
+  add_residual_mlp(be_, mlp, gathered_.data(), rows, out + int64_t{w.target_layer} * G, YW, mlp_ws_);
 }
 
 void Transfer::map_content(bool keys, const float* X, int64_t rows, float* out) {

@@ -25,6 +25,14 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
                    const float* W, const float* b, int64_t G, int64_t rows, float* Y, int64_t YW,
                    std::vector<float>& scratch);
 
+// Adds a residual MLP's f(X) (when it has parameters) to Y [rows x G] (row stride YW): X [rows x K] is X's selected
+// source layers, gathered side by side (leading dim K).
+void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, int64_t rows, float* Y, int64_t YW,
+                      MlpWorkspace& ws);
+// The selected layers' columns of X [rows x XW] side by side: out [rows x layers*F].
+void gather_layers(const float* X, int64_t XW, const std::vector<int>& layers, int64_t F, int64_t rows,
+                   std::vector<float>& out);
+
 class Transfer {
  public:
   // Reads and validates the manifest now; layer files when first needed.
@@ -58,7 +66,8 @@ class Transfer {
   TransferOptions opts_;
   std::map<int, MapperLayer> loaded_;
   std::vector<bool> verified_;
-  std::vector<float> scratch_;
+  std::vector<float> scratch_, gathered_;
+  MlpWorkspace mlp_ws_;
   int64_t loads_ = 0;
 };
 

@@ -1,5 +1,6 @@
 #include "io/mapper.hpp"
 
+#include <tuple>
 #include <cblas.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <iterator>
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "core/error.hpp"
 #include "core/sha256.hpp"
@@ -171,6 +173,30 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   l.bk = take("k.bias", {G}, false);
   l.wv = take("v.weight", {rows, G}, true);
   l.bv = take("v.bias", {G}, false);
+  // Optional residual MLPs: <kind>.mlp.{w1, b1, w2, b2, w3, b3}, F32, hidden width from w1.
+  for (auto [kind, mlp] : {std::pair{"k", &l.mlp_k}, std::pair{"v", &l.mlp_v}}) {
+    const std::string p = std::string(kind) + ".mlp.";
+    const auto w1 = t.find(p + "w1");
+    if (w1 == t.end()) {
+      for (const auto& [name, tensor] : t)
+        if (name.rfind(p, 0) == 0)
+          throw InputError(file + ": tensor '" + name + "' without '" + p + "w1' (a residual MLP needs all six)");
+      continue;
+    }
+    if (w1->second.shape.size() != 2 || w1->second.shape[0] != rows || w1->second.shape[1] <= 0)
+      throw InputError(file + ": tensor '" + p + "w1' must be [" + std::to_string(rows) + ", hidden]");
+    const int64_t h = w1->second.shape[1];
+    *mlp = MlpParams(MlpShape{rows, h, G});
+    for (auto [name, shape, dst] : {std::tuple{"w1", std::vector<int64_t>{rows, h}, mlp->w1()},
+                                    {"b1", std::vector<int64_t>{h}, mlp->b1()},
+                                    {"w2", std::vector<int64_t>{h, h}, mlp->w2()},
+                                    {"b2", std::vector<int64_t>{h}, mlp->b2()},
+                                    {"w3", std::vector<int64_t>{h, G}, mlp->w3()},
+                                    {"b3", std::vector<int64_t>{G}, mlp->b3()}}) {
+      const std::vector<float> v = take((p + name).c_str(), shape, false);
+      std::copy(v.begin(), v.end(), dst);
+    }
+  }
   return l;
 }
 
@@ -209,6 +235,28 @@ void map_content(const Mapper& m, bool keys, const float* X, int64_t rows, float
     for (size_t j = 0; j < l.source_layers.size(); ++j)
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, G, F, 1.0f, X + l.source_layers[j] * F, XW,
                   W.data() + j * F * G, G, 1.0f, Y, YW);
+    const MlpParams& mlp = keys ? l.mlp_k : l.mlp_v;
+    if (mlp.flat.empty()) continue;
+    // The residual MLP by loops (a reference): f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3.
+    const int64_t H = mlp.shape.hidden, K = mlp.shape.in;
+    std::vector<float> x(K), h1(H), h2(H);
+    for (int64_t t = 0; t < rows; ++t) {
+      for (size_t j = 0; j < l.source_layers.size(); ++j)
+        std::copy_n(X + t * XW + l.source_layers[j] * F, F, x.begin() + static_cast<int64_t>(j) * F);
+      auto layer = [](const float* in, int64_t n_in, const float* w, const float* b, int64_t n_out, bool relu,
+                      float* o) {
+        for (int64_t c = 0; c < n_out; ++c) {
+          double a = b[c];
+          for (int64_t i = 0; i < n_in; ++i) a += double(in[i]) * w[i * n_out + c];
+          o[c] = relu && a < 0 ? 0.0f : static_cast<float>(a);
+        }
+      };
+      layer(x.data(), K, mlp.w1(), mlp.b1(), H, true, h1.data());
+      layer(h1.data(), H, mlp.w2(), mlp.b2(), H, true, h2.data());
+      std::vector<float> f(G);
+      layer(h2.data(), H, mlp.w3(), mlp.b3(), G, false, f.data());
+      for (int64_t c = 0; c < G; ++c) Y[t * YW + c] += f[c];
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/kv_spec.hpp"
+#include "core/mlp.hpp"
 
 namespace crosskv {
 
@@ -31,6 +32,9 @@ struct MapperLayer {
   int target_layer = 0;
   std::vector<int> source_layers;
   std::vector<float> wk, bk, wv, bv;  // [k*F x G], [G]
+  // The residual MLPs kept for keys and values (issue 15: target = ridge + f(x) on the same features); empty
+  // (no parameters) where the layer keeps ridge alone.
+  MlpParams mlp_k, mlp_v;
 };
 
 struct Mapper {

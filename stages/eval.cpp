@@ -149,6 +149,9 @@ void map_layer(ComputeBackend& be, const MapperLayer& w, const std::map<int, Sou
   ck.resize(T * G), cv.resize(T * G);
   map_one_layer(be, xk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, T, ck.data(), G, scratch);
   map_one_layer(be, xv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, T, cv.data(), G, scratch);
+  MlpWorkspace ws;  // the residual MLPs, where the layer keeps them
+  add_residual_mlp(be, w.mlp_k, xk.data(), T, ck.data(), G, ws);
+  add_residual_mlp(be, w.mlp_v, xv.data(), T, cv.data(), G, ws);
 }
 
 }  // namespace
@@ -262,6 +265,9 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
         const auto K = static_cast<int64_t>(mk.size());
         map_one_layer(be, mk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, 1, yk.data(), G, scratch);
         map_one_layer(be, mv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, 1, yv.data(), G, scratch);
+        MlpWorkspace ws;
+        add_residual_mlp(be, w.mlp_k, mk.data(), 1, yk.data(), G, ws);
+        add_residual_mlp(be, w.mlp_v, mv.data(), 1, yv.data(), G, ws);
         bk.resize(T * G), bv.resize(T * G);
         for (int64_t t = 0; t < T; ++t) {
           std::copy(yk.begin(), yk.end(), bk.begin() + t * G);

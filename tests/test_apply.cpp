@@ -1,6 +1,8 @@
 // Applying and diagnosing mappers: the transfer library, the diagnostics on cases with known answers, the
 // baselines, hardened manifests.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -421,4 +423,95 @@ TEST(HardenedManifest, ALayerFileLinkedFromOutsideTheFolderIsRefused) {
   fs::create_symlink("moved.safetensors", file);
   Transfer again(a.dir, *be);
   EXPECT_NO_THROW(again.map_content(true, X.data(), 10, Y.data()));
+}
+
+// ---- Residual MLPs in artifacts (issue 15): optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
+namespace {
+
+// Adds residual MLPs (hidden width h, random, non-zero last layer) for keys and values to layer `l` of an artifact,
+// or the tensors `only` alone when given; re-hashes the file in the manifest.
+void add_mlp_tensors(Artifact& a, int l, int64_t h, const std::vector<std::string>& only = {}, float poison = 0) {
+  const std::string file = a.dir + "/" + a.manifest["layers"][l]["file"].get<std::string>();
+  auto t = read_safetensors(file);
+  const int64_t in = t.at("k.weight").shape[0], G = t.at("k.weight").shape[1];
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> n(0, 0.3f);
+  for (const char* kind : {"k", "v"})
+    for (auto [name, shape] : {std::pair<const char*, std::vector<int64_t>>{"w1", {in, h}}, {"b1", {h}},
+                               {"w2", {h, h}}, {"b2", {h}}, {"w3", {h, G}}, {"b3", {G}}}) {
+      const std::string full = std::string(kind) + ".mlp." + name;
+      if (!only.empty() && std::find(only.begin(), only.end(), full) == only.end()) continue;
+      TensorIn& x = t[full];
+      x.dtype = "F32", x.shape = shape;
+      int64_t count = 1;
+      for (auto d : shape) count *= d;
+      x.values.resize(count);
+      for (auto& v : x.values) v = n(rng);
+      if (poison != 0) x.values[1] = poison;
+    }
+  std::vector<TensorOut> out;
+  for (const auto& [name, x] : t)
+    out.push_back({name, "F32", x.shape, x.values.data(), x.values.size() * sizeof(float)});
+  write_safetensors(file, out, {});
+  a.manifest["layers"][l]["sha256"] = sha256_file(file);
+  a.write(a.manifest);
+}
+
+}  // namespace
+
+TEST(ResidualMlpArtifact, ApplyAddsTheMlpToRidgeLikeTheLoopReference) {
+  Artifact a;
+  add_mlp_tensors(a, 2, 8);
+  auto be = make_cpu_backend();
+  const MapperManifest m = read_mapper_manifest(a.dir);
+  const MapperLayer l2 = load_mapper_layer(m, 2);
+  ASSERT_EQ(l2.mlp_k.shape.hidden, 8);
+  ASSERT_EQ(l2.mlp_v.shape.in, int64_t(l2.source_layers.size()) * m.source.features_per_layer());
+  EXPECT_TRUE(load_mapper_layer(m, 1).mlp_k.flat.empty());  // other layers: ridge alone
+  const int64_t rows = 12, XW = m.source.n_layers * m.source.features_per_layer(),
+                YW = m.target.n_layers * m.target.features_per_layer(), G = m.target.features_per_layer();
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> X(rows * XW);
+  for (auto& x : X) x = n(rng);
+  for (bool keys : {true, false}) {
+    std::vector<float> got(rows * YW), want(rows * YW), ridge(rows * YW);
+    Transfer tr(a.dir, *be);
+    tr.map_content(keys, X.data(), rows, got.data());
+    map_content(load_mapper(a.dir), keys, X.data(), rows, want.data());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::fabs(want[i]))) << i;
+    // Layer 2 differs from ridge alone by f(x), the other layers not at all.
+    Mapper plain = load_mapper(a.dir);
+    plain.layers[2].mlp_k = plain.layers[2].mlp_v = MlpParams();
+    map_content(plain, keys, X.data(), rows, ridge.data());
+    double diff2 = 0, diff_other = 0;  // the largest difference in layer 2, and elsewhere (fp32 rounding only)
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t c = 0; c < YW; ++c) {
+        double& d = c / G == 2 ? diff2 : diff_other;
+        d = std::max(d, std::fabs(double(got[t * YW + c]) - ridge[t * YW + c]));
+      }
+    EXPECT_GT(diff2, 0.1);
+    EXPECT_LT(diff_other, 1e-4);
+  }
+}
+
+TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {
+  {
+    Artifact a;
+    add_mlp_tensors(a, 1, 4, {"k.mlp.b1", "k.mlp.w2"});
+    expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 1); },
+                             {"layer-001.safetensors", "tensor 'k.mlp.b1' without 'k.mlp.w1'"});
+  }
+  {
+    Artifact a;
+    add_mlp_tensors(a, 1, 4, {"v.mlp.w1", "v.mlp.b1"});
+    expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 1); },
+                             {"layer-001.safetensors", "tensor 'v.mlp.w2' is missing"});
+  }
+  {
+    Artifact a;
+    add_mlp_tensors(a, 0, 4, {}, std::numeric_limits<float>::quiet_NaN());
+    expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 0); },
+                             {"layer-000.safetensors", "tensor 'k.mlp.w1' holds NaN at element 1"});
+  }
 }

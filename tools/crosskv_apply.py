@@ -131,6 +131,17 @@ def load_mapper(mapper_dir):
     return manifest, layers
 
 
+def residual_mlp(t, kind, x):
+    """A layer's residual MLP where it keeps one (issue 15): relu(relu(x W1 + b1) W2 + b2) W3 + b3, else 0."""
+    p = kind + ".mlp."
+    if p + "w1" not in t:
+        return 0.0
+    w = {n: t[p + n].astype(np.float64) for n in ("w1", "b1", "w2", "b2", "w3", "b3")}
+    h1 = np.maximum(x @ w["w1"] + w["b1"], 0.0)
+    h2 = np.maximum(h1 @ w["w2"] + w["b2"], 0.0)
+    return h2 @ w["w3"] + w["b3"]
+
+
 def apply_arrays(manifest, layers, keys, values, positions, target_positions=None):
     """Source cache (keys post-RoPE) [T, Ls, Hs, Ds] -> target cache [T, Lt, Ht, Dt] (keys post target-RoPE)."""
     src_spec, tgt_spec = manifest["source"]["kv_spec"], manifest["target"]["kv_spec"]
@@ -142,8 +153,9 @@ def apply_arrays(manifest, layers, keys, values, positions, target_positions=Non
     out_k = np.zeros((T, Lt, Ht * Dt))
     out_v = np.zeros((T, Lt, Ht * Dt))
     for l, (src, t) in layers.items():
-        out_k[:, l] = X[:, src, :].reshape(T, -1) @ t["k.weight"].astype(np.float64) + t["k.bias"]
-        out_v[:, l] = V[:, src, :].reshape(T, -1) @ t["v.weight"].astype(np.float64) + t["v.bias"]
+        xk, xv = X[:, src, :].reshape(T, -1), V[:, src, :].reshape(T, -1)
+        out_k[:, l] = xk @ t["k.weight"].astype(np.float64) + t["k.bias"] + residual_mlp(t, "k", xk)
+        out_v[:, l] = xv @ t["v.weight"].astype(np.float64) + t["v.bias"] + residual_mlp(t, "v", xv)
     out_k = rotate(out_k.reshape(T, Lt, Ht, Dt), tpos, tgt_spec, strip=False)
     return out_k, out_v.reshape(T, Lt, Ht, Dt), tpos
 
