@@ -135,7 +135,7 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
     if (auto m = cal["max_tokens"]; m && !m.IsNull()) c.max_tokens = r.integer(m, "calibration.max_tokens", 1);
   }
   if (auto fit = root["fit"]) {
-    r.only_keys(fit, "fit", {"k", "lambda", "probe", "dtype"});
+    r.only_keys(fit, "fit", {"k", "lambda", "probe", "dtype", "mapper", "mlp"});
     if (auto k = fit["k"]) {
       c.ks.clear();
       if (k.IsSequence()) {
@@ -164,6 +164,33 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
       else if (v == "bf16") c.dtype = Dtype::bf16;
       else if (v == "fp16") c.dtype = Dtype::f16;
       else r.fail(d, "fit.dtype", "expected fp32, bf16 or fp16, got \"" + v + "\"");
+    }
+    if (auto m = fit["mapper"]) {
+      std::string v = r.str(m, "fit.mapper");
+      if (v == "ridge") c.mapper = MapperKind::ridge;
+      else if (v == "mlp") c.mapper = MapperKind::mlp;
+      else if (v == "auto") c.mapper = MapperKind::auto_;
+      else r.fail(m, "fit.mapper", "expected ridge, mlp or auto, got \"" + v + "\"");
+    }
+    if (auto m = fit["mlp"]) {
+      r.only_keys(m, "fit.mlp", {"hidden", "epochs", "lr", "batch_tokens", "weight_decay", "val_fraction", "seed"});
+      if (auto x = m["hidden"]) c.mlp.hidden = static_cast<int>(r.integer(x, "fit.mlp.hidden", 1));
+      if (auto x = m["epochs"]) c.mlp.epochs = static_cast<int>(r.integer(x, "fit.mlp.epochs", 1));
+      if (auto x = m["batch_tokens"]) c.mlp.batch_tokens = r.integer(x, "fit.mlp.batch_tokens", 1);
+      if (auto x = m["seed"]) c.mlp.seed = static_cast<uint64_t>(r.integer(x, "fit.mlp.seed", 0));
+      if (auto x = m["lr"]) {
+        c.mlp.lr = r.number(x, "fit.mlp.lr");
+        if (!(c.mlp.lr > 0)) r.fail(x, "fit.mlp.lr", "must be > 0");
+      }
+      if (auto x = m["weight_decay"]) {
+        c.mlp.weight_decay = r.number(x, "fit.mlp.weight_decay");
+        if (!(c.mlp.weight_decay >= 0)) r.fail(x, "fit.mlp.weight_decay", "must be >= 0");
+      }
+      if (auto x = m["val_fraction"]) {
+        c.mlp.val_fraction = r.number(x, "fit.mlp.val_fraction");
+        if (!(c.mlp.val_fraction > 0 && c.mlp.val_fraction < 1))
+          r.fail(x, "fit.mlp.val_fraction", "must be between 0 and 1 (exclusive)");
+      }
     }
   }
   if (!root["output"]) r.fail(root, "output", "missing (expected {dir: PATH})");
@@ -201,6 +228,10 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
     }
   }
   return c;
+}
+
+std::string mapper_kind_name(MapperKind k) {
+  return k == MapperKind::ridge ? "ridge" : k == MapperKind::mlp ? "mlp" : "auto";
 }
 
 FitConfig load_fit_config(const std::string& path) {

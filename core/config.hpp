@@ -23,6 +23,22 @@ struct KChoice {
   std::string label() const;  // "4" or "all"
 };
 
+// What a mapper layer keeps (issue 15): ridge alone; ridge plus a residual MLP everywhere; or the MLP only where it
+// beats ridge on the validation split (auto).
+enum class MapperKind { ridge, mlp, auto_ };
+std::string mapper_kind_name(MapperKind k);
+
+// The residual MLPs' training (fit.mlp).
+struct MlpConfig {
+  int hidden = 256;            // units of each of the two hidden layers
+  int epochs = 20;
+  double lr = 1e-3;            // Adam
+  int64_t batch_tokens = 1024;
+  double weight_decay = 1e-4;  // decoupled, on the matrices
+  double val_fraction = 0.1;   // of the calibration sequences, held back to decide (auto) and report
+  uint64_t seed = 0;
+};
+
 struct FitConfig {
   std::string config_path;
   std::string source_store, target_store;
@@ -34,6 +50,8 @@ struct FitConfig {
   double lambda = 0.01;
   ProbeMode probe = ProbeMode::same_head;
   Dtype dtype = Dtype::f32;
+  MapperKind mapper = MapperKind::ridge;
+  MlpConfig mlp;
   std::string output_dir;
   // Held-out shard pairs (paths relative to the stores): left out of the fit, diagnosed after it (report.html).
   std::vector<std::string> eval_shards;

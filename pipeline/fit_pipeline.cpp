@@ -11,6 +11,7 @@
 #include "io/output_lock.hpp"
 #include "stages/eval.hpp"
 #include "stages/grid.hpp"
+#include "stages/mlp.hpp"
 #include "stages/pass.hpp"
 #include "stages/probe.hpp"
 #include "stages/solve.hpp"
@@ -185,14 +186,20 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
         {"passes", res.passes},
         {"r2_file", "../r2.h5"}};
   });
-  if (!cal.eval_shards.empty()) {
-    clock.start("eval");
-    // Every rank evaluates its share of the target layers of every k that rank 0 exported.
+  // Every rank takes part in the stages after the export, on every k that rank 0 exported.
+  std::vector<std::string> artifacts;
+  if (cfg.mapper != MapperKind::ridge || !cal.eval_shards.empty()) {
     std::string listed;
     for (const auto& a : res.artifacts) listed += a + "\n";
-    std::vector<std::string> artifacts;
     std::istringstream lines(gather_strings(ctx.comm, listed).front());
     for (std::string a; std::getline(lines, a);) artifacts.push_back(a);
+  }
+  if (cfg.mapper != MapperKind::ridge) {
+    clock.start("mlp");
+    fit_residual_mlps(ctx, cal, artifacts);
+  }
+  if (!cal.eval_shards.empty()) {
+    clock.start("eval");
     res.report_path =
         evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm);
   }

@@ -155,3 +155,31 @@ TEST(Config, NonFiniteNumbersAreErrors) {
         {"calibration.weights.web", "finite"});
   }
 }
+
+TEST(Config, MapperAndMlpSettings) {
+  const FitConfig d = parse_fit_config(kBase, "my.yaml");
+  EXPECT_EQ(d.mapper, MapperKind::ridge);  // ridge unless asked
+  EXPECT_EQ(d.mlp.hidden, 256);
+  const FitConfig c = parse_fit_config(
+      kBase + "fit: {mapper: auto, mlp: {hidden: 64, epochs: 3, lr: 0.01, batch_tokens: 512, weight_decay: 0, "
+              "val_fraction: 0.25, seed: 9}}\n",
+      "my.yaml");
+  EXPECT_EQ(c.mapper, MapperKind::auto_);
+  EXPECT_EQ(c.mlp.hidden, 64);
+  EXPECT_EQ(c.mlp.epochs, 3);
+  EXPECT_DOUBLE_EQ(c.mlp.lr, 0.01);
+  EXPECT_EQ(c.mlp.batch_tokens, 512);
+  EXPECT_DOUBLE_EQ(c.mlp.weight_decay, 0.0);
+  EXPECT_DOUBLE_EQ(c.mlp.val_fraction, 0.25);
+  EXPECT_EQ(c.mlp.seed, 9u);
+  EXPECT_EQ(parse_fit_config(kBase + "fit: {mapper: mlp}\n", "my.yaml").mapper, MapperKind::mlp);
+  for (const auto& [yaml, parts] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"fit: {mapper: mlp2}\n", {"my.yaml:4", "fit.mapper", "expected ridge, mlp or auto, got \"mlp2\""}},
+           {"fit: {mlp: {hiden: 3}}\n", {"my.yaml:4", "hiden", "unknown key"}},
+           {"fit: {mlp: {hidden: 0}}\n", {"fit.mlp.hidden", "must be >= 1"}},
+           {"fit: {mlp: {val_fraction: 1}}\n", {"fit.mlp.val_fraction", "between 0 and 1"}},
+           {"fit: {mlp: {lr: 0}}\n", {"fit.mlp.lr", "must be > 0"}},
+           {"fit: {mlp: {lr: .nan}}\n", {"fit.mlp.lr"}},
+           {"fit: {mlp: {weight_decay: -1}}\n", {"fit.mlp.weight_decay", "must be >= 0"}}})
+    expect_error<ConfigError>([&] { parse_fit_config(kBase + yaml, "my.yaml"); }, parts);
+}

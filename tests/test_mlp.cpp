@@ -2,6 +2,8 @@
 // last layer (training starts at the ridge fit), determinism, and a planted non-linearity that ridge leaves short
 // and the MLP learns on held-out tokens.
 #include <cmath>
+#include <fstream>
+#include <map>
 #include <random>
 #include <tuple>
 
@@ -11,6 +13,7 @@
 #include "helpers.hpp"
 #include "io/mapper.hpp"
 #include "io/shard.hpp"
+#include "stages/eval.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;
@@ -224,4 +227,78 @@ TEST(Mlp, TrainingOverRanksGivesEveryRankTheSameWeights) {
     for (int r = 1; r < ranks; ++r) EXPECT_EQ(first[r], first[0]) << "rank " << r << " of " << ranks;
     EXPECT_EQ(second[0], first[0]) << "the same job on " << ranks << " ranks, twice";
   }
+}
+
+// ---- The stage (fit.mapper: auto | mlp): a planted non-linearity gets residual MLPs that raise held-out R² and
+// the attention cosine; an exactly linear pair keeps ridge; the same job writes the same bytes.
+namespace {
+
+struct StageRun {
+  std::map<std::string, double> figures;
+  nlohmann::json manifest;
+  std::vector<std::string> hashes;
+};
+
+StageRun fit_and_eval(const TempDir& tmp, const std::string& data, const std::string& mapper, const std::string& out) {
+  fit_yaml(config_yaml(tmp.str(data), "{k: [1], lambda: 0.001, mapper: " + mapper +
+                                          ", mlp: {hidden: 64, epochs: 30, val_fraction: 0.2}}",
+                       out));
+  StageRun r;
+  const std::string dir = tmp.str(data + "/" + out + "/k1");
+  std::ifstream(dir + "/manifest.json") >> r.manifest;
+  for (const auto& l : r.manifest["layers"]) r.hashes.push_back(l["sha256"]);
+  auto be = make_cpu_backend();
+  auto comm = make_single_comm();
+  const HeldOut h{{tmp.str(data + "-held/source/held/shard-000.h5")}, {tmp.str(data + "-held/target/held/shard-000.h5")},
+                  "held"};
+  const Evaluation ev = evaluate_mappers({dir}, h, *be, *comm, true)[0].evaluation;
+  r.figures = {{"r2_k", ev.mapper.r2_k}, {"r2_v", ev.mapper.r2_v}, {"cosine", *ev.mapper.attention_cosine}};
+  return r;
+}
+
+void synth_pair(const TempDir& tmp, const std::string& name, SynthRelation rel) {
+  for (auto [dir, seed, domain] : {std::tuple{name, uint64_t{0}, "web"}, {name + "-held", uint64_t{99}, "held"}}) {
+    SynthOptions o = small_synth(tmp.str(dir), 31);
+    o.relation = rel, o.data_seed = seed, o.domains = {domain}, o.with_queries = true;
+    o.sequences_per_shard = 8, o.seq_len = 256, o.shards_per_domain = domain == std::string("held") ? 1 : 2;
+    synthesize(o);
+  }
+}
+
+}  // namespace
+
+TEST(MlpStage, AutoKeepsResidualMlpsWhereTheyHelpAndTheyRaiseHeldOutFigures) {
+  TempDir tmp;
+  synth_pair(tmp, "nl", SynthRelation::nonlinear);
+  const StageRun ridge = fit_and_eval(tmp, "nl", "ridge", "out-ridge");
+  const StageRun mlp = fit_and_eval(tmp, "nl", "auto", "out-auto");
+  EXPECT_FALSE(ridge.manifest["layers"][0].contains("mlp"));  // ridge: the artifact as before
+  EXPECT_FALSE(ridge.manifest["fit"].contains("mapper"));
+  EXPECT_EQ(mlp.manifest["fit"]["mapper"], "auto");
+  int kept = 0;
+  for (const auto& l : mlp.manifest["layers"])
+    for (const char* kind : {"k", "v"}) {
+      const auto& d = l["mlp"][kind];
+      ASSERT_TRUE(d["val_mse_ridge"].is_number() && d["val_r2_mlp"].is_number()) << l.dump();
+      EXPECT_EQ(d["kept"].get<bool>(), d["val_r2_mlp"].get<double>() >= d["val_r2_ridge"].get<double>() + 1e-3);
+      kept += d["kept"].get<bool>();
+    }
+  EXPECT_GE(kept, 12) << "of 16 (8 layers x 2 kinds)";
+  std::printf("held-out, ridge -> ridge + MLP (auto): R2 k %.4f -> %.4f, v %.4f -> %.4f, cosine %.4f -> %.4f\n",
+              ridge.figures.at("r2_k"), mlp.figures.at("r2_k"), ridge.figures.at("r2_v"), mlp.figures.at("r2_v"),
+              ridge.figures.at("cosine"), mlp.figures.at("cosine"));
+  EXPECT_GT(mlp.figures.at("r2_k"), ridge.figures.at("r2_k") + 0.02);
+  EXPECT_GT(mlp.figures.at("r2_v"), ridge.figures.at("r2_v") + 0.02);
+  EXPECT_GT(mlp.figures.at("cosine"), ridge.figures.at("cosine"));
+  // The same job again: the same bytes.
+  EXPECT_EQ(fit_and_eval(tmp, "nl", "auto", "out-auto2").hashes, mlp.hashes);
+}
+
+TEST(MlpStage, AutoKeepsRidgeOnAnExactlyLinearPair) {
+  TempDir tmp;
+  synth_pair(tmp, "lin", SynthRelation::linear);
+  const StageRun r = fit_and_eval(tmp, "lin", "auto", "out");
+  for (const auto& l : r.manifest["layers"])
+    for (const char* kind : {"k", "v"}) EXPECT_FALSE(l["mlp"][kind]["kept"].get<bool>()) << l["mlp"].dump();
+  EXPECT_GT(r.figures.at("r2_v"), 0.999);
 }
