@@ -8,6 +8,7 @@
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/mlp.hpp"
 #include "io/output_lock.hpp"
 #include "stages/eval.hpp"
 #include "stages/grid.hpp"
@@ -20,6 +21,29 @@ namespace fs = std::filesystem;
 
 namespace crosskv {
 namespace {
+
+// The residual MLPs' size, training flops and memory (fit.mapper: mlp | auto), for --plan.
+std::string format_mlp_plan(const Calibration& cal, const FitPlan& plan) {
+  const MlpConfig& c = cal.cfg.mlp;
+  const int64_t G = cal.target.features_per_layer(), h = c.hidden, Lt = cal.target.n_layers;
+  const double train_tokens = static_cast<double>(cal.tokens_used) * (1.0 - c.val_fraction);
+  double flops = 0, params_total = 0;
+  int64_t widest = 0;
+  for (const KPlan& k : plan.ks) {
+    const int64_t K = k.features;
+    const double params = static_cast<double>(MlpShape{K, h, G}.parameters());
+    params_total += 2.0 * Lt * params;
+    flops += 2.0 * Lt * c.epochs * train_tokens * 6.0 * static_cast<double>(K * h + h * h + h * G);
+    widest = std::max(widest, K);
+  }
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "  residual MLPs (fit.mapper: %s): %d hidden, %s parameters over every k and kind if all are kept; "
+                "training %.3g flops (%d epochs); per layer in memory %s\n",
+                mapper_kind_name(cal.cfg.mapper).c_str(), c.hidden, human_count(params_total).c_str(), flops, c.epochs,
+                human_bytes(4.0 * static_cast<double>(cal.tokens_used) * (2 * widest + 2 * G) * 2).c_str());
+  return buf;
+}
 
 HeldOut held_out_shards(const Calibration& cal) {
   HeldOut h;
@@ -141,6 +165,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
                                             planned);
                      }).text() +
                      "\n";
+  if (cfg.mapper != MapperKind::ridge) res.plan_text += format_mlp_plan(cal, plan);
   log_lines(res.plan_text);
   if (opts.plan_only) return res;
   Grid grid = make_grid(world.comm, plan.layer_groups);

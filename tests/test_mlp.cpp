@@ -240,9 +240,13 @@ struct StageRun {
 };
 
 StageRun fit_and_eval(const TempDir& tmp, const std::string& data, const std::string& mapper, const std::string& out) {
-  fit_yaml(config_yaml(tmp.str(data), "{k: [1], lambda: 0.001, mapper: " + mapper +
-                                          ", mlp: {hidden: 64, epochs: 30, val_fraction: 0.2}}",
-                       out));
+  const FitResult fit = fit_yaml(config_yaml(tmp.str(data), "{k: [1], lambda: 0.001, mapper: " + mapper +
+                                                                ", mlp: {hidden: 64, epochs: 30, val_fraction: 0.2}}",
+                                             out));
+  // The plan names the MLPs' size, flops and memory when there are any.
+  EXPECT_EQ(fit.plan_text.find("residual MLPs (fit.mapper: " + mapper + "): 64 hidden") != std::string::npos,
+            mapper != "ridge")
+      << fit.plan_text;
   StageRun r;
   const std::string dir = tmp.str(data + "/" + out + "/k1");
   std::ifstream(dir + "/manifest.json") >> r.manifest;
