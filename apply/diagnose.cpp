@@ -256,6 +256,7 @@ nlohmann::json Diagnostics::json() const {
 nlohmann::json Evaluation::json() const {
   nlohmann::json j = mapper.json();
   j["baselines"] = {{"mean_only", mean_only.json()}, {"no_target_rope", no_target_rope.json()}};
+  if (ridge_only) j["baselines"]["ridge_only"] = ridge_only->json();
   j["verdict"] = verdict;
   j["ok"] = ok;
   return j;

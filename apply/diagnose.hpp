@@ -50,6 +50,7 @@ Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const s
 
 struct Evaluation {
   Diagnostics mapper, mean_only, no_target_rope;
+  std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs (issue 15): the same without them
   std::string verdict;
   bool ok = false;
   nlohmann::json json() const;  // the mapper's figures at the top level, baselines and verdict beside them

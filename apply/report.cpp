@@ -128,9 +128,24 @@ std::string sweep_summary(const ReportInput& in) {
       smallest_ok = i;
       break;
     }
+  // With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one, per kind.
+  auto mlps_kept = [&](size_t i) -> std::string {
+    if (i >= in.manifests.size() || !in.manifests[i].contains("layers")) return "";
+    int k = 0, v = 0, n = 0;
+    for (const auto& l : in.manifests[i]["layers"]) {
+      if (!l.contains("mlp")) continue;
+      ++n;
+      k += l["mlp"].contains("k") && l["mlp"]["k"].value("kept", false);
+      v += l["mlp"].contains("v") && l["mlp"]["v"].value("kept", false);
+    }
+    return n ? std::to_string(k) + " / " + std::to_string(v) + " of " + std::to_string(n) : "";
+  };
+  bool any_mlps = false;
+  for (size_t i = 0; i < in.evaluations.size(); ++i) any_mlps = any_mlps || !mlps_kept(i).empty();
   o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th><th>parameters</th><th>bytes fp32</th>"
        "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
-       "<th>K-concentration</th><th>V-concentration</th><th>verdict</th></tr>";
+       "<th>K-concentration</th><th>V-concentration</th>"
+    << (any_mlps ? "<th>residual MLPs kept (keys / values)</th>" : "") << "<th>verdict</th></tr>";
   for (size_t i = 0; i < in.evaluations.size(); ++i) {
     const Evaluation& ev = in.evaluations[i];
     const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
@@ -142,7 +157,9 @@ std::string sweep_summary(const ReportInput& in) {
       << (params > 0 ? human_bytes(4 * params) : "?") << "</td><td>" << (params > 0 ? human_bytes(2 * params) : "?")
       << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
       << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
-      << opt(ev.mapper.v_concentration) << "</td><td style='text-align:left'>" << esc(verdict) << "</td></tr>";
+      << opt(ev.mapper.v_concentration) << "</td>"
+      << (any_mlps ? "<td>" + esc(mlps_kept(i)) + "</td>" : "") << "<td style='text-align:left'>" << esc(verdict)
+      << "</td></tr>";
   }
   o << "</table><p>&#9733; the best held-out " << (in.evaluations[best].mapper.attention_cosine ? "attention cosine"
                                                                                                : "R² (no queries)")
@@ -182,10 +199,13 @@ std::string render_report(const ReportInput& in) {
       << esc(ev.verdict) << "</p>";
     o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
          "<th>K-concentration</th><th>V-concentration</th></tr>";
-    for (const auto& [name, d] : {std::pair<const char*, const Diagnostics*>{"mapper", &ev.mapper},
-                                  {"mean-only (constant)", &ev.mean_only},
-                                  {"mapper without target RoPE", &ev.no_target_rope}})
-      o << "<tr><th>" << name << "</th><td>" << fmt(d->r2_k) << "</td><td>" << fmt(d->r2_v) << "</td><td>"
+    std::vector<std::pair<std::string, const Diagnostics*>> rows = {
+        {ev.ridge_only ? "mapper (ridge + residual MLPs)" : "mapper", &ev.mapper}};
+    if (ev.ridge_only) rows.push_back({"ridge alone (the MLPs left out)", &*ev.ridge_only});
+    rows.push_back({"mean-only (constant)", &ev.mean_only});
+    rows.push_back({"mapper without target RoPE", &ev.no_target_rope});
+    for (const auto& [name, d] : rows)
+      o << "<tr><th>" << esc(name) << "</th><td>" << fmt(d->r2_k) << "</td><td>" << fmt(d->r2_v) << "</td><td>"
         << opt(d->attention_cosine) << "</td><td>" << opt(d->k_concentration) << "</td><td>"
         << opt(d->v_concentration) << "</td></tr>";
     o << "</table><p>" << ev.mapper.tokens << " held-out tokens (" << esc(in.eval_source)

@@ -149,9 +149,11 @@ void map_layer(ComputeBackend& be, const MapperLayer& w, const std::map<int, Sou
   ck.resize(T * G), cv.resize(T * G);
   map_one_layer(be, xk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, T, ck.data(), G, scratch);
   map_one_layer(be, xv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, T, cv.data(), G, scratch);
-  MlpWorkspace ws;  // the residual MLPs, where the layer keeps them
-  add_residual_mlp(be, w.mlp_k, xk.data(), T, ck.data(), G, ws);
-  add_residual_mlp(be, w.mlp_v, xv.data(), T, cv.data(), G, ws);
+}
+
+// Whether a mapper was fitted with residual MLPs (fit.mapper: mlp | auto): its eval adds "ridge alone".
+bool has_mlps(const MapperManifest& m) {
+  return m.json.contains("fit") && m.json["fit"].value("mapper", std::string("ridge")) != "ridge";
 }
 
 }  // namespace
@@ -231,6 +233,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
     if (be.concurrent_calls()) one_thread.emplace();
     std::string out;
     std::vector<float> xk, xv, ck, cv, mk, mv, pk, scratch, yk(G), yv(G), bk, bv;
+    LayerDiagnostics ridge_layer;
     Progress progress(P > 1 ? "eval (this rank's layers)" : "eval", static_cast<int64_t>(mine.size()) * T, 0);
     for (int l : mine) {
       LayerTruth truth;
@@ -257,6 +260,14 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
             }
         }
         map_layer(be, w, resident, T, F, G, xk, xv, ck, cv, mk, mv, scratch);
+        if (has_mlps(m)) {  // ridge alone first, then the residual MLPs added
+          pk = ck;
+          tgt_rope.apply_block(pk.data(), T, Tg.n_kv_heads, tgt.positions.data());
+          ridge_layer = dg.diagnose(pk.data(), cv.data());
+          MlpWorkspace ws;
+          add_residual_mlp(be, w.mlp_k, xk.data(), T, ck.data(), G, ws);
+          add_residual_mlp(be, w.mlp_v, xv.data(), T, cv.data(), G, ws);
+        }
         pk = ck;
         tgt_rope.apply_block(pk.data(), T, Tg.n_kv_heads, tgt.positions.data());
         put_layer(out, dg.diagnose(pk.data(), cv.data()));
@@ -275,6 +286,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
         }
         tgt_rope.apply_block(bk.data(), T, Tg.n_kv_heads, tgt.positions.data());
         put_layer(out, dg.diagnose(bk.data(), bv.data()));
+        if (has_mlps(m)) put_layer(out, ridge_layer);
         for (int a : w.source_layers)
           if (--resident[a].uses == 0) resident.erase(a);
       }
@@ -286,12 +298,12 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
 
   // Every rank's layers, on every rank: per mapper, the mapper's and the two baselines' layers in layer order.
   const std::vector<std::string> all = gather_strings(comm, mine_bytes);
-  std::vector<std::array<std::vector<LayerDiagnostics>, 3>> layers(nm);
+  std::vector<std::array<std::vector<LayerDiagnostics>, 4>> layers(nm);  // mapper, no RoPE, mean-only, ridge alone
   for (int r = 0; r < P; ++r) {
     Reader rd{all[r]};
     for (int l = r; l < Tg.n_layers; l += P)
       for (int i = 0; i < nm; ++i)
-        for (auto& v : layers[i]) v.push_back(rd.layer());
+        for (int v = 0; v < (has_mlps(in->mappers[i]) ? 4 : 3); ++v) layers[i][v].push_back(rd.layer());
   }
   std::vector<MapperEvaluation> out;
   for (int i = 0; i < nm; ++i) {
@@ -301,6 +313,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
     ev.mapper = summarize_layers(std::move(layers[i][0]), T, tgt.queries);
     ev.no_target_rope = summarize_layers(std::move(layers[i][1]), T, tgt.queries);
     ev.mean_only = summarize_layers(std::move(layers[i][2]), T, tgt.queries);
+    if (has_mlps(in->mappers[i])) ev.ridge_only = summarize_layers(std::move(layers[i][3]), T, tgt.queries);
     judge(ev);
     const MapperManifest& m = in->mappers[i];
     out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});

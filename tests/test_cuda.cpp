@@ -13,6 +13,7 @@
 
 #include "backends/backends.hpp"
 #include "core/half.hpp"
+#include "core/mlp.hpp"
 #include "core/moments.hpp"
 #include "core/rope.hpp"
 #include "core/ridge.hpp"
@@ -1175,4 +1176,20 @@ TEST_F(Cuda, LayerDiagnosticsMatchTheCpu) {
   RandomLayer r;
   LayerDiagnoser on_cpu(*cpu_, r.truth), on_gpu(*gpu_, r.truth);
   expect_same_figures(on_gpu.diagnose(r.keys.data(), r.values.data()), on_cpu.diagnose(r.keys.data(), r.values.data()));
+}
+
+// The residual MLP's forward and gradient through cuBLAS against the CPU's.
+TEST_F(Cuda, MlpForwardAndGradientMatchTheCpu) {
+  const MlpShape s{24, 16, 8};
+  MlpParams p(s);
+  p.flat = random_rows(s.parameters(), 9, 0.0f);
+  for (auto& x : p.flat) x *= 0.3f;
+  const auto X = random_rows(50 * s.in, 10, 0.0f), R = random_rows(50 * s.out, 11, 0.0f);
+  MlpParams g_cpu(s), g_gpu(s);
+  MlpWorkspace w_cpu, w_gpu;
+  const double l_cpu = mlp_loss_and_gradient(*cpu_, p, X.data(), R.data(), 50, g_cpu, w_cpu);
+  const double l_gpu = mlp_loss_and_gradient(*gpu_, p, X.data(), R.data(), 50, g_gpu, w_gpu);
+  EXPECT_NEAR(l_gpu, l_cpu, 1e-5 * l_cpu);
+  for (size_t i = 0; i < g_cpu.flat.size(); ++i)
+    ASSERT_NEAR(g_gpu.flat[i], g_cpu.flat[i], 1e-3f * (1 + std::fabs(g_cpu.flat[i]))) << "parameter " << i;
 }

@@ -13,6 +13,8 @@
 #include "helpers.hpp"
 #include "io/mapper.hpp"
 #include "io/shard.hpp"
+#include "apply/diagnose.hpp"
+#include "apply/transfer.hpp"
 #include "stages/eval.hpp"
 
 using namespace crosskv;
@@ -257,6 +259,16 @@ StageRun fit_and_eval(const TempDir& tmp, const std::string& data, const std::st
                   "held"};
   const Evaluation ev = evaluate_mappers({dir}, h, *be, *comm, true)[0].evaluation;
   r.figures = {{"r2_k", ev.mapper.r2_k}, {"r2_v", ev.mapper.r2_v}, {"cosine", *ev.mapper.attention_cosine}};
+  EXPECT_EQ(ev.ridge_only.has_value(), mapper != "ridge");  // side by side: the same mapper without its MLPs
+  if (ev.ridge_only)
+    r.figures.insert({{"ridge_r2_k", ev.ridge_only->r2_k}, {"ridge_cosine", *ev.ridge_only->attention_cosine}});
+  // The streamed eval applies the MLPs as the Transfer library does (the oracle's path).
+  Transfer tr(dir, *be);
+  const Evaluation want = evaluate(tr, read_caches(h.source_shards, false), read_caches(h.target_shards, true));
+  EXPECT_NEAR(ev.mapper.r2_k, want.mapper.r2_k, 1e-5);
+  EXPECT_NEAR(ev.mapper.r2_v, want.mapper.r2_v, 1e-5);
+  EXPECT_NEAR(*ev.mapper.attention_cosine, *want.mapper.attention_cosine, 1e-5);
+  EXPECT_NEAR(ev.mean_only.r2_k, want.mean_only.r2_k, 1e-5);
   return r;
 }
 
@@ -294,6 +306,9 @@ TEST(MlpStage, AutoKeepsResidualMlpsWhereTheyHelpAndTheyRaiseHeldOutFigures) {
   EXPECT_GT(mlp.figures.at("r2_k"), ridge.figures.at("r2_k") + 0.02);
   EXPECT_GT(mlp.figures.at("r2_v"), ridge.figures.at("r2_v") + 0.02);
   EXPECT_GT(mlp.figures.at("cosine"), ridge.figures.at("cosine"));
+  // "Ridge alone" in the MLP fit's eval is the ridge fit's mapper: the same ridge weights.
+  EXPECT_NEAR(mlp.figures.at("ridge_r2_k"), ridge.figures.at("r2_k"), 1e-6);
+  EXPECT_NEAR(mlp.figures.at("ridge_cosine"), ridge.figures.at("cosine"), 1e-6);
   // The same job again: the same bytes.
   EXPECT_EQ(fit_and_eval(tmp, "nl", "auto", "out-auto2").hashes, mlp.hashes);
 }
