@@ -139,6 +139,9 @@ def main():
     p.add_argument("--seq", type=int, default=128, help="training and capture sequence length")
     p.add_argument("--cal-seqs", type=int, default=256, help="calibration sequences to capture")
     p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences (eval and perplexity)")
+    p.add_argument("--mapper", default="ridge", choices=("ridge", "mlp", "auto"),
+                   help="fit.mapper; with mlp or auto a ridge fit runs too and both are measured side by side")
+    p.add_argument("--mlp", default="{hidden: 256, epochs: 20}", help="fit.mlp (YAML flow mapping)")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     os.chdir(a.work)
@@ -166,13 +169,16 @@ def main():
         assert cap.main(common + ["--text", "held.jsonl", "--n-seq", str(a.eval_seqs), "--out", f"{name}/held",
                                   "--queries"]) == 0
     ks = [k for k in (1, 2, 4) if k < a.source_layers] + ["all"]
-    with open("fit.yaml", "w") as f:
-        f.write(f"source: {{store: source}}\ntarget: {{store: target}}\ncalibration: {{domains: [cal]}}\n"
-                f"fit: {{k: {json.dumps(ks)}, lambda: 0.01}}\noutput: {{dir: out}}\n"
-                f"eval: {{shards: [held/shard-000.h5]}}\n".replace('"', ""))
-    t0 = time.time()
-    subprocess.run([os.path.join(a.build, "crosskv-fit"), "fit.yaml"], check=True, stdout=open("fit.log", "w"))
-    results["fit_s"] = round(time.time() - t0, 1)
+    fits = [("out", a.mapper)] + ([("out-ridge", "ridge")] if a.mapper != "ridge" else [])
+    for out, mapper in fits:
+        with open(f"fit-{out}.yaml", "w") as f:
+            f.write(f"source: {{store: source}}\ntarget: {{store: target}}\ncalibration: {{domains: [cal]}}\n"
+                    f"fit: {{k: {json.dumps(ks)}, lambda: 0.01, mapper: {mapper}, mlp: {a.mlp}}}\n"
+                    f"output: {{dir: {out}}}\neval: {{shards: [held/shard-000.h5]}}\n".replace('"', ""))
+        t0 = time.time()
+        subprocess.run([os.path.join(a.build, "crosskv-fit"), f"fit-{out}.yaml"], check=True,
+                       stdout=open(f"fit-{out}.log", "w"))
+        results["fit_s" if out == "out" else "ridge_fit_s"] = round(time.time() - t0, 1)
     # Prefix-conditioned perplexity on held-out sequences of 2S tokens (S = seq / 2).
     S = a.seq // 2
     held_ids = cap.pack(tok, [t for _, t in held], 2 * S, a.eval_seqs)
@@ -184,8 +190,9 @@ def main():
             "source, own prefill": continuation_nll(src, held_ids, S, [(k, v) for k, v in src_cache])}
     pos = np.arange(S)
     diag = {}
-    for k in ks:
-        manifest, layers = crosskv_apply.load_mapper(f"out/k{k}")
+    for k, out in [(k, out) for out, _ in fits for k in ks]:
+        label = "" if out == "out" else " (ridge alone)"
+        manifest, layers = crosskv_apply.load_mapper(f"{out}/k{k}")
         mapped = [[None, None] for _ in range(tgt.config.num_hidden_layers)]
         per_seq_k, per_seq_v = [], []
         for b in range(held_ids.shape[0]):
@@ -198,11 +205,11 @@ def main():
         past = [(torch.as_tensor(mk[:, :, l].transpose(0, 2, 1, 3), dtype=torch.float32),
                  torch.as_tensor(mv[:, :, l].transpose(0, 2, 1, 3), dtype=torch.float32))
                 for l in range(tgt.config.num_hidden_layers)]
-        rows[f"(b) target, mapper k={k} on the source's cache"] = continuation_nll(tgt, held_ids, S, past)
-        with open(f"out/eval-k{k}.json") as f:
+        rows[f"(b) target, mapper k={k}{label} on the source's cache"] = continuation_nll(tgt, held_ids, S, past)
+        with open(f"{out}/eval-k{k}.json") as f:
             e = json.load(f)
-        diag[f"k={k}"] = {x: e[x] for x in ("r2_k", "r2_v", "attention_cosine", "k_concentration",
-                                            "v_concentration", "verdict")}
+        diag[f"k={k}{label}"] = {x: e[x] for x in ("r2_k", "r2_v", "attention_cosine", "k_concentration",
+                                                   "v_concentration", "verdict")}
     results["perplexity"] = {r: round(math.exp(v), 3) for r, v in rows.items()}
     results["diagnostics"] = diag
     with open("results.json", "w") as f:
