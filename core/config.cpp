@@ -222,9 +222,10 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
       if (!(c.max_moment_gib > 0)) r.fail(m, "runtime.max_moment_gib", "must be > 0");
     }
     if (auto ck = rt["checkpoint"]) {
-      r.only_keys(ck, "runtime.checkpoint", {"dir", "every_shards"});
+      r.only_keys(ck, "runtime.checkpoint", {"dir", "every_shards", "mlp_seconds"});
       if (auto d = ck["dir"]) c.checkpoint_dir = r.path_relative_to_config(r.str(d, "runtime.checkpoint.dir"));
       if (auto e = ck["every_shards"]) c.checkpoint_every_shards = r.integer(e, "runtime.checkpoint.every_shards", 1);
+      if (auto e = ck["mlp_seconds"]) c.checkpoint_mlp_seconds = r.integer(e, "runtime.checkpoint.mlp_seconds", 0);
     }
   }
   return c;

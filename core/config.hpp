@@ -62,6 +62,8 @@ struct FitConfig {
   int layer_groups = 0;         // ranks per token group share target layers in this many groups; 0: auto
   std::string checkpoint_dir;
   int64_t checkpoint_every_shards = 8;
+  // Residual-MLP training: an epoch's state is checkpointed when this long has passed since the last (0: every epoch).
+  int64_t checkpoint_mlp_seconds = 300;
 };
 
 FitConfig load_fit_config(const std::string& path);

@@ -106,8 +106,14 @@ void Adam::step(MlpParams& p, const MlpParams& grad_sum, double count) {
   }
 }
 
+void Adam::restore(std::vector<float> m, std::vector<float> v, int64_t steps) {
+  CROSSKV_ASSERT(m.size() == m_.size() && v.size() == v_.size() && steps >= 0, "Adam state of another shape");
+  m_ = std::move(m), v_ = std::move(v), t_ = steps;
+}
+
 MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
-                              int64_t rows, const MlpTraining& t) {
+                              int64_t rows, const MlpTraining& t, const MlpTrained* resume,
+                              const MlpEpochHook& after_epoch) {
   CROSSKV_ASSERT(t.batch_tokens > 0 && t.epochs >= 0, "MLP training: batch and epochs");
   const int P = comm.size();
   const int64_t local_batch = (t.batch_tokens + P - 1) / P;
@@ -117,11 +123,19 @@ MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s,
   comm.allreduce_sum(shares.data(), shares.size());
   most = *std::max_element(shares.begin(), shares.end());
   const int64_t steps = static_cast<int64_t>(std::ceil(most / static_cast<double>(local_batch)));
-  MlpTrained out{MlpParams::initial(s, t.seed), {}, 0};
+  MlpTrained out{MlpParams::initial(s, t.seed), {}, 0, {}, {}, false};
   Adam adam(s, t.adam);
+  if (resume) {
+    CROSSKV_ASSERT(resume->params.flat.size() == out.params.flat.size() &&
+                       resume->epoch_mse.size() <= static_cast<size_t>(t.epochs),
+                   "MLP training resumed from another shape or a longer training");
+    out.params = resume->params;
+    out.epoch_mse = resume->epoch_mse;
+    adam.restore(resume->adam_m, resume->adam_v, resume->steps);
+  }
   MlpParams grad(s);
   MlpWorkspace ws;
-  for (int e = 0; e < t.epochs; ++e) {
+  for (int e = static_cast<int>(out.epoch_mse.size()); e < t.epochs; ++e) {
     double sums[2] = {0, 0};  // squared error and values over the job's tokens in this epoch
     for (int64_t step = 0; step < steps; ++step) {
       const int64_t r0 = std::min(rows, step * local_batch), n = std::min(rows, r0 + local_batch) - r0;
@@ -135,8 +149,15 @@ MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s,
       if (counts[1] > 0) adam.step(out.params, grad, counts[1]);
     }
     out.epoch_mse.push_back(sums[1] > 0 ? sums[0] / sums[1] : 0.0);
+    out.steps = adam.steps();
+    if (after_epoch && e + 1 < t.epochs) {
+      out.adam_m = adam.first_moment(), out.adam_v = adam.second_moment();
+      if (!after_epoch(out)) return out;
+    }
   }
   out.steps = adam.steps();
+  out.adam_m = adam.first_moment(), out.adam_v = adam.second_moment();
+  out.complete = true;
   return out;
 }
 

@@ -2,8 +2,9 @@
 // The residual MLP of issue 15, per (target layer, kind): target = ridge(x) + f(x), with
 // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the same content-space features as the ridge. W3 and b3 start at
 // zero, so training starts exactly at the ridge fit. fp32 parameters (the master weights), products through the
-// compute backend, Adam. Not yet a stage of the fit: issue 15 wires it in (training over ranks, gate, artifacts).
+// compute backend, Adam. The fit's stage (stages/mlp) trains one per (target layer, kind) and keeps it where it helps.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/backend.hpp"
@@ -61,6 +62,8 @@ class Adam {
     double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   };
   Adam(const MlpShape& s, Options o) : o_(o), m_(static_cast<size_t>(s.parameters()), 0.0f), v_(m_) {}
+  // Adam as it stood after `steps` steps (a checkpoint's moments): the next step is the one it would have taken.
+  void restore(std::vector<float> m, std::vector<float> v, int64_t steps);
   // One step with the mean gradient `grad_sum / count`.
   void step(MlpParams& p, const MlpParams& grad_sum, double count);
   int64_t steps() const { return t_; }
@@ -90,8 +93,16 @@ struct MlpTrained {
   MlpParams params;
   std::vector<double> epoch_mse;  // per epoch, over the job's tokens: each batch's squared error before its step
   int64_t steps = 0;
+  std::vector<float> adam_m, adam_v;  // Adam's moments after the last epoch run (what a checkpoint keeps)
+  bool complete = false;              // every epoch ran (false: the epoch hook stopped it)
 };
+// Called on every rank after each epoch with the training as it stands (epoch_mse.size() epochs done); returning
+// false ends the training there (a stop request: the caller checkpoints and stops). Ranks must agree on the answer.
+using MlpEpochHook = std::function<bool(const MlpTrained&)>;
+// `resume`: a training of the same job stopped after some epochs (its params, Adam moments, steps, epoch_mse); it
+// goes on from there to the same bits as an uninterrupted training.
 MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
-                              int64_t rows, const MlpTraining& t);
+                              int64_t rows, const MlpTraining& t, const MlpTrained* resume = nullptr,
+                              const MlpEpochHook& after_epoch = {});
 
 }  // namespace crosskv

@@ -11,6 +11,7 @@
 #include "core/mlp.hpp"
 #include "io/output_lock.hpp"
 #include "stages/eval.hpp"
+#include "stages/export.hpp"
 #include "stages/grid.hpp"
 #include "stages/mlp.hpp"
 #include "stages/pass.hpp"
@@ -201,28 +202,40 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   }
 
   clock.start("solve+export");
-  res.artifacts = solve_and_export(ctx, cal, plan, p1.m.k, p1.m.v, rankings, ckpt_dir, [&] {
-    clock.stop();
-    return nlohmann::json{
-        {"timings_s", clock.json()},
-        {"grid", {{"ranks", P}, {"layer_groups", grid.layer_groups}, {"token_groups", grid.token_groups},
-                  {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()},
-                  {"targets", "layer l to layer group l mod G, round-robin over its token groups"}}},
-        {"passes", res.passes},
-        {"r2_file", "../r2.h5"}};
-  });
+  // With residual MLPs the mappers are published after their stage: until then they stay in k<K>.partial.
+  const bool with_mlps = cfg.mapper != MapperKind::ridge;
+  res.artifacts = solve_and_export(
+      ctx, cal, plan, p1.m.k, p1.m.v, rankings, ckpt_dir,
+      [&] {
+        clock.stop();
+        return nlohmann::json{
+            {"timings_s", clock.json()},
+            {"grid", {{"ranks", P}, {"layer_groups", grid.layer_groups}, {"token_groups", grid.token_groups},
+                      {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()},
+                      {"targets", "layer l to layer group l mod G, round-robin over its token groups"}}},
+            {"passes", res.passes},
+            {"r2_file", "../r2.h5"}};
+      },
+      /*publish=*/!with_mlps);
   // Every rank takes part in the stages after the export, on every k that rank 0 exported.
-  std::vector<std::string> artifacts;
-  if (cfg.mapper != MapperKind::ridge || !cal.eval_shards.empty()) {
+  const auto everywhere = [&](const std::vector<std::string>& on_root) {
     std::string listed;
-    for (const auto& a : res.artifacts) listed += a + "\n";
+    for (const auto& a : on_root) listed += a + "\n";
+    std::vector<std::string> out;
     std::istringstream lines(gather_strings(ctx.comm, listed).front());
-    for (std::string a; std::getline(lines, a);) artifacts.push_back(a);
-  }
-  if (cfg.mapper != MapperKind::ridge) {
+    for (std::string a; std::getline(lines, a);) out.push_back(a);
+    return out;
+  };
+  std::vector<std::string> artifacts;
+  if (with_mlps) {
     clock.start("mlp");
-    fit_residual_mlps(ctx, cal, artifacts);
+    fit_residual_mlps(ctx, cal, everywhere(res.artifacts), ckpt_dir, export_identity(cal, plan, P));
+    if (root) {
+      res.artifacts.clear();
+      for (const KPlan& k : plan.ks) res.artifacts.push_back(publish_artifact(cfg.output_dir, k.label));
+    }
   }
+  if (!cal.eval_shards.empty()) artifacts = everywhere(res.artifacts);
   if (!cal.eval_shards.empty()) {
     clock.start("eval");
     res.report_path =

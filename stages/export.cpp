@@ -245,7 +245,7 @@ void ArtifactWriter::add_layer_entries(const nlohmann::json& per_k) {
     for (const auto& e : per_k[i]) layers_[i].push_back(e);
 }
 
-std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
+std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, bool publish) {
   drain();
   for (auto& list : layers_)
     std::sort(list.begin(), list.end(),
@@ -284,20 +284,38 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra) {
           {"token_stride", c.token_stride},
           {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}}}};
     for (auto it = extra.begin(); it != extra.end(); ++it) m[it.key()] = it.value();
-    std::set<std::string> files = {"manifest.json"};
-    for (const auto& e : layers_[i]) files.insert(e["file"].get<std::string>());
     write_file_atomic((fs::path(partial_dir(k)) / "manifest.json").string(), m.dump(2) + "\n");
-    std::error_code ec;
-    fs::remove_all(record_dir(k), ec);
-    keep_only(partial_dir(k), files);
-    fs::remove_all(final_dir(k), ec);
-    fs::rename(partial_dir(k), final_dir(k), ec);
-    if (ec) throw SystemError("rename " + partial_dir(k) + " -> " + final_dir(k) + ": " + ec.message());
-    fsync_dir(c.output_dir);
-    out.push_back(final_dir(k));
+    if (!publish) {
+      out.push_back(partial_dir(k));
+      continue;
+    }
+    out.push_back(publish_artifact(c.output_dir, k.label));
     written();
   }
   return out;
+}
+
+std::string publish_artifact(const std::string& output_dir, const std::string& label) {
+  const std::string final_dir = (fs::path(output_dir) / ("k" + label)).string(), partial = final_dir + ".partial";
+  std::ifstream in((fs::path(partial) / "manifest.json").string());
+  const nlohmann::json m = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  CROSSKV_ASSERT(m.is_object() && m.contains("layers"), "publishing " + partial + " without its manifest");
+  std::set<std::string> files = {"manifest.json"};
+  for (const auto& e : m["layers"]) files.insert(e["file"].get<std::string>());
+  std::error_code ec;
+  fs::remove_all(fs::path(partial) / ".layers", ec);
+  keep_only(partial, files);
+  fs::remove_all(final_dir, ec);
+  fs::rename(partial, final_dir, ec);
+  if (ec) throw SystemError("rename " + partial + " -> " + final_dir + ": " + ec.message());
+  fsync_dir(output_dir);
+  return final_dir;
+}
+
+void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry) {
+  const std::string rec =
+      (fs::path(partial_dir) / ".layers" / (entry["file"].get<std::string>() + ".json")).string();
+  write_file_atomic(rec, entry.dump());
 }
 
 }  // namespace crosskv

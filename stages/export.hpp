@@ -50,7 +50,9 @@ class ArtifactWriter {
   nlohmann::json layer_entries() const;
   void add_layer_entries(const nlohmann::json& per_k);
   // Writes every manifest (layers sorted by target layer) and moves the folders into place. Returns the folders.
-  std::vector<std::string> finish(const nlohmann::json& extra);
+  // Without `publish`, the manifests stay in the k<K>.partial folders with the layers' records (a later stage adds
+  // to the layer files, then publish_artifact moves each into place); returns those folders.
+  std::vector<std::string> finish(const nlohmann::json& extra, bool publish = true);
 
  private:
   struct Job {
@@ -79,5 +81,12 @@ class ArtifactWriter {
 };
 
 nlohmann::json nan_to_null(const std::vector<double>& v);
+
+// Moves "<output_dir>/k<label>.partial" (its manifest written) into place as k<label>, holding exactly the
+// manifest's files. Returns the folder.
+std::string publish_artifact(const std::string& output_dir, const std::string& label);
+// After a stage between finish(publish = false) and publish_artifact rewrote a layer file of `partial_dir`: its
+// record takes the new manifest entry (file and SHA-256), so that a resumed export takes the layer over as written.
+void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry);
 
 }  // namespace crosskv

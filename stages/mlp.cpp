@@ -1,14 +1,18 @@
 #include "stages/mlp.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <tuple>
 
 #include "apply/transfer.hpp"
 #include "core/comm.hpp"
+#include "core/fault.hpp"
 #include "core/log.hpp"
 #include "core/mlp.hpp"
 #include "core/rope.hpp"
@@ -17,65 +21,104 @@
 #include "io/mapper.hpp"
 #include "io/safetensors.hpp"
 #include "io/shard.hpp"
+#include "stages/checkpoint.hpp"
+#include "stages/grid.hpp"
+#include "stages/export.hpp"
 
 namespace fs = std::filesystem;
 
 namespace crosskv {
 namespace {
 
-// Whether calibration sequence g (counted over the job's shards in order) is held back for validation.
-bool validation_sequence(uint64_t g, const MlpConfig& c) {
-  uint64_t z = g + 0x9E3779B97F4A7C15ull * (c.seed + 1);  // splitmix64
+uint64_t splitmix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
+  return z ^ (z >> 31);
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+// Whether sequence s of calibration shard `rel` is held back for validation: a function of the shard's name, the
+// sequence and fit.mlp.seed alone, so that it does not depend on which rank reads the shard.
+bool validation_sequence(const std::string& rel, int64_t s, const MlpConfig& c) {
+  const uint64_t z = splitmix(fnv1a(rel) ^ splitmix(static_cast<uint64_t>(s) * 0x100000001b3ull + c.seed));
   return static_cast<double>(z >> 11) / static_cast<double>(uint64_t{1} << 53) < c.val_fraction;
 }
 
-// One target layer's calibration data in content space: the selected source layers side by side (X) and the
-// target layer (Y), keys and values, the rows of training and of validation apart.
+// The rows of one shard pair that a rank reads, and for each whether it is for validation.
+struct ShardRows {
+  const ShardPair* pair = nullptr;
+  std::vector<int64_t> rows;
+  std::vector<uint8_t> validation;
+};
+
+// A rank's share of the data: shards i with i % T == token_group, over the calibration shards (the rows the fit
+// used, 0, s, 2s, ..., split by sequence) and then the eval shards (every s-th row, all for validation).
+std::vector<ShardRows> plan_rows(const Calibration& cal, int T, int token_group) {
+  std::vector<ShardRows> out;
+  const int64_t stride = cal.cfg.token_stride;
+  size_t i = 0;
+  for (const ShardPair& sh : cal.shards) {
+    if (static_cast<int>(i++ % T) != token_group) continue;
+    const auto offs = ShardReader(sh.source_path).seq_offsets();
+    ShardRows r{&sh, {}, {}};
+    for (int64_t u = 0; u < sh.used; ++u) {
+      const int64_t t = u * stride;
+      const auto s = std::upper_bound(offs.begin(), offs.end(), t) - offs.begin() - 1;
+      r.rows.push_back(t);
+      r.validation.push_back(validation_sequence(sh.rel, s, cal.cfg.mlp) ? 1 : 0);
+    }
+    out.push_back(std::move(r));
+  }
+  for (const ShardPair& sh : cal.eval_shards) {
+    if (static_cast<int>(i++ % T) != token_group) continue;
+    const int64_t tokens = ShardReader(sh.source_path).header().tokens;
+    ShardRows r{&sh, {}, {}};
+    for (int64_t t = 0; t < tokens; t += stride) r.rows.push_back(t), r.validation.push_back(1);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// One (target layer, kind)'s data on this rank, in content space: the selected source layers side by side (x, K
+// wide) and the target layer (y, G wide), the rows of training [0] and of validation [1] apart.
 struct LayerData {
-  std::vector<float> x[2][2], y[2][2];  // [kind: keys, values][split: training, validation]
+  std::vector<float> x[2], y[2];
   int64_t rows[2] = {0, 0};
 };
 
-LayerData load_layer_data(const Calibration& cal, const std::vector<int>& sources, int l) {
+LayerData load_layer_data(const Calibration& cal, const std::vector<ShardRows>& share,
+                          const std::vector<int>& sources, int l, int kind) {
   const Rope rs(cal.source), rt(cal.target);
   const int64_t F = cal.source.features_per_layer(), G = cal.target.features_per_layer();
   const int64_t K = static_cast<int64_t>(sources.size()) * F;
+  const char* dataset = kind == 0 ? "keys" : "values";
   LayerData d;
-  uint64_t sequence = 0;
   std::vector<uint16_t> raw;
-  for (const ShardPair& sh : cal.shards) {
-    const ShardReader src(sh.source_path), tgt(sh.target_path);
+  for (const ShardRows& sr : share) {
+    const ShardReader src(sr.pair->source_path), tgt(sr.pair->target_path);
     const int64_t T = src.header().tokens;
-    const auto pos_s = src.positions(), pos_t = tgt.positions();
-    const auto offs = src.seq_offsets();
-    std::vector<float> xs[2], ys[2], layer(T * F);
-    for (int kind = 0; kind < 2; ++kind) {
-      xs[kind].resize(T * K);
-      for (size_t j = 0; j < sources.size(); ++j) {
-        src.read_layer(kind == 0 ? "keys" : "values", sources[j], layer.data(), raw);
-        if (kind == 0) rs.strip_block(layer.data(), T, cal.source.n_kv_heads, pos_s.data());
-        for (int64_t t = 0; t < T; ++t)
-          std::copy_n(layer.data() + t * F, F, xs[kind].data() + t * K + static_cast<int64_t>(j) * F);
-      }
-      ys[kind].resize(T * G);
-      tgt.read_layer(kind == 0 ? "keys" : "values", l, ys[kind].data(), raw);
-      if (kind == 0) rt.strip_block(ys[kind].data(), T, cal.target.n_kv_heads, pos_t.data());
+    std::vector<float> xs(T * K), ys(T * G), layer(T * F);
+    for (size_t j = 0; j < sources.size(); ++j) {
+      src.read_layer(dataset, sources[j], layer.data(), raw);
+      if (kind == 0) rs.strip_block(layer.data(), T, cal.source.n_kv_heads, src.positions().data());
+      for (int64_t t = 0; t < T; ++t)
+        std::copy_n(layer.data() + t * F, F, xs.data() + t * K + static_cast<int64_t>(j) * F);
     }
-    // The rows the fit used: 0, s, 2s, ... (token_stride), `used` of them.
-    for (int64_t i = 0; i < sh.used; ++i) {
-      const int64_t t = i * cal.cfg.token_stride;
-      const auto s = std::upper_bound(offs.begin(), offs.end(), t) - offs.begin() - 1;
-      const int split = validation_sequence(sequence + static_cast<uint64_t>(s), cal.cfg.mlp) ? 1 : 0;
-      for (int kind = 0; kind < 2; ++kind) {
-        d.x[kind][split].insert(d.x[kind][split].end(), xs[kind].begin() + t * K, xs[kind].begin() + (t + 1) * K);
-        d.y[kind][split].insert(d.y[kind][split].end(), ys[kind].begin() + t * G, ys[kind].begin() + (t + 1) * G);
-      }
+    tgt.read_layer(dataset, l, ys.data(), raw);
+    if (kind == 0) rt.strip_block(ys.data(), T, cal.target.n_kv_heads, tgt.positions().data());
+    for (size_t i = 0; i < sr.rows.size(); ++i) {
+      const int64_t t = sr.rows[i];
+      const int split = sr.validation[i];
+      d.x[split].insert(d.x[split].end(), xs.begin() + t * K, xs.begin() + (t + 1) * K);
+      d.y[split].insert(d.y[split].end(), ys.begin() + t * G, ys.begin() + (t + 1) * G);
       ++d.rows[split];
     }
-    sequence += offs.size() - 1;
   }
   return d;
 }
@@ -88,133 +131,288 @@ struct Outcome {
   int layer = 0, kind = 0;
   bool kept = false;
   double mse_ridge = NAN, mse_mlp = NAN, r2_ridge = NAN, r2_mlp = NAN;
-  MlpParams params;
+  MlpParams params;  // when kept: the standardisation folded into W1 and b1
 };
 
 void put(std::string& s, const void* p, size_t n) { s.append(static_cast<const char*>(p), n); }
-std::string serialise(const std::vector<Outcome>& all) {
-  std::string s;
-  for (const Outcome& o : all) {
-    const int32_t head[3] = {o.layer, o.kind, o.kept ? 1 : 0};
-    const int64_t shape[3] = {o.params.shape.in, o.params.shape.hidden, o.params.shape.out};
-    put(s, head, sizeof head);
-    put(s, &o.mse_ridge, 8), put(s, &o.mse_mlp, 8), put(s, &o.r2_ridge, 8), put(s, &o.r2_mlp, 8);
-    put(s, shape, sizeof shape);
-    if (o.kept) put(s, o.params.flat.data(), o.params.flat.size() * 4);
+
+class Reader {
+ public:
+  explicit Reader(const std::string& s) : s_(s) {}
+  void get(void* p, size_t n) {
+    CROSSKV_ASSERT(at_ + n <= s_.size(), "short residual-MLP record");
+    std::memcpy(p, s_.data() + at_, n);
+    at_ += n;
   }
-  return s;
+  bool done() const { return at_ == s_.size(); }
+
+ private:
+  const std::string& s_;
+  size_t at_ = 0;
+};
+
+void serialise(const Outcome& o, std::string& s) {
+  const int32_t head[3] = {o.layer, o.kind, o.kept ? 1 : 0};
+  const int64_t shape[3] = {o.params.shape.in, o.params.shape.hidden, o.params.shape.out};
+  put(s, head, sizeof head);
+  put(s, &o.mse_ridge, 8), put(s, &o.mse_mlp, 8), put(s, &o.r2_ridge, 8), put(s, &o.r2_mlp, 8);
+  put(s, shape, sizeof shape);
+  if (o.kept) put(s, o.params.flat.data(), o.params.flat.size() * 4);
 }
+
 std::vector<Outcome> deserialise(const std::string& s) {
   std::vector<Outcome> all;
-  size_t at = 0;
-  auto get = [&](void* p, size_t n) {
-    CROSSKV_ASSERT(at + n <= s.size(), "short MLP message");
-    std::memcpy(p, s.data() + at, n);
-    at += n;
-  };
-  while (at < s.size()) {
+  Reader r(s);
+  while (!r.done()) {
     Outcome o;
     int32_t head[3];
     int64_t shape[3];
-    get(head, sizeof head);
-    get(&o.mse_ridge, 8), get(&o.mse_mlp, 8), get(&o.r2_ridge, 8), get(&o.r2_mlp, 8), get(shape, sizeof shape);
+    r.get(head, sizeof head);
+    r.get(&o.mse_ridge, 8), r.get(&o.mse_mlp, 8), r.get(&o.r2_ridge, 8), r.get(&o.r2_mlp, 8);
+    r.get(shape, sizeof shape);
     o.layer = head[0], o.kind = head[1], o.kept = head[2] != 0;
     if (o.kept) {
       o.params = MlpParams(MlpShape{shape[0], shape[1], shape[2]});
-      get(o.params.flat.data(), o.params.flat.size() * 4);
+      r.get(o.params.flat.data(), o.params.flat.size() * 4);
     }
     all.push_back(std::move(o));
   }
   return all;
 }
 
-// Trains and judges both kinds of target layer l of mapper `m`.
-std::vector<Outcome> fit_layer(ComputeBackend& be, const Calibration& cal, const MapperManifest& m, int l) {
-  const MapperLayer w = load_mapper_layer(m, l, /*verify=*/false);  // the ridge (any MLP in the file is ignored)
-  const LayerData d = load_layer_data(cal, w.source_layers, l);
-  const int64_t G = m.target.features_per_layer(), K = static_cast<int64_t>(w.source_layers.size()) *
-                                                         m.source.features_per_layer();
-  const MlpConfig& c = cal.cfg.mlp;
-  auto single = make_single_comm();
-  std::vector<Outcome> out;
-  std::vector<float> scratch;
-  for (int kind = 0; kind < 2; ++kind) {
-    const std::vector<float>& W = kind == 0 ? w.wk : w.wv;
-    const std::vector<float>& b = kind == 0 ? w.bk : w.bv;
-    std::vector<float> R[2];  // the ridge's residual, training and validation
-    for (int split = 0; split < 2; ++split) {
-      const int64_t n = d.rows[split];
-      R[split].assign(n * G, 0.0f);
-      map_one_layer(be, d.x[kind][split].data(), K, {0}, K, W.data(), b.data(), G, n, R[split].data(), G, scratch);
-      for (int64_t i = 0; i < n * G; ++i) R[split][i] = d.y[kind][split][i] - R[split][i];
-    }
-    // Trained on standardised features (the keys' large-mean channels would otherwise swamp the first layer), then
-    // the standardisation is folded into W1 and b1: the artifact applies f to the features as they are.
-    std::vector<double> mean(K, 0.0), inv_sd(K, 0.0);
-    const int64_t n0 = std::max<int64_t>(d.rows[0], 1);
-    for (int64_t t = 0; t < d.rows[0]; ++t)
-      for (int64_t i = 0; i < K; ++i) mean[i] += d.x[kind][0][t * K + i] / static_cast<double>(n0);
-    for (int64_t t = 0; t < d.rows[0]; ++t)
-      for (int64_t i = 0; i < K; ++i) {
-        const double e = d.x[kind][0][t * K + i] - mean[i];
-        inv_sd[i] += e * e / static_cast<double>(n0);
-      }
-    for (auto& v : inv_sd) v = v > 1e-12 ? 1.0 / std::sqrt(v) : 1.0;
-    std::vector<float> z[2];
-    for (int split = 0; split < 2; ++split) {
-      z[split] = d.x[kind][split];
-      for (int64_t t = 0; t < d.rows[split]; ++t)
-        for (int64_t i = 0; i < K; ++i)
-          z[split][t * K + i] = static_cast<float>((z[split][t * K + i] - mean[i]) * inv_sd[i]);
-    }
-    MlpTraining t;
-    t.epochs = c.epochs, t.batch_tokens = c.batch_tokens, t.seed = c.seed * 1000003 + static_cast<uint64_t>(2 * l + kind);
-    t.adam.lr = c.lr, t.adam.weight_decay = c.weight_decay;
-    MlpTrained trained = train_residual_mlp(be, *single, MlpShape{K, c.hidden, G}, z[0].data(), R[0].data(),
-                                            d.rows[0], t);
-    Outcome o;
-    o.layer = l, o.kind = kind;
-    if (d.rows[1] > 0) {
-      MlpWorkspace ws;
-      mlp_forward(be, trained.params, z[1].data(), d.rows[1], ws);
-      double er = 0, em = 0;
-      for (int64_t i = 0; i < d.rows[1] * G; ++i) {
-        er += double(R[1][i]) * R[1][i];
-        em += (double(R[1][i]) - ws.out[i]) * (double(R[1][i]) - ws.out[i]);
-      }
-      o.mse_ridge = er / static_cast<double>(d.rows[1] * G), o.mse_mlp = em / static_cast<double>(d.rows[1] * G);
-      // The validation targets' variance (about each column's mean) turns both into R².
-      double sst = 0;
-      const std::vector<float>& y = d.y[kind][1];
-      for (int64_t col = 0; col < G; ++col) {
-        double mean = 0;
-        for (int64_t r = 0; r < d.rows[1]; ++r) mean += y[r * G + col] / static_cast<double>(d.rows[1]);
-        for (int64_t r = 0; r < d.rows[1]; ++r) sst += (y[r * G + col] - mean) * (y[r * G + col] - mean);
-      }
-      if (sst > 0) o.r2_ridge = 1 - er / sst, o.r2_mlp = 1 - em / sst;
-    }
-    // auto: kept where it raises the validation R² by at least kMinGain (not for a rounding-sized gain).
-    o.kept = cal.cfg.mapper == MapperKind::mlp || (o.r2_mlp >= o.r2_ridge + kMinGain);
-    if (o.kept) {  // relu(((x - mean) * inv_sd) W1 + b1) = relu(x W1' + b1')
-      MlpParams& p = trained.params;
-      const int64_t H = p.shape.hidden;
-      for (int64_t j = 0; j < H; ++j) {
-        double shift = 0;
-        for (int64_t i = 0; i < K; ++i) shift += mean[i] * inv_sd[i] * p.w1()[i * H + j];
-        p.b1()[j] = static_cast<float>(p.b1()[j] - shift);
-      }
-      for (int64_t i = 0; i < K; ++i)
-        for (int64_t j = 0; j < H; ++j) p.w1()[i * H + j] = static_cast<float>(p.w1()[i * H + j] * inv_sd[i]);
-      o.params = std::move(p);
-    }
-    out.push_back(std::move(o));
+// A training stopped after some epochs: parameters, Adam's moments and steps, the epochs' errors.
+std::string serialise_state(const MlpTrained& t) {
+  std::string s;
+  const int64_t head[3] = {static_cast<int64_t>(t.epoch_mse.size()), t.steps,
+                           static_cast<int64_t>(t.params.flat.size())};
+  put(s, head, sizeof head);
+  put(s, t.epoch_mse.data(), t.epoch_mse.size() * 8);
+  for (const auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) put(s, v->data(), v->size() * 4);
+  return s;
+}
+
+std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape& shape) {
+  Reader r(s);
+  int64_t head[3];
+  r.get(head, sizeof head);
+  const size_t n = static_cast<size_t>(shape.parameters());
+  if (head[0] < 0 || head[2] != static_cast<int64_t>(n) ||
+      s.size() != sizeof head + static_cast<size_t>(head[0]) * 8 + 3 * n * 4)
+    return std::nullopt;
+  MlpTrained t{MlpParams(shape), std::vector<double>(static_cast<size_t>(head[0])), head[1], {}, {}, false};
+  t.adam_m.resize(n), t.adam_v.resize(n);
+  r.get(t.epoch_mse.data(), t.epoch_mse.size() * 8);
+  for (auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) r.get(v->data(), v->size() * 4);
+  return t;
+}
+
+// The stage's checkpoint files: "<what>" after a line naming the format and the job's identity, sealed by the
+// SHA-256 of all before it. A file that does not verify, or of another job, reads as absent.
+class MlpCheckpoint {
+ public:
+  MlpCheckpoint(const std::string& ckpt_dir, const std::string& k, const nlohmann::json& identity)
+      : dir_((fs::path(ckpt_dir) / "mlp").string()), k_(k), job_(sha_of(identity.dump())) {}
+  std::string path(int l, int kind, const char* what) const {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "k%s-layer-%03d-%s.%s", k_.c_str(), l, kind == 0 ? "k" : "v", what);
+    return (fs::path(dir_) / buf).string();
   }
-  return out;
+  void write(const std::string& file, const std::string& payload) const {
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) throw SystemError("cannot create " + dir_ + ": " + ec.message());
+    std::string s = "crosskv-mlp-checkpoint 1 " + job_ + "\n" + payload;
+    s += sha_of(s);
+    write_file_atomic(file, s);
+  }
+  std::optional<std::string> read(const std::string& file) const {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) return std::nullopt;
+    const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string head = "crosskv-mlp-checkpoint 1 " + job_ + "\n";
+    if (s.size() < head.size() + 64 || s.compare(0, head.size(), head) != 0) return std::nullopt;
+    if (sha_of(s.substr(0, s.size() - 64)) != s.substr(s.size() - 64)) {
+      spdlog::warn("{}: damaged (its SHA-256 does not match); not used", file);
+      return std::nullopt;
+    }
+    return s.substr(head.size(), s.size() - 64 - head.size());
+  }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  static std::string sha_of(const std::string& s) {
+    Sha256 h;
+    h.update(s.data(), s.size());
+    return h.hex();
+  }
+  std::string dir_, k_, job_;
+};
+
+// Rank 0's file, read there and broadcast to the comm: the ranks need not see the same file system.
+std::optional<std::string> read_on_root(Comm& comm, const MlpCheckpoint& ck, const std::string& file) {
+  std::optional<std::string> got;
+  if (comm.rank() == 0) got = ck.read(file);
+  int64_t n = got ? static_cast<int64_t>(got->size()) : -1;
+  comm.broadcast(&n, sizeof n, 0);
+  if (n < 0) return std::nullopt;
+  std::string s = got ? *got : std::string(static_cast<size_t>(n), '\0');
+  if (n > 0) comm.broadcast(s.data(), s.size(), 0);
+  return s;
+}
+
+// Sums over the layer group in a fixed order.
+std::vector<double> group_sum(Comm& g, std::vector<double> v) {
+  g.allreduce_sum(v.data(), v.size());
+  return v;
+}
+
+// Column means and 1 / standard deviations of x [rows x K] over the group.
+void standardisation(Comm& g, const std::vector<float>& x, int64_t rows, int64_t K, std::vector<double>& mean,
+                     std::vector<double>& inv_sd) {
+  std::vector<double> s(K + 1, 0.0);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < K; ++i) s[i] += x[t * K + i];
+  s[K] = static_cast<double>(rows);
+  s = group_sum(g, std::move(s));
+  const double n = std::max(s[K], 1.0);
+  mean.assign(K, 0.0);
+  for (int64_t i = 0; i < K; ++i) mean[i] = s[i] / n;
+  std::vector<double> q(K, 0.0);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < K; ++i) {
+      const double e = x[t * K + i] - mean[i];
+      q[i] += e * e;
+    }
+  q = group_sum(g, std::move(q));
+  inv_sd.assign(K, 1.0);
+  for (int64_t i = 0; i < K; ++i) inv_sd[i] = q[i] / n > 1e-12 ? 1.0 / std::sqrt(q[i] / n) : 1.0;
+}
+
+// The validation scores of ridge and ridge + MLP over the group: MSE of the residual R against 0 and against f(z),
+// turned into R² by the validation targets' variance about each column's mean.
+void validation_scores(Comm& g, ComputeBackend& be, const MlpParams& p, const std::vector<float>& z,
+                       const std::vector<float>& R, const std::vector<float>& y, int64_t rows, int64_t G,
+                       Outcome& o) {
+  std::vector<float> f;
+  if (rows > 0) {
+    MlpWorkspace ws;
+    mlp_forward(be, p, z.data(), rows, ws);
+    f = std::move(ws.out);
+  }
+  std::vector<double> col(G + 1, 0.0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < G; ++c) col[c] += y[r * G + c];
+  col[G] = static_cast<double>(rows);
+  col = group_sum(g, std::move(col));
+  if (col[G] == 0) return;
+  std::vector<double> e(3, 0.0);  // ridge's squared error, the MLP's, the targets' squared deviations
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < G; ++c) {
+      const double res = R[r * G + c], dev = y[r * G + c] - col[c] / col[G];
+      e[0] += res * res, e[1] += (res - f[r * G + c]) * (res - f[r * G + c]), e[2] += dev * dev;
+    }
+  e = group_sum(g, std::move(e));
+  const double n = col[G] * static_cast<double>(G);
+  o.mse_ridge = e[0] / n, o.mse_mlp = e[1] / n;
+  if (e[2] > 0) o.r2_ridge = 1 - e[0] / e[2], o.r2_mlp = 1 - e[1] / e[2];
+}
+
+// relu(((x - mean) * inv_sd) W1 + b1) = relu(x W1' + b1'): the artifact applies the MLP to the features as they are.
+void fold_standardisation(MlpParams& p, const std::vector<double>& mean, const std::vector<double>& inv_sd) {
+  const int64_t K = p.shape.in, H = p.shape.hidden;
+  for (int64_t j = 0; j < H; ++j) {
+    double shift = 0;
+    for (int64_t i = 0; i < K; ++i) shift += mean[i] * inv_sd[i] * p.w1()[i * H + j];
+    p.b1()[j] = static_cast<float>(p.b1()[j] - shift);
+  }
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = 0; j < H; ++j) p.w1()[i * H + j] = static_cast<float>(p.w1()[i * H + j] * inv_sd[i]);
+}
+
+// What one rank needs to train its layer group's (layer, kind) units of one mapper.
+struct UnitContext {
+  Context& ctx;
+  Comm& group;
+  const Calibration& cal;
+  const std::vector<ShardRows>& share;
+  const MlpCheckpoint& ck;
+  Progress& progress;
+  int64_t tokens_per_epoch = 0;  // the group's training rows
+  int64_t states_written = 0, epochs_run = 0;  // for the kill_in_mlp and term_in_mlp fault hooks
+  std::chrono::steady_clock::time_point last_state = std::chrono::steady_clock::now();
+};
+
+// Trains and judges (layer l, kind) of the ridge layer `w` on the group, from a checkpointed state if there is one.
+Outcome fit_unit(UnitContext& u, const MapperLayer& w, int64_t G, int l, int kind) {
+  ComputeBackend& be = u.ctx.backend;
+  const MlpConfig& c = u.cal.cfg.mlp;
+  const int64_t K = static_cast<int64_t>(w.source_layers.size()) * u.cal.source.features_per_layer();
+  const MlpShape shape{K, c.hidden, G};
+  const LayerData d = load_layer_data(u.cal, u.share, w.source_layers, l, kind);
+  const std::vector<float>& W = kind == 0 ? w.wk : w.wv;
+  const std::vector<float>& b = kind == 0 ? w.bk : w.bv;
+  std::vector<float> R[2], z[2], scratch;  // the ridge's residual; the standardised features
+  for (int split = 0; split < 2; ++split) {
+    const int64_t n = d.rows[split];
+    R[split].assign(n * G, 0.0f);
+    map_one_layer(be, d.x[split].data(), K, {0}, K, W.data(), b.data(), G, n, R[split].data(), G, scratch);
+    for (int64_t i = 0; i < n * G; ++i) R[split][i] = d.y[split][i] - R[split][i];
+  }
+  // Trained on standardised features (the keys' large-mean channels would otherwise swamp the first layer).
+  std::vector<double> mean, inv_sd;
+  standardisation(u.group, d.x[0], d.rows[0], K, mean, inv_sd);
+  for (int split = 0; split < 2; ++split) {
+    z[split] = d.x[split];
+    for (int64_t t = 0; t < d.rows[split]; ++t)
+      for (int64_t i = 0; i < K; ++i)
+        z[split][t * K + i] = static_cast<float>((z[split][t * K + i] - mean[i]) * inv_sd[i]);
+  }
+  MlpTraining t;
+  t.epochs = c.epochs, t.batch_tokens = c.batch_tokens, t.seed = c.seed * 1000003 + static_cast<uint64_t>(2 * l + kind);
+  t.adam.lr = c.lr, t.adam.weight_decay = c.weight_decay;
+
+  const std::string state_file = u.ck.path(l, kind, "state");
+  std::optional<MlpTrained> resume;
+  if (const auto s = read_on_root(u.group, u.ck, state_file)) resume = deserialise_state(*s, shape);
+  if (resume) {
+    spdlog::info("residual MLP of target layer {} ({}): resuming from epoch {} of {}", l, kind == 0 ? "keys" : "values",
+                 resume->epoch_mse.size(), c.epochs);
+    u.progress.add(static_cast<int64_t>(resume->epoch_mse.size()) * u.tokens_per_epoch);
+  }
+  bool stopped = false;
+  const auto after_epoch = [&](const MlpTrained& now) {
+    u.progress.add(u.tokens_per_epoch);
+    if (fault("term_in_mlp", ++u.epochs_run, u.ctx.comm.rank())) std::raise(SIGTERM);
+    stopped = !u.group.all_ok(!u.ctx.stop.requested());
+    const double since = seconds_since(u.last_state);
+    if (u.group.rank() == 0 && (stopped || since >= static_cast<double>(u.cal.cfg.checkpoint_mlp_seconds))) {
+      u.ck.write(state_file, serialise_state(now));
+      u.last_state = std::chrono::steady_clock::now();
+      if (fault("kill_in_mlp", ++u.states_written, u.ctx.comm.rank())) std::raise(SIGKILL);
+    }
+    return !stopped;
+  };
+  MlpTrained trained = train_residual_mlp(be, u.group, shape, z[0].data(), R[0].data(), d.rows[0], t,
+                                          resume ? &*resume : nullptr, after_epoch);
+  if (stopped)
+    throw Interrupted("stopped by a signal while training residual MLPs; the trained ones and the last epoch are "
+                      "checkpointed in " + u.ck.dir());
+  u.progress.add(u.tokens_per_epoch);
+  Outcome o;
+  o.layer = l, o.kind = kind;
+  validation_scores(u.group, be, trained.params, z[1], R[1], d.y[1], d.rows[1], G, o);
+  o.kept = u.cal.cfg.mapper == MapperKind::mlp || (o.r2_mlp >= o.r2_ridge + kMinGain);
+  if (o.kept) {
+    fold_standardisation(trained.params, mean, inv_sd);
+    o.params = std::move(trained.params);
+  }
+  return o;
 }
 
 nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
 
-// Rank 0: the layer file of l rewritten with its ridge tensors (as stored) and the kept MLPs; the manifest entry.
+// Rank 0: the layer file of `entry` rewritten with its ridge tensors (as stored) and the kept MLPs; the manifest
+// entry (SHA-256, decisions) and the export's record of the layer follow.
 void write_layer(const std::string& dir, nlohmann::json& entry, const std::vector<const Outcome*>& kinds) {
   const std::string file = (fs::path(dir) / entry["file"].get<std::string>()).string();
   const auto t = read_safetensors(file);
@@ -260,51 +458,112 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
                                 {"source_layers", csv}});
   entry["sha256"] = sha256_file(file);
   entry["mlp"] = mlp;
+  record_rewritten_layer(dir, entry);
+}
+
+// Rank 0: every layer file and the manifest of mapper folder `dir` with the outcomes of all ranks.
+void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, const FitConfig& cfg,
+                  int n_layers, double seconds) {
+  std::ifstream in((fs::path(dir) / "manifest.json").string());
+  nlohmann::json manifest = nlohmann::json::parse(in);
+  int kept[2] = {0, 0};
+  for (auto& entry : manifest["layers"]) {
+    std::vector<const Outcome*> kinds;
+    for (const Outcome& o : outcomes)
+      if (o.layer == entry["target_layer"].get<int>()) kinds.push_back(&o), kept[o.kind] += o.kept;
+    std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->kind < b->kind; });
+    write_layer(dir, entry, kinds);
+  }
+  manifest["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
+  manifest["fit"]["mlp"] = {{"hidden", cfg.mlp.hidden},           {"epochs", cfg.mlp.epochs},
+                            {"lr", cfg.mlp.lr},                   {"batch_tokens", cfg.mlp.batch_tokens},
+                            {"weight_decay", cfg.mlp.weight_decay}, {"val_fraction", cfg.mlp.val_fraction},
+                            {"seed", cfg.mlp.seed}};
+  if (manifest.contains("timings_s")) {
+    manifest["timings_s"]["mlp"] = seconds;
+    manifest["timings_s"]["total"] = manifest["timings_s"].value("total", 0.0) + seconds;
+  }
+  write_file_atomic((fs::path(dir) / "manifest.json").string(), manifest.dump(2) + "\n");
+  const std::string k = fs::path(dir).filename().replace_extension().string();
+  spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept[0],
+               n_layers, kept[1], mapper_kind_name(cfg.mapper));
 }
 
 }  // namespace
 
-void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<std::string>& artifacts) {
+void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<std::string>& partial_dirs,
+                       const std::string& ckpt_dir, const nlohmann::json& export_identity) {
   const FitConfig& cfg = cal.cfg;
   if (cfg.mapper == MapperKind::ridge) return;
-  const int P = ctx.comm.size(), rank = ctx.comm.rank();
-  for (const std::string& dir : artifacts) {
+  Comm& group = ctx.readers();
+  const int G = ctx.grid ? ctx.grid->layer_groups : 1, me = ctx.grid ? ctx.grid->layer_group : 0;
+  const std::vector<ShardRows> share = agreed(ctx.comm, [&] { return plan_rows(cal, group.size(), group.rank()); });
+  int64_t mine[1] = {0};
+  for (const auto& sr : share)
+    for (const uint8_t v : sr.validation) mine[0] += v == 0;
+  std::vector<double> tokens{static_cast<double>(mine[0])};
+  tokens = group_sum(group, tokens);
+  nlohmann::json identity = {{"export", export_identity},
+                             {"mapper", mapper_kind_name(cfg.mapper)},
+                             {"mlp",
+                              {{"hidden", cfg.mlp.hidden},
+                               {"epochs", cfg.mlp.epochs},
+                               {"lr", cfg.mlp.lr},
+                               {"batch_tokens", cfg.mlp.batch_tokens},
+                               {"weight_decay", cfg.mlp.weight_decay},
+                               {"val_fraction", cfg.mlp.val_fraction},
+                               {"seed", cfg.mlp.seed}}},
+                             {"eval_shards", nlohmann::json::array()}};
+  for (const auto& e : cal.eval_shards) identity["eval_shards"].push_back(e.rel);
+  for (const std::string& dir : partial_dirs) {
+    const auto t0 = std::chrono::steady_clock::now();
     const MapperManifest m = read_mapper_manifest(dir);
-    const std::string k = fs::path(dir).filename().string();
-    std::vector<Outcome> mine;
-    const std::string bytes = agreed(ctx.comm, [&] {
-      Progress progress(P > 1 ? "residual MLPs " + k + " (this rank's layers)" : "residual MLPs " + k,
-                        (m.target.n_layers + P - 1 - rank) / P, 0, "layers");
-      for (int l = rank; l < m.target.n_layers; l += P) {
-        for (auto& o : fit_layer(ctx.backend, cal, m, l)) mine.push_back(std::move(o));
-        progress.add(1);
+    const std::string k = fs::path(dir).filename().replace_extension().string();
+    identity["k"] = k;
+    const MlpCheckpoint ck(ckpt_dir, k.substr(1), identity);
+    const int64_t G_feat = m.target.features_per_layer();
+    std::vector<int> layers;
+    for (int l = me; l < m.target.n_layers; l += G) layers.push_back(l);
+    Progress progress(G > 1 ? "residual MLPs " + k + " (this layer group's layers)" : "residual MLPs " + k,
+                      static_cast<int64_t>(layers.size()) * 2 * cfg.mlp.epochs * static_cast<int64_t>(tokens[0]), 0);
+    UnitContext u{ctx, group, cal, share, ck, progress, static_cast<int64_t>(tokens[0])};
+    std::string bytes;
+    int taken_over = 0;
+    for (const int l : layers) {
+      const MapperLayer w = load_mapper_layer(m, l, /*verify=*/false);  // the ridge (any MLP in it is ignored)
+      for (int kind = 0; kind < 2; ++kind) {
+        const std::string done_file = ck.path(l, kind, "outcome");
+        std::optional<std::string> done = read_on_root(group, ck, done_file);
+        Outcome o;
+        if (done) {
+          auto all = deserialise(*done);
+          CROSSKV_ASSERT(all.size() == 1 && all[0].layer == l && all[0].kind == kind, done_file + ": another unit");
+          o = std::move(all[0]);
+          ++taken_over;
+          progress.add(int64_t{cfg.mlp.epochs} * u.tokens_per_epoch);
+        } else {
+          o = fit_unit(u, w, G_feat, l, kind);
+          if (group.rank() == 0) {
+            std::string s;
+            serialise(o, s);
+            ck.write(done_file, s);
+            std::error_code ec;
+            fs::remove(ck.path(l, kind, "state"), ec);
+          }
+        }
+        if (group.rank() == 0) serialise(o, bytes);
       }
-      progress.finish();
-      return serialise(mine);
-    });
-    const std::vector<std::string> all = gather_strings(ctx.comm, bytes);
-    if (rank != 0) continue;
-    std::vector<Outcome> outcomes;
-    for (const auto& s : all)
-      for (auto& o : deserialise(s)) outcomes.push_back(std::move(o));
-    std::ifstream in((fs::path(dir) / "manifest.json").string());
-    nlohmann::json manifest = nlohmann::json::parse(in);
-    int kept[2] = {0, 0};
-    for (auto& entry : manifest["layers"]) {
-      std::vector<const Outcome*> kinds;
-      for (const Outcome& o : outcomes)
-        if (o.layer == entry["target_layer"].get<int>()) kinds.push_back(&o), kept[o.kind] += o.kept;
-      std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->kind < b->kind; });
-      write_layer(dir, entry, kinds);
     }
-    manifest["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
-    manifest["fit"]["mlp"] = {{"hidden", cfg.mlp.hidden},           {"epochs", cfg.mlp.epochs},
-                              {"lr", cfg.mlp.lr},                   {"batch_tokens", cfg.mlp.batch_tokens},
-                              {"weight_decay", cfg.mlp.weight_decay}, {"val_fraction", cfg.mlp.val_fraction},
-                              {"seed", cfg.mlp.seed}};
-    write_file_atomic((fs::path(dir) / "manifest.json").string(), manifest.dump(2) + "\n");
-    spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept[0],
-                 m.target.n_layers, kept[1], mapper_kind_name(cfg.mapper));
+    progress.finish();
+    if (taken_over > 0)
+      spdlog::info("residual MLPs {}: {} trained (layer, kind) pair(s) taken over from {}", k, taken_over, ck.dir());
+    const std::vector<std::string> all = gather_strings(ctx.comm, bytes);
+    if (ctx.comm.rank() == 0) {
+      std::vector<Outcome> outcomes;
+      for (const auto& s : all)
+        for (auto& o : deserialise(s)) outcomes.push_back(std::move(o));
+      write_mapper(dir, outcomes, cfg, m.target.n_layers, seconds_since(t0));
+    }
   }
   ctx.comm.barrier();
 }

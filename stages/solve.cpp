@@ -160,26 +160,28 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
                human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
 }
 
-std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
-                                          Moments& mv, const std::vector<std::vector<int>>& rankings,
-                                          const std::string& ckpt_dir,
-                                          const std::function<nlohmann::json()>& manifest_extra) {
+nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int ranks) {
   const FitConfig& cfg = cal.cfg;
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
+  nlohmann::json id = checkpoint_identity(cal, plan, ranks);
+  id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", weight_dtype_name(cfg.dtype)},
+               {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
+  return id;
+}
+
+std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
+                                          Moments& mv, const std::vector<std::vector<int>>& rankings,
+                                          const std::string& ckpt_dir,
+                                          const std::function<nlohmann::json()>& manifest_extra, bool publish) {
   ArtifactWriter writer(cal, plan, ctx.comm.rank());
-  // What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
-  // solve's settings and this version.
-  nlohmann::json export_id = checkpoint_identity(cal, plan, ctx.comm.size());
-  export_id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", weight_dtype_name(cfg.dtype)},
-                      {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
-  if (ctx.comm.rank() == 0) writer.begin(export_id);
+  if (ctx.comm.rank() == 0) writer.begin(export_identity(cal, plan, ctx.comm.size()));
   ctx.comm.barrier();
-  solve_layers(ctx, plan, mk, mv, rankings, cfg.lambda, writer, ckpt_dir);
+  solve_layers(ctx, plan, mk, mv, rankings, cal.cfg.lambda, writer, ckpt_dir);
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (ctx.comm.rank() != 0) return {};
   for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));
-  return writer.finish(manifest_extra());
+  return writer.finish(manifest_extra(), publish);
 }
 
 }  // namespace crosskv

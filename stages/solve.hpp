@@ -24,13 +24,18 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
                   const std::vector<std::vector<int>>& rankings, double lambda, ArtifactWriter& writer,
                   const std::string& ckpt_dir);
 
+// What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
+// solve's settings and this version. An interrupted export (and the residual-MLP stage) resumes only for the same.
+nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int ranks);
+
 // Stages 6-7 for the job: an ArtifactWriter for every k (an interrupted export of the same job keeps the layers it
 // wrote), this rank's layers solved and written (solve_layers), and on rank 0 every rank's manifest entries gathered
 // and the manifests written with `manifest_extra()` (called there, after the solves). Returns the k<K>/ folders on
-// rank 0, nothing elsewhere.
+// rank 0, nothing elsewhere; without `publish`, the k<K>.partial folders, with their manifests, not yet in place
+// (ArtifactWriter::finish).
 std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
                                           Moments& mv, const std::vector<std::vector<int>>& rankings,
                                           const std::string& ckpt_dir,
-                                          const std::function<nlohmann::json()>& manifest_extra);
+                                          const std::function<nlohmann::json()>& manifest_extra, bool publish = true);
 
 }  // namespace crosskv

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <string>
 
@@ -78,6 +79,12 @@ inline std::string config_yaml(const std::string& dir, const std::string& fit = 
                                const std::string& out = "out", const std::string& extra = "") {
   return "source: {store: " + dir + "/source}\ntarget: {store: " + dir + "/target}\nfit: " + fit +
          "\noutput: {dir: " + dir + "/" + out + "}\nruntime: {block_tokens: 200}\n" + extra;
+}
+
+// A file's bytes ("" when it cannot be read).
+inline std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 inline FitResult fit_with(const FitConfig& cfg) {

@@ -19,11 +19,6 @@ namespace {
 
 float value(int rank, size_t i) { return static_cast<float>((i % 97) * 0.37 + rank * 1.13) / (1.0f + rank); }
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
 }  // namespace
 
 // Sums in rank order on every rank, whatever the transport: the same bits as adding the ranks' values in order.

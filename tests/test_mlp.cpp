@@ -321,3 +321,41 @@ TEST(MlpStage, AutoKeepsRidgeOnAnExactlyLinearPair) {
     for (const char* kind : {"k", "v"}) EXPECT_FALSE(l["mlp"][kind]["kept"].get<bool>()) << l["mlp"].dump();
   EXPECT_GT(r.figures.at("r2_v"), 0.999);
 }
+
+// Over ranks (threads): layer l to layer group l mod G, its token groups training data-parallel. Every rank's layer
+// files are those rank 0 wrote (one set), the same job twice gives the same bytes, and any grid's validation scores
+// agree with one rank's (other batches, not other bits only: within a few 0.01).
+TEST(MlpStage, LayerAndTokenGroupsRepeatByteForByteAndAgreeWithOneRank) {
+  TempDir tmp;
+  synth_pair(tmp, "nl", SynthRelation::nonlinear);
+  const std::string fit = "{k: [1], lambda: 0.001, mapper: auto, mlp: {hidden: 32, epochs: 8, val_fraction: 0.2}}";
+  fit_yaml(config_yaml(tmp.str("nl"), fit, "one"));
+  const auto one = nlohmann::json::parse(file_bytes(tmp.str("nl/one/k1/manifest.json")));
+  for (const std::string runtime : {"{block_tokens: 200}", "{block_tokens: 200, layer_groups: 2}"}) {
+    SCOPED_TRACE(runtime);
+    for (const char* out : {"a", "b"}) {
+      const std::string yaml = "source: {store: " + tmp.str("nl/source") + "}\ntarget: {store: " +
+                               tmp.str("nl/target") + "}\nfit: " + fit + "\noutput: {dir: " + tmp.str(out) +
+                               "}\nruntime: " + runtime + "\n";
+      fs::remove_all(tmp.str(out));
+      run_ranks(2, [&](Comm& comm) {
+        auto be = make_cpu_backend();
+        Context ctx{comm, *be};
+        run_fit(parse_fit_config(yaml, "cfg.yaml"), FitOptions{}, ctx);
+      });
+    }
+    const auto a = nlohmann::json::parse(file_bytes(tmp.str("a/k1/manifest.json")));
+    const auto b = nlohmann::json::parse(file_bytes(tmp.str("b/k1/manifest.json")));
+    EXPECT_EQ(a["layers"], b["layers"]);  // names, SHA-256s, decisions and scores
+    EXPECT_EQ(a["grid"]["layer_groups"], runtime.find("layer_groups") == std::string::npos ? 1 : 2);
+    for (const auto& e : a["layers"]) {
+      const std::string f = e["file"];
+      EXPECT_TRUE(file_bytes(tmp.str("a/k1/" + f)) == file_bytes(tmp.str("b/k1/" + f))) << f;
+      const auto& o = one["layers"][e["target_layer"].get<int>()]["mlp"];
+      for (const char* kind : {"k", "v"}) {
+        EXPECT_NEAR(e["mlp"][kind]["val_r2_ridge"].get<double>(), o[kind]["val_r2_ridge"].get<double>(), 1e-3) << f;
+        EXPECT_NEAR(e["mlp"][kind]["val_r2_mlp"].get<double>(), o[kind]["val_r2_mlp"].get<double>(), 0.03) << f;
+      }
+    }
+  }
+}
