@@ -19,20 +19,33 @@ COMMON=("$ROOT/core/error.cpp" "$ROOT/core/kv_spec.cpp" "$ROOT/core/sha256.cpp" 
   -o fuzz_safetensors
 "$CXX" "${FLAGS[@]}" "$ROOT/fuzz/fuzz_manifest.cpp" "$ROOT/io/mapper.cpp" "$ROOT/io/safetensors.cpp" "${COMMON[@]}" \
   -lcrypto $(pkg-config --libs openblas) -o fuzz_manifest
-mkdir -p seeds-st seeds-mf
+"$CXX" "${FLAGS[@]}" "$ROOT/fuzz/fuzz_layer.cpp" "$ROOT/io/mapper.cpp" "$ROOT/io/safetensors.cpp" "${COMMON[@]}" \
+  -lcrypto $(pkg-config --libs openblas) -o fuzz_layer
+mkdir -p seeds-st seeds-mf seeds-ly
 if [ -n "${CROSSKV_FIT:-}" ] && [ -n "${CROSSKV_SYNTH:-}" ]; then
   "$CROSSKV_SYNTH" --out data --shards 1 --sequences 1 --seq-len 64 --source-layers 3 --target-layers 2 \
     --source-heads 1 --target-heads 1 --source-head-dim 8 --target-head-dim 8 > /dev/null
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1]}\noutput: {dir: out}\n' > f.yaml
   "$CROSSKV_FIT" f.yaml > /dev/null 2>&1
+  # and with residual MLPs in every layer file (fit.mapper: mlp)
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1], mapper: mlp, mlp: {hidden: 4, epochs: 1}}\noutput: {dir: mlp}\n' > m.yaml
+  "$CROSSKV_FIT" m.yaml > /dev/null 2>&1
   cp out/k1/layer-000.safetensors seeds-st/
+  cp mlp/k1/layer-000.safetensors seeds-st/layer-000-mlp.safetensors
   cp out/k1/manifest.json seeds-mf/
+  cp mlp/k1/manifest.json seeds-mf/manifest-mlp.json
+  cp out/k1/layer-000.safetensors seeds-ly/ridge.safetensors
+  cp mlp/k1/layer-000.safetensors seeds-ly/mlp.safetensors
+  export CROSSKV_FUZZ_MANIFEST=$PWD/mlp/k1/manifest.json
 fi
 printf '\x10\x00\x00\x00\x00\x00\x00\x00{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}\x00\x00\x80\x3f' > seeds-st/tiny
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
-for t in safetensors manifest; do
+targets="safetensors manifest"
+[ -n "${CROSSKV_FUZZ_MANIFEST:-}" ] && targets+=" layer" || echo "[fuzz] layer: not run (needs CROSSKV_FIT and CROSSKV_SYNTH for its seed artifact)"
+for t in $targets; do
   seeds=seeds-st
   [ $t = manifest ] && seeds=seeds-mf
+  [ $t = layer ] && seeds=seeds-ly
   echo "[fuzz] $t for ${SECS}s"
   ./fuzz_$t -max_total_time="$SECS" -max_len=65536 -print_final_stats=1 "$seeds" > fuzz_$t.log 2>&1 \
     || { tail -40 fuzz_$t.log; echo "FAIL: fuzz_$t crashed (reproducer in $WORK)"; exit 1; }

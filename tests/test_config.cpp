@@ -43,6 +43,7 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(c.dtype, Dtype::bf16);
   EXPECT_EQ(c.device, DeviceKind::cpu);
   EXPECT_EQ(c.checkpoint_every_shards, 2);
+  EXPECT_EQ(c.checkpoint_mlp_seconds, 300);  // the default
 }
 
 TEST(Config, SingleKNumber) {
@@ -180,6 +181,7 @@ TEST(Config, MapperAndMlpSettings) {
            {"fit: {mlp: {val_fraction: 1}}\n", {"fit.mlp.val_fraction", "between 0 and 1"}},
            {"fit: {mlp: {lr: 0}}\n", {"fit.mlp.lr", "must be > 0"}},
            {"fit: {mlp: {lr: .nan}}\n", {"fit.mlp.lr"}},
-           {"fit: {mlp: {weight_decay: -1}}\n", {"fit.mlp.weight_decay", "must be >= 0"}}})
+           {"fit: {mlp: {weight_decay: -1}}\n", {"fit.mlp.weight_decay", "must be >= 0"}},
+           {"runtime: {checkpoint: {mlp_seconds: -1}}\n", {"runtime.checkpoint.mlp_seconds", "must be >= 0"}}})
     expect_error<ConfigError>([&] { parse_fit_config(kBase + yaml, "my.yaml"); }, parts);
 }
