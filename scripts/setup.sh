@@ -25,3 +25,5 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release > "$BUILD/confi
 cmake --build "$BUILD" -j"$(nproc)"
 # The capture tool's Python environment (torch, transformers), unless CROSSKV_NO_CAPTURE=1.
 [ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || "$ROOT/scripts/setup-capture.sh"
+# The crosskv Python package, into that environment (pip install . with scikit-build-core and nanobind).
+[ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || "$ROOT/scripts/setup-python-package.sh"

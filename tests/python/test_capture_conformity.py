@@ -13,26 +13,17 @@ import sys
 import h5py
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "capture"))
 import crosskv_capture as cap  # noqa: E402
+sys.path.insert(0, HERE)
+from tiny_hf import byte_tokenizer  # noqa: E402
 
 work, strip_bin, fit_bin = sys.argv[1], sys.argv[2], sys.argv[3]
 os.makedirs(work, exist_ok=True)
 os.chdir(work)
-
-
-def byte_tokenizer(reverse=False):
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), reverse=reverse)
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab["<eos>"] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
 
 
 COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

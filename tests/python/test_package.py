@@ -1,0 +1,148 @@
+"""The crosskv Python package (pip install .): Mapper.transfer against the numpy reference of apply
+(tools/crosskv_apply.py) on a ridge and a ridge + residual-MLP mapper, numpy and torch alike; its refusals; and the
+Hugging Face handoff: tiny random Qwen3 models (2 and 3 layers) captured with crosskv-capture, a mapper fitted on
+them, the source's cache turned into the target's DynamicCache by crosskv.hf.transfer_cache, equal to what the
+command line's crosskv-apply writes for the same tokens, and the target continuing the conversation with generate.
+
+    python test_package.py WORKDIR CROSSKV_SYNTH CROSSKV_FIT CROSSKV_APPLY
+"""
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "capture"))
+sys.path.insert(0, HERE)
+import crosskv  # noqa: E402
+import crosskv.hf  # noqa: E402
+import crosskv_apply  # noqa: E402
+import crosskv_capture as cap  # noqa: E402
+from tiny_hf import byte_tokenizer  # noqa: E402
+
+work, synth, fit, apply_bin = sys.argv[1:5]
+os.makedirs(work, exist_ok=True)
+os.chdir(work)
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def run(*cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stdout, r.stderr)
+        raise SystemExit(f"{cmd[0]} failed")
+
+
+# ---- Mapper.transfer against the numpy reference, ridge and ridge + MLP.
+run(synth, "--out", "syn", "--relation", "nonlinear", "--shards", "1", "--sequences", "4", "--seq-len", "128",
+    "--source-layers", "3", "--target-layers", "4", "--source-heads", "2", "--target-heads", "2",
+    "--source-head-dim", "16", "--target-head-dim", "16", "--source-rotary-dim", "16", "--target-rotary-dim", "16")
+for mapper in ("ridge", "mlp"):
+    with open(f"{mapper}.yaml", "w") as f:
+        f.write(f"source: {{store: syn/source}}\ntarget: {{store: syn/target}}\nfit: {{k: [2], mapper: {mapper}, "
+                f"mlp: {{hidden: 16, epochs: 2}}}}\noutput: {{dir: out-{mapper}}}\n")
+    run(fit, f"{mapper}.yaml")
+    shard = "syn/source/web/shard-000.h5"
+    want_k, want_v, _ = crosskv_apply.apply(f"out-{mapper}/k2", shard)
+    with h5py.File(shard, "r") as f:
+        keys, values, pos = f["keys"][()], f["values"][()], f["positions"][()]
+    m = crosskv.Mapper(f"out-{mapper}/k2")
+    got_k, got_v = m.transfer(keys, values, pos)
+    err = max(np.abs(got_k - want_k).max() / np.abs(want_k).max(), np.abs(got_v - want_v).max() / np.abs(want_v).max())
+    check(got_k.shape == (keys.shape[0], 4, 2, 16) and err < 1e-5,
+          f"{mapper}: Mapper.transfer equals the numpy reference (max rel. error {err:.1e})")
+    tk, tv = m.transfer(torch.from_numpy(keys), torch.from_numpy(values), torch.from_numpy(pos))
+    check(isinstance(tk, torch.Tensor) and np.array_equal(tk.numpy(), got_k) and np.array_equal(tv.numpy(), got_v),
+          f"{mapper}: torch tensors in, the same torch tensors out")
+    shifted_k, _ = m.transfer(keys, values, pos, pos + 7)
+    want_shift, _, _ = crosskv_apply.apply_arrays(*crosskv_apply.load_mapper(f"out-{mapper}/k2"), keys, values, pos,
+                                                  pos + 7)
+    check(np.abs(shifted_k - want_shift).max() / np.abs(want_shift).max() < 1e-5,
+          f"{mapper}: target positions of their own (keys rotated there)")
+m = crosskv.Mapper("out-ridge/k2", resident=False)
+check("k=2" in repr(m) and m.k == 2 and len(m.source_layers) == 4, f"repr and properties: {m!r}")
+for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expected shape [tokens, 3, 2, 16]"),
+                   (lambda: m.transfer(keys, values, pos[:5]), "positions: expected"),
+                   (lambda: crosskv.Mapper("nonexistent"), "nonexistent/manifest.json"),
+                   (lambda: crosskv.Mapper("out-ridge/k2", device="tpu"), "device: expected cpu, cuda or cuda:N")):
+    try:
+        call()
+        check(False, f"refused: {want}")
+    except crosskv.MapperError as e:
+        check(want in str(e), f"refused with a MapperError naming it: {e}")
+
+# ---- Hugging Face: a source model's cache handed to a larger target model.
+COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=1024, rope_theta=1e6)
+models = {}
+for name, layers in (("source", 2), ("target", 3)):
+    torch.manual_seed({"source": 1, "target": 2}[name])
+    models[name] = Qwen3ForCausalLM(Qwen3Config(**COMMON, num_hidden_layers=layers)).eval()
+    models[name].save_pretrained(f"model-{name}")
+    byte_tokenizer().save_pretrained(f"model-{name}")
+with open("text.txt", "w") as f:
+    f.write(" ".join(f"turn {i}: the quick brown fox jumps over the lazy dog." for i in range(300)))
+for name in ("source", "target"):
+    rc = cap.main(["--model", f"model-{name}", "--text", "text.txt", "--seq-len", "64", "--n-seq", "16",
+                   "--out", f"kv-{name}/web"])
+    check(rc == 0, f"capture of the {name} model")
+with open("hf.yaml", "w") as f:
+    f.write("source: {store: kv-source}\ntarget: {store: kv-target}\nfit: {k: [all]}\noutput: {dir: out-hf}\n")
+run(fit, "hf.yaml")
+m = crosskv.Mapper("out-hf/kall")
+tok = byte_tokenizer()
+prompt = tok("turn 7: the quick brown fox", return_tensors="pt").input_ids
+with torch.no_grad():
+    answered = models["source"].generate(prompt, max_new_tokens=8, do_sample=False)  # the source answers a turn
+    src_out = models["source"](answered, use_cache=True)
+cache = crosskv.hf.transfer_cache(m, src_out.past_key_values)
+layers = crosskv.hf.cache_layers(cache)
+check(len(layers) == 3 and tuple(layers[0][0].shape) == (1, 2, answered.shape[1], 16),
+      f"transfer_cache: a DynamicCache of the target's 3 layers, {tuple(layers[0][0].shape)}")
+# The same tokens through the command line: crosskv-apply writes what the helper returns.
+with h5py.File("turn.h5", "w") as f:
+    seq_ids = answered[0].numpy().astype(np.int32)
+    src_layers = crosskv.hf.cache_layers(src_out.past_key_values)
+    f["keys"] = torch.stack([k[0] for k, _ in src_layers]).permute(2, 0, 1, 3).numpy()
+    f["values"] = torch.stack([v[0] for _, v in src_layers]).permute(2, 0, 1, 3).numpy()
+    with h5py.File("kv-source/web/shard-000.h5", "r") as s:
+        for a in s.attrs:
+            f.attrs[a] = s.attrs[a]
+    f["token_ids"] = seq_ids
+    f["positions"] = np.arange(len(seq_ids), dtype=np.int32)
+    f["seq_offsets"] = np.array([0, len(seq_ids)], dtype=np.int64)
+try:
+    run(apply_bin, "--mapper", "out-hf/kall", "--source", "turn.h5", "--out", "turn-mapped.h5")
+    with h5py.File("turn-mapped.h5", "r") as f:
+        cli_k = f["keys"][()]
+    hf_k = torch.stack([k[0] for k, _ in layers]).permute(2, 0, 1, 3).numpy()
+    err = np.abs(hf_k - cli_k).max() / np.abs(cli_k).max()
+    check(err < 1e-6, f"transfer_cache's keys are crosskv-apply's for the same tokens (max rel. error {err:.1e})")
+except SystemExit as e:
+    check(False, f"crosskv-apply of the turn: {e}")
+# The target continues the conversation from the transferred cache: generate feeds only the uncached last token.
+cache = crosskv.hf.transfer_cache(m, models["source"](answered[:, :-1], use_cache=True).past_key_values)
+with torch.no_grad():
+    cont = models["target"].generate(answered, past_key_values=cache, max_new_tokens=6, do_sample=False)
+with torch.no_grad():
+    with_cache = models["target"](answered[:, -1:], past_key_values=crosskv.hf.transfer_cache(
+        m, models["source"](answered[:, :-1], use_cache=True).past_key_values)).logits[0, -1]
+    alone = models["target"](answered[:, -1:]).logits[0, -1]
+check(not torch.allclose(with_cache, alone), "the transferred cache is attended to (logits differ from no prefix)")
+check(cont.shape[1] == answered.shape[1] + 6 and torch.equal(cont[:, :answered.shape[1]], answered),
+      f"the target continues from the transferred cache with generate: {tok.decode(cont[0, answered.shape[1]:])!r}")
+if failures:
+    print(f"{len(failures)} check(s) failed")
+    sys.exit(1)
+print("package OK")
