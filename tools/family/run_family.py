@@ -27,7 +27,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
-import crosskv_apply  # noqa: E402
+import crosskv_apply  # noqa: E402  (the numpy reference of apply: the oracle for crosskv.Mapper)
+try:
+    import crosskv  # the Python package (scripts/setup-python-package.sh installs it into .venv-capture)
+    import crosskv.hf
+except ImportError as e:
+    raise SystemExit(f"run_family.py needs the crosskv Python package ({e}): scripts/setup-python-package.sh")
 import crosskv_capture as cap  # noqa: E402
 
 
@@ -127,6 +132,9 @@ def continuation_nll(model, ids, S, past=None, offset=0):
     return nll.mean().item()
 
 
+from transformers import DynamicCache  # noqa: E402
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work")
@@ -142,6 +150,8 @@ def main():
     p.add_argument("--mapper", default="ridge", choices=("ridge", "mlp", "auto"),
                    help="fit.mapper; with mlp or auto a ridge fit runs too and both are measured side by side")
     p.add_argument("--mlp", default="{hidden: 256, epochs: 20}", help="fit.mlp (YAML flow mapping)")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse WORK's trained models, captures and fits (a run of the same settings): measure only")
     a = p.parse_args()
     os.makedirs(a.work, exist_ok=True)
     os.chdir(a.work)
@@ -157,10 +167,14 @@ def main():
     models = {}
     for name, L, hidden, seed in (("source", a.source_layers, a.source_hidden, 1),
                                   ("target", a.target_layers, a.target_hidden, 2)):
+        if a.reuse:
+            from transformers import AutoModelForCausalLM
+            models[name] = AutoModelForCausalLM.from_pretrained(f"model-{name}").eval()
+            continue
         models[name], secs = train_model(L, hidden, tok, ids, f"model-{name}", a.steps, a.seq, 16, seed)
         results[f"{name}_train_s"] = round(secs, 1)
     # Capture: calibration from the training text, held-out with queries; the two stores pair up by path.
-    for name in ("source", "target"):
+    for name in ("source", "target") if not a.reuse else ():
         common = ["--model", f"model-{name}", "--seq-len", str(a.seq), "--dtype", "fp32", "--batch", "8",
                   "--shard-seqs", "64", "--name", f"shakespeare-{name}"]
         if name == "target":
@@ -170,7 +184,7 @@ def main():
                                   "--queries"]) == 0
     ks = [k for k in (1, 2, 4) if k < a.source_layers] + ["all"]
     fits = [("out", a.mapper)] + ([("out-ridge", "ridge")] if a.mapper != "ridge" else [])
-    for out, mapper in fits:
+    for out, mapper in fits if not a.reuse else ():
         with open(f"fit-{out}.yaml", "w") as f:
             f.write(f"source: {{store: source}}\ntarget: {{store: target}}\ncalibration: {{domains: [cal]}}\n"
                     f"fit: {{k: {json.dumps(ks)}, lambda: 0.01, mapper: {mapper}, mlp: {a.mlp}}}\n"
@@ -192,19 +206,18 @@ def main():
     diag = {}
     for k, out in [(k, out) for out, _ in fits for k in ks]:
         label = "" if out == "out" else " (ridge alone)"
+        # The product's path: crosskv.Mapper through the Hugging Face helper; the numpy reference checks it.
+        mapper = crosskv.Mapper(f"{out}/k{k}")
+        past = crosskv.hf.cache_layers(crosskv.hf.transfer_cache(mapper, DynamicCache.from_legacy_cache(
+            tuple(src_cache))))
         manifest, layers = crosskv_apply.load_mapper(f"{out}/k{k}")
-        mapped = [[None, None] for _ in range(tgt.config.num_hidden_layers)]
-        per_seq_k, per_seq_v = [], []
-        for b in range(held_ids.shape[0]):
-            ks_ = np.stack([c[0][b].permute(1, 0, 2).numpy() for c in src_cache], 1)  # [S, Ls, H, D]
-            vs_ = np.stack([c[1][b].permute(1, 0, 2).numpy() for c in src_cache], 1)
-            mk, mv, _ = crosskv_apply.apply_arrays(manifest, layers, ks_, vs_, pos)
-            per_seq_k.append(mk)
-            per_seq_v.append(mv)
-        mk, mv = np.stack(per_seq_k), np.stack(per_seq_v)  # [B, S, Lt, H, D]
-        past = [(torch.as_tensor(mk[:, :, l].transpose(0, 2, 1, 3), dtype=torch.float32),
-                 torch.as_tensor(mv[:, :, l].transpose(0, 2, 1, 3), dtype=torch.float32))
-                for l in range(tgt.config.num_hidden_layers)]
+        ks_ = np.stack([c[0][0].permute(1, 0, 2).numpy() for c in src_cache], 1)  # sequence 0: [S, Ls, H, D]
+        vs_ = np.stack([c[1][0].permute(1, 0, 2).numpy() for c in src_cache], 1)
+        want_k, _, _ = crosskv_apply.apply_arrays(manifest, layers, ks_, vs_, pos)
+        got_k = torch.stack([p[0][0] for p in past]).permute(2, 0, 1, 3).numpy()
+        err = float(np.abs(got_k - want_k).max() / np.abs(want_k).max())
+        if err > 1e-4:
+            raise SystemExit(f"k={k}{label}: crosskv.Mapper and the numpy reference differ (max rel. error {err:.1e})")
         rows[f"(b) target, mapper k={k}{label} on the source's cache"] = continuation_nll(tgt, held_ids, S, past)
         with open(f"{out}/eval-k{k}.json") as f:
             e = json.load(f)
