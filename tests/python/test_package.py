@@ -142,6 +142,14 @@ with torch.no_grad():
 check(not torch.allclose(with_cache, alone), "the transferred cache is attended to (logits differ from no prefix)")
 check(cont.shape[1] == answered.shape[1] + 6 and torch.equal(cont[:, :answered.shape[1]], answered),
       f"the target continues from the transferred cache with generate: {tok.decode(cont[0, answered.shape[1]:])!r}")
+# The handoff example as a user runs it, on these models.
+r = subprocess.run([sys.executable, os.path.join(HERE, "..", "..", "examples", "handoff.py"), "--source", "model-source",
+                    "--target", "model-target", "--mapper", "out-hf/kall", "--prompt", "turn 3: the quick",
+                    "--answer-tokens", "6", "--continue-tokens", "5"], capture_output=True, text=True)
+lines = r.stdout.splitlines()
+check(r.returncode == 0 and any(l.startswith("target after crosskv transfer (") for l in lines)
+      and any(l.startswith("greedy tokens that agree: ") for l in lines),
+      "examples/handoff.py runs: " + (lines[-1] if lines else r.stderr.strip()[-300:]))
 if failures:
     print(f"{len(failures)} check(s) failed")
     sys.exit(1)
