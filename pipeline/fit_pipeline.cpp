@@ -37,12 +37,15 @@ std::string format_mlp_plan(const Calibration& cal, const FitPlan& plan) {
     flops += 2.0 * Lt * c.epochs * train_tokens * 6.0 * static_cast<double>(K * h + h * h + h * G);
     widest = std::max(widest, K);
   }
-  char buf[320];
+  // A rank holds its token group's share of one (layer, kind): features, their standardised copy, target, residual.
+  const int token_groups = std::max(1, plan.ranks / std::max(1, plan.layer_groups));
+  const double per_rank = 4.0 * static_cast<double>(cal.tokens_used) * (2 * widest + 2 * G) / token_groups;
+  char buf[400];
   std::snprintf(buf, sizeof buf,
                 "  residual MLPs (fit.mapper: %s): %d hidden, %s parameters over every k and kind if all are kept; "
-                "training %.3g flops (%d epochs); per layer in memory %s\n",
+                "training %.3g flops (%d epochs); in memory per rank %s (one layer and kind, 1/%d of the tokens)\n",
                 mapper_kind_name(cal.cfg.mapper).c_str(), c.hidden, human_count(params_total).c_str(), flops, c.epochs,
-                human_bytes(4.0 * static_cast<double>(cal.tokens_used) * (2 * widest + 2 * G) * 2).c_str());
+                human_bytes(per_rank).c_str(), token_groups);
   return buf;
 }
 
