@@ -140,6 +140,23 @@ std::string sweep_summary(const ReportInput& in) {
     }
     return n ? std::to_string(k) + " / " + std::to_string(v) + " of " + std::to_string(n) : "";
   };
+  // The kept MLPs' parameters (always fp32 in the files): [features x h], [h], [h x h], [h], [h x G], [G].
+  auto mlp_params = [&](size_t i) -> double {
+    if (i >= in.manifests.size() || !in.manifests[i].contains("layers")) return 0;
+    const auto& m = in.manifests[i];
+    const double K = m.value("fit", nlohmann::json::object()).value("features", 0.0);
+    const auto spec = m.contains("target") ? m["target"].value("kv_spec", nlohmann::json::object()) : nlohmann::json();
+    const double G = spec.value("n_kv_heads", 0.0) * spec.value("head_dim", 0.0);
+    double total = 0;
+    for (const auto& l : m["layers"])
+      if (l.contains("mlp"))
+        for (const char* kind : {"k", "v"})
+          if (l["mlp"].contains(kind) && l["mlp"][kind].value("kept", false)) {
+            const double h = l["mlp"][kind].value("hidden", 0.0);
+            total += K * h + h + h * h + h + h * G + G;
+          }
+    return total;
+  };
   bool any_mlps = false;
   for (size_t i = 0; i < in.evaluations.size(); ++i) any_mlps = any_mlps || !mlps_kept(i).empty();
   o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th><th>parameters</th><th>bytes fp32</th>"
@@ -150,11 +167,13 @@ std::string sweep_summary(const ReportInput& in) {
     const Evaluation& ev = in.evaluations[i];
     const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
                                              : nlohmann::json::object();
-    const double params = fit.value("params", 0.0) + fit.value("bias_params", 0.0);
+    const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlp_params(i);
+    const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
     const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
     o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(k_of(i)) << (i == best ? " &#9733;" : "")
       << "</th><td>" << (params > 0 ? human_count(params) : "?") << "</td><td>"
-      << (params > 0 ? human_bytes(4 * params) : "?") << "</td><td>" << (params > 0 ? human_bytes(2 * params) : "?")
+      << (params > 0 ? human_bytes(4 * params) : "?") << "</td><td>"
+      << (params > 0 ? human_bytes(2 * ridge + 4 * (bias + mlp)) : "?")
       << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
       << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
       << opt(ev.mapper.v_concentration) << "</td>"
@@ -168,6 +187,7 @@ std::string sweep_summary(const ReportInput& in) {
     o << "The smallest k that passes the verdict: <b>k = " << esc(k_of(*smallest_ok)) << "</b>.";
   else
     o << "No k passes the verdict.";
+  if (any_mlps) o << " Parameters and bytes count the kept residual MLPs (stored fp32) with the ridge.";
   o << " Details per k below.</p>";
   return o.str();
 }

@@ -278,7 +278,11 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
     ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, keys, c.values);
     ev.ok = ok;
     ev.verdict = std::string(ok ? "LIKELY TO TRANSFER" : "NOT READY") + ": attention-output cosine ...";
-    in.manifests.push_back({{"fit", {{"k", k}, {"params", 1000}, {"bias_params", 24}}}});
+    in.manifests.push_back({{"fit", {{"k", k}, {"params", 1000}, {"bias_params", 24}, {"features", 16}}},
+                            {"target", {{"kv_spec", {{"n_kv_heads", 2}, {"head_dim", 8}}}}}});
+    if (k == 2)  // k = 2 keeps a residual MLP of 4 hidden for its keys: 16*4 + 4 + 4*4 + 4 + 4*16 + 16 = 168
+      in.manifests.back()["layers"] = {{{"target_layer", 0}, {"mlp", {{"k", {{"kept", true}, {"hidden", 4}}},
+                                                                      {"v", {{"kept", false}}}}}}};
     in.evaluations.push_back(ev);
   }
   const std::string html = render_report(in);
@@ -289,8 +293,12 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   EXPECT_EQ(html.find("<?xml"), std::string::npos);
   EXPECT_NE(html.find("<th>all &#9733;</th>"), std::string::npos) << "the best cosine is starred";
   EXPECT_NE(html.find("smallest k that passes the verdict: <b>k = 2</b>"), std::string::npos);
-  EXPECT_NE(html.find("<td>1.02 K</td><td>4.00 KiB</td><td>2.00 KiB</td>"), std::string::npos)
-      << "parameters and bytes per dtype";
+  EXPECT_NE(html.find("<td>1.02 K</td><td>4.00 KiB</td><td>2.05 KiB</td>"), std::string::npos)
+      << "parameters and bytes per dtype (biases stay fp32)";
+  EXPECT_NE(html.find("<td>1.19 K</td><td>4.66 KiB</td><td>2.70 KiB</td>"), std::string::npos)
+      << "with a kept residual MLP: its parameters counted, fp32 in every dtype";
+  EXPECT_NE(html.find("<td>1 / 0 of 1</td>"), std::string::npos) << "MLPs kept per kind";
+  EXPECT_NE(html.find("count the kept residual MLPs"), std::string::npos);
   EXPECT_NE(html.find("NOT READY</td>"), std::string::npos);
 }
 
