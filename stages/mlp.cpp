@@ -461,6 +461,8 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
   record_rewritten_layer(dir, entry);
 }
 
+int64_t layers_rewritten = 0;  // for the kill_in_mlp_rewrite fault hook (rank 0 alone rewrites)
+
 // Rank 0: every layer file and the manifest of mapper folder `dir` with the outcomes of all ranks.
 void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, const FitConfig& cfg,
                   int n_layers, double seconds) {
@@ -473,6 +475,7 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
       if (o.layer == entry["target_layer"].get<int>()) kinds.push_back(&o), kept[o.kind] += o.kept;
     std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->kind < b->kind; });
     write_layer(dir, entry, kinds);
+    if (fault("kill_in_mlp_rewrite", ++layers_rewritten, 0)) std::raise(SIGKILL);
   }
   manifest["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
   manifest["fit"]["mlp"] = {{"hidden", cfg.mlp.hidden},           {"epochs", cfg.mlp.epochs},
@@ -503,18 +506,8 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
     for (const uint8_t v : sr.validation) mine[0] += v == 0;
   std::vector<double> tokens{static_cast<double>(mine[0])};
   tokens = group_sum(group, tokens);
-  nlohmann::json identity = {{"export", export_identity},
-                             {"mapper", mapper_kind_name(cfg.mapper)},
-                             {"mlp",
-                              {{"hidden", cfg.mlp.hidden},
-                               {"epochs", cfg.mlp.epochs},
-                               {"lr", cfg.mlp.lr},
-                               {"batch_tokens", cfg.mlp.batch_tokens},
-                               {"weight_decay", cfg.mlp.weight_decay},
-                               {"val_fraction", cfg.mlp.val_fraction},
-                               {"seed", cfg.mlp.seed}}},
-                             {"eval_shards", nlohmann::json::array()}};
-  for (const auto& e : cal.eval_shards) identity["eval_shards"].push_back(e.rel);
+  // The export's identity holds the data, the solve's settings, fit.mapper, fit.mlp and eval.shards.
+  nlohmann::json identity = {{"export", export_identity}};
   for (const std::string& dir : partial_dirs) {
     const auto t0 = std::chrono::steady_clock::now();
     const MapperManifest m = read_mapper_manifest(dir);

@@ -21,7 +21,7 @@ namespace crosskv {
 // Checkpointed under <ckpt_dir>/mlp/: each trained (layer, kind) as soon as it is judged, and a training in progress
 // after an epoch at most every fit.mlp.checkpoint_seconds (and when a stop is requested: the stop is agreed per
 // epoch within the layer group, then Interrupted is raised). Running the job again takes those over (same
-// identity: `export_identity`, the mapper and fit.mlp) and ends with the same bytes as an uninterrupted run.
+// identity: `export_identity`, which holds the mapper and fit.mlp) and ends with the same bytes as an uninterrupted run.
 // Every rank calls it.
 void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<std::string>& partial_dirs,
                        const std::string& ckpt_dir, const nlohmann::json& export_identity);

@@ -167,6 +167,17 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
   nlohmann::json id = checkpoint_identity(cal, plan, ranks);
   id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", weight_dtype_name(cfg.dtype)},
                {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
+  // The residual-MLP stage rewrites layer files before they are published: an interrupted export of another
+  // mapper setting is another job's (its rewritten layers carry MLPs).
+  if (cfg.mapper != MapperKind::ridge) {
+    const MlpConfig& m = cfg.mlp;
+    id["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
+    id["fit"]["mlp"] = {{"hidden", m.hidden}, {"epochs", m.epochs}, {"lr", m.lr}, {"batch_tokens", m.batch_tokens},
+                        {"weight_decay", m.weight_decay}, {"val_fraction", m.val_fraction}, {"seed", m.seed}};
+    nlohmann::json held = nlohmann::json::array();
+    for (const auto& e : cal.eval_shards) held.push_back(e.rel);
+    id["fit"]["mlp"]["eval_shards"] = held;
+  }
   return id;
 }
 

@@ -25,7 +25,8 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
                   const std::string& ckpt_dir);
 
 // What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
-// solve's settings and this version. An interrupted export (and the residual-MLP stage) resumes only for the same.
+// solve's settings, the residual MLPs' (fit.mapper, fit.mlp, eval.shards) when there are any, and this version. An
+// interrupted export (and the residual-MLP stage) resumes only for the same.
 nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int ranks);
 
 // Stages 6-7 for the job: an ArtifactWriter for every k (an interrupted export of the same job keeps the layers it

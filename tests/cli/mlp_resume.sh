@@ -55,6 +55,20 @@ run termed.yaml || { cat run.log run.err; die "resume after SIGTERM in MLP train
 expect_in "resuming from epoch 4 of 8" run.log
 same ref termed
 
+# Killed in the MLP stage after some layer files were rewritten with MLPs, then run with fit.mapper: ridge: the
+# partial layers are not taken over (another job), and the artifact is a plain ridge fit's, byte for byte.
+cfg switched
+set +e; CROSSKV_FAULT=kill_in_mlp_rewrite:2 "$FIT" switched.yaml > run.log 2>&1; rc=$?; set -e
+[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137) while rewriting layer files, got $rc"; }
+printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1], lambda: 0.001}\noutput: {dir: %s}\nruntime: {block_tokens: 64}\n' switched > switched.yaml
+run switched.yaml || { cat run.log run.err; die "the ridge rerun failed"; }
+printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1], lambda: 0.001}\noutput: {dir: %s}\nruntime: {block_tokens: 64}\n' ridge > ridge.yaml
+run ridge.yaml || { cat run.log run.err; die "the plain ridge run failed"; }
+for f in ridge/k1/layer-*.safetensors; do
+  cmp -s "$f" "switched/k1/$(basename "$f")" || die "switched/k1/$(basename "$f") is not the ridge fit's"
+done
+grep -q '"mlp"' switched/k1/manifest.json && die "a ridge artifact must not carry MLP decisions"
+
 # The same job again refits from the stored moments and takes every trained pair over, to the same bytes.
 cp -r ref before
 run ref.yaml || { cat run.log run.err; die "rerun failed"; }
