@@ -339,6 +339,7 @@ struct UnitContext {
   Progress& progress;
   int64_t tokens_per_epoch = 0;  // the group's training rows
   int64_t states_written = 0, epochs_run = 0;  // for the kill_in_mlp and term_in_mlp fault hooks
+  int resumed = 0;                               // trainings resumed from an epoch state
   std::chrono::steady_clock::time_point last_state = std::chrono::steady_clock::now();
 };
 
@@ -375,6 +376,7 @@ Outcome fit_unit(UnitContext& u, const MapperLayer& w, int64_t G, int l, int kin
   std::optional<MlpTrained> resume;
   if (const auto s = read_on_root(u.group, u.ck, state_file)) resume = deserialise_state(*s, shape);
   if (resume) {
+    ++u.resumed;
     spdlog::info("residual MLP of target layer {} ({}): resuming from epoch {} of {}", l, kind == 0 ? "keys" : "values",
                  resume->epoch_mse.size(), c.epochs);
     u.progress.add(static_cast<int64_t>(resume->epoch_mse.size()) * u.tokens_per_epoch);
@@ -548,8 +550,13 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
       }
     }
     progress.finish();
-    if (taken_over > 0)
-      spdlog::info("residual MLPs {}: {} trained (layer, kind) pair(s) taken over from {}", k, taken_over, ck.dir());
+    // One line for the job: units taken over and trainings resumed, summed over the layer groups' first ranks.
+    std::vector<double> resumed{group.rank() == 0 ? static_cast<double>(taken_over) : 0.0,
+                                group.rank() == 0 ? static_cast<double>(u.resumed) : 0.0};
+    ctx.comm.allreduce_sum(resumed.data(), resumed.size());
+    if (resumed[0] > 0 || resumed[1] > 0)
+      spdlog::info("residual MLPs {}: {:.0f} trained (layer, kind) pair(s) taken over, {:.0f} resumed from an epoch "
+                   "checkpoint, from {}", k, resumed[0], resumed[1], ck.dir());
     const std::vector<std::string> all = gather_strings(ctx.comm, bytes);
     if (ctx.comm.rank() == 0) {
       std::vector<Outcome> outcomes;
