@@ -141,17 +141,22 @@ std::string sweep_summary(const ReportInput& in) {
     return n ? std::to_string(k) + " / " + std::to_string(v) + " of " + std::to_string(n) : "";
   };
   // The kept MLPs' parameters (always fp32 in the files): [features x h], [h], [h x h], [h], [h x G], [G].
+  auto object = [](const nlohmann::json& j, const char* key) {
+    return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : nlohmann::json::object();
+  };
   auto mlp_params = [&](size_t i) -> double {
-    if (i >= in.manifests.size() || !in.manifests[i].contains("layers")) return 0;
+    if (i >= in.manifests.size() || !in.manifests[i].is_object() || !in.manifests[i].contains("layers") ||
+        !in.manifests[i]["layers"].is_array())
+      return 0;
     const auto& m = in.manifests[i];
-    const double K = m.value("fit", nlohmann::json::object()).value("features", 0.0);
-    const auto spec = m.contains("target") ? m["target"].value("kv_spec", nlohmann::json::object()) : nlohmann::json();
+    const double K = object(m, "fit").value("features", 0.0);
+    const auto spec = object(object(m, "target"), "kv_spec");
     const double G = spec.value("n_kv_heads", 0.0) * spec.value("head_dim", 0.0);
     double total = 0;
     for (const auto& l : m["layers"])
-      if (l.contains("mlp"))
+      if (l.is_object() && l.contains("mlp") && l["mlp"].is_object())
         for (const char* kind : {"k", "v"})
-          if (l["mlp"].contains(kind) && l["mlp"][kind].value("kept", false)) {
+          if (object(l["mlp"], kind).value("kept", false)) {
             const double h = l["mlp"][kind].value("hidden", 0.0);
             total += K * h + h + h * h + h + h * G + G;
           }

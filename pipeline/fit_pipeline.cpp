@@ -134,6 +134,27 @@ void log_summary(const FitResult& res, const StageClock& clock, const PassStats&
   if (!res.report_path.empty()) spdlog::info("report: {}", res.report_path);
 }
 
+// The manifests' fields beyond the export's: stage times so far, the grid, the passes.
+nlohmann::json manifest_extra(const StageClock& clock, const Context& ctx, const Grid& grid, int passes) {
+  return {{"timings_s", clock.json()},
+          {"grid", {{"ranks", ctx.comm.size()}, {"layer_groups", grid.layer_groups},
+                    {"token_groups", grid.token_groups}, {"collectives", ctx.comm.name()},
+                    {"backend", ctx.backend.name()},
+                    {"targets", "layer l to layer group l mod G, round-robin over its token groups"}}},
+          {"passes", passes},
+          {"r2_file", "../r2.h5"}};
+}
+
+// Rank 0's list of folders, on every rank.
+std::vector<std::string> on_every_rank(Comm& comm, const std::vector<std::string>& on_root) {
+  std::string listed;
+  for (const auto& a : on_root) listed += a + "\n";
+  std::vector<std::string> out;
+  std::istringstream lines(gather_strings(comm, listed).front());
+  for (std::string a; std::getline(lines, a);) out.push_back(a);
+  return out;
+}
+
 }  // namespace
 
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) {
@@ -211,34 +232,20 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
       ctx, cal, plan, p1.m.k, p1.m.v, rankings, ckpt_dir,
       [&] {
         clock.stop();
-        return nlohmann::json{
-            {"timings_s", clock.json()},
-            {"grid", {{"ranks", P}, {"layer_groups", grid.layer_groups}, {"token_groups", grid.token_groups},
-                      {"collectives", ctx.comm.name()}, {"backend", ctx.backend.name()},
-                      {"targets", "layer l to layer group l mod G, round-robin over its token groups"}}},
-            {"passes", res.passes},
-            {"r2_file", "../r2.h5"}};
+        return manifest_extra(clock, ctx, grid, res.passes);
       },
       /*publish=*/!with_mlps);
   // Every rank takes part in the stages after the export, on every k that rank 0 exported.
-  const auto everywhere = [&](const std::vector<std::string>& on_root) {
-    std::string listed;
-    for (const auto& a : on_root) listed += a + "\n";
-    std::vector<std::string> out;
-    std::istringstream lines(gather_strings(ctx.comm, listed).front());
-    for (std::string a; std::getline(lines, a);) out.push_back(a);
-    return out;
-  };
   std::vector<std::string> artifacts;
   if (with_mlps) {
     clock.start("mlp");
-    fit_residual_mlps(ctx, cal, everywhere(res.artifacts), ckpt_dir, export_identity(cal, plan, P));
+    fit_residual_mlps(ctx, cal, on_every_rank(ctx.comm, res.artifacts), ckpt_dir, export_identity(cal, plan, P));
     if (root) {
       res.artifacts.clear();
       for (const KPlan& k : plan.ks) res.artifacts.push_back(publish_artifact(cfg.output_dir, k.label));
     }
   }
-  if (!cal.eval_shards.empty()) artifacts = everywhere(res.artifacts);
+  if (!cal.eval_shards.empty()) artifacts = on_every_rank(ctx.comm, res.artifacts);
   if (!cal.eval_shards.empty()) {
     clock.start("eval");
     res.report_path =
