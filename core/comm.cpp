@@ -1,5 +1,7 @@
 #include "core/comm.hpp"
 
+#include <cstdlib>
+
 #include <mpi.h>
 #include <unistd.h>
 
@@ -263,7 +265,12 @@ class MpiComm final : public FixedOrderComm {
 }  // namespace
 
 std::unique_ptr<Comm> make_single_comm() { return std::make_unique<SingleComm>(); }
-std::unique_ptr<Comm> make_mpi_comm() { return std::make_unique<MpiComm>(); }
+std::unique_ptr<Comm> make_mpi_comm() {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) return make_single_comm();  // not started by a launcher (MpiSession)
+  return std::make_unique<MpiComm>();
+}
 
 namespace {
 // This rank's index among the job's ranks on its node, and their number.
@@ -285,17 +292,27 @@ std::pair<int, int> node_rank_and_size() {
 int mpi_local_rank() { return node_rank_and_size().first; }
 int mpi_local_size() { return node_rank_and_size().second; }
 
+bool started_by_mpi_launcher() {
+  if (const char* force = std::getenv("CROSSKV_MPI")) return std::string(force) != "0";
+  // mpirun/mpiexec (OpenMPI, MPICH's Hydra, Intel MPI) and srun's PMI/PMIx plugins name the rank in the environment.
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+
 MpiSession::MpiSession(int* argc, char*** argv) {
   int inited = 0;
   MPI_Initialized(&inited);
+  if (!inited && !started_by_mpi_launcher()) return;  // one process: no MPI_Init (0.4 s of a singleton's start)
   if (!inited) check_mpi(MPI_Init(argc, argv), "MPI_Init", 0);
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 }
 
 MpiSession::~MpiSession() {
-  int finalized = 0;
+  int inited = 0, finalized = 0;
+  MPI_Initialized(&inited);
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (inited && !finalized) MPI_Finalize();
 }
 
 }  // namespace crosskv

@@ -119,10 +119,14 @@ auto agreed(Comm& comm, Check&& check) {
 }
 
 std::unique_ptr<Comm> make_single_comm();
-// Requires MPI to be initialised (see MpiSession).
+// MPI_COMM_WORLD once MpiSession initialised MPI; else (a program run on its own) the single-process comm.
 std::unique_ptr<Comm> make_mpi_comm();
 
-// RAII MPI_Init/MPI_Finalize for the programs' main().
+// Whether an MPI launcher started this process (its environment names a rank); CROSSKV_MPI=1 or 0 decides instead.
+bool started_by_mpi_launcher();
+
+// MPI_Init and MPI_Finalize for a program, when a launcher started it: a program run on its own makes no MPI calls
+// (make_mpi_comm then gives the single-process comm).
 class MpiSession {
  public:
   MpiSession(int* argc, char*** argv);
