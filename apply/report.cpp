@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/log.hpp"
+#include "core/mlp.hpp"
 
 namespace crosskv {
 namespace {
@@ -128,42 +129,37 @@ std::string sweep_summary(const ReportInput& in) {
       smallest_ok = i;
       break;
     }
-  // With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one, per kind.
-  auto mlps_kept = [&](size_t i) -> std::string {
-    if (i >= in.manifests.size() || !in.manifests[i].contains("layers")) return "";
-    int k = 0, v = 0, n = 0;
-    for (const auto& l : in.manifests[i]["layers"]) {
-      if (!l.contains("mlp")) continue;
-      ++n;
-      k += l["mlp"].contains("k") && l["mlp"]["k"].value("kept", false);
-      v += l["mlp"].contains("v") && l["mlp"]["v"].value("kept", false);
-    }
-    return n ? std::to_string(k) + " / " + std::to_string(v) + " of " + std::to_string(n) : "";
+  // With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one per kind, and the kept ones'
+  // parameters (always fp32 in the files).
+  struct MlpSummary {
+    std::string kept;  // "k / v of n", or empty without MLPs
+    double params = 0;
   };
-  // The kept MLPs' parameters (always fp32 in the files): [features x h], [h], [h x h], [h], [h x G], [G].
   auto object = [](const nlohmann::json& j, const char* key) {
     return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : nlohmann::json::object();
   };
-  auto mlp_params = [&](size_t i) -> double {
-    if (i >= in.manifests.size() || !in.manifests[i].is_object() || !in.manifests[i].contains("layers") ||
-        !in.manifests[i]["layers"].is_array())
-      return 0;
-    const auto& m = in.manifests[i];
-    const double K = object(m, "fit").value("features", 0.0);
-    const auto spec = object(object(m, "target"), "kv_spec");
-    const double G = spec.value("n_kv_heads", 0.0) * spec.value("head_dim", 0.0);
-    double total = 0;
-    for (const auto& l : m["layers"])
-      if (l.is_object() && l.contains("mlp") && l["mlp"].is_object())
-        for (const char* kind : {"k", "v"})
-          if (object(l["mlp"], kind).value("kept", false)) {
-            const double h = l["mlp"][kind].value("hidden", 0.0);
-            total += K * h + h + h * h + h + h * G + G;
-          }
-    return total;
-  };
+  std::vector<MlpSummary> mlps(in.evaluations.size());
   bool any_mlps = false;
-  for (size_t i = 0; i < in.evaluations.size(); ++i) any_mlps = any_mlps || !mlps_kept(i).empty();
+  for (size_t i = 0; i < mlps.size() && i < in.manifests.size(); ++i) {
+    const auto& m = in.manifests[i];
+    if (!m.is_object() || !m.contains("layers") || !m["layers"].is_array()) continue;
+    const int64_t K = object(m, "fit").value("features", int64_t{0});
+    const auto spec = object(object(m, "target"), "kv_spec");
+    const int64_t G = spec.value("n_kv_heads", int64_t{0}) * spec.value("head_dim", int64_t{0});
+    int kept[2] = {0, 0}, n = 0;
+    for (const auto& l : m["layers"]) {
+      if (!l.is_object() || !l.contains("mlp") || !l["mlp"].is_object()) continue;
+      ++n;
+      for (int kind = 0; kind < 2; ++kind) {
+        const auto d = object(l["mlp"], kind == 0 ? "k" : "v");
+        if (!d.value("kept", false)) continue;
+        ++kept[kind];
+        mlps[i].params += static_cast<double>(MlpShape{K, d.value("hidden", int64_t{0}), G}.parameters());
+      }
+    }
+    if (n) mlps[i].kept = std::to_string(kept[0]) + " / " + std::to_string(kept[1]) + " of " + std::to_string(n);
+    any_mlps = any_mlps || n > 0;
+  }
   o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th><th>parameters</th><th>bytes fp32</th>"
        "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
        "<th>K-concentration</th><th>V-concentration</th>"
@@ -172,7 +168,7 @@ std::string sweep_summary(const ReportInput& in) {
     const Evaluation& ev = in.evaluations[i];
     const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
                                              : nlohmann::json::object();
-    const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlp_params(i);
+    const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps[i].params;
     const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
     const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
     o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(k_of(i)) << (i == best ? " &#9733;" : "")
@@ -182,7 +178,7 @@ std::string sweep_summary(const ReportInput& in) {
       << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
       << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
       << opt(ev.mapper.v_concentration) << "</td>"
-      << (any_mlps ? "<td>" + esc(mlps_kept(i)) + "</td>" : "") << "<td style='text-align:left'>" << esc(verdict)
+      << (any_mlps ? "<td>" + esc(mlps[i].kept) + "</td>" : "") << "<td style='text-align:left'>" << esc(verdict)
       << "</td></tr>";
   }
   o << "</table><p>&#9733; the best held-out " << (in.evaluations[best].mapper.attention_cosine ? "attention cosine"

@@ -65,6 +65,13 @@ void filled_through_host(Comm& comm, size_t n, const Comm::Fill<T>& fill, std::v
 }
 }  // namespace
 
+void broadcast_string(Comm& comm, std::string& s, int root) {
+  uint64_t n = s.size();
+  comm.broadcast(&n, sizeof n, root);
+  s.resize(n);
+  if (n > 0) comm.broadcast(s.data(), n, root);
+}
+
 std::vector<std::string> gather_strings(Comm& comm, const std::string& mine) {
   std::vector<double> len(comm.size(), 0.0);
   len[comm.rank()] = static_cast<double>(mine.size());

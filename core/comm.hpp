@@ -87,6 +87,8 @@ size_t share_size(size_t n, int ranks, int rank);
 
 // Every rank's string, on every rank (lengths summed over ranks, then one broadcast per rank).
 std::vector<std::string> gather_strings(Comm& comm, const std::string& mine);
+// `s` of rank `root` on every rank (its length, then its bytes).
+void broadcast_string(Comm& comm, std::string& s, int root);
 
 // Every rank passes its user error (or none) and learns whether any rank had one: if so, every rank throws an
 // AgreedError with that error's exit code, which the lowest such rank alone reports (its message); else returns.

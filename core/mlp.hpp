@@ -41,6 +41,23 @@ struct MlpParams {
   const float* b3() const { return const_cast<MlpParams*>(this)->b3(); }
 };
 
+// The six tensors in the artifacts' form: "w1" [in x hidden], "b1" [hidden], "w2" [hidden x hidden], "b2" [hidden],
+// "w3" [hidden x out], "b3" [out], each at `offset` in MlpParams::flat.
+struct MlpTensor {
+  const char* name;
+  std::vector<int64_t> shape;
+  int64_t offset;
+};
+inline std::vector<MlpTensor> mlp_tensors(const MlpShape& s) {
+  const int64_t in = s.in, h = s.hidden, g = s.out;
+  return {{"w1", {in, h}, 0},
+          {"b1", {h}, in * h},
+          {"w2", {h, h}, in * h + h},
+          {"b2", {h}, in * h + h + h * h},
+          {"w3", {h, g}, in * h + 2 * h + h * h},
+          {"b3", {g}, in * h + 2 * h + h * h + h * g}};
+}
+
 // Activations of a batch, kept for the backward pass.
 struct MlpWorkspace {
   std::vector<float> h1, h2, out, d_out, d_h2, d_h1;

@@ -1,6 +1,5 @@
 #include "io/mapper.hpp"
 
-#include <tuple>
 #include <cblas.h>
 
 #include <algorithm>
@@ -187,14 +186,9 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
       throw InputError(file + ": tensor '" + p + "w1' must be [" + std::to_string(rows) + ", hidden]");
     const int64_t h = w1->second.shape[1];
     *mlp = MlpParams(MlpShape{rows, h, G});
-    for (auto [name, shape, dst] : {std::tuple{"w1", std::vector<int64_t>{rows, h}, mlp->w1()},
-                                    {"b1", std::vector<int64_t>{h}, mlp->b1()},
-                                    {"w2", std::vector<int64_t>{h, h}, mlp->w2()},
-                                    {"b2", std::vector<int64_t>{h}, mlp->b2()},
-                                    {"w3", std::vector<int64_t>{h, G}, mlp->w3()},
-                                    {"b3", std::vector<int64_t>{G}, mlp->b3()}}) {
-      const std::vector<float> v = take((p + name).c_str(), shape, false);
-      std::copy(v.begin(), v.end(), dst);
+    for (const MlpTensor& x : mlp_tensors(mlp->shape)) {
+      const std::vector<float> v = take((p + x.name).c_str(), x.shape, false);
+      std::copy(v.begin(), v.end(), mlp->flat.begin() + x.offset);
     }
   }
   return l;

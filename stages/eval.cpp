@@ -15,6 +15,7 @@
 #include "apply/report.hpp"
 #include "apply/transfer.hpp"
 #include "core/backend.hpp"
+#include "core/bytes.hpp"
 #include "core/comm.hpp"
 #include "core/log.hpp"
 #include "core/rope.hpp"
@@ -91,45 +92,23 @@ struct SourceLayer {
 };
 
 // Per-layer figures as bytes (exact doubles, NaN kept) for gathering over ranks.
-void put(std::string& out, const void* p, size_t n) { out.append(static_cast<const char*>(p), n); }
-void put_vec(std::string& out, const std::vector<double>& v) {
-  const uint64_t n = v.size();
-  put(out, &n, sizeof n);
-  put(out, v.data(), n * sizeof(double));
-}
-void put_layer(std::string& out, const LayerDiagnostics& d) {
+void put_layer(ByteWriter& out, const LayerDiagnostics& d) {
   const int32_t l = d.layer;
-  put(out, &l, sizeof l);
-  for (const auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) put_vec(out, *v);
+  out.put(&l, sizeof l);
+  for (const auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) out.put_vec(*v);
   for (double x : {d.r2_k_mean, d.r2_v_mean, d.cosine_mean, d.k_concentration_mean, d.v_concentration_mean})
-    put(out, &x, sizeof x);
+    out.put(&x, sizeof x);
 }
-struct Reader {
-  const std::string& s;
-  size_t at = 0;
-  void get(void* p, size_t n) {
-    CROSSKV_ASSERT(at + n <= s.size(), "short diagnostics message");
-    std::memcpy(p, s.data() + at, n);
-    at += n;
-  }
-  std::vector<double> vec() {
-    uint64_t n = 0;
-    get(&n, sizeof n);
-    std::vector<double> v(n);
-    get(v.data(), n * sizeof(double));
-    return v;
-  }
-  LayerDiagnostics layer() {
-    LayerDiagnostics d;
-    int32_t l = 0;
-    get(&l, sizeof l);
-    d.layer = l;
-    for (auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) *v = vec();
-    for (double* x : {&d.r2_k_mean, &d.r2_v_mean, &d.cosine_mean, &d.k_concentration_mean, &d.v_concentration_mean})
-      get(x, sizeof *x);
-    return d;
-  }
-};
+LayerDiagnostics get_layer(ByteReader& in) {
+  LayerDiagnostics d;
+  int32_t l = 0;
+  in.get(&l, sizeof l);
+  d.layer = l;
+  for (auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) in.get_vec(*v);
+  for (double* x : {&d.r2_k_mean, &d.r2_v_mean, &d.cosine_mean, &d.k_concentration_mean, &d.v_concentration_mean})
+    in.get(x, sizeof *x);
+  return d;
+}
 
 // What one mapper's layer l predicts: [T x G] keys and values in content space.
 void map_layer(ComputeBackend& be, const MapperLayer& w, const std::map<int, SourceLayer>& src, int64_t T, int64_t F,
@@ -231,7 +210,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
     // On a host backend BLAS runs on one thread and the diagnostics spread their units over OpenMP's threads.
     std::optional<SingleThreadedBlas> one_thread;
     if (be.concurrent_calls()) one_thread.emplace();
-    std::string out;
+    ByteWriter out;
     std::vector<float> xk, xv, ck, cv, mk, mv, pk, scratch, yk(G), yv(G), bk, bv;
     LayerDiagnostics ridge_layer;
     Progress progress(P > 1 ? "eval (this rank's layers)" : "eval", static_cast<int64_t>(mine.size()) * T, 0);
@@ -293,17 +272,17 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
       progress.add(T);
     }
     progress.finish();
-    return out;
+    return std::move(out.bytes());
   });
 
   // Every rank's layers, on every rank: per mapper, the mapper's and the two baselines' layers in layer order.
   const std::vector<std::string> all = gather_strings(comm, mine_bytes);
   std::vector<std::array<std::vector<LayerDiagnostics>, 4>> layers(nm);  // mapper, no RoPE, mean-only, ridge alone
   for (int r = 0; r < P; ++r) {
-    Reader rd{all[r]};
+    ByteReader rd(all[r], "a rank's diagnostics");
     for (int l = r; l < Tg.n_layers; l += P)
       for (int i = 0; i < nm; ++i)
-        for (int v = 0; v < (has_mlps(in->mappers[i]) ? 4 : 3); ++v) layers[i][v].push_back(rd.layer());
+        for (int v = 0; v < (has_mlps(in->mappers[i]) ? 4 : 3); ++v) layers[i][v].push_back(get_layer(rd));
   }
   std::vector<MapperEvaluation> out;
   for (int i = 0; i < nm; ++i) {

@@ -38,6 +38,9 @@ std::string layer_file(int l) {
   return buf;
 }
 
+// Inside a k<K>.partial folder: the per-layer records of an export in progress (and its identity).
+fs::path records_in(const std::string& partial_dir) { return fs::path(partial_dir) / ".layers"; }
+
 // Files an interrupted atomic write left ("<name>.tmp-<pid>").
 void remove_temporaries(const std::string& dir) {
   for (const auto& p : remove_files_matching(dir, ".*\\.tmp-[0-9]+"))
@@ -68,7 +71,7 @@ void ArtifactWriter::written() {
   if (fault("kill_in_export", ++files_, rank_)) std::raise(SIGKILL);
 }
 
-std::string ArtifactWriter::record_dir(const KPlan& k) const { return (fs::path(partial_dir(k)) / ".layers").string(); }
+std::string ArtifactWriter::record_dir(const KPlan& k) const { return records_in(partial_dir(k)).string(); }
 
 void ArtifactWriter::begin(const nlohmann::json& identity) {
   const std::string id = identity.dump();
@@ -295,6 +298,16 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, boo
   return out;
 }
 
+nlohmann::json mlp_settings_json(const MlpConfig& m) {
+  return {{"hidden", m.hidden},
+          {"epochs", m.epochs},
+          {"lr", m.lr},
+          {"batch_tokens", m.batch_tokens},
+          {"weight_decay", m.weight_decay},
+          {"val_fraction", m.val_fraction},
+          {"seed", m.seed}};
+}
+
 std::string publish_artifact(const std::string& output_dir, const std::string& label) {
   const std::string final_dir = (fs::path(output_dir) / ("k" + label)).string(), partial = final_dir + ".partial";
   std::ifstream in((fs::path(partial) / "manifest.json").string());
@@ -303,7 +316,7 @@ std::string publish_artifact(const std::string& output_dir, const std::string& l
   std::set<std::string> files = {"manifest.json"};
   for (const auto& e : m["layers"]) files.insert(e["file"].get<std::string>());
   std::error_code ec;
-  fs::remove_all(fs::path(partial) / ".layers", ec);
+  fs::remove_all(records_in(partial), ec);
   keep_only(partial, files);
   fs::remove_all(final_dir, ec);
   fs::rename(partial, final_dir, ec);
@@ -313,9 +326,7 @@ std::string publish_artifact(const std::string& output_dir, const std::string& l
 }
 
 void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry) {
-  const std::string rec =
-      (fs::path(partial_dir) / ".layers" / (entry["file"].get<std::string>() + ".json")).string();
-  write_file_atomic(rec, entry.dump());
+  write_file_atomic((records_in(partial_dir) / (entry["file"].get<std::string>() + ".json")).string(), entry.dump());
 }
 
 }  // namespace crosskv

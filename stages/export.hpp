@@ -81,6 +81,8 @@ class ArtifactWriter {
 };
 
 nlohmann::json nan_to_null(const std::vector<double>& v);
+// fit.mlp as the manifests and identities record it.
+nlohmann::json mlp_settings_json(const MlpConfig& m);
 
 // Moves "<output_dir>/k<label>.partial" (its manifest written) into place as k<label>, holding exactly the
 // manifest's files. Returns the folder.

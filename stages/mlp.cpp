@@ -4,13 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
-#include <tuple>
 
 #include "apply/transfer.hpp"
+#include "core/bytes.hpp"
 #include "core/comm.hpp"
 #include "core/fault.hpp"
 #include "core/log.hpp"
@@ -50,11 +49,13 @@ bool validation_sequence(const std::string& rel, int64_t s, const MlpConfig& c) 
   return static_cast<double>(z >> 11) / static_cast<double>(uint64_t{1} << 53) < c.val_fraction;
 }
 
-// The rows of one shard pair that a rank reads, and for each whether it is for validation.
+// The rows of one shard pair that a rank reads, for each whether it is for validation, and both sides' positions
+// (read once: every (layer, kind) strips RoPE with them).
 struct ShardRows {
   const ShardPair* pair = nullptr;
   std::vector<int64_t> rows;
   std::vector<uint8_t> validation;
+  std::vector<int32_t> source_positions, target_positions;
 };
 
 // A rank's share of the data: shards i with i % T == token_group, over the calibration shards (the rows the fit
@@ -65,8 +66,9 @@ std::vector<ShardRows> plan_rows(const Calibration& cal, int T, int token_group)
   size_t i = 0;
   for (const ShardPair& sh : cal.shards) {
     if (static_cast<int>(i++ % T) != token_group) continue;
-    const auto offs = ShardReader(sh.source_path).seq_offsets();
-    ShardRows r{&sh, {}, {}};
+    const ShardReader src(sh.source_path);
+    const auto offs = src.seq_offsets();
+    ShardRows r{&sh, {}, {}, src.positions(), ShardReader(sh.target_path).positions()};
     for (int64_t u = 0; u < sh.used; ++u) {
       const int64_t t = u * stride;
       const auto s = std::upper_bound(offs.begin(), offs.end(), t) - offs.begin() - 1;
@@ -77,8 +79,9 @@ std::vector<ShardRows> plan_rows(const Calibration& cal, int T, int token_group)
   }
   for (const ShardPair& sh : cal.eval_shards) {
     if (static_cast<int>(i++ % T) != token_group) continue;
-    const int64_t tokens = ShardReader(sh.source_path).header().tokens;
-    ShardRows r{&sh, {}, {}};
+    const ShardReader src(sh.source_path);
+    const int64_t tokens = src.header().tokens;
+    ShardRows r{&sh, {}, {}, src.positions(), ShardReader(sh.target_path).positions()};
     for (int64_t t = 0; t < tokens; t += stride) r.rows.push_back(t), r.validation.push_back(1);
     out.push_back(std::move(r));
   }
@@ -106,12 +109,12 @@ LayerData load_layer_data(const Calibration& cal, const std::vector<ShardRows>& 
     std::vector<float> xs(T * K), ys(T * G), layer(T * F);
     for (size_t j = 0; j < sources.size(); ++j) {
       src.read_layer(dataset, sources[j], layer.data(), raw);
-      if (kind == 0) rs.strip_block(layer.data(), T, cal.source.n_kv_heads, src.positions().data());
+      if (kind == 0) rs.strip_block(layer.data(), T, cal.source.n_kv_heads, sr.source_positions.data());
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(layer.data() + t * F, F, xs.data() + t * K + static_cast<int64_t>(j) * F);
     }
     tgt.read_layer(dataset, l, ys.data(), raw);
-    if (kind == 0) rt.strip_block(ys.data(), T, cal.target.n_kv_heads, tgt.positions().data());
+    if (kind == 0) rt.strip_block(ys.data(), T, cal.target.n_kv_heads, sr.target_positions.data());
     for (size_t i = 0; i < sr.rows.size(); ++i) {
       const int64_t t = sr.rows[i];
       const int split = sr.validation[i];
@@ -134,35 +137,18 @@ struct Outcome {
   MlpParams params;  // when kept: the standardisation folded into W1 and b1
 };
 
-void put(std::string& s, const void* p, size_t n) { s.append(static_cast<const char*>(p), n); }
-
-class Reader {
- public:
-  explicit Reader(const std::string& s) : s_(s) {}
-  void get(void* p, size_t n) {
-    CROSSKV_ASSERT(at_ + n <= s_.size(), "short residual-MLP record");
-    std::memcpy(p, s_.data() + at_, n);
-    at_ += n;
-  }
-  bool done() const { return at_ == s_.size(); }
-
- private:
-  const std::string& s_;
-  size_t at_ = 0;
-};
-
-void serialise(const Outcome& o, std::string& s) {
+void serialise(const Outcome& o, ByteWriter& w) {
   const int32_t head[3] = {o.layer, o.kind, o.kept ? 1 : 0};
   const int64_t shape[3] = {o.params.shape.in, o.params.shape.hidden, o.params.shape.out};
-  put(s, head, sizeof head);
-  put(s, &o.mse_ridge, 8), put(s, &o.mse_mlp, 8), put(s, &o.r2_ridge, 8), put(s, &o.r2_mlp, 8);
-  put(s, shape, sizeof shape);
-  if (o.kept) put(s, o.params.flat.data(), o.params.flat.size() * 4);
+  w.put(head, sizeof head);
+  w.put(&o.mse_ridge, 8), w.put(&o.mse_mlp, 8), w.put(&o.r2_ridge, 8), w.put(&o.r2_mlp, 8);
+  w.put(shape, sizeof shape);
+  if (o.kept) w.put(o.params.flat.data(), o.params.flat.size() * 4);
 }
 
 std::vector<Outcome> deserialise(const std::string& s) {
   std::vector<Outcome> all;
-  Reader r(s);
+  ByteReader r(s, "a residual-MLP record");
   while (!r.done()) {
     Outcome o;
     int32_t head[3];
@@ -182,17 +168,17 @@ std::vector<Outcome> deserialise(const std::string& s) {
 
 // A training stopped after some epochs: parameters, Adam's moments and steps, the epochs' errors.
 std::string serialise_state(const MlpTrained& t) {
-  std::string s;
+  ByteWriter w;
   const int64_t head[3] = {static_cast<int64_t>(t.epoch_mse.size()), t.steps,
                            static_cast<int64_t>(t.params.flat.size())};
-  put(s, head, sizeof head);
-  put(s, t.epoch_mse.data(), t.epoch_mse.size() * 8);
-  for (const auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) put(s, v->data(), v->size() * 4);
-  return s;
+  w.put(head, sizeof head);
+  w.put(t.epoch_mse.data(), t.epoch_mse.size() * 8);
+  for (const auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) w.put(v->data(), v->size() * 4);
+  return std::move(w.bytes());
 }
 
 std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape& shape) {
-  Reader r(s);
+  ByteReader r(s, "a residual-MLP training state");
   int64_t head[3];
   r.get(head, sizeof head);
   const size_t n = static_cast<size_t>(shape.parameters());
@@ -252,11 +238,9 @@ class MlpCheckpoint {
 std::optional<std::string> read_on_root(Comm& comm, const MlpCheckpoint& ck, const std::string& file) {
   std::optional<std::string> got;
   if (comm.rank() == 0) got = ck.read(file);
-  int64_t n = got ? static_cast<int64_t>(got->size()) : -1;
-  comm.broadcast(&n, sizeof n, 0);
-  if (n < 0) return std::nullopt;
-  std::string s = got ? *got : std::string(static_cast<size_t>(n), '\0');
-  if (n > 0) comm.broadcast(s.data(), s.size(), 0);
+  if (!comm.all_ok(comm.rank() != 0 || got.has_value())) return std::nullopt;
+  std::string s = got.value_or(std::string());
+  broadcast_string(comm, s, 0);
   return s;
 }
 
@@ -440,17 +424,11 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
                  {"val_r2_mlp", finite_or_null(o->r2_mlp)}};
     if (!o->kept) continue;
     const MlpParams& p = o->params;
-    const int64_t in = p.shape.in, h = p.shape.hidden, g = p.shape.out;
-    mlp[kind]["hidden"] = h;
-    for (auto [name, shape, data] : {std::tuple{".mlp.w1", std::vector<int64_t>{in, h}, p.w1()},
-                                     {".mlp.b1", std::vector<int64_t>{h}, p.b1()},
-                                     {".mlp.w2", std::vector<int64_t>{h, h}, p.w2()},
-                                     {".mlp.b2", std::vector<int64_t>{h}, p.b2()},
-                                     {".mlp.w3", std::vector<int64_t>{h, g}, p.w3()},
-                                     {".mlp.b3", std::vector<int64_t>{g}, p.b3()}}) {
+    mlp[kind]["hidden"] = p.shape.hidden;
+    for (const MlpTensor& x : mlp_tensors(p.shape)) {
       int64_t count = 1;
-      for (auto s : shape) count *= s;
-      out.push_back({kind + name, "F32", shape, data, static_cast<size_t>(count) * 4});
+      for (auto n : x.shape) count *= n;
+      out.push_back({kind + ".mlp." + x.name, "F32", x.shape, p.flat.data() + x.offset, static_cast<size_t>(count) * 4});
     }
   }
   std::string csv;
@@ -463,11 +441,10 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
   record_rewritten_layer(dir, entry);
 }
 
-int64_t layers_rewritten = 0;  // for the kill_in_mlp_rewrite fault hook (rank 0 alone rewrites)
-
 // Rank 0: every layer file and the manifest of mapper folder `dir` with the outcomes of all ranks.
+// `rewritten` counts layer files over the stage (the kill_in_mlp_rewrite fault hook).
 void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, const FitConfig& cfg,
-                  int n_layers, double seconds) {
+                  int n_layers, double seconds, int64_t& rewritten) {
   std::ifstream in((fs::path(dir) / "manifest.json").string());
   nlohmann::json manifest = nlohmann::json::parse(in);
   int kept[2] = {0, 0};
@@ -477,13 +454,10 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
       if (o.layer == entry["target_layer"].get<int>()) kinds.push_back(&o), kept[o.kind] += o.kept;
     std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->kind < b->kind; });
     write_layer(dir, entry, kinds);
-    if (fault("kill_in_mlp_rewrite", ++layers_rewritten, 0)) std::raise(SIGKILL);
+    if (fault("kill_in_mlp_rewrite", ++rewritten, 0)) std::raise(SIGKILL);
   }
   manifest["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
-  manifest["fit"]["mlp"] = {{"hidden", cfg.mlp.hidden},           {"epochs", cfg.mlp.epochs},
-                            {"lr", cfg.mlp.lr},                   {"batch_tokens", cfg.mlp.batch_tokens},
-                            {"weight_decay", cfg.mlp.weight_decay}, {"val_fraction", cfg.mlp.val_fraction},
-                            {"seed", cfg.mlp.seed}};
+  manifest["fit"]["mlp"] = mlp_settings_json(cfg.mlp);
   if (manifest.contains("timings_s")) {
     manifest["timings_s"]["mlp"] = seconds;
     manifest["timings_s"]["total"] = manifest["timings_s"].value("total", 0.0) + seconds;
@@ -503,11 +477,11 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
   Comm& group = ctx.readers();
   const int G = ctx.grid ? ctx.grid->layer_groups : 1, me = ctx.grid ? ctx.grid->layer_group : 0;
   const std::vector<ShardRows> share = agreed(ctx.comm, [&] { return plan_rows(cal, group.size(), group.rank()); });
-  int64_t mine[1] = {0};
-  for (const auto& sr : share)
-    for (const uint8_t v : sr.validation) mine[0] += v == 0;
-  std::vector<double> tokens{static_cast<double>(mine[0])};
-  tokens = group_sum(group, tokens);
+  double training_rows = 0;  // the group's, per epoch
+  for (const auto& sr : share) training_rows += static_cast<double>(std::count(sr.validation.begin(), sr.validation.end(), 0));
+  group.allreduce_sum(&training_rows, 1);
+  const auto tokens_per_epoch = static_cast<int64_t>(training_rows);
+  int64_t rewritten = 0;
   // The export's identity holds the data, the solve's settings, fit.mapper, fit.mlp and eval.shards.
   nlohmann::json identity = {{"export", export_identity}};
   for (const std::string& dir : partial_dirs) {
@@ -520,9 +494,9 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
     std::vector<int> layers;
     for (int l = me; l < m.target.n_layers; l += G) layers.push_back(l);
     Progress progress(G > 1 ? "residual MLPs " + k + " (this layer group's layers)" : "residual MLPs " + k,
-                      static_cast<int64_t>(layers.size()) * 2 * cfg.mlp.epochs * static_cast<int64_t>(tokens[0]), 0);
-    UnitContext u{ctx, group, cal, share, ck, progress, static_cast<int64_t>(tokens[0])};
-    std::string bytes;
+                      static_cast<int64_t>(layers.size()) * 2 * cfg.mlp.epochs * tokens_per_epoch, 0);
+    UnitContext u{ctx, group, cal, share, ck, progress, tokens_per_epoch};
+    ByteWriter bytes;
     int taken_over = 0;
     for (const int l : layers) {
       const MapperLayer w = load_mapper_layer(m, l, /*verify=*/false);  // the ridge (any MLP in it is ignored)
@@ -539,9 +513,9 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
         } else {
           o = fit_unit(u, w, G_feat, l, kind);
           if (group.rank() == 0) {
-            std::string s;
-            serialise(o, s);
-            ck.write(done_file, s);
+            ByteWriter one;
+            serialise(o, one);
+            ck.write(done_file, one.bytes());
             std::error_code ec;
             fs::remove(ck.path(l, kind, "state"), ec);
           }
@@ -557,12 +531,12 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
     if (resumed[0] > 0 || resumed[1] > 0)
       spdlog::info("residual MLPs {}: {:.0f} trained (layer, kind) pair(s) taken over, {:.0f} resumed from an epoch "
                    "checkpoint, from {}", k, resumed[0], resumed[1], ck.dir());
-    const std::vector<std::string> all = gather_strings(ctx.comm, bytes);
+    const std::vector<std::string> all = gather_strings(ctx.comm, bytes.bytes());
     if (ctx.comm.rank() == 0) {
       std::vector<Outcome> outcomes;
       for (const auto& s : all)
         for (auto& o : deserialise(s)) outcomes.push_back(std::move(o));
-      write_mapper(dir, outcomes, cfg, m.target.n_layers, seconds_since(t0));
+      write_mapper(dir, outcomes, cfg, m.target.n_layers, seconds_since(t0), rewritten);
     }
   }
   ctx.comm.barrier();

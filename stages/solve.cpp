@@ -5,6 +5,7 @@
 #include <memory>
 #include <numeric>
 
+#include "core/bytes.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
@@ -39,52 +40,32 @@ struct SolveUnit {
 
 // One kind's fits of a target layer, from pair member `from` to the other (a broadcast over the pair).
 void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
-  std::string bytes;
-  auto put = [&bytes](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
-  auto put_vec = [&](const auto& v) {
-    const uint64_t n = v.size();
-    put(&n, 8);
-    put(v.data(), n * sizeof(v[0]));
-  };
+  ByteWriter w;
   if (pair.rank() == from) {
     const uint64_t count = fits.size();
-    put(&count, 8);
+    w.put(&count, 8);
     for (const LayerFit& f : fits) {
-      put(&f.k, sizeof f.k);
-      put_vec(f.layers);
-      put_vec(f.W);
-      put_vec(f.b);
-      put_vec(f.r2);
+      w.put(&f.k, sizeof f.k);
+      w.put_vec(f.layers);
+      w.put_vec(f.W);
+      w.put_vec(f.b);
+      w.put_vec(f.r2);
     }
   }
-  uint64_t size = bytes.size();
-  pair.broadcast(&size, 8, from);
-  bytes.resize(size);
-  pair.broadcast(bytes.data(), size, from);
+  broadcast_string(pair, w.bytes(), from);
   if (pair.rank() == from) return;
-  size_t at = 0;
-  auto get = [&](void* p, size_t n) {
-    CROSSKV_ASSERT(at + n <= bytes.size(), "a pair's fits end early");
-    std::memcpy(p, bytes.data() + at, n);
-    at += n;
-  };
-  auto get_vec = [&](auto& v) {
-    uint64_t n = 0;
-    get(&n, 8);
-    v.resize(n);
-    get(v.data(), n * sizeof(v[0]));
-  };
+  ByteReader r(w.bytes(), "a pair's fits");
   uint64_t count = 0;
-  get(&count, 8);
+  r.get(&count, 8);
   fits.assign(count, LayerFit{});
   for (LayerFit& f : fits) {
-    get(&f.k, sizeof f.k);
-    get_vec(f.layers);
-    get_vec(f.W);
-    get_vec(f.b);
-    get_vec(f.r2);
+    r.get(&f.k, sizeof f.k);
+    r.get_vec(f.layers);
+    r.get_vec(f.W);
+    r.get_vec(f.b);
+    r.get_vec(f.r2);
   }
-  CROSSKV_ASSERT(at == bytes.size(), "a pair's fits have bytes left over");
+  CROSSKV_ASSERT(r.done(), "a pair's fits have bytes left over");
 }
 
 }  // namespace
@@ -170,10 +151,8 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
   // The residual-MLP stage rewrites layer files before they are published: an interrupted export of another
   // mapper setting is another job's (its rewritten layers carry MLPs).
   if (cfg.mapper != MapperKind::ridge) {
-    const MlpConfig& m = cfg.mlp;
     id["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
-    id["fit"]["mlp"] = {{"hidden", m.hidden}, {"epochs", m.epochs}, {"lr", m.lr}, {"batch_tokens", m.batch_tokens},
-                        {"weight_decay", m.weight_decay}, {"val_fraction", m.val_fraction}, {"seed", m.seed}};
+    id["fit"]["mlp"] = mlp_settings_json(cfg.mlp);
     nlohmann::json held = nlohmann::json::array();
     for (const auto& e : cal.eval_shards) held.push_back(e.rel);
     id["fit"]["mlp"]["eval_shards"] = held;
