@@ -205,12 +205,62 @@ class Residency {
   virtual void forget_constant(const float* p) {}
 };
 
-// A compute backend: the three concerns together. CPU (BLAS/LAPACK, backends/) is the reference; CUDA lives in cuda/.
-// A new backend implements DenseMaths first and inherits the host's input preparation and residency.
-class ComputeBackend : public DenseMaths, public InputPreparation, public Residency {
+// Kernels on the backend's own memory, for serving (apply/resident): weights, caches and scratch all stay where the
+// backend computes (host memory for a host backend, device memory for a device one), and calls are ordered on the
+// backend's stream (asynchronous on a device until copy_to_host or synchronize). The host implementations are the
+// defaults and the reference for device ones.
+class ResidentKernels {
+ public:
+  virtual ~ResidentKernels() = default;
+  // True when the memory below is device memory (a host array must be copied in, not named).
+  virtual bool memory_on_device() const { return false; }
+  // Memory of this backend, owned by its handle (released with it; a device backend first waits for its stream).
+  struct Memory {
+    virtual ~Memory() = default;
+    void* data = nullptr;
+    int64_t bytes = 0;
+    template <class T>
+    T* as() const {
+      return static_cast<T*>(data);
+    }
+  };
+  using MemoryPtr = std::unique_ptr<Memory>;
+  virtual MemoryPtr allocate(int64_t bytes);
+  // Host -> backend memory (the host array may change once the call returns), and back (returns when it is there).
+  virtual void copy_from_host(const void* host, int64_t bytes, void* dst);
+  virtual void copy_to_host(const void* src, int64_t bytes, void* host);
+  // Within this backend's memory.
+  virtual void copy_within(const void* src, int64_t bytes, void* dst);
+  // Y[t*ldy + c] = b[c] for t < rows, c < n.
+  virtual void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy);
+  // out[t*k*F + j*F + i] = X[t*ldx + layers[j]*F + i]: the selected layers' columns side by side.
+  virtual void gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
+                             float* out);
+  // X[i] = max(X[i], 0) for i < n.
+  virtual void relu(float* X, int64_t n);
+  // Y[t*ldy + c] += Z[t*n + c].
+  virtual void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy);
+  // RoPE applied to (strip: stripped from) X [rows, heads, head_dim] in place, row t at positions[t] (int32,
+  // this backend's memory); bit-for-bit the host's Rope::apply_block / strip_block.
+  virtual void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+                         const int32_t* positions);
+  // C = alpha op(A) op(B) + beta C on this backend's memory (gemm_batched's operands, but resident).
+  virtual void resident_gemm(const DenseMaths::BatchedGemm& g) = 0;
+  // Ordering with a caller's device stream (a cudaStream_t as void*, 0 for the legacy default one): work issued
+  // after begin_after(s) starts once what s holds now is done; end_before(s) makes s wait for the work so far.
+  // Host backends: no-ops (their calls return when done).
+  virtual void begin_after(void* stream) {}
+  virtual void end_before(void* stream) {}
+};
+
+// A compute backend: the concerns together. CPU (BLAS/LAPACK, backends/) is the reference; CUDA lives in cuda/.
+// A new backend implements DenseMaths first and inherits the host's input preparation, residency and kernels.
+class ComputeBackend : public DenseMaths, public InputPreparation, public Residency, public ResidentKernels {
  public:
   ~ComputeBackend() override = default;
   virtual std::string name() const = 0;
+  // Host memory is this backend's memory: the batched products are the resident ones.
+  void resident_gemm(const BatchedGemm& g) override { gemm_batched(g); }
 };
 
 // The parts of `pieces` (sorted by `at`, back to back) that fall in flat values [off, off + len), as 2-D runs:

@@ -146,6 +146,8 @@ class CudaBackend final : public ComputeBackend {
         solver_(where_),
         params_(where_),
         slots_{Slot(where_), Slot(where_)},
+        external_in_(where_),
+        external_out_(where_),
         info_(1, where_) {
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, device), "");
@@ -420,6 +422,105 @@ class CudaBackend final : public ComputeBackend {
     CK(cudaStreamSynchronize(compute_), ops);
   }
 
+  // ---- ResidentKernels: the serving apply on device memory, in order on the compute stream.
+  bool memory_on_device() const override { return true; }
+
+  struct CudaMemory final : Memory {
+    cudaStream_t stream = nullptr;
+    ~CudaMemory() override {
+      if (!data) return;
+      cudaStreamSynchronize(stream);  // no kernel of this backend reads it any more
+      cudaFree(data);
+    }
+  };
+  MemoryPtr allocate(int64_t bytes) override {
+    current();
+    auto m = std::make_unique<CudaMemory>();
+    m->stream = compute_;
+    if (bytes > 0) CK(cudaMalloc(&m->data, static_cast<size_t>(bytes)), dims({{"bytes", bytes}}));
+    m->bytes = bytes;
+    return m;
+  }
+  void copy_from_host(const void* host, int64_t bytes, void* dst) override {
+    if (bytes <= 0) return;
+    current();
+    const std::string ops = dims({{"bytes", bytes}});
+    CK(cudaMemcpyAsync(dst, host, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);  // pinned host memory is read late: the caller may reuse it now
+  }
+  void copy_to_host(const void* src, int64_t bytes, void* host) override {
+    if (bytes <= 0) return;
+    current();
+    const std::string ops = dims({{"bytes", bytes}});
+    CK(cudaMemcpyAsync(host, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, compute_), ops);
+    CK(cudaStreamSynchronize(compute_), ops);
+  }
+  void copy_within(const void* src, int64_t bytes, void* dst) override {
+    if (bytes <= 0 || src == dst) return;
+    current();
+    CK(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, compute_),
+       dims({{"bytes", bytes}}));
+  }
+  void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
+    current();
+    CK(cuda::launch_broadcast_rows(b, n, rows, Y, ldy, compute_), dims({{"n", n}, {"rows", rows}, {"ldy", ldy}}));
+  }
+  void gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
+                     float* out) override {
+    current();
+    CROSSKV_ASSERT(layers.size() <= static_cast<size_t>(cuda::LayerList::kMax),
+                   "CUDA gather_layers: " + std::to_string(layers.size()) + " source layers (at most " +
+                       std::to_string(cuda::LayerList::kMax) + ")");
+    cuda::LayerList list;
+    list.n = static_cast<int>(layers.size());
+    std::copy(layers.begin(), layers.end(), list.layer);
+    CK(cuda::launch_gather_layers(X, ldx, list, F, rows, out, compute_),
+       dims({{"layers", list.n}, {"F", F}, {"rows", rows}, {"ldx", ldx}}));
+  }
+  void relu(float* X, int64_t n) override {
+    current();
+    CK(cuda::launch_relu(X, n, compute_), dims({{"n", n}}));
+  }
+  void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
+    current();
+    CK(cuda::launch_add_rows(Z, n, rows, Y, ldy, compute_), dims({{"n", n}, {"rows", rows}, {"ldy", ldy}}));
+  }
+  void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+                 const int32_t* positions) override {
+    if (rope.identity() || rows == 0) return;
+    current();
+    cuda::RopeArgs a;
+    CROSSKV_ASSERT(rope.half() <= cuda::RopeArgs::kMaxHalf, "CUDA rope_rows: rotary_dim " +
+                                                                std::to_string(rope.rotary_dim()) + " over " +
+                                                                std::to_string(2 * cuda::RopeArgs::kMaxHalf));
+    std::copy(rope.inv_freq().begin(), rope.inv_freq().begin() + rope.half(), a.inv_freq);
+    a.positions = positions, a.head_dim = rope.head_dim(), a.rotary_dim = rope.rotary_dim();
+    a.interleaved = rope.convention() != RopeConvention::half, a.strip = strip;
+    // The host's factors, rounded to fp32 as Rope::rotate_head rounds them.
+    a.factor = strip ? static_cast<float>(1.0 / rope.attention_factor()) : static_cast<float>(rope.attention_factor());
+    CK(cuda::launch_rope_rows(X, rows, heads, a, compute_),
+       dims({{"rows", rows}, {"heads", heads}, {"head_dim", a.head_dim}, {"rotary_dim", a.rotary_dim}}));
+  }
+  void resident_gemm(const BatchedGemm& g) override {
+    if (g.m == 0 || g.n == 0 || g.batch == 0) return;
+    current();
+    // Row-major C = op(A) op(B) is column-major C' = op(B)' op(A)' (gemm_batched's call, on device operands).
+    CK(cublasSgemmStridedBatched_64(blas_, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    g.n, g.m, g.k, &g.alpha, g.B, g.ldb, g.stride_b, g.A, g.lda, g.stride_a, &g.beta,
+                                    g.C, g.ldc, g.stride_c, g.batch),
+       dims({{"m", g.m}, {"n", g.n}, {"k", g.k}, {"batch", g.batch}, {"lda", g.lda}, {"ldb", g.ldb}, {"ldc", g.ldc}}));
+  }
+  void begin_after(void* stream) override {
+    current();
+    CK(cudaEventRecord(external_in_, static_cast<cudaStream_t>(stream)), "begin_after");
+    CK(cudaStreamWaitEvent(compute_, external_in_, 0), "begin_after");
+  }
+  void end_before(void* stream) override {
+    current();
+    CK(cudaEventRecord(external_out_, compute_), "end_before");
+    CK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), external_out_, 0), "end_before");
+  }
+
   void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) override {
     if (n == 0) return;
     const std::string ops = dims({{"n", n}, {"lda", lda}});
@@ -653,6 +754,9 @@ class CudaBackend final : public ComputeBackend {
       std::fill_n(p, count, T{0});
   }
 
+  // This backend's device made current for the calling thread (a serving process may call from any thread).
+  void current() { CK(cudaSetDevice(where_.device), "device " + std::to_string(where_.device)); }
+
   // The diagonal of device matrix dA (n values, lda + 1 apart) to host `out` (if given); waits for the stream.
   void copy_diagonal(const double* dA, int64_t n, int64_t lda, double* out, const std::string& ops) {
     if (out)
@@ -720,6 +824,7 @@ class CudaBackend final : public ComputeBackend {
   SolverHandle solver_;
   SolverParams params_;
   Slot slots_[2];
+  Event external_in_, external_out_;  // ordering with a caller's stream (begin_after, end_before)
   int cur_ = -1;
   Residents<float> sums_;
   Residents<double> dsums_;

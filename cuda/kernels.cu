@@ -117,7 +117,93 @@ __global__ void assemble_cov_block_kernel(const float* __restrict__ g, int read,
   }
 }
 
+__global__ void broadcast_rows_kernel(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) {
+  const int64_t total = rows * n;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / n, c = i - t * n;
+    Y[t * ldy + c] = b[c];
+  }
+}
+
+__global__ void gather_layers_kernel(const float* X, int64_t ldx, const LayerList layers, int64_t F, int64_t rows,
+                                     float* out) {
+  const int64_t K = layers.n * F, total = rows * K;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / K, r = i - t * K, j = r / F, f = r - j * F;
+    out[i] = X[t * ldx + layers.layer[j] * F + f];
+  }
+}
+
+__global__ void relu_kernel(float* X, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
+    X[i] = X[i] > 0.0f ? X[i] : 0.0f;
+}
+
+__global__ void add_rows_kernel(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) {
+  const int64_t total = rows * n;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / n, c = i - t * n;
+    Y[t * ldy + c] = __fadd_rn(Y[t * ldy + c], Z[i]);
+  }
+}
+
+// One thread per rotated pair of one head of one row; the pair is read, then both written (in place, no race).
+__global__ void rope_rows_kernel(float* X, int64_t rows, int64_t heads, const RopeArgs a) {
+  const int half = a.rotary_dim / 2;
+  const int64_t total = rows * heads * half;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t th = e / half, t = th / heads;
+    const int i = static_cast<int>(e - th * half);
+    float* x = X + th * a.head_dim;
+    float* x1 = x + (a.interleaved ? 2 * i : i);
+    float* x2 = x1 + (a.interleaved ? 1 : half);
+    double sd, cd;
+    sincos(static_cast<double>(a.positions[t]) * a.inv_freq[i], &sd, &cd);
+    const float c = static_cast<float>(cd), s = static_cast<float>(sd), u = *x1, v = *x2;
+    if (a.strip) {  // ((u c + v s) / a, (v c - u s) / a), as Rope::rotate_head<true>
+      *x1 = __fmul_rn(__fadd_rn(__fmul_rn(u, c), __fmul_rn(v, s)), a.factor);
+      *x2 = __fmul_rn(__fsub_rn(__fmul_rn(v, c), __fmul_rn(u, s)), a.factor);
+    } else {  // (a (u c - v s), a (v c + u s))
+      *x1 = __fmul_rn(a.factor, __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, s)));
+      *x2 = __fmul_rn(a.factor, __fadd_rn(__fmul_rn(v, c), __fmul_rn(u, s)));
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy,
+                                  cudaStream_t stream) {
+  if (rows * n == 0) return cudaSuccess;
+  broadcast_rows_kernel<<<blocks_for(rows * n), kThreads, 0, stream>>>(b, n, rows, Y, ldy);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& layers, int64_t F, int64_t rows,
+                                 float* out, cudaStream_t stream) {
+  if (rows * layers.n * F == 0) return cudaSuccess;
+  gather_layers_kernel<<<blocks_for(rows * layers.n * F), kThreads, 0, stream>>>(X, ldx, layers, F, rows, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_relu(float* X, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  relu_kernel<<<blocks_for(n), kThreads, 0, stream>>>(X, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy, cudaStream_t stream) {
+  if (rows * n == 0) return cudaSuccess;
+  add_rows_kernel<<<blocks_for(rows * n), kThreads, 0, stream>>>(Z, n, rows, Y, ldy);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, const RopeArgs& a, cudaStream_t stream) {
+  const int64_t total = rows * heads * (a.rotary_dim / 2);
+  if (total == 0) return cudaSuccess;
+  rope_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(X, rows, heads, a);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const double* mean_i, const double* mean_j,
                                       double inv_n, double lambda, bool diagonal, double* a, double* at, int64_t lda,

@@ -37,4 +37,31 @@ cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const
                                       double inv_n, double lambda, bool diagonal, double* a, double* at, int64_t lda,
                                       cudaStream_t stream);
 
+// The serving apply's kernels (ResidentKernels; each the host default's loop, bit for bit):
+// Y[t*ldy + c] = b[c].
+cudaError_t launch_broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy, cudaStream_t stream);
+// out[t*n*F + j*F + i] = X[t*ldx + layer[j]*F + i]. The list travels in the kernel's parameters (no device table).
+struct LayerList {
+  static constexpr int kMax = 256;
+  int n = 0;
+  int layer[kMax] = {};
+};
+cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& layers, int64_t F, int64_t rows,
+                                 float* out, cudaStream_t stream);
+cudaError_t launch_relu(float* X, int64_t n, cudaStream_t stream);
+// Y[t*ldy + c] += Z[t*n + c].
+cudaError_t launch_add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy, cudaStream_t stream);
+// RoPE on X [rows, heads, head_dim] in place (Rope::apply_block / strip_block): inv_freq [rotary/2] fp64 in the
+// kernel's parameters, positions [rows] on the device; `factor` multiplies the rotated pair (the attention factor,
+// or its inverse to strip).
+struct RopeArgs {
+  static constexpr int kMaxHalf = 256;
+  double inv_freq[kMaxHalf] = {};
+  const int32_t* positions = nullptr;
+  int head_dim = 0, rotary_dim = 0;
+  bool interleaved = false, strip = false;
+  float factor = 1.0f;
+};
+cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, const RopeArgs& a, cudaStream_t stream);
+
 }  // namespace crosskv::cuda

@@ -2,6 +2,7 @@
 // baselines, hardened manifests.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <fstream>
 #include <iterator>
@@ -10,6 +11,7 @@
 
 #include "apply/diagnose.hpp"
 #include "apply/report.hpp"
+#include "apply/resident.hpp"
 #include "apply/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/rope.hpp"
@@ -522,4 +524,63 @@ TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {
     expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 0); },
                              {"layer-000.safetensors", "tensor 'k.mlp.w1' holds NaN at element 1"});
   }
+}
+
+// ---- The serving apply (issue 16): weights resident, every layer in one call, the caches in the backend's memory.
+namespace {
+
+// Transfer::apply and ResidentTransfer (one call, and host arrays) on the same caches: the same bits on the CPU.
+void expect_resident_equals_transfer(const std::string& dir, const Cache& s, int64_t rows) {
+  auto be = make_cpu_backend();
+  Transfer tr(dir, *be);
+  ResidentTransfer rt(dir, *be);
+  const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+  std::vector<int32_t> tgt(s.positions.begin(), s.positions.begin() + rows);
+  for (auto& p : tgt) p += 3;  // the target's positions need not be the source's
+  std::vector<float> k(rows * W), v(rows * W), rk(rows * W, -1), rv(rows * W, -1), hk(rows * W), hv(rows * W);
+  tr.apply(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, k.data(), v.data());
+  rt.apply({s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, rk.data(), rv.data()});
+  rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, hk.data(), hv.data());
+  EXPECT_EQ(std::memcmp(k.data(), rk.data(), k.size() * 4), 0) << dir << ": keys";
+  EXPECT_EQ(std::memcmp(v.data(), rv.data(), v.size() * 4), 0) << dir << ": values";
+  EXPECT_EQ(std::memcmp(k.data(), hk.data(), k.size() * 4), 0) << dir << ": keys (host arrays)";
+  EXPECT_EQ(std::memcmp(v.data(), hv.data(), v.size() * 4), 0) << dir << ": values (host arrays)";
+  EXPECT_GT(max_abs(rk), 0.1);
+}
+
+}  // namespace
+
+TEST(ResidentTransfer, EqualsTransferBitForBitOnTheCpuForEveryK) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1, 2, all], lambda: 0.01}"));
+  const Cache s = read_cache(tmp.str("source/web/shard-000.h5"), false);
+  ASSERT_GT(s.seq_offsets.size(), 2u);  // a batch of several sequences, back to back
+  for (const char* k : {"k1", "k2", "kall"}) expect_resident_equals_transfer(tmp.str("out/") + k, s, s.tokens);
+  // A batch of one token, and of none.
+  expect_resident_equals_transfer(tmp.str("out/k2"), s, 1);
+  auto be = make_cpu_backend();
+  ResidentTransfer rt(tmp.str("out/k1"), *be);
+  rt.apply(ResidentBatch{});
+  const int64_t F = rt.source().features_per_layer(), G = rt.target().features_per_layer();
+  EXPECT_EQ(rt.weight_bytes(), int64_t{rt.target().n_layers} * 2 * (F * G + G) * 4);
+}
+
+TEST(ResidentTransfer, EqualsTransferBitForBitWithResidualMlps) {
+  Artifact a;
+  add_mlp_tensors(a, 2, 8);
+  const Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+  expect_resident_equals_transfer(a.dir, s, s.tokens);
+}
+
+TEST(ResidentTransfer, RefusesWhatTransferRefusesByName) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  nlohmann::json m = a.manifest;
+  m["target"]["kv_spec"]["rope"]["type"] = "dynamic";
+  a.write(m);
+  expect_error<InputError>([&] { ResidentTransfer rt(a.dir, *be); }, {"target.kv_spec", "dynamic"});
+  a.write(a.manifest);
+  std::ofstream(a.dir + "/" + a.manifest["layers"][1]["file"].get<std::string>(), std::ios::app) << "x";
+  expect_error<InputError>([&] { ResidentTransfer rt(a.dir, *be); }, {"SHA-256"});
 }

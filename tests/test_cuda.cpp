@@ -19,6 +19,7 @@
 #include "core/ridge.hpp"
 #include "helpers.hpp"
 #include "apply/layer_diagnostics.hpp"
+#include "apply/resident.hpp"
 #include "apply/transfer.hpp"
 #include "io/mapper.hpp"
 #include "stages/checkpoint.hpp"
@@ -376,7 +377,80 @@ class ShadowBackend final : public ComputeBackend {
   }
   int drops = 0, copies_to_device = 0;
 
+  // The serving kernels on "device memory" (with device_memory set): allocations this backend made, which every
+  // kernel's operands must lie in, and host arrays crossing only through copy_from_host / copy_to_host. The host's
+  // kernels compute, so the results equal the CPU's bit for bit.
+  bool device_memory = false;
+  bool memory_on_device() const override { return device_memory; }
+  struct ShadowMemory final : Memory {
+    MemoryPtr inner;
+    std::map<const char*, int64_t>* live;
+    ~ShadowMemory() override { live->erase(static_cast<const char*>(data)); }
+  };
+  MemoryPtr allocate(int64_t bytes) override {
+    auto m = std::make_unique<ShadowMemory>();
+    m->inner = ResidentKernels::allocate(bytes);
+    m->data = m->inner->data, m->bytes = bytes, m->live = &live_;
+    live_[static_cast<const char*>(m->data)] = bytes;
+    return m;
+  }
+  void copy_from_host(const void* host, int64_t bytes, void* dst) override {
+    if (on_device(host, 1)) ADD_FAILURE() << "copy_from_host from device memory";
+    ResidentKernels::copy_from_host(host, bytes, device(dst, bytes));
+  }
+  void copy_to_host(const void* src, int64_t bytes, void* host) override {
+    if (on_device(host, 1)) ADD_FAILURE() << "copy_to_host into device memory";
+    ResidentKernels::copy_to_host(device(src, bytes), bytes, host);
+  }
+  void copy_within(const void* src, int64_t bytes, void* dst) override {
+    ResidentKernels::copy_within(device(src, bytes), bytes, device(dst, bytes));
+  }
+  void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
+    ResidentKernels::broadcast_rows(device(b, n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
+  }
+  void gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
+                     float* out) override {
+    const int64_t K = static_cast<int64_t>(layers.size()) * F;
+    ResidentKernels::gather_layers(device(X, ((rows - 1) * ldx + (layers.back() + 1) * F) * 4), ldx, layers, F, rows,
+                                   device(out, rows * K * 4));
+  }
+  void relu(float* X, int64_t n) override { ResidentKernels::relu(device(X, n * 4), n); }
+  void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
+    ResidentKernels::add_rows(device(Z, rows * n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
+  }
+  void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+                 const int32_t* positions) override {
+    ResidentKernels::rope_rows(rope, strip, device(X, rows * heads * rope.head_dim() * 4), rows, heads,
+                               device(positions, rows * 4));
+  }
+  void resident_gemm(const BatchedGemm& g) override {
+    auto extent = [&](int64_t r, int64_t c, int64_t ld, int64_t stride) {
+      return ((g.batch - 1) * stride + (r - 1) * ld + c) * 4;
+    };
+    BatchedGemm d = g;
+    d.A = device(g.A, extent(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, g.stride_a));
+    d.B = device(g.B, extent(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, g.stride_b));
+    d.C = device(g.C, extent(g.m, g.n, g.ldc, g.stride_c));
+    cpu_->gemm_batched(d);
+  }
+  void begin_after(void* stream) override { ++stream_waits, last_stream = stream; }
+  void end_before(void* stream) override { stream_signals += stream == last_stream; }
+  int stream_waits = 0, stream_signals = 0;
+  void* last_stream = nullptr;
+  int64_t live_allocations() const { return static_cast<int64_t>(live_.size()); }
+
  private:
+  bool on_device(const void* p, int64_t bytes) const {
+    const char* c = static_cast<const char*>(p);
+    auto it = live_.upper_bound(c);
+    return it != live_.begin() && c + bytes <= std::prev(it)->first + std::prev(it)->second;
+  }
+  template <class T>
+  T* device(T* p, int64_t bytes) {
+    if (device_memory && !on_device(p, bytes)) ADD_FAILURE() << "a kernel's operand is not this backend's memory";
+    return p;
+  }
+  std::map<const char*, int64_t> live_;
   template <class T>
   static T* held(std::map<T*, std::vector<T>>& sums, const T* p, int64_t count) {
     auto it = sums.upper_bound(const_cast<T*>(p));
@@ -1032,6 +1106,78 @@ TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
   EXPECT_EQ(shadow.forgotten_constants, 2 * m.target.n_layers);
 }
 
+// The serving apply through the shadow device: every kernel's operand is the backend's memory (a host array would be
+// a fault on a GPU), host arrays cross by copy alone, a caller's stream is waited for and signalled, and the
+// results equal the CPU's bit for bit; the backend's memory is released with the transfer.
+namespace {
+
+std::string fitted_mapper(TempDir& dir, const std::string& k) {
+  synthesize(small_synth(dir.str()));
+  auto comm = make_single_comm();
+  auto cpu = make_cpu_backend();
+  Context ctx{*comm, *cpu};
+  spdlog::set_level(spdlog::level::warn);
+  run_fit(parse_fit_config(config_yaml(dir.str(), "{k: [" + k + "]}", "out"), "cfg.yaml"), FitOptions{}, ctx);
+  return dir.str("out/k" + k);
+}
+
+struct ServingCase {
+  Cache cache;
+  std::vector<int32_t> target_positions;
+};
+ServingCase serving_case(const std::string& dir) {
+  ServingCase c{read_cache(dir + "/source/web/shard-000.h5", false), {}};
+  c.target_positions = c.cache.positions;
+  for (auto& p : c.target_positions) p += 7;
+  return c;
+}
+
+}  // namespace
+
+TEST(DeviceContract, ServingApplyKeepsEveryOperandOnTheDeviceAndMatchesTheCpu) {
+  for (const std::string k : {"1", "2", "all"}) {
+    TempDir dir;
+    const std::string mapper = fitted_mapper(dir, k);
+    const ServingCase c = serving_case(dir.str());
+    const int64_t rows = c.cache.tokens;
+    auto cpu = make_cpu_backend();
+    ShadowBackend shadow;
+    shadow.device_memory = true;
+    {
+      Transfer want_tr(mapper, *cpu);
+      ResidentTransfer rt(mapper, shadow);
+      const int64_t XW = int64_t{rt.source().n_layers} * rt.source().features_per_layer(),
+                    YW = int64_t{rt.target().n_layers} * rt.target().features_per_layer();
+      std::vector<float> wk(rows * YW), wv(rows * YW), hk(rows * YW), hv(rows * YW), dk(rows * YW), dv(rows * YW);
+      want_tr.apply(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(),
+                    c.target_positions.data(), rows, wk.data(), wv.data());
+      rt.apply_host(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(), c.target_positions.data(),
+                    rows, hk.data(), hv.data());
+      EXPECT_EQ(wk, hk) << "k=" << k;
+      EXPECT_EQ(wv, hv) << "k=" << k;
+      // Caches already in device memory, ordered with a caller's stream.
+      auto keys = shadow.allocate(rows * XW * 4), values = shadow.allocate(rows * XW * 4),
+           pos = shadow.allocate(rows * 8), ok = shadow.allocate(rows * YW * 4), ov = shadow.allocate(rows * YW * 4);
+      shadow.copy_from_host(c.cache.keys.data(), rows * XW * 4, keys->data);
+      shadow.copy_from_host(c.cache.values.data(), rows * XW * 4, values->data);
+      shadow.copy_from_host(c.cache.positions.data(), rows * 4, pos->data);
+      shadow.copy_from_host(c.target_positions.data(), rows * 4, pos->as<int32_t>() + rows);
+      int user_stream = 0;
+      rt.apply({keys->as<float>(), values->as<float>(), pos->as<int32_t>(), pos->as<int32_t>() + rows, rows,
+                ok->as<float>(), ov->as<float>()},
+               &user_stream);
+      shadow.copy_to_host(ok->data, rows * YW * 4, dk.data());
+      shadow.copy_to_host(ov->data, rows * YW * 4, dv.data());
+      EXPECT_EQ(wk, dk) << "k=" << k;
+      EXPECT_EQ(wv, dv) << "k=" << k;
+      EXPECT_EQ(shadow.stream_waits, 1);
+      EXPECT_EQ(shadow.stream_signals, 1);
+      EXPECT_EQ(shadow.last_stream, &user_stream);
+    }
+    EXPECT_EQ(shadow.live_allocations(), 0) << "the transfer's weights and scratch are released with it";
+  }
+}
+
 // The device's free memory caps the moments per rank: a device with room for the probe blocks but not for every
 // block gets a two-pass fit (the same artifacts as the CPU's two-pass fit); one too small even for the inputs is
 // refused at once, naming the setting.
@@ -1179,6 +1325,98 @@ TEST_F(Cuda, LayerDiagnosticsMatchTheCpu) {
 }
 
 // The residual MLP's forward and gradient through cuBLAS against the CPU's.
+// The serving apply on the GPU against the CPU's Transfer (fp32 products in another order: a tolerance relative to
+// the output's scale), for every k and with residual MLPs, from host arrays and from device memory on a caller's
+// stream; RoPE on the device equals the host's bit for bit.
+TEST_F(Cuda, ServingApplyMatchesTheCpu) {
+  for (const std::string k : {"1", "2", "all"}) {
+    TempDir dir;
+    const std::string mapper = fitted_mapper(dir, k);
+    const ServingCase c = serving_case(dir.str());
+    const int64_t rows = c.cache.tokens;
+    Transfer want_tr(mapper, *cpu_);
+    ResidentTransfer rt(mapper, *gpu_);
+    const int64_t XW = int64_t{rt.source().n_layers} * rt.source().features_per_layer(),
+                  YW = int64_t{rt.target().n_layers} * rt.target().features_per_layer();
+    std::vector<float> wk(rows * YW), wv(rows * YW), hk(rows * YW), hv(rows * YW), dk(rows * YW), dv(rows * YW);
+    want_tr.apply(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(), c.target_positions.data(),
+                  rows, wk.data(), wv.data());
+    rt.apply_host(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(), c.target_positions.data(),
+                  rows, hk.data(), hv.data());
+    auto keys = gpu_->allocate(rows * XW * 4), values = gpu_->allocate(rows * XW * 4), pos = gpu_->allocate(rows * 8),
+         ok = gpu_->allocate(rows * YW * 4), ov = gpu_->allocate(rows * YW * 4);
+    gpu_->copy_from_host(c.cache.keys.data(), rows * XW * 4, keys->data);
+    gpu_->copy_from_host(c.cache.values.data(), rows * XW * 4, values->data);
+    gpu_->copy_from_host(c.cache.positions.data(), rows * 4, pos->data);
+    gpu_->copy_from_host(c.target_positions.data(), rows * 4, pos->as<int32_t>() + rows);
+    rt.apply({keys->as<float>(), values->as<float>(), pos->as<int32_t>(), pos->as<int32_t>() + rows, rows,
+              ok->as<float>(), ov->as<float>()},
+             static_cast<void*>(nullptr));  // the legacy default stream
+    gpu_->copy_to_host(ok->data, rows * YW * 4, dk.data());
+    gpu_->copy_to_host(ov->data, rows * YW * 4, dv.data());
+    const float scale = std::max(1.0f, max_abs(wk));
+    for (size_t i = 0; i < wk.size(); ++i) {
+      ASSERT_NEAR(hk[i], wk[i], 1e-4f * scale) << "k=" << k << " keys " << i;
+      ASSERT_NEAR(hv[i], wv[i], 1e-4f * scale) << "k=" << k << " values " << i;
+    }
+    EXPECT_EQ(hk, dk) << "k=" << k << ": host arrays and device memory give the same bits";
+    EXPECT_EQ(hv, dv) << "k=" << k;
+  }
+  // RoPE (strip and apply, both conventions, an attention factor) on the device: the host's bits.
+  for (const char* type : {"default", "yarn"})
+    for (const auto conv : {RopeConvention::half, RopeConvention::interleaved}) {
+      KvSpec s;
+      s.n_layers = 2, s.n_kv_heads = 3, s.head_dim = 16;
+      s.rope.type = type, s.rope.theta = 1e4, s.rope.rotary_dim = 12, s.rope.convention = conv;
+      if (std::string(type) == "yarn") s.rope.factor = 4, s.rope.original_max_position_embeddings = 64;
+      const Rope rope(s);
+      const int64_t rows = 33, heads = 6, n = rows * heads * 16;
+      std::vector<int32_t> pos(rows);
+      for (int64_t t = 0; t < rows; ++t) pos[t] = static_cast<int32_t>(t * 37 % 4096);
+      for (bool strip : {false, true}) {
+        std::vector<float> host = random_rows(n, 5, 0.0f), dev(n);
+        auto x = gpu_->allocate(n * 4), p = gpu_->allocate(rows * 4);
+        gpu_->copy_from_host(host.data(), n * 4, x->data);
+        gpu_->copy_from_host(pos.data(), rows * 4, p->data);
+        gpu_->rope_rows(rope, strip, x->as<float>(), rows, heads, p->as<int32_t>());
+        gpu_->copy_to_host(x->data, n * 4, dev.data());
+        cpu_->rope_rows(rope, strip, host.data(), rows, heads, pos.data());
+        EXPECT_EQ(host, dev) << type << (strip ? " strip" : " apply");
+      }
+    }
+}
+
+TEST_F(Cuda, ServingApplyWithResidualMlpsMatchesTheCpu) {
+  TempDir dir;
+  const std::string mapper = fitted_mapper(dir, "2");
+  // Every layer gets a residual MLP (hidden 8) for both kinds.
+  MapperManifest m = read_mapper_manifest(mapper);
+  std::vector<MapperLayer> layers;
+  for (int l = 0; l < m.target.n_layers; ++l) {
+    MapperLayer w = load_mapper_layer(m, l);
+    const MlpShape sh{static_cast<int64_t>(w.source_layers.size()) * m.source.features_per_layer(), 8,
+                      m.target.features_per_layer()};
+    w.mlp_k = MlpParams::initial(sh, 10 + l), w.mlp_v = MlpParams::initial(sh, 20 + l);
+    for (auto* p : {&w.mlp_k, &w.mlp_v})
+      for (int64_t i = 0; i < sh.hidden * sh.out; ++i) p->w3()[i] = 0.05f * static_cast<float>((i % 7) - 3);
+    layers.push_back(std::move(w));
+  }
+  std::vector<MapperLayer> copy = layers;
+  ResidentTransfer on_cpu(m, std::move(copy), *cpu_), on_gpu(m, std::move(layers), *gpu_);
+  const ServingCase c = serving_case(dir.str());
+  const int64_t rows = c.cache.tokens, YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
+  std::vector<float> wk(rows * YW), wv(rows * YW), gk(rows * YW), gv(rows * YW);
+  on_cpu.apply_host(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(), c.target_positions.data(),
+                    rows, wk.data(), wv.data());
+  on_gpu.apply_host(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(), c.target_positions.data(),
+                    rows, gk.data(), gv.data());
+  const float scale = std::max(1.0f, max_abs(wk));
+  for (size_t i = 0; i < wk.size(); ++i) {
+    ASSERT_NEAR(gk[i], wk[i], 1e-4f * scale) << "keys " << i;
+    ASSERT_NEAR(gv[i], wv[i], 1e-4f * scale) << "values " << i;
+  }
+}
+
 TEST_F(Cuda, MlpForwardAndGradientMatchTheCpu) {
   const MlpShape s{24, 16, 8};
   MlpParams p(s);
