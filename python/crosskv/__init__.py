@@ -4,9 +4,11 @@
     m = crosskv.Mapper("out/k4")                      # a mapper folder written by crosskv-fit
     tk, tv = m.transfer(keys, values, positions)      # [tokens, Ls, Hs, Ds] -> [tokens, Lt, Ht, Dt]
 
-numpy arrays and torch tensors go in (CPU tensors without a copy; others are copied to the host and the results
-copied back to their device); the same kind comes out. `crosskv.hf.transfer_cache` turns a Hugging Face source
-cache into the target model's DynamicCache.
+numpy arrays and torch tensors go in and the same kind comes out. CPU float32 tensors are read without a copy. With
+`Mapper(path, device="cuda")` the weights live on the GPU and CUDA tensors stay there: read and written in place
+(DLPack), ordered on torch's current stream, never through the host. A batch of sequences is [batch, seq, L, H, D]
+(or the tokens stacked, each with its own position). `crosskv.hf.transfer_cache` turns a Hugging Face source cache
+into the target model's DynamicCache.
 """
 import numpy as np
 
@@ -20,10 +22,13 @@ def _is_torch(x):
 
 
 class Mapper:
-    """A mapper folder (`k<K>/`): its weights resident for the object's lifetime (resident=False reads one target
-    layer at a time), every layer file's SHA-256 checked when first read."""
+    """A mapper folder (`k<K>/`) on `device` ("cpu", "cuda", "cuda:N"). resident=True (the default) keeps every layer's
+    weights in the device's memory for the object's lifetime and maps all target layers in one call; resident=False
+    reads one target layer at a time (for a mapper larger than memory). Every layer file's SHA-256 is checked when
+    first read."""
 
     def __init__(self, path, device="cpu", resident=True, verify=True):
+        self.device = device
         self._m = _Mapper(str(path), device, resident, verify)
 
     source = property(lambda self: self._m.source, doc="the source model's kv_spec (layers, heads, dims, rope)")
@@ -33,30 +38,77 @@ class Mapper:
     k = property(lambda self: self._m.k, doc="source layers per target layer")
     source_layers = property(lambda self: self._m.source_layers, doc="per target layer, the source layers it reads")
     backend = property(lambda self: self._m.backend)
+    weight_bytes = property(lambda self: self._m.weight_bytes, doc="bytes of weights resident on the device")
 
     def transfer(self, keys, values, positions, target_positions=None):
-        """keys, values: [tokens, Ls, Hs, Ds] as the source model caches them (keys post-RoPE at `positions`).
-        Returns the target's (keys, values) [tokens, Lt, Ht, Dt], keys post-RoPE at `target_positions` (default:
-        the same positions). Tokens are independent: a batch of sequences is their tokens stacked, each with its
-        own position."""
-        torch_in = _is_torch(keys)
-        if torch_in:
-            import torch
+        """keys, values: [tokens, Ls, Hs, Ds] or [batch, seq, Ls, Hs, Ds] as the source model caches them (keys
+        post-RoPE at `positions`: [tokens], or [seq] or [batch, seq] for a batch). Returns the target's (keys, values)
+        of the same leading shape with [Lt, Ht, Dt] last, keys post-RoPE at `target_positions` (default: the same
+        positions). Tokens are independent: each is mapped at its own position."""
+        s = self.source
+        if keys.ndim not in (4, 5):
+            raise MapperError(f"keys: expected [tokens, {s['n_layers']}, {s['n_kv_heads']}, {s['head_dim']}] or "
+                              f"[batch, seq, ...], got {tuple(keys.shape)}")
+        lead = tuple(keys.shape[:-3])
+        rows = 1
+        for d in lead:
+            rows *= int(d)
+        if tuple(values.shape[:-3]) != lead:
+            raise MapperError(f"values: expected the keys' leading shape {lead}, got {tuple(values.shape)}")
 
-            device = keys.device
-            k = keys.detach().to("cpu", torch.float32).contiguous()
-            v = values.detach().to("cpu", torch.float32).contiguous()
-            p = torch.as_tensor(positions).to("cpu", torch.int32).contiguous()
-            tp = p if target_positions is None else torch.as_tensor(target_positions).to("cpu", torch.int32).contiguous()
+        def positions_of(p):
+            if _is_torch(keys):
+                import torch
+
+                p = torch.as_tensor(p)
+            else:
+                p = np.asarray(p)
+            batch_of_seq = len(lead) == 2 and tuple(p.shape) == lead[1:]
+            if tuple(p.shape) != lead and not batch_of_seq:
+                raise MapperError(f"positions: expected {list(lead)} (one per token)"
+                                  f"{' or [seq]' if len(lead) == 2 else ''}, got {list(p.shape)}")
+            if batch_of_seq:  # the same positions for every sequence of the batch
+                p = p.expand(*lead) if _is_torch(keys) else np.broadcast_to(p, lead)
+            return p.reshape(rows)
+
+        src_pos = positions_of(positions)
+        tgt_pos = src_pos if target_positions is None else positions_of(target_positions)
+        k4 = keys.reshape(rows, *keys.shape[-3:])
+        v4 = values.reshape(rows, *values.shape[-3:])
+        if _is_torch(keys):
+            out_k, out_v = self._transfer_torch(k4, v4, src_pos, tgt_pos)
         else:
-            k = np.ascontiguousarray(keys, dtype=np.float32)
-            v = np.ascontiguousarray(values, dtype=np.float32)
-            p = np.ascontiguousarray(positions, dtype=np.int32)
-            tp = p if target_positions is None else np.ascontiguousarray(target_positions, dtype=np.int32)
+            out_k, out_v = self._m.transfer(np.ascontiguousarray(k4, dtype=np.float32),
+                                            np.ascontiguousarray(v4, dtype=np.float32),
+                                            np.ascontiguousarray(src_pos, dtype=np.int32),
+                                            np.ascontiguousarray(tgt_pos, dtype=np.int32))
+        return out_k.reshape(*lead, *out_k.shape[1:]), out_v.reshape(*lead, *out_v.shape[1:])
+
+    def _transfer_torch(self, keys, values, src_pos, tgt_pos):
+        import torch
+
+        if keys.is_cuda and self._m.resident and self._m.backend.startswith("cuda"):
+            # On the GPU throughout: float32 contiguous views (a copy only where the cache is another dtype or
+            # layout), outputs allocated by torch on the same device, the work ordered on torch's stream.
+            dev = keys.device
+            f32 = lambda x: x.detach().to(dev, torch.float32).contiguous()
+            i32 = lambda x: torch.as_tensor(x).to(dev, torch.int32).contiguous()
+            k, v, p = f32(keys), f32(values), i32(src_pos)
+            tp = p if tgt_pos is src_pos else i32(tgt_pos)
+            t = self.target
+            shape = (k.shape[0], t["n_layers"], t["n_kv_heads"], t["head_dim"])
+            out_k = torch.empty(shape, dtype=torch.float32, device=dev)
+            out_v = torch.empty(shape, dtype=torch.float32, device=dev)
+            self._m.transfer_into(k, v, p, tp, out_k, out_v, torch.cuda.current_stream(dev).cuda_stream)
+            return out_k, out_v
+        # Host arrays: CPU float32 tensors without a copy; others through the host and back to their device.
+        device = keys.device
+        k = keys.detach().to("cpu", torch.float32).contiguous()
+        v = values.detach().to("cpu", torch.float32).contiguous()
+        p = torch.as_tensor(src_pos).to("cpu", torch.int32).contiguous()
+        tp = p if tgt_pos is src_pos else torch.as_tensor(tgt_pos).to("cpu", torch.int32).contiguous()
         out_k, out_v = self._m.transfer(k, v, p, tp)
-        if torch_in:
-            return torch.from_numpy(out_k).to(device), torch.from_numpy(out_v).to(device)
-        return out_k, out_v
+        return torch.from_numpy(out_k).to(device), torch.from_numpy(out_v).to(device)
 
     def __repr__(self):
         s, t = self.source, self.target

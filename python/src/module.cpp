@@ -1,6 +1,8 @@
-// crosskv._crosskv: the apply layer (apply/transfer) for Python. Arrays in are float32/int32 C-contiguous CPU arrays
-// of any framework that speaks DLPack or the buffer protocol (numpy, torch CPU tensors: zero-copy); arrays out are
-// numpy arrays that own their memory. The GIL is released while a transfer runs.
+// crosskv._crosskv: the apply layer (apply/resident, apply/transfer) for Python. transfer(): float32/int32
+// C-contiguous CPU arrays of any framework that speaks DLPack or the buffer protocol (numpy, torch CPU tensors:
+// zero-copy) in, numpy arrays that own their memory out. transfer_into(): CUDA arrays (DLPack: torch, CuPy, JAX)
+// in and out, read and written in place on the mapper's GPU, ordered on the caller's stream. The GIL is released
+// while a transfer runs.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -8,9 +10,12 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 
+#include "apply/resident.hpp"
 #include "apply/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/error.hpp"
@@ -24,6 +29,29 @@ namespace {
 using Cache = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
 using Positions = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using Out = nb::ndarray<nb::numpy, float, nb::ndim<4>>;
+using DeviceCache = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cuda>;
+using DeviceOut = nb::ndarray<float, nb::ndim<4>, nb::c_contig, nb::device::cuda>;
+using DevicePositions = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cuda>;
+
+std::string shape_of(size_t n, const size_t* shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// InputError unless `a` is [rows, L, H, D] of spec `s`.
+template <class A>
+void check_cache(const char* name, const A& a, size_t rows, const KvSpec& s, const char* side) {
+  const size_t want[4] = {rows, static_cast<size_t>(s.n_layers), static_cast<size_t>(s.n_kv_heads),
+                          static_cast<size_t>(s.head_dim)};
+  const size_t got[4] = {a.shape(0), a.shape(1), a.shape(2), a.shape(3)};
+  if (!std::equal(want, want + 4, got)) {
+    std::string w = shape_of(4, want);
+    if (a.shape(0) == rows) w = "[tokens" + w.substr(w.find(','));  // the leading dimension is not what is wrong
+    throw InputError(std::string(name) + ": expected shape " + w + " (the mapper's " + side + "), got " +
+                     shape_of(4, got));
+  }
+}
 
 Out owned(size_t rows, const KvSpec& s) {
   const size_t shape[4] = {rows, static_cast<size_t>(s.n_layers), static_cast<size_t>(s.n_kv_heads),
@@ -33,11 +61,18 @@ Out owned(size_t rows, const KvSpec& s) {
   return Out(data, 4, shape, owner);
 }
 
-std::unique_ptr<ComputeBackend> backend_for(const std::string& device) {
-  if (device == "cpu") return make_cpu_backend();
-  if (device == "cuda") return make_cuda_backend(0);
-  if (device.rfind("cuda:", 0) == 0) return make_cuda_backend(std::stoi(device.substr(5)));
+// -1 for the CPU, else the CUDA device's index.
+int device_index(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+      device.find_first_not_of("0123456789", 5) == std::string::npos)
+    return std::stoi(device.substr(5));
   throw ConfigError("device: expected cpu, cuda or cuda:N, got \"" + device + "\"");
+}
+
+std::unique_ptr<ComputeBackend> backend_for(int index) {
+  return index < 0 ? make_cpu_backend() : make_cuda_backend(index);
 }
 
 nb::dict spec_dict(const KvSpec& s) {
@@ -47,57 +82,100 @@ nb::dict spec_dict(const KvSpec& s) {
   return d;
 }
 
-// A mapper folder (k<K>/) loaded for applying: its weights resident for the object's lifetime (on a CUDA backend in
-// device memory too) unless resident=False, each file's SHA-256 checked when first read.
+// A mapper folder (k<K>/) loaded for applying. resident: every layer's weights in the backend's memory (a GPU's for
+// cuda) for the object's lifetime, all layers in one call (ResidentTransfer); else one layer at a time (Transfer).
+// Each layer file's SHA-256 is checked when first read.
 class PyMapper {
  public:
   PyMapper(const std::string& path, const std::string& device, bool resident, bool verify)
-      : device_(device), be_(backend_for(device)) {
-    TransferOptions o;
-    o.resident = resident, o.verify = verify;
-    tr_ = std::make_unique<Transfer>(path, *be_, o);
+      : device_(device_index(device)), be_(backend_for(device_)) {
+    if (resident) {
+      resident_ = std::make_unique<ResidentTransfer>(path, *be_, verify);
+    } else {
+      TransferOptions o;
+      o.verify = verify;
+      streamed_ = std::make_unique<Transfer>(path, *be_, o);
+    }
   }
 
+  const MapperManifest& manifest() const { return resident_ ? resident_->manifest() : streamed_->manifest(); }
+
   nb::tuple transfer(const Cache& keys, const Cache& values, const Positions& src_pos, const Positions& tgt_pos) {
-    const KvSpec &s = tr_->source(), &t = tr_->target();
+    const KvSpec &s = manifest().source, &t = manifest().target;
     const size_t rows = keys.shape(0);
-    for (auto [name, a] : {std::pair{"keys", &keys}, std::pair{"values", &values}})
-      if (a->shape(0) != rows || a->shape(1) != static_cast<size_t>(s.n_layers) ||
-          a->shape(2) != static_cast<size_t>(s.n_kv_heads) || a->shape(3) != static_cast<size_t>(s.head_dim))
-        throw InputError(std::string(name) + ": expected shape [tokens, " + std::to_string(s.n_layers) + ", " +
-                         std::to_string(s.n_kv_heads) + ", " + std::to_string(s.head_dim) +
-                         "] (the mapper's source), got [" + std::to_string(a->shape(0)) + ", " +
-                         std::to_string(a->shape(1)) + ", " + std::to_string(a->shape(2)) + ", " +
-                         std::to_string(a->shape(3)) + "]");
-    if (src_pos.shape(0) != rows || tgt_pos.shape(0) != rows)
-      throw InputError("positions: expected " + std::to_string(rows) + " (one per token), got " +
-                       std::to_string(src_pos.shape(0)) + " and " + std::to_string(tgt_pos.shape(0)));
+    check_cache("keys", keys, rows, s, "source");
+    check_cache("values", values, rows, s, "source");
+    check_positions(src_pos.shape(0), tgt_pos.shape(0), rows);
     Out k = owned(rows, t), v = owned(rows, t);
     {
       nb::gil_scoped_release unlocked;
-      tr_->apply(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows), k.data(),
-                 v.data());
+      if (resident_)
+        resident_->apply_host(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
+                              k.data(), v.data());
+      else
+        streamed_->apply(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
+                         k.data(), v.data());
     }
     return nb::make_tuple(k, v);
   }
 
-  nb::dict source() const { return spec_dict(tr_->source()); }
-  nb::dict target() const { return spec_dict(tr_->target()); }
-  std::string source_model() const { return tr_->manifest().source_model; }
-  std::string target_model() const { return tr_->manifest().target_model; }
-  int k() const { return tr_->manifest().k_count; }
-  std::string path() const { return tr_->manifest().dir; }
+  // CUDA arrays on this mapper's GPU, read and written in place; ordered after the work `stream` (a cudaStream_t
+  // as an integer: torch.cuda.current_stream().cuda_stream) holds now, and the stream's later work after it.
+  void transfer_into(const DeviceCache& keys, const DeviceCache& values, const DevicePositions& src_pos,
+                     const DevicePositions& tgt_pos, DeviceOut& out_keys, DeviceOut& out_values, uintptr_t stream) {
+    if (device_ < 0 || !resident_)
+      throw InputError(std::string("keys: CUDA arrays need a resident mapper on their GPU (Mapper(path, "
+                                   "device='cuda:N')); this one is ") +
+                       (device_ < 0 ? "on the CPU" : "not resident"));
+    for (auto [name, id] : {std::pair{"keys", keys.device_id()}, std::pair{"values", values.device_id()},
+                            std::pair{"source_positions", src_pos.device_id()},
+                            std::pair{"target_positions", tgt_pos.device_id()},
+                            std::pair{"out_keys", out_keys.device_id()},
+                            std::pair{"out_values", out_values.device_id()}})
+      if (id != device_)
+        throw InputError(std::string(name) + ": on cuda:" + std::to_string(id) + ", the mapper is on cuda:" +
+                         std::to_string(device_));
+    const KvSpec &s = manifest().source, &t = manifest().target;
+    const size_t rows = keys.shape(0);
+    check_cache("keys", keys, rows, s, "source");
+    check_cache("values", values, rows, s, "source");
+    check_cache("out_keys", out_keys, rows, t, "target");
+    check_cache("out_values", out_values, rows, t, "target");
+    check_positions(src_pos.shape(0), tgt_pos.shape(0), rows);
+    ResidentBatch b;
+    b.keys = keys.data(), b.values = values.data(), b.rows = static_cast<int64_t>(rows);
+    b.source_positions = src_pos.data(), b.target_positions = tgt_pos.data();
+    b.out_keys = out_keys.data(), b.out_values = out_values.data();
+    nb::gil_scoped_release unlocked;
+    resident_->apply(b, reinterpret_cast<void*>(stream));
+  }
+
+  nb::dict source() const { return spec_dict(manifest().source); }
+  nb::dict target() const { return spec_dict(manifest().target); }
+  std::string source_model() const { return manifest().source_model; }
+  std::string target_model() const { return manifest().target_model; }
+  int k() const { return manifest().k_count; }
+  std::string path() const { return manifest().dir; }
   std::string backend() const { return be_->name(); }
+  bool resident() const { return resident_ != nullptr; }
+  int64_t weight_bytes() const { return resident_ ? resident_->weight_bytes() : 0; }
   std::vector<std::vector<int>> source_layers() const {
     std::vector<std::vector<int>> out;
-    for (const auto& e : tr_->manifest().layers) out.push_back(e.source_layers);
+    for (const auto& e : manifest().layers) out.push_back(e.source_layers);
     return out;
   }
 
  private:
-  std::string device_;
+  static void check_positions(size_t src, size_t tgt, size_t rows) {
+    if (src != rows || tgt != rows)
+      throw InputError("positions: expected " + std::to_string(rows) + " (one per token), got " +
+                       std::to_string(src) + " and " + std::to_string(tgt));
+  }
+
+  int device_;
   std::unique_ptr<ComputeBackend> be_;
-  std::unique_ptr<Transfer> tr_;
+  std::unique_ptr<ResidentTransfer> resident_;
+  std::unique_ptr<Transfer> streamed_;
 };
 
 }  // namespace
@@ -117,6 +195,9 @@ NB_MODULE(_crosskv, m) {
            "keys, values: float32 [tokens, Ls, Hs, Ds] as the source caches them (keys post-RoPE at "
            "source_positions); returns the target's (keys, values) [tokens, Lt, Ht, Dt], keys post-RoPE at "
            "target_positions")
+      .def("transfer_into", &PyMapper::transfer_into, "keys"_a, "values"_a, "source_positions"_a,
+           "target_positions"_a, "out_keys"_a, "out_values"_a, "stream"_a = 0,
+           "CUDA arrays on the mapper's GPU: transfer() in place, ordered on `stream` (a cudaStream_t as an int)")
       .def_prop_ro("source", &PyMapper::source)
       .def_prop_ro("target", &PyMapper::target)
       .def_prop_ro("source_model", &PyMapper::source_model)
@@ -124,5 +205,7 @@ NB_MODULE(_crosskv, m) {
       .def_prop_ro("k", &PyMapper::k)
       .def_prop_ro("path", &PyMapper::path)
       .def_prop_ro("backend", &PyMapper::backend)
+      .def_prop_ro("resident", &PyMapper::resident)
+      .def_prop_ro("weight_bytes", &PyMapper::weight_bytes)
       .def_prop_ro("source_layers", &PyMapper::source_layers);
 }

@@ -70,10 +70,46 @@ for mapper in ("ridge", "mlp"):
                                                   pos + 7)
     check(np.abs(shifted_k - want_shift).max() / np.abs(want_shift).max() < 1e-5,
           f"{mapper}: target positions of their own (keys rotated there)")
+    # The streamed mapper (one layer at a time) and the resident one (all layers in one call) agree bit for bit.
+    sk, sv = crosskv.Mapper(f"out-{mapper}/k2", resident=False).transfer(keys, values, pos)
+    check(np.array_equal(sk, got_k) and np.array_equal(sv, got_v) and m.weight_bytes > 0,
+          f"{mapper}: resident ({m.weight_bytes} bytes of weights) and streamed mappers give the same bits")
+    # A batch of sequences [batch, seq, L, H, D], positions [batch, seq] or [seq]: the stacked tokens' results.
+    B = 4
+    T = keys.shape[0] // B
+    kb, vb = keys.reshape(B, T, 3, 2, 16), values.reshape(B, T, 3, 2, 16)
+    bk, bv = m.transfer(kb, vb, pos.reshape(B, T))
+    check(bk.shape == (B, T, 4, 2, 16) and np.array_equal(bk.reshape(got_k.shape), got_k)
+          and np.array_equal(bv.reshape(got_v.shape), got_v), f"{mapper}: a batch [{B}, {T}, ...], positions [{B}, {T}]")
+    seq_k, _ = m.transfer(kb, vb, np.arange(T))
+    one_k, _ = m.transfer(keys[T:2 * T], values[T:2 * T], np.arange(T))
+    err = np.abs(seq_k[1] - one_k).max() / np.abs(one_k).max()  # BLAS blocks rows of another count differently
+    check(err < 2e-6, f"{mapper}: a batch with positions [seq], each sequence as if alone (rel. error {err:.1e})")
+    if torch.cuda.is_available() and crosskv.cuda_compiled_in:
+        g = crosskv.Mapper(f"out-{mapper}/k2", device="cuda")
+        ck, cv = torch.from_numpy(keys).cuda(), torch.from_numpy(values).cuda()
+        before = ck.clone()
+        gk, gv = g.transfer(ck, cv, torch.from_numpy(pos).cuda())
+        torch.cuda.synchronize()
+        err = max((gk.cpu() - torch.from_numpy(got_k)).abs().max().item() / np.abs(got_k).max(),
+                  (gv.cpu() - torch.from_numpy(got_v)).abs().max().item() / np.abs(got_v).max())
+        check(gk.is_cuda and gv.is_cuda and torch.equal(ck, before) and err < 1e-4,
+              f"{mapper}: CUDA tensors stay on the GPU ({g.backend}), the source cache untouched, the CPU's result "
+              f"(max rel. error {err:.1e})")
+        hk, _ = g.transfer(keys, values, pos)  # host arrays through the GPU mapper
+        check(np.abs(hk - gk.cpu().numpy()).max() == 0, f"{mapper}: host arrays through the GPU mapper, the same bits")
+    else:
+        print(f"skip {mapper}: CUDA tensors on a GPU mapper (no CUDA device, or the package was built without CUDA)")
 m = crosskv.Mapper("out-ridge/k2", resident=False)
 check("k=2" in repr(m) and m.k == 2 and len(m.source_layers) == 4, f"repr and properties: {m!r}")
 for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expected shape [tokens, 3, 2, 16]"),
                    (lambda: m.transfer(keys, values, pos[:5]), "positions: expected"),
+                   (lambda: m.transfer(keys[0], values[0], pos), "keys: expected [tokens, 3, 2, 16] or [batch, seq"),
+                   (lambda: m.transfer(keys.reshape(4, -1, 3, 2, 16), values, pos), "values: expected the keys' "
+                    "leading shape (4, 128)"),
+                   (lambda: m.transfer(keys.reshape(4, -1, 3, 2, 16), values.reshape(4, -1, 3, 2, 16), pos[:7]),
+                    "positions: expected [4, 128] (one per token) or [seq], got [7]"),
+                   (lambda: crosskv.Mapper("out-ridge/k2", device="cuda:x"), "device: expected cpu, cuda or cuda:N"),
                    (lambda: crosskv.Mapper("nonexistent"), "nonexistent/manifest.json"),
                    (lambda: crosskv.Mapper("out-ridge/k2", device="tpu"), "device: expected cpu, cuda or cuda:N")):
     try:
