@@ -2,6 +2,11 @@
 // and values, 2 x [8192 x 1024] fp32 weights = 64 MiB), against the memory-bandwidth bound of streaming that
 // layer's weights once per batch, with the bandwidth measured in the same run. Prints one JSON object.
 //   crosskv-bench-apply [cpu|cuda] [k] [resident]   (resident: weights kept on the backend, as for serving)
+// The serving apply (issue 16): a Qwen3-14B -> 32B-shaped mapper (40 x 8 x 128 -> Lt x 8 x 128, k source layers per
+// target layer), every target layer in one ResidentTransfer call on caches in the backend's memory, against the
+// same mapper applied as before (Transfer's per-layer loop on host arrays, weights kept) and through host arrays,
+// in the same run; the roofline from the backend's own copy bandwidth and GEMM peak, measured in the same run.
+//   crosskv-bench-apply [cpu|cuda] serving [Lt=8] [k=4] [tf32]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +19,7 @@
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
+#include "apply/resident.hpp"
 #include "apply/transfer.hpp"
 
 using namespace crosskv;
@@ -43,10 +49,138 @@ double read_bandwidth(size_t bytes) {
   return best;
 }
 
+// Seconds per call of fn: best of repeats for at least `budget` seconds (at least 3 calls) after one warm-up.
+template <class Fn>
+double time_call(Fn fn, double budget = 1.0) {
+  fn();
+  double best = 1e30;
+  int reps = 0;
+  const auto t0 = Clock::now();
+  while (seconds_since(t0) < budget || reps < 3) {
+    const auto t = Clock::now();
+    fn();
+    best = std::min(best, seconds_since(t));
+    ++reps;
+  }
+  return best;
+}
+
+int serving(const std::string& device, int Lt, int k, bool tf32) {
+  auto be = device == "cuda" ? make_cuda_backend(0, 0, tf32) : make_cpu_backend();
+  const int Ls = 40, H = 8, D = 128;
+  const int64_t F = int64_t{H} * D, G = F, XW = Ls * F, YW = Lt * G, K = k * F;
+  MapperManifest m;
+  m.dir = m.path = "(in memory)";
+  m.source_model = "Qwen3-14B-shaped", m.target_model = "Qwen3-32B-shaped";
+  for (KvSpec* s : {&m.source, &m.target}) {
+    s->n_kv_heads = H, s->head_dim = D, s->rope.theta = 1e6, s->rope.rotary_dim = D;
+    s->n_q_heads = 40;
+  }
+  m.source.n_layers = Ls, m.target.n_layers = Lt, m.target.n_q_heads = 64;
+  m.k_count = k, m.dtype = "fp32";
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  std::vector<MapperLayer> layers(Lt);
+  for (int l = 0; l < Lt; ++l) {
+    MapperLayer& w = layers[l];
+    w.target_layer = l;
+    for (int j = 0; j < k; ++j) w.source_layers.push_back((j * Ls) / k + (l % std::max(1, Ls / k)));
+    for (auto* v : {&w.wk, &w.wv}) {
+      v->resize(K * G);
+      for (auto& x : *v) x = nd(rng);
+    }
+    w.bk.assign(G, 0.1f), w.bv.assign(G, -0.1f);
+    m.layers.push_back({l, w.source_layers, "", ""});
+  }
+  // Before: Transfer's per-layer loop on host arrays with the weights kept (keep_constant), host RoPE.
+  std::vector<MapperLayer> kept = layers;
+  for (auto& w : kept) {
+    be->keep_constant(w.wk.data(), static_cast<int64_t>(w.wk.size()));
+    be->keep_constant(w.wv.data(), static_cast<int64_t>(w.wv.size()));
+  }
+  ResidentTransfer rt(m, std::move(layers), *be);
+  const Rope src_rope(m.source), tgt_rope(m.target);
+  // The backend's copy bandwidth (bytes read + written) and GEMM peak, on its own memory.
+  double bw = 0, peak = 0;
+  {
+    const int64_t n = int64_t{1} << 28;  // 1 GiB
+    auto a = be->allocate(n), b = be->allocate(n);
+    const double s = time_call([&] { be->copy_within(a->data, n, b->data), be->synchronize(); }, 0.5);
+    bw = 2.0 * n / s;
+    const int64_t q = 4096;
+    auto A = be->allocate(q * q * 4), B = be->allocate(q * q * 4), C = be->allocate(q * q * 4);
+    std::vector<float> fill(q * q, 0.01f);
+    for (auto* x : {&A, &B, &C}) be->copy_from_host(fill.data(), q * q * 4, (*x)->data);
+    DenseMaths::BatchedGemm g;
+    g.m = g.n = g.k = q, g.A = A->as<float>(), g.lda = q, g.B = B->as<float>(), g.ldb = q, g.C = C->as<float>(),
+    g.ldc = q;
+    const double t = time_call([&] { be->resident_gemm(g), be->synchronize(); }, 0.5);
+    peak = 2.0 * q * q * q / t;
+  }
+  const double weight_bytes = static_cast<double>(rt.weight_bytes());
+  std::printf("{\"backend\": \"%s\", \"mapper\": \"40x8x128 -> %dx8x128, k=%d, fp32 weights %.0f MiB\", "
+              "\"copy_bandwidth_GBps\": %.1f, \"gemm_peak_gflops\": %.1f, \"batches\": [",
+              be->name().c_str(), Lt, k, weight_bytes / (1 << 20), bw / 1e9, peak / 1e9);
+  bool first = true;
+  for (int64_t T : {1, 64, 512, 4096}) {
+    std::vector<float> Xk(T * XW), Xv(T * XW), Yk(T * YW), Yv(T * YW);
+    for (auto& x : Xk) x = nd(rng);
+    for (auto& x : Xv) x = nd(rng);
+    std::vector<int32_t> pos(T);
+    for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t);
+    auto dk = be->allocate(T * XW * 4), dv = be->allocate(T * XW * 4), dp = be->allocate(T * 4),
+         ok = be->allocate(T * YW * 4), ov = be->allocate(T * YW * 4);
+    be->copy_from_host(Xk.data(), T * XW * 4, dk->data);
+    be->copy_from_host(Xv.data(), T * XW * 4, dv->data);
+    be->copy_from_host(pos.data(), T * 4, dp->data);
+    const ResidentBatch b{dk->as<float>(), dv->as<float>(), dp->as<int32_t>(), dp->as<int32_t>(), T, ok->as<float>(),
+                          ov->as<float>()};
+    const double resident = time_call([&] { rt.apply(b), be->synchronize(); });
+    const double host = time_call([&] {
+      rt.apply_host(Xk.data(), Xv.data(), pos.data(), pos.data(), T, Yk.data(), Yv.data());
+    });
+    std::vector<float> content, scratch;
+    const double before = time_call([&] {
+      content.assign(Xk.begin(), Xk.end());
+      src_rope.strip_block(content.data(), T, int64_t{Ls} * H, pos.data());
+      for (const auto& w : kept) {
+        map_one_layer(*be, content.data(), XW, w.source_layers, F, w.wk.data(), w.bk.data(), G, T,
+                      Yk.data() + w.target_layer * G, YW, scratch);
+        map_one_layer(*be, Xv.data(), XW, w.source_layers, F, w.wv.data(), w.bv.data(), G, T,
+                      Yv.data() + w.target_layer * G, YW, scratch);
+      }
+      tgt_rope.apply_block(Yk.data(), T, int64_t{Lt} * H, pos.data());
+    });
+    // Bytes the resident call must move at least: the weights once, the caches in (keys twice: the RoPE-stripped
+    // copy), the gathered columns written and read per kind and layer (k > 1), the outputs written and RoPE'd.
+    const double cache_bytes = 4.0 * T * (3.0 * XW + 2.0 * YW + YW + (k > 1 ? 2.0 * 2 * K * Lt : 0.0));
+    const double flops = 2.0 * 2.0 * K * G * Lt * T;
+    const double roof = std::max((weight_bytes + cache_bytes) / bw, flops / peak);
+    std::printf("%s{\"tokens\": %lld, \"resident_ms\": %.3f, \"host_arrays_ms\": %.3f, \"before_ms\": %.3f, "
+                "\"resident_tokens_per_s\": %.0f, \"speedup_vs_before\": %.2f, \"speedup_vs_host_arrays\": %.2f, "
+                "\"roofline_ms\": %.3f, \"of_roofline\": %.3f, \"bound\": \"%s\", \"gflops\": %.1f}",
+                first ? "" : ", ", static_cast<long long>(T), resident * 1e3, host * 1e3, before * 1e3, T / resident,
+                before / resident, host / resident, roof * 1e3, roof / resident,
+                (weight_bytes + cache_bytes) / bw > flops / peak ? "bandwidth" : "compute", flops / resident / 1e9);
+    first = false;
+  }
+  std::printf("]}\n");
+  for (auto& w : kept) be->forget_constant(w.wk.data()), be->forget_constant(w.wv.data());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string device = argc > 1 ? argv[1] : "cpu";
+  if (argc > 2 && std::string(argv[2]) == "serving") {
+    if (device == "cuda" && (!cuda_compiled_in() || cuda_device_count() == 0)) {
+      std::printf("SKIPPED: no CUDA device\n");
+      return 77;
+    }
+    return serving(device, argc > 3 ? std::atoi(argv[3]) : 8, argc > 4 ? std::atoi(argv[4]) : 4,
+                   argc > 5 && std::string(argv[5]) == "tf32");
+  }
   const int k = argc > 2 ? std::atoi(argv[2]) : 8;
   // "resident": the weights are kept on the backend (keep_constant, as a resident Transfer does for serving).
   const bool resident = argc > 3 && std::string(argv[3]) == "resident";
