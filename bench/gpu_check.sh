@@ -15,6 +15,12 @@
 #                 eval_gpu.json (issue 14's eval of one Qwen3-32B layer and the MLP's training rate, on the GPU),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
+# Issue 16 (serving): STEPS="test serving" in one call, then STEPS=python in another (about 4 + 6 minutes):
+#                 serving_gpu.json (crosskv-bench-apply cuda serving: the resident apply of a 14B -> 32B-shaped
+#                 mapper, 64 target layers, k = 4 fp32 and tf32, k = all tf32, against the per-layer loop and host
+#                 arrays), package_gpu.log (tests/python/test_package.py with CUDA tensors on a GPU mapper),
+#                 paper_gpu.json / .md (bench/transfer_vs_prefill.py --paper on the GPU: bf16 prefill of the real
+#                 target configs against the transfer; PAPER_DEPTHS, PAPER_MAPPER_DEPTHS, PAPER_CONTEXTS).
 # env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply eval fit tf32"),
 #      FIT_K (the fit's k list, default "1, 2, 4, 8, all"; e.g. TOKENS=16384 FIT_K=1 times a pass at 8-GPU scale).
 # Then, here: bench/project.py OUT [OUT2]   (8 GPUs x 128K tokens from the benchmark and the fit log; see its --help)
@@ -99,6 +105,30 @@ YAML
 grep -E "flops:|memory:|== |pass [0-9]|factored|solve:|summary|\]   [a-z+-]+ +[0-9.]+ s|error|warn" "$OUT/fit_gpu.log" |
   sed 's/^\[[^]]*\] //' | tail -40 >> "$S"
 tail -1 "$OUT/fit_gpu.log" >> "$S"
+fi
+
+if want serving; then  # issue 16: the serving apply (all 64 target layers of a 14B -> 32B-shaped mapper, caches on the GPU)
+  step serving_gpu 150 "$B/bin/crosskv-bench-apply" cuda serving 64 4 > "$OUT/serving_gpu.json" 2> "$E"
+  step serving_gpu_tf32 100 "$B/bin/crosskv-bench-apply" cuda serving 64 4 tf32 >> "$OUT/serving_gpu.json" 2>> "$E"
+  step serving_gpu_kall 150 "$B/bin/crosskv-bench-apply" cuda serving 64 40 tf32 >> "$OUT/serving_gpu.json" 2>> "$E"
+  note "  $(cat "$OUT/serving_gpu.json") $(tail -3 "$E")"
+fi
+
+if want python; then  # issue 16: the package on the GPU (CUDA tensors in place), and transfer vs prefill at real shapes
+  if [ -d "$B/python/crosskv" ]; then
+    export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
+    R=$(cd "$(dirname "$0")/.." && pwd)
+    CROSSKV_SYNTH=$B/bin/crosskv-synth step package_gpu 200 python3 "$R/tests/python/test_package.py" "$W/pkg" \
+      "$B/bin/crosskv-synth" "$B/bin/crosskv-fit" "$B/bin/crosskv-apply" > "$OUT/package_gpu.log" 2>&1
+    grep -E "^(ok|FAIL|skip) .*(CUDA|tf32|GPU)|check\(s\) failed|package OK" "$OUT/package_gpu.log" | sed 's/^/  /' >> "$S"
+    PYTHONUNBUFFERED=1 step paper_gpu 330 python3 "$R/bench/transfer_vs_prefill.py" --paper "$W/paper" --device cuda \
+      --tf32 --depths ${PAPER_DEPTHS:-8,16} --mapper-depths ${PAPER_MAPPER_DEPTHS:-4,16} \
+      --contexts ${PAPER_CONTEXTS:-512,2048,8192} --repeats 3 --json "$OUT/paper_gpu.json" > "$OUT/paper_gpu.md" 2> "$E"
+    cat "$OUT/paper_gpu.md" >> "$S"
+    tail -3 "$E" >> "$S"
+  else
+    note "python: the bundle has no Python package (bench/gpu_bundle.sh needs a Python 3.12 where it runs)"
+  fi
 fi
 
 if want tf32; then

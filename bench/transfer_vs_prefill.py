@@ -5,12 +5,19 @@ measured   --family WORK: the small real family of tools/family/run_family.py (i
            For contexts of 512..8K tokens: the target's own prefill (transformers, use_cache=True: the cache it
            would build) against crosskv.hf.transfer_cache of the source's cache (the source already has it in a
            handoff), each the median of --repeats runs in this process, same threads.
+paper      --paper WORK: measured at the paper's pairs' real shapes without their weights: the target model with its
+           real config and random weights (transformers), truncated to --depths decoder layers, against
+           crosskv.hf.transfer_cache of a source cache of the real shape through a random mapper of the real
+           source -> target shape (k = 4, k = all; bench/synthetic_mapper.py) with --mapper-depths target layers.
+           Two or more depths give, per context and side, a fixed and a per-layer cost (least squares), hence the
+           full depth's times: prefill(Lt) against transfer(Lt). --device cuda (bf16 model, mapper on the GPU, caches never leave it) or cpu (fp32).
 model      the paper's pairs (Qwen3 14B -> 32B, Llama 3.1 8B -> 70B): flops and bytes of the target's prefill
            (bf16 weights) against a mapper's transfer (fp32 weights, k = 4 and k = all; + residual MLPs), and the
            roofline time of both on an H100 (989 TFLOP/s bf16 dense, 495 TFLOP/s TF32, 3.35 TB/s).
 
     .venv-capture/bin/python bench/transfer_vs_prefill.py --family /tmp/fam2 --json out.json
     python3 bench/transfer_vs_prefill.py --model-only
+    .venv-capture/bin/python bench/transfer_vs_prefill.py --paper /tmp/paper --depths 1,2 --contexts 512,2048
 """
 import argparse
 import json
@@ -29,6 +36,14 @@ PAIRS = {
         dict(layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, inter=28672, vocab=128256)),
 }
 H100 = dict(bf16=989e12, tf32=495e12, hbm=3.35e12)
+# What transformers and crosskv need beyond PAIRS: the architecture and its rope (public config.json values).
+HF = {
+    "Qwen3 14B -> 32B": ("Qwen3", dict(rope_theta=1e6, max_position_embeddings=40960), dict(theta=1e6)),
+    "Llama 3.1 8B -> 70B": ("Llama", dict(rope_theta=5e5, max_position_embeddings=131072, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192)), dict(theta=5e5, rope_type="llama3", factor=8, low_freq_factor=1,
+                                                        high_freq_factor=4, original_max_position_embeddings=8192)),
+}
 
 
 def prefill_cost(c, T):
@@ -108,6 +123,101 @@ def measured(work, contexts, repeats, ks):
     return rows
 
 
+def paper_measured(work, pairs, depths, mapper_depths, contexts, repeats, device, tf32):
+    """Prefill of the real-config target (random weights, `depth` layers) against transfer_cache of a random
+    real-shape mapper with as many target layers; per pair and context, both fitted as fixed + per-layer cost."""
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import DynamicCache
+
+    import crosskv
+    import crosskv.hf
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from synthetic_mapper import kv_spec, write_mapper
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    def timed(f):
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            sync()
+            t0 = time.perf_counter()
+            f()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    points = []  # one per (pair, side, depth, tokens)
+    for name in pairs:
+        s, t = PAIRS[name]
+        arch, hf_kw, rope = HF[name]
+        src_spec = kv_spec(s["layers"], s["kv_heads"], s["head_dim"], s["q_heads"], **rope)
+        for depth in depths:  # the target's prefill, `depth` decoder layers of the real width
+            cfg = getattr(transformers, f"{arch}Config")(
+                hidden_size=t["hidden"], intermediate_size=t["inter"], num_attention_heads=t["q_heads"],
+                num_key_value_heads=t["kv_heads"], head_dim=t["head_dim"], vocab_size=t["vocab"],
+                num_hidden_layers=depth, **hf_kw)
+            torch.manual_seed(0)
+            # Made in `dtype` where it runs (a 32B model in fp32 on the host first would not fit a GPU machine's RAM).
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with torch.device(device):
+                    model = transformers.AutoModel.from_config(cfg).eval()
+            finally:
+                torch.set_default_dtype(default)
+            for T in contexts:
+                ids = torch.randint(0, t["vocab"], (1, T), device=device)
+                with torch.no_grad():
+                    points.append(dict(pair=name, side="prefill", depth=depth, tokens=T,
+                                       s=timed(lambda: model(ids, use_cache=True))))
+                print(json.dumps(points[-1]), file=sys.stderr, flush=True)
+            del model
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        caches = {}
+        for T in contexts:  # the source's cache, as the source model holds it
+            cache = DynamicCache()
+            for l in range(s["layers"]):
+                kv = [torch.randn(1, s["kv_heads"], T, s["head_dim"], device=device, dtype=dtype) for _ in "kv"]
+                cache.update(kv[0], kv[1], l)
+            caches[T] = cache
+        for depth in mapper_depths:  # the transfer into `depth` target layers
+            tgt_spec = kv_spec(depth, t["kv_heads"], t["head_dim"], t["q_heads"], **rope)
+            for label, k in (("k=4", 4), ("k=all", s["layers"])):
+                d = os.path.join(work, f"{name.split()[0]}-{label}-{depth}".replace("=", ""))
+                if not os.path.exists(os.path.join(d, "manifest.json")):
+                    write_mapper(d, src_spec, tgt_spec, k)
+                m = crosskv.Mapper(d, device=device, tf32=tf32)
+                for T in contexts:
+                    points.append(dict(pair=name, side=f"transfer {label}", depth=depth, tokens=T,
+                                       s=timed(lambda: crosskv.hf.transfer_cache(m, caches[T]))))
+                    print(json.dumps(points[-1]), file=sys.stderr, flush=True)
+                del m
+        del caches
+    # Fixed + per-layer cost per (pair, side, tokens) by least squares, extrapolated to the target's full depth.
+    rows = []
+    for name in pairs:
+        Lt = PAIRS[name][1]["layers"]
+        for T in contexts:
+            row = dict(pair=name, tokens=T, full_depth=Lt)
+            for side in ("prefill", "transfer k=4", "transfer k=all"):
+                pts = [p for p in points if p["pair"] == name and p["tokens"] == T and p["side"] == side]
+                x = np.array([p["depth"] for p in pts], dtype=float)
+                y = np.array([p["s"] for p in pts])
+                per, fixed = np.polyfit(x, y, 1) if len(set(x)) > 1 else (y[0] / x[0], 0.0)
+                row[side] = dict(depths=x.astype(int).tolist(), seconds=y.tolist(), per_layer_s=per,
+                                 fixed_s=fixed, full_s=fixed + per * Lt)
+            for label in ("k=4", "k=all"):
+                row[f"speedup {label}"] = row["prefill"]["full_s"] / row[f"transfer {label}"]["full_s"]
+            rows.append(row)
+    return dict(points=points, full=rows, device=device, dtype=str(dtype), tf32=tf32)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", help="run_family.py's WORK folder (models and mappers)")
@@ -115,7 +225,29 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--model-only", action="store_true")
+    ap.add_argument("--paper", metavar="WORK", help="measure at the paper's real shapes (random weights); mappers in WORK")
+    ap.add_argument("--pairs", default=",".join(PAIRS), help="--paper: which pairs (comma-separated)")
+    ap.add_argument("--depths", default="1,2", help="--paper: target decoder layers to time (two or more: a fit)")
+    ap.add_argument("--mapper-depths", default="2,8", help="--paper: target layers of the timed mappers")
+    ap.add_argument("--device", default="cpu", help="--paper: cpu (fp32) or cuda (bf16 model, mapper on the GPU)")
+    ap.add_argument("--tf32", action="store_true", help="--paper: the mapper's GPU products on TF32 tensor cores")
     a = ap.parse_args()
+    if a.paper:
+        res = paper_measured(a.paper, a.pairs.split(","), [int(x) for x in a.depths.split(",")],
+                             [int(x) for x in a.mapper_depths.split(",")],
+                             [int(x) for x in a.contexts.split(",")], a.repeats, a.device, a.tf32)
+        print("| pair | tokens | prefill per layer | transfer per target layer, k=4 / k=all | full depth: prefill | "
+              "transfer k=4 | transfer k=all | speed-up k=4 | speed-up k=all |\n|---|---|---|---|---|---|---|---|---|")
+        for r in res["full"]:
+            p, t4, ta = r["prefill"], r["transfer k=4"], r["transfer k=all"]
+            print(f"| {r['pair']} | {r['tokens']} | {p['per_layer_s'] * 1e3:.0f} ms | {t4['per_layer_s'] * 1e3:.2f} / "
+                  f"{ta['per_layer_s'] * 1e3:.2f} ms | {p['full_s']:.2f} s ({r['full_depth']} layers) | "
+                  f"{t4['full_s'] * 1e3:.0f} ms | {ta['full_s'] * 1e3:.0f} ms | {r['speedup k=4']:.1f}x | "
+                  f"{r['speedup k=all']:.1f}x |")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2)
+        return
     out = {"model": model_table()}
     print("| pair | tokens | mapper | prefill TFLOP | transfer TFLOP | prefill GB | transfer GB | prefill ms | "
           "transfer ms | speed-up |\n|---|---|---|---|---|---|---|---|---|---|")

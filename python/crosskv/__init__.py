@@ -25,11 +25,12 @@ class Mapper:
     """A mapper folder (`k<K>/`) on `device` ("cpu", "cuda", "cuda:N"). resident=True (the default) keeps every layer's
     weights in the device's memory for the object's lifetime and maps all target layers in one call; resident=False
     reads one target layer at a time (for a mapper larger than memory). Every layer file's SHA-256 is checked when
-    first read."""
+    first read. tf32=True lets cuBLAS run the GPU's products on TF32 tensor cores (about 7x the fp32 rate on an
+    H100, inputs rounded to 10-bit mantissas: relative errors near 1e-3 instead of 1e-6)."""
 
-    def __init__(self, path, device="cpu", resident=True, verify=True):
+    def __init__(self, path, device="cpu", resident=True, verify=True, tf32=False):
         self.device = device
-        self._m = _Mapper(str(path), device, resident, verify)
+        self._m = _Mapper(str(path), device, resident, verify, tf32)
 
     source = property(lambda self: self._m.source, doc="the source model's kv_spec (layers, heads, dims, rope)")
     target = property(lambda self: self._m.target, doc="the target model's kv_spec")

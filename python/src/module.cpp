@@ -71,8 +71,8 @@ int device_index(const std::string& device) {
   throw ConfigError("device: expected cpu, cuda or cuda:N, got \"" + device + "\"");
 }
 
-std::unique_ptr<ComputeBackend> backend_for(int index) {
-  return index < 0 ? make_cpu_backend() : make_cuda_backend(index);
+std::unique_ptr<ComputeBackend> backend_for(int index, bool tf32) {
+  return index < 0 ? make_cpu_backend() : make_cuda_backend(index, 0, tf32);
 }
 
 nb::dict spec_dict(const KvSpec& s) {
@@ -87,8 +87,8 @@ nb::dict spec_dict(const KvSpec& s) {
 // Each layer file's SHA-256 is checked when first read.
 class PyMapper {
  public:
-  PyMapper(const std::string& path, const std::string& device, bool resident, bool verify)
-      : device_(device_index(device)), be_(backend_for(device_)) {
+  PyMapper(const std::string& path, const std::string& device, bool resident, bool verify, bool tf32)
+      : device_(device_index(device)), be_(backend_for(device_, tf32)) {
     if (resident) {
       resident_ = std::make_unique<ResidentTransfer>(path, *be_, verify);
     } else {
@@ -189,8 +189,8 @@ NB_MODULE(_crosskv, m) {
   m.attr("cuda_compiled_in") = crosskv::cuda_compiled_in();
   nb::exception<crosskv::UserError>(m, "MapperError", PyExc_ValueError);
   nb::class_<PyMapper>(m, "_Mapper")
-      .def(nb::init<const std::string&, const std::string&, bool, bool>(), "path"_a, "device"_a = "cpu",
-           "resident"_a = true, "verify"_a = true)
+      .def(nb::init<const std::string&, const std::string&, bool, bool, bool>(), "path"_a, "device"_a = "cpu",
+           "resident"_a = true, "verify"_a = true, "tf32"_a = false)
       .def("transfer", &PyMapper::transfer, "keys"_a, "values"_a, "source_positions"_a, "target_positions"_a,
            "keys, values: float32 [tokens, Ls, Hs, Ds] as the source caches them (keys post-RoPE at "
            "source_positions); returns the target's (keys, values) [tokens, Lt, Ht, Dt], keys post-RoPE at "

@@ -98,6 +98,9 @@ for mapper in ("ridge", "mlp"):
               f"(max rel. error {err:.1e})")
         hk, _ = g.transfer(keys, values, pos)  # host arrays through the GPU mapper
         check(np.abs(hk - gk.cpu().numpy()).max() == 0, f"{mapper}: host arrays through the GPU mapper, the same bits")
+        t32, _ = crosskv.Mapper(f"out-{mapper}/k2", device="cuda", tf32=True).transfer(ck, cv, torch.from_numpy(pos).cuda())
+        err = (t32.cpu() - torch.from_numpy(got_k)).abs().max().item() / np.abs(got_k).max()
+        check(err < 1e-2, f"{mapper}: tf32 products within TF32's rounding (max rel. error {err:.1e})")
     else:
         print(f"skip {mapper}: CUDA tensors on a GPU mapper (no CUDA device, or the package was built without CUDA)")
 m = crosskv.Mapper("out-ridge/k2", resident=False)
