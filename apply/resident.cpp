@@ -1,5 +1,7 @@
 #include "apply/resident.hpp"
 
+#include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "core/error.hpp"
@@ -35,64 +37,48 @@ T* ResidentTransfer::scratch(ResidentKernels::MemoryPtr& m, int64_t count) {
   return m->as<T>();
 }
 
-ResidentTransfer::Kind ResidentTransfer::upload_kind(const std::vector<float>& w, const std::vector<float>& b,
-                                                     const MlpParams& mlp) {
-  auto put = [&](const std::vector<float>& host) {
-    const int64_t bytes = static_cast<int64_t>(host.size() * sizeof(float));
-    ResidentKernels::MemoryPtr m = be_.allocate(bytes);
-    be_.copy_from_host(host.data(), bytes, m->data);
-    weight_bytes_ += bytes;
-    return m;
-  };
-  Kind k;
-  k.w = put(w), k.b = put(b);
-  if (!mlp.flat.empty()) k.mlp = put(mlp.flat), k.mlp_shape = mlp.shape;
-  return k;
-}
-
 void ResidentTransfer::upload(std::vector<MapperLayer> layers) {
+  const int Lt = m_.target.n_layers;
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
-  CROSSKV_ASSERT(static_cast<int>(layers.size()) == m_.target.n_layers, "resident transfer: one entry per layer");
-  for (int l = 0; l < m_.target.n_layers; ++l) {
-    MapperLayer& w = layers[l];
-    const int64_t K = static_cast<int64_t>(w.source_layers.size()) * F;
-    CROSSKV_ASSERT(w.target_layer == l && !w.source_layers.empty() &&
-                       static_cast<int64_t>(w.wk.size()) == K * G && static_cast<int64_t>(w.wv.size()) == K * G &&
-                       static_cast<int64_t>(w.bk.size()) == G && static_cast<int64_t>(w.bv.size()) == G,
-                   "resident transfer: layer " + std::to_string(l) + " has the wrong shapes");
-    Layer r;
-    r.source_layers = w.source_layers;
-    r.k = upload_kind(w.wk, w.bk, w.mlp_k);
-    r.v = upload_kind(w.wv, w.bv, w.mlp_v);
-    layers_.push_back(std::move(r));
-    w = MapperLayer{};  // the host copy goes as soon as the backend holds it
+  CROSSKV_ASSERT(static_cast<int>(layers.size()) == Lt && Lt > 0, "resident transfer: one entry per layer");
+  k_ = static_cast<int64_t>(layers[0].source_layers.size());
+  const int64_t K = k_ * F;
+  auto put = [&](const void* host, int64_t bytes, ResidentKernels::MemoryPtr& into, int64_t at) {
+    be_.copy_from_host(host, bytes, static_cast<char*>(into->data) + at);
+  };
+  for (Kind* kd : {&keys_, &values_}) {
+    kd->w = be_.allocate(Lt * K * G * 4), kd->b = be_.allocate(Lt * G * 4);
+    kd->mlp.resize(Lt), kd->mlp_shape.resize(Lt);
+    weight_bytes_ += (Lt * K * G + Lt * G) * 4;
   }
+  for (int l = 0; l < Lt; ++l) {
+    MapperLayer& x = layers[l];
+    CROSSKV_ASSERT(x.target_layer == l && static_cast<int64_t>(x.source_layers.size()) == k_ &&
+                       static_cast<int64_t>(x.wk.size()) == K * G && static_cast<int64_t>(x.wv.size()) == K * G &&
+                       static_cast<int64_t>(x.bk.size()) == G && static_cast<int64_t>(x.bv.size()) == G,
+                   "resident transfer: layer " + std::to_string(l) + " has the wrong shapes");
+    selected_.push_back(x.source_layers);
+    for (auto [kd, wt, bias, mlp] : {std::tuple{&keys_, &x.wk, &x.bk, &x.mlp_k}, {&values_, &x.wv, &x.bv, &x.mlp_v}}) {
+      put(wt->data(), K * G * 4, kd->w, l * K * G * 4);
+      put(bias->data(), G * 4, kd->b, l * G * 4);
+      if (!mlp->flat.empty()) {
+        const int64_t bytes = static_cast<int64_t>(mlp->flat.size()) * 4;
+        kd->mlp[l] = be_.allocate(bytes);
+        put(mlp->flat.data(), bytes, kd->mlp[l], 0);
+        kd->mlp_shape[l] = mlp->shape;
+        weight_bytes_ += bytes;
+      }
+    }
+    x = MapperLayer{};  // the host copy goes as soon as the backend holds it
+  }
+  std::vector<int> every(m_.source.n_layers);
+  for (int a = 0; a < m_.source.n_layers; ++a) every[a] = a;
+  all_layers_ = std::all_of(selected_.begin(), selected_.end(), [&](const auto& s) { return s == every; });
 }
 
-void ResidentTransfer::map_kind(const Layer& l, const Kind& kd, const float* X, int64_t rows, float* Y) {
-  const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
-  const int64_t XW = m_.source.n_layers * F, YW = m_.target.n_layers * G;
-  const int64_t K = static_cast<int64_t>(l.source_layers.size()) * F;
-  const bool mlp = kd.mlp != nullptr;
-  be_.broadcast_rows(kd.b->as<float>(), G, rows, Y, YW);
-  DenseMaths::BatchedGemm g;  // Y += X[:, selected] W (map_one_layer's product)
-  g.m = rows, g.n = G, g.k = K, g.beta = 1.0f;
-  g.B = kd.w->as<float>(), g.ldb = G, g.C = Y, g.ldc = YW;
-  const float* gathered = nullptr;
-  if (l.source_layers.size() > 1 || mlp) {
-    float* out = scratch<float>(gathered_, rows * K);
-    be_.gather_layers(X, XW, l.source_layers, F, rows, out);
-    gathered = out;
-  }
-  if (l.source_layers.size() == 1)
-    g.A = X + int64_t{l.source_layers[0]} * F, g.lda = XW;
-  else
-    g.A = gathered, g.lda = K;
-  be_.resident_gemm(g);
-  if (!mlp) return;
-  // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the gathered features (core/mlp's forward), added to Y.
-  const MlpShape& s = kd.mlp_shape;
-  const float* p = kd.mlp->as<float>();
+void ResidentTransfer::add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y) {
+  // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the gathered features X [rows x s.in] (core/mlp's forward).
+  const int64_t YW = m_.target.n_layers * m_.target.features_per_layer();
   const std::vector<MlpTensor> t = mlp_tensors(s);  // w1 b1 w2 b2 w3 b3
   float* h1 = scratch<float>(h1_, rows * s.hidden);
   float* h2 = scratch<float>(h2_, rows * s.hidden);
@@ -106,26 +92,64 @@ void ResidentTransfer::map_kind(const Layer& l, const Kind& kd, const float* X, 
     be_.resident_gemm(a);
     if (relu) be_.relu(C, rows * n);
   };
-  affine(gathered, s.in, t[0], t[1], s.hidden, true, h1);
+  affine(X, s.in, t[0], t[1], s.hidden, true, h1);
   affine(h1, s.hidden, t[2], t[3], s.hidden, true, h2);
   affine(h2, s.hidden, t[4], t[5], s.out, false, out);
   be_.add_rows(out, s.out, rows, Y, YW);
 }
 
+void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, float* Y) {
+  const int Lt = m_.target.n_layers;
+  const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
+  const int64_t XW = m_.source.n_layers * F, YW = Lt * G, K = k_ * F;
+  be_.broadcast_rows(kd.b->as<float>(), YW, rows, Y, YW);  // every layer's bias in one call
+  DenseMaths::BatchedGemm g;  // Y[:, l*G..] += X[:, selected(l)] W_l for a run of layers (map_one_layer's product)
+  g.m = rows, g.n = G, g.k = K, g.beta = 1.0f;
+  g.ldb = G, g.stride_b = K * G, g.ldc = YW, g.stride_c = G;
+  if (all_layers_) {  // every layer's input is X itself (XW == K): one product for the whole mapper
+    g.A = X, g.lda = XW, g.stride_a = 0;
+    g.B = kd.w->as<float>(), g.C = Y, g.batch = Lt;
+    be_.resident_gemm(g);
+  } else if (k_ == 1) {  // X's columns of the one selected layer, read in place
+    for (int l = 0; l < Lt; ++l) {
+      g.A = X + int64_t{selected_[l][0]} * F, g.lda = XW;
+      g.B = kd.w->as<float>() + l * K * G, g.C = Y + l * G, g.batch = 1;
+      be_.resident_gemm(g);
+    }
+  } else {  // chunks of layers: their selections gathered side by side in one call, then one batched product
+    const int64_t chunk = std::max<int64_t>(
+        1, std::min<int64_t>({Lt, 256 / k_, gather_bytes_ / std::max<int64_t>(1, rows * K * 4)}));
+    float* gathered = scratch<float>(gathered_, chunk * rows * K);
+    for (int l0 = 0; l0 < Lt; l0 += static_cast<int>(chunk)) {
+      const int l1 = static_cast<int>(std::min<int64_t>(Lt, l0 + chunk));
+      be_.gather_layers(X, XW, {selected_.begin() + l0, selected_.begin() + l1}, F, rows, gathered);
+      g.A = gathered, g.lda = K, g.stride_a = rows * K;
+      g.B = kd.w->as<float>() + l0 * K * G, g.C = Y + l0 * G, g.batch = l1 - l0;
+      be_.resident_gemm(g);
+    }
+  }
+  for (int l = 0; l < Lt; ++l) {
+    if (!kd.mlp[l]) continue;
+    const float* in = X;  // k = all: X is the MLP's input as it is
+    if (!all_layers_) {
+      float* out = scratch<float>(gathered_, rows * K);
+      be_.gather_layers(X, XW, {selected_[l]}, F, rows, out);
+      in = out;
+    }
+    add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), in, rows, Y + l * G);
+  }
+}
+
 void ResidentTransfer::apply(const ResidentBatch& b, std::optional<void*> stream) {
   if (b.rows == 0) return;
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
-  const int64_t G = m_.target.features_per_layer();
   if (stream) be_.begin_after(*stream);
   float* content = scratch<float>(content_, b.rows * XW);
   be_.copy_within(b.keys, b.rows * XW * static_cast<int64_t>(sizeof(float)), content);
   be_.rope_rows(src_rope_, true, content, b.rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads,
                 b.source_positions);
-  for (int l = 0; l < m_.target.n_layers; ++l) {
-    const Layer& w = layers_[l];
-    map_kind(w, w.k, content, b.rows, b.out_keys + l * G);
-    map_kind(w, w.v, b.values, b.rows, b.out_values + l * G);
-  }
+  map_kind(keys_, content, b.rows, b.out_keys);
+  map_kind(values_, b.values, b.rows, b.out_values);
   be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{m_.target.n_layers} * m_.target.n_kv_heads,
                 b.target_positions);
   if (stream) be_.end_before(*stream);

@@ -2,10 +2,11 @@
 // Applying a mapper for serving (issue 16): every layer's weights resident on the backend for the object's
 // lifetime, every target layer in one call, and the caches in the backend's memory — a GPU's, for caches that live
 // there (DLPack tensors from Python: no copy through the host) — or on the host. A batch of sequences is their
-// tokens back to back, each token at its own position. The products are Transfer's, in Transfer's order (strip
-// the source RoPE, per target layer: bias, one GEMM over the gathered source layers, the residual MLP, then the
-// target RoPE), so on the CPU backend the two agree bit for bit; a device backend is held to the CPU within fp32
-// tolerance.
+// tokens back to back, each token at its own position. Per kind, one call sets every layer's bias, the selected
+// source layers of a chunk of target layers are gathered in one call and multiplied in one batched GEMM (k = all
+// needs no gather: every layer reads the cache as it is), then the residual MLPs, then the target RoPE. Each
+// layer's product is Transfer's (the same operands and shapes), so on the CPU backend the two agree bit for bit; a
+// device backend is held to the CPU within fp32 tolerance.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -42,6 +43,9 @@ class ResidentTransfer {
   const KvSpec& target() const { return m_.target; }
   ComputeBackend& backend() const { return be_; }
   int64_t weight_bytes() const { return weight_bytes_; }  // resident: ridge and MLP parameters, fp32
+  // The cap on the gathered source layers of one batched product (default 256 MiB): below it, fewer target layers
+  // per product; at least one.
+  void set_gather_bytes(int64_t bytes) { gather_bytes_ = bytes; }
 
   // Arrays in the backend's memory. With a caller's stream (a cudaStream_t; 0 is the legacy default stream), the
   // work starts after what the stream holds when called and the stream's later work waits for it, with no wait on
@@ -52,26 +56,28 @@ class ResidentTransfer {
                   int64_t rows, float* out_keys, float* out_values);
 
  private:
-  struct Kind {  // one kind (keys or values) of one target layer, in backend memory
-    ResidentKernels::MemoryPtr w, b, mlp;
-    MlpShape mlp_shape;
-  };
-  struct Layer {
-    std::vector<int> source_layers;
-    Kind k, v;
+  struct Kind {  // keys or values of every target layer, in backend memory
+    ResidentKernels::MemoryPtr w;             // [Lt][K x G]: layer l's weights at l*K*G
+    ResidentKernels::MemoryPtr b;             // [Lt * G]: a row of the output's width
+    std::vector<ResidentKernels::MemoryPtr> mlp;  // per layer: its residual MLP's parameters, or null
+    std::vector<MlpShape> mlp_shape;
   };
   // A scratch array of at least `count` Ts (grown, contents not kept).
   template <class T>
   T* scratch(ResidentKernels::MemoryPtr& m, int64_t count);
   void upload(std::vector<MapperLayer> layers);
-  Kind upload_kind(const std::vector<float>& w, const std::vector<float>& b, const MlpParams& mlp);
-  void map_kind(const Layer& l, const Kind& kd, const float* X, int64_t rows, float* Y);
+  void map_kind(const Kind& kd, const float* X, int64_t rows, float* Y);
+  void add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y);
 
   MapperManifest m_;
   ComputeBackend& be_;
   Rope src_rope_, tgt_rope_;
-  std::vector<Layer> layers_;
+  std::vector<std::vector<int>> selected_;  // per target layer, its source layers
+  int64_t k_ = 0;                           // source layers per target layer (the same for every one)
+  bool all_layers_ = false;                 // every target layer reads every source layer: X is its input as is
+  Kind keys_, values_;
   int64_t weight_bytes_ = 0;
+  int64_t gather_bytes_ = int64_t{256} << 20;
   ResidentKernels::MemoryPtr content_, gathered_, h1_, h2_, mlp_out_, io_;
 };
 

@@ -199,12 +199,15 @@ void ResidentKernels::broadcast_rows(const float* b, int64_t n, int64_t rows, fl
   for (int64_t t = 0; t < rows; ++t) std::copy_n(b, n, Y + t * ldy);
 }
 
-void ResidentKernels::gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F,
-                                    int64_t rows, float* out) {
-  const int64_t K = static_cast<int64_t>(layers.size()) * F;
-  for (int64_t t = 0; t < rows; ++t)
-    for (size_t j = 0; j < layers.size(); ++j)
-      std::copy_n(X + t * ldx + layers[j] * F, F, out + t * K + static_cast<int64_t>(j) * F);
+void ResidentKernels::gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists,
+                                    int64_t F, int64_t rows, float* out) {
+  for (const auto& layers : lists) {
+    const int64_t K = static_cast<int64_t>(layers.size()) * F;
+    for (int64_t t = 0; t < rows; ++t)
+      for (size_t j = 0; j < layers.size(); ++j)
+        std::copy_n(X + t * ldx + layers[j] * F, F, out + t * K + static_cast<int64_t>(j) * F);
+    out += rows * K;
+  }
 }
 
 void ResidentKernels::relu(float* X, int64_t n) {

@@ -233,9 +233,10 @@ class ResidentKernels {
   virtual void copy_within(const void* src, int64_t bytes, void* dst);
   // Y[t*ldy + c] = b[c] for t < rows, c < n.
   virtual void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy);
-  // out[t*k*F + j*F + i] = X[t*ldx + layers[j]*F + i]: the selected layers' columns side by side.
-  virtual void gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
-                             float* out);
+  // The selected layers' columns side by side, for several selections of k layers each (one per target layer):
+  // out[(s*rows + t)*k*F + j*F + i] = X[t*ldx + lists[s][j]*F + i].
+  virtual void gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists, int64_t F,
+                             int64_t rows, float* out);
   // X[i] = max(X[i], 0) for i < n.
   virtual void relu(float* X, int64_t n);
   // Y[t*ldy + c] += Z[t*n + c].

@@ -465,17 +465,22 @@ class CudaBackend final : public ComputeBackend {
     current();
     CK(cuda::launch_broadcast_rows(b, n, rows, Y, ldy, compute_), dims({{"n", n}, {"rows", rows}, {"ldy", ldy}}));
   }
-  void gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
-                     float* out) override {
+  void gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists, int64_t F,
+                     int64_t rows, float* out) override {
+    if (lists.empty()) return;
     current();
-    CROSSKV_ASSERT(layers.size() <= static_cast<size_t>(cuda::LayerList::kMax),
-                   "CUDA gather_layers: " + std::to_string(layers.size()) + " source layers (at most " +
-                       std::to_string(cuda::LayerList::kMax) + ")");
-    cuda::LayerList list;
-    list.n = static_cast<int>(layers.size());
-    std::copy(layers.begin(), layers.end(), list.layer);
-    CK(cuda::launch_gather_layers(X, ldx, list, F, rows, out, compute_),
-       dims({{"layers", list.n}, {"F", F}, {"rows", rows}, {"ldx", ldx}}));
+    const size_t k = lists[0].size();
+    CROSSKV_ASSERT(lists.size() * k <= static_cast<size_t>(cuda::LayerList::kMax),
+                   "CUDA gather_layers: " + std::to_string(lists.size()) + " selections of " + std::to_string(k) +
+                       " layers (at most " + std::to_string(cuda::LayerList::kMax) + " in all)");
+    cuda::LayerList table;
+    table.lists = static_cast<int>(lists.size()), table.k = static_cast<int>(k);
+    for (size_t s = 0; s < lists.size(); ++s) {
+      CROSSKV_ASSERT(lists[s].size() == k, "CUDA gather_layers: selections of different sizes");
+      std::copy(lists[s].begin(), lists[s].end(), table.layer + s * k);
+    }
+    CK(cuda::launch_gather_layers(X, ldx, table, F, rows, out, compute_),
+       dims({{"lists", table.lists}, {"k", table.k}, {"F", F}, {"rows", rows}, {"ldx", ldx}}));
   }
   void relu(float* X, int64_t n) override {
     current();

@@ -125,12 +125,12 @@ __global__ void broadcast_rows_kernel(const float* b, int64_t n, int64_t rows, f
   }
 }
 
-__global__ void gather_layers_kernel(const float* X, int64_t ldx, const LayerList layers, int64_t F, int64_t rows,
+__global__ void gather_layers_kernel(const float* X, int64_t ldx, const LayerList table, int64_t F, int64_t rows,
                                      float* out) {
-  const int64_t K = layers.n * F, total = rows * K;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = i / K, r = i - t * K, j = r / F, f = r - j * F;
-    out[i] = X[t * ldx + layers.layer[j] * F + f];
+  const int64_t K = table.k * F, per_list = rows * K, total = table.lists * per_list;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t s = e / per_list, r = e - s * per_list, t = r / K, c = r - t * K, j = c / F, f = c - j * F;
+    out[e] = X[t * ldx + table.layer[s * table.k + j] * F + f];
   }
 }
 
@@ -179,10 +179,11 @@ cudaError_t launch_broadcast_rows(const float* b, int64_t n, int64_t rows, float
   return cudaGetLastError();
 }
 
-cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& layers, int64_t F, int64_t rows,
+cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& table, int64_t F, int64_t rows,
                                  float* out, cudaStream_t stream) {
-  if (rows * layers.n * F == 0) return cudaSuccess;
-  gather_layers_kernel<<<blocks_for(rows * layers.n * F), kThreads, 0, stream>>>(X, ldx, layers, F, rows, out);
+  const int64_t total = int64_t{table.lists} * rows * table.k * F;
+  if (total == 0) return cudaSuccess;
+  gather_layers_kernel<<<blocks_for(total), kThreads, 0, stream>>>(X, ldx, table, F, rows, out);
   return cudaGetLastError();
 }
 

@@ -40,13 +40,14 @@ cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const
 // The serving apply's kernels (ResidentKernels; each the host default's loop, bit for bit):
 // Y[t*ldy + c] = b[c].
 cudaError_t launch_broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy, cudaStream_t stream);
-// out[t*n*F + j*F + i] = X[t*ldx + layer[j]*F + i]. The list travels in the kernel's parameters (no device table).
+// out[(s*rows + t)*k*F + j*F + i] = X[t*ldx + layer[s*k + j]*F + i] for s < lists: `lists` selections of k layers
+// each. The table travels in the kernel's parameters (no device table).
 struct LayerList {
   static constexpr int kMax = 256;
-  int n = 0;
+  int lists = 0, k = 0;
   int layer[kMax] = {};
 };
-cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& layers, int64_t F, int64_t rows,
+cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& table, int64_t F, int64_t rows,
                                  float* out, cudaStream_t stream);
 cudaError_t launch_relu(float* X, int64_t n, cudaStream_t stream);
 // Y[t*ldy + c] += Z[t*n + c].

@@ -557,8 +557,21 @@ TEST(ResidentTransfer, EqualsTransferBitForBitOnTheCpuForEveryK) {
   const Cache s = read_cache(tmp.str("source/web/shard-000.h5"), false);
   ASSERT_GT(s.seq_offsets.size(), 2u);  // a batch of several sequences, back to back
   for (const char* k : {"k1", "k2", "kall"}) expect_resident_equals_transfer(tmp.str("out/") + k, s, s.tokens);
-  // A batch of one token, and of none.
+  // A batch of one token, and of none; target layers in chunks of one and of three (a cap on the gather).
   expect_resident_equals_transfer(tmp.str("out/k2"), s, 1);
+  for (int64_t per_chunk : {1, 3}) {
+    auto cpu = make_cpu_backend();
+    Transfer tr(tmp.str("out/k2"), *cpu);
+    ResidentTransfer rt(tmp.str("out/k2"), *cpu);
+    rt.set_gather_bytes(per_chunk * s.tokens * 2 * rt.source().features_per_layer() * 4);
+    const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+    std::vector<float> k(s.tokens * W), v(s.tokens * W), rk(s.tokens * W), rv(s.tokens * W);
+    tr.apply(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), s.tokens, k.data(), v.data());
+    rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), s.tokens, rk.data(),
+                  rv.data());
+    EXPECT_EQ(k, rk) << per_chunk << " layer(s) per product";
+    EXPECT_EQ(v, rv) << per_chunk << " layer(s) per product";
+  }
   auto be = make_cpu_backend();
   ResidentTransfer rt(tmp.str("out/k1"), *be);
   rt.apply(ResidentBatch{});

@@ -408,12 +408,15 @@ class ShadowBackend final : public ComputeBackend {
   void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
     ResidentKernels::broadcast_rows(device(b, n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
   }
-  void gather_layers(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
-                     float* out) override {
-    const int64_t K = static_cast<int64_t>(layers.size()) * F;
-    ResidentKernels::gather_layers(device(X, ((rows - 1) * ldx + (layers.back() + 1) * F) * 4), ldx, layers, F, rows,
-                                   device(out, rows * K * 4));
+  void gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists, int64_t F,
+                     int64_t rows, float* out) override {
+    int64_t top = 0, count = 0;
+    for (const auto& l : lists) top = std::max<int64_t>(top, l.back() + 1), count += rows * l.size() * F;
+    ++gathers;
+    ResidentKernels::gather_layers(device(X, ((rows - 1) * ldx + top * F) * 4), ldx, lists, F, rows,
+                                   device(out, count * 4));
   }
+  int gathers = 0, gemm_calls = 0;
   void relu(float* X, int64_t n) override { ResidentKernels::relu(device(X, n * 4), n); }
   void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
     ResidentKernels::add_rows(device(Z, rows * n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
@@ -431,6 +434,7 @@ class ShadowBackend final : public ComputeBackend {
     d.A = device(g.A, extent(g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, g.stride_a));
     d.B = device(g.B, extent(g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, g.stride_b));
     d.C = device(g.C, extent(g.m, g.n, g.ldc, g.stride_c));
+    ++gemm_calls;
     cpu_->gemm_batched(d);
   }
   void begin_after(void* stream) override { ++stream_waits, last_stream = stream; }
@@ -1163,9 +1167,14 @@ TEST(DeviceContract, ServingApplyKeepsEveryOperandOnTheDeviceAndMatchesTheCpu) {
       shadow.copy_from_host(c.cache.positions.data(), rows * 4, pos->data);
       shadow.copy_from_host(c.target_positions.data(), rows * 4, pos->as<int32_t>() + rows);
       int user_stream = 0;
+      const int gemms = shadow.gemm_calls, gathers = shadow.gathers, Lt = rt.target().n_layers;
       rt.apply({keys->as<float>(), values->as<float>(), pos->as<int32_t>(), pos->as<int32_t>() + rows, rows,
                 ok->as<float>(), ov->as<float>()},
                &user_stream);
+      // Per kind: k = all is one batched product over every layer, k = 2 one gather and one batched product for
+      // the chunk of all layers, k = 1 a product per layer reading the cache in place.
+      EXPECT_EQ(shadow.gemm_calls - gemms, k == "1" ? 2 * Lt : 2) << "k=" << k;
+      EXPECT_EQ(shadow.gathers - gathers, k == "2" ? 2 : 0) << "k=" << k;
       shadow.copy_to_host(ok->data, rows * YW * 4, dk.data());
       shadow.copy_to_host(ov->data, rows * YW * 4, dv.data());
       EXPECT_EQ(wk, dk) << "k=" << k;
