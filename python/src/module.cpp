@@ -71,8 +71,15 @@ int device_index(const std::string& device) {
   throw ConfigError("device: expected cpu, cuda or cuda:N, got \"" + device + "\"");
 }
 
-std::unique_ptr<ComputeBackend> backend_for(int index, bool tf32) {
-  return index < 0 ? make_cpu_backend() : make_cuda_backend(index, 0, tf32);
+std::unique_ptr<ComputeBackend> backend_for(const std::string& device, int index, bool tf32) {
+  if (index < 0) return make_cpu_backend();
+  if (!cuda_compiled_in())
+    throw ConfigError("device: " + device + ": this crosskv package was built without CUDA (pip install . -C "
+                      "cmake.define.CROSSKV_CUDA=ON)");
+  if (index >= cuda_device_count())
+    throw ConfigError("device: " + device + ": no such CUDA device here (" + std::to_string(cuda_device_count()) +
+                      " present)");
+  return make_cuda_backend(index, 0, tf32);
 }
 
 nb::dict spec_dict(const KvSpec& s) {
@@ -88,7 +95,7 @@ nb::dict spec_dict(const KvSpec& s) {
 class PyMapper {
  public:
   PyMapper(const std::string& path, const std::string& device, bool resident, bool verify, bool tf32)
-      : device_(device_index(device)), be_(backend_for(device_, tf32)) {
+      : device_(device_index(device)), be_(backend_for(device, device_, tf32)) {
     if (resident) {
       resident_ = std::make_unique<ResidentTransfer>(path, *be_, verify);
     } else {

@@ -113,6 +113,9 @@ for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expecte
                    (lambda: m.transfer(keys.reshape(4, -1, 3, 2, 16), values.reshape(4, -1, 3, 2, 16), pos[:7]),
                     "positions: expected [4, 128] (one per token) or [seq], got [7]"),
                    (lambda: crosskv.Mapper("out-ridge/k2", device="cuda:x"), "device: expected cpu, cuda or cuda:N"),
+                   (lambda: crosskv.Mapper("out-ridge/k2", device="cuda:7"),
+                    "device: cuda:7: no such CUDA device here" if crosskv.cuda_compiled_in
+                    else "device: cuda:7: this crosskv package was built without CUDA"),
                    (lambda: crosskv.Mapper("nonexistent"), "nonexistent/manifest.json"),
                    (lambda: crosskv.Mapper("out-ridge/k2", device="tpu"), "device: expected cpu, cuda or cuda:N")):
     try:
