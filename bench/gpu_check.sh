@@ -122,7 +122,7 @@ if want python; then  # issue 16: the package on the GPU (CUDA tensors in place)
       "$B/bin/crosskv-synth" "$B/bin/crosskv-fit" "$B/bin/crosskv-apply" > "$OUT/package_gpu.log" 2>&1
     grep -E "^(ok|FAIL|skip) .*(CUDA|tf32|GPU)|check\(s\) failed|package OK" "$OUT/package_gpu.log" | sed 's/^/  /' >> "$S"
     PYTHONUNBUFFERED=1 step paper_gpu 330 python3 "$R/bench/transfer_vs_prefill.py" --paper "$W/paper" --device cuda \
-      --tf32 --depths ${PAPER_DEPTHS:-8,16} --mapper-depths ${PAPER_MAPPER_DEPTHS:-4,16} \
+      --tf32 --depths ${PAPER_DEPTHS:-8,16} --mapper-depths ${PAPER_MAPPER_DEPTHS:-2,8} \
       --contexts ${PAPER_CONTEXTS:-512,2048,8192} --repeats 3 --json "$OUT/paper_gpu.json" > "$OUT/paper_gpu.md" 2> "$E"
     cat "$OUT/paper_gpu.md" >> "$S"
     tail -3 "$E" >> "$S"
