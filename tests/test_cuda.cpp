@@ -1075,44 +1075,7 @@ TEST(DeviceContract, AFitThroughAShadowDeviceEqualsTheCpuFit) {
     }
 }
 
-// A resident Transfer keeps every layer's weights on the backend (keep_constant) and forgets them when destroyed;
-// mapped through the shadow device it equals the CPU.
-TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
-  TempDir dir;
-  synthesize(small_synth(dir.str()));
-  {
-    auto comm = make_single_comm();
-    auto cpu = make_cpu_backend();
-    Context ctx{*comm, *cpu};
-    spdlog::set_level(spdlog::level::warn);
-    run_fit(parse_fit_config(config_yaml(dir.str(), "{k: [2]}", "out"), "cfg.yaml"), FitOptions{}, ctx);
-  }
-  auto cpu = make_cpu_backend();
-  ShadowBackend shadow;
-  const std::string mapper = dir.str("out/k2");
-  const Mapper m = load_mapper(mapper);
-  const int64_t rows = 5, XW = int64_t{m.source.n_layers} * m.source.features_per_layer(),
-                YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
-  const auto X = random_rows(rows * XW, 41, 0.1f);
-  std::vector<float> want(rows * YW), got(rows * YW);
-  {
-    Transfer tc(mapper, *cpu, TransferOptions{true, true, true});
-    Transfer ts(mapper, shadow, TransferOptions{true, true, true});
-    for (int pass = 0; pass < 2; ++pass) {  // the second pass serves every layer from the kept copies
-      tc.map_content(true, X.data(), rows, want.data());
-      ts.map_content(false, X.data(), rows, got.data());
-      ts.map_content(true, X.data(), rows, got.data());
-      ASSERT_EQ(want, got) << "pass " << pass;
-    }
-    EXPECT_EQ(ts.layer_loads(), m.target.n_layers);
-    EXPECT_EQ(shadow.kept_constants, 2 * m.target.n_layers);
-  }
-  EXPECT_EQ(shadow.forgotten_constants, 2 * m.target.n_layers);
-}
-
-// The serving apply through the shadow device: every kernel's operand is the backend's memory (a host array would be
-// a fault on a GPU), host arrays cross by copy alone, a caller's stream is waited for and signalled, and the
-// results equal the CPU's bit for bit; the backend's memory is released with the transfer.
+// A mapper fitted on the CPU (small_synth, one k), and held-out caches with target positions of their own.
 namespace {
 
 std::string fitted_mapper(TempDir& dir, const std::string& k) {
@@ -1138,6 +1101,36 @@ ServingCase serving_case(const std::string& dir) {
 
 }  // namespace
 
+// A resident Transfer keeps every layer's weights on the backend (keep_constant) and forgets them when destroyed;
+// mapped through the shadow device it equals the CPU.
+TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
+  TempDir dir;
+  const std::string mapper = fitted_mapper(dir, "2");
+  auto cpu = make_cpu_backend();
+  ShadowBackend shadow;
+  const Mapper m = load_mapper(mapper);
+  const int64_t rows = 5, XW = int64_t{m.source.n_layers} * m.source.features_per_layer(),
+                YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
+  const auto X = random_rows(rows * XW, 41, 0.1f);
+  std::vector<float> want(rows * YW), got(rows * YW);
+  {
+    Transfer tc(mapper, *cpu, TransferOptions{true, true, true});
+    Transfer ts(mapper, shadow, TransferOptions{true, true, true});
+    for (int pass = 0; pass < 2; ++pass) {  // the second pass serves every layer from the kept copies
+      tc.map_content(true, X.data(), rows, want.data());
+      ts.map_content(false, X.data(), rows, got.data());
+      ts.map_content(true, X.data(), rows, got.data());
+      ASSERT_EQ(want, got) << "pass " << pass;
+    }
+    EXPECT_EQ(ts.layer_loads(), m.target.n_layers);
+    EXPECT_EQ(shadow.kept_constants, 2 * m.target.n_layers);
+  }
+  EXPECT_EQ(shadow.forgotten_constants, 2 * m.target.n_layers);
+}
+
+// The serving apply through the shadow device: every kernel's operand is the backend's memory (a host array would be
+// a fault on a GPU), host arrays cross by copy alone, a caller's stream is waited for and signalled, and the
+// results equal the CPU's bit for bit; the backend's memory is released with the transfer.
 TEST(DeviceContract, ServingApplyKeepsEveryOperandOnTheDeviceAndMatchesTheCpu) {
   for (const std::string k : {"1", "2", "all"}) {
     TempDir dir;
