@@ -45,7 +45,7 @@ def write_mapper(out, source, target, k, seed=0, source_model="synthetic-source"
         layers.append(dict(target_layer=l, source_layers=sel, file=name, sha256=sha))
     manifest = dict(format="crosskv-mapper", format_version=1,
                     source=dict(model=source_model, kv_spec=source), target=dict(model=target_model, kv_spec=target),
-                    fit=dict(k=k, k_count=k, dtype="fp32", lambda_=None, synthetic=True), layers=layers)
+                    fit=dict(k=k, k_count=k, dtype="fp32", synthetic=True), layers=layers)
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return out
