@@ -201,7 +201,8 @@ std::string render_report(const ReportInput& in) {
     << "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}"
        "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
        ".ok{background:#e6f4e6;border:1px solid #7b7;padding:8px}.bad{background:#fbe9e9;border:1px solid #d88;"
-       "padding:8px}.charts svg{margin:4px}tr.okrow td{background:#f1faf1}</style></head><body>";
+       "padding:8px}.charts svg{margin:4px}tr.okrow td{background:#f1faf1}"
+       "table.settings td{text-align:left;overflow-wrap:anywhere;font-family:monospace}</style></head><body>";
   o << "<h1>crosskv: " << esc(in.title) << "</h1>";
   if (in.evaluations.empty()) o << "<p>No held-out evaluation.</p>";
   if (!in.evaluations.empty()) o << sweep_summary(in);
@@ -274,9 +275,9 @@ std::string render_report(const ReportInput& in) {
   }
   if (!in.manifests.empty()) {
     const auto& m = in.manifests.front();
-    o << "<h2>The pair and its settings</h2><table>";
+    o << "<h2>The pair and its settings</h2><table class='settings'>";
     auto row = [&](const std::string& k, const std::string& v) {
-      o << "<tr><th style='text-align:left'>" << esc(k) << "</th><td style='text-align:left'>" << esc(v) << "</td></tr>";
+      o << "<tr><th style='text-align:left'>" << esc(k) << "</th><td>" << esc(v) << "</td></tr>";
     };
     if (m.contains("source")) row("source", m["source"].value("model", "") + " " + m["source"].value("kv_spec", nlohmann::json()).dump());
     if (m.contains("target")) row("target", m["target"].value("model", "") + " " + m["target"].value("kv_spec", nlohmann::json()).dump());
