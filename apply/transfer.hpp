@@ -45,7 +45,8 @@ class Transfer {
   const KvSpec& source() const { return m_.source; }
   const KvSpec& target() const { return m_.target; }
 
-  // keys, values: [rows, Ls, Hs, Ds] as the source model caches them (keys post-RoPE at src_pos).
+  // keys, values: [rows, Ls, Hs, Ds] as the source model caches them (keys post-RoPE at src_pos). One call at a
+  // time per object (its scratch and layer cache are shared).
   // out_keys, out_values: [rows, Lt, Ht, Dt] as the target model would cache them (keys post-RoPE at tgt_pos).
   void apply(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos, int64_t rows,
              float* out_keys, float* out_values);

@@ -2,7 +2,7 @@
 // C-contiguous CPU arrays of any framework that speaks DLPack or the buffer protocol (numpy, torch CPU tensors:
 // zero-copy) in, numpy arrays that own their memory out. transfer_into(): CUDA arrays (DLPack: torch, CuPy, JAX)
 // in and out, read and written in place on the mapper's GPU, ordered on the caller's stream. The GIL is released
-// while a transfer runs.
+// while a transfer runs; calls on one mapper from several threads take turns.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "apply/resident.hpp"
@@ -116,6 +117,7 @@ class PyMapper {
     Out k = owned(rows, t), v = owned(rows, t);
     {
       nb::gil_scoped_release unlocked;
+      std::lock_guard<std::mutex> one_at_a_time(busy_);
       if (resident_)
         resident_->apply_host(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
                               k.data(), v.data());
@@ -154,6 +156,7 @@ class PyMapper {
     b.source_positions = src_pos.data(), b.target_positions = tgt_pos.data();
     b.out_keys = out_keys.data(), b.out_values = out_values.data();
     nb::gil_scoped_release unlocked;
+    std::lock_guard<std::mutex> one_at_a_time(busy_);
     resident_->apply(b, reinterpret_cast<void*>(stream));
   }
 
@@ -183,6 +186,7 @@ class PyMapper {
   std::unique_ptr<ComputeBackend> be_;
   std::unique_ptr<ResidentTransfer> resident_;
   std::unique_ptr<Transfer> streamed_;
+  std::mutex busy_;  // the transfers share the mapper's scratch: threads take turns (the GIL is released first)
 };
 
 }  // namespace

@@ -85,6 +85,14 @@ for mapper in ("ridge", "mlp"):
     one_k, _ = m.transfer(keys[T:2 * T], values[T:2 * T], np.arange(T))
     err = np.abs(seq_k[1] - one_k).max() / np.abs(one_k).max()  # BLAS blocks rows of another count differently
     check(err < 2e-6, f"{mapper}: a batch with positions [seq], each sequence as if alone (rel. error {err:.1e})")
+    # One mapper shared by threads (a threaded server): the calls run one at a time, each gets its own answer.
+    import concurrent.futures
+    cuts = [(i * 37) % keys.shape[0] + 1 for i in range(1, 25)]  # token counts that differ: scratch regrown
+    alone = [m.transfer(keys[:n], values[:n], pos[:n]) for n in cuts]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        shared = list(ex.map(lambda n: m.transfer(keys[:n], values[:n], pos[:n]), cuts * 4))
+    check(all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(alone * 4, shared)),
+          f"{mapper}: one mapper called from 4 threads at once gives each call the answer it gets alone")
     if torch.cuda.is_available() and crosskv.cuda_compiled_in:
         g = crosskv.Mapper(f"out-{mapper}/k2", device="cuda")
         ck, cv = torch.from_numpy(keys).cuda(), torch.from_numpy(values).cuda()
