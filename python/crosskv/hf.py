@@ -10,6 +10,8 @@ HF caches hold per layer keys and values [batch, kv_heads, seq, head_dim] (keys 
 """
 import torch
 
+from . import MapperError
+
 
 def cache_layers(cache):
     """[(keys, values)] per layer of a DynamicCache (any transformers version) or a legacy tuple."""
@@ -28,11 +30,11 @@ def transfer_cache(mapper, source_cache, positions=None, target_positions=None):
     layers = cache_layers(source_cache)
     s, t = mapper.source, mapper.target
     if len(layers) != s["n_layers"]:
-        raise ValueError(f"source cache: {len(layers)} layers, the mapper's source has {s['n_layers']}")
+        raise MapperError(f"source cache: {len(layers)} layers, the mapper's source has {s['n_layers']}")
     k0 = layers[0][0]
     B, H, T, D = k0.shape
     if (H, D) != (s["n_kv_heads"], s["head_dim"]):
-        raise ValueError(f"source cache: {H} KV heads of {D}, the mapper's source has "
+        raise MapperError(f"source cache: {H} KV heads of {D}, the mapper's source has "
                          f"{s['n_kv_heads']} of {s['head_dim']}")
     # [L, B, H, T, D] -> [B*T, L, H, D]: tokens are rows.
     keys = torch.stack([k for k, _ in layers]).permute(1, 3, 0, 2, 4).reshape(B * T, s["n_layers"], H, D)

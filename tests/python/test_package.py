@@ -125,7 +125,11 @@ for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expecte
                     "device: cuda:7: no such CUDA device here" if crosskv.cuda_compiled_in
                     else "device: cuda:7: this crosskv package was built without CUDA"),
                    (lambda: crosskv.Mapper("nonexistent"), "nonexistent/manifest.json"),
-                   (lambda: crosskv.Mapper("out-ridge/k2", device="tpu"), "device: expected cpu, cuda or cuda:N")):
+                   (lambda: crosskv.Mapper("out-ridge/k2", device="tpu"), "device: expected cpu, cuda or cuda:N"),
+                   (lambda: crosskv.hf.transfer_cache(m, [(torch.zeros(1, 2, 5, 16),) * 2] * 2),
+                    "source cache: 2 layers, the mapper's source has 3"),
+                   (lambda: crosskv.hf.transfer_cache(m, [(torch.zeros(1, 1, 5, 16),) * 2] * 3),
+                    "source cache: 1 KV heads of 16, the mapper's source has 2 of 16")):
     try:
         call()
         check(False, f"refused: {want}")
