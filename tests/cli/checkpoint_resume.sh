@@ -5,22 +5,14 @@ source "$(dirname "$0")/common.sh"
 cfg() {  # cfg NAME [extra fit keys]
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, all]%s}\noutput: {dir: %s}\nruntime: {block_tokens: 64, checkpoint: {every_shards: 1}}\n' "${2:-}" "$1" > "$1.yaml"
 }
-same() {  # same DIR_A DIR_B: identical layer files for every k
-  for k in k1 kall; do
-    for f in "$1"/$k/layer-*.safetensors; do
-      cmp -s "$f" "$2/$k/$(basename "$f")" || die "$2/$k/$(basename "$f") differs from the uninterrupted run"
-    done
-  done
-}
-run() { "$FIT" "$@" > run.log 2> run.err; }
+same() { same_layers "$1" "$2" k1 kall; }  # same DIR_A DIR_B: identical layer files for every k
 
 cfg ref && run ref.yaml || { cat run.log run.err; die "reference run failed"; }
 ls ref/checkpoint/domain-web/commit-*.json > /dev/null || die "no committed checkpoint"
 
 # kill -9 between a checkpoint's rank files and its commit record, then the same command again.
 cfg killed
-set +e; CROSSKV_FAULT=kill_before_commit:2 "$FIT" killed.yaml > run.log 2>&1; rc=$?; set -e
-[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137), got $rc"; }
+expect_fault 137 kill_before_commit:2 killed.yaml
 [ -f killed/checkpoint/domain-web/state-2-rank0.bin ] && [ ! -f killed/checkpoint/domain-web/commit-2.json ] || die "expected state 2 without commit"
 [ -e killed/k1 ] && die "an interrupted run must not leave a complete-looking artifact"
 run killed.yaml || { cat run.log run.err; die "resume failed"; }
@@ -29,8 +21,7 @@ same ref killed
 
 # kill -9 while a checkpoint's state file is half written: the temp file is never used; resume from the previous.
 cfg halfw
-set +e; CROSSKV_FAULT=kill_in_state_write:3 "$FIT" halfw.yaml > run.log 2>&1; rc=$?; set -e
-[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137), got $rc"; }
+expect_fault 137 kill_in_state_write:3 halfw.yaml
 ls halfw/checkpoint/domain-web/state-3-rank0.bin.tmp-* > /dev/null 2>&1 || die "expected a half-written temp file"
 [ ! -f halfw/checkpoint/domain-web/state-3-rank0.bin ] || die "a half-written state must not appear under its name"
 run halfw.yaml || { cat run.log run.err; die "resume after a kill in a state write failed"; }
@@ -42,8 +33,7 @@ ls halfw/checkpoint/domain-web/*.tmp-* > /dev/null 2>&1 && die "a stray temporar
 # kill -9 while a layer file is half written: the resumed export removes the temporary, and every k<K>/ holds
 # exactly its manifest's files.
 cfg layerw
-set +e; CROSSKV_FAULT=kill_in_layer_write:3 "$FIT" layerw.yaml > run.log 2>&1; rc=$?; set -e
-[ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137) in a layer write, got $rc"; }
+expect_fault 137 kill_in_layer_write:3 layerw.yaml
 ls layerw/k*.partial/layer-*.safetensors.tmp-* > /dev/null 2>&1 || die "expected a half-written layer temp file"
 run layerw.yaml || { cat run.log run.err; die "resume after a kill in a layer write failed"; }
 expect_in "a temporary file of an interrupted export" run.log
@@ -59,19 +49,14 @@ done
 # layer: k = 1 and all), and after the first k folder is complete. Whole layers are not solved again.
 for n in 1 5 $(( $(ls ref/k1/layer-*.safetensors | wc -l) * 2 + 1 )); do
   cfg exp$n
-  set +e; CROSSKV_FAULT=kill_in_export:$n "$FIT" exp$n.yaml > run.log 2>&1; rc=$?; set -e
-  [ "$rc" = 137 ] || { cat run.log; die "expected the injected SIGKILL (137) in export, got $rc"; }
+  expect_fault 137 kill_in_export:$n exp$n.yaml
   [ -e exp$n/kall/manifest.json ] && die "kall must not look complete after a kill in export"
   run exp$n.yaml || { cat run.log run.err; die "rerun after a kill in export failed"; }
   expect_in "no calibration data was read" run.log
   if [ $n = 5 ]; then expect_in "2 target layer(s) already written by an interrupted run" run.log; fi
   if [ $n = 1 ]; then grep -q "already written" run.log && die "a partly written layer was taken as written"; fi
   same ref exp$n
-  for k in k1 kall; do  # the manifests' layer entries too (taken over from the records for resumed layers)
-    command -v python3 > /dev/null || break
-    python3 -c 'import json,sys; a,b=(json.load(open(p))["layers"] for p in sys.argv[1:]); sys.exit(a!=b)' \
-      ref/$k/manifest.json exp$n/$k/manifest.json || die "exp$n/$k/manifest.json: layer entries differ from ref"
-  done
+  same_manifest_layers ref exp$n k1 kall  # taken over from the records for resumed layers
   [ -e exp$n/k1/.layers ] && die "resume records left in an artifact"
 done
 
@@ -129,8 +114,7 @@ commits=$(grep -c "ended:.*checkpoint [0-9]" run.log)
 # Commits 1-3: pass 1's rounds, 4: its end, 5-7: pass 2's rounds. Killed before 2, 5 and the last round's commit.
 for n in 2 5 $(( commits + 1 )); do
   tcfg two$n
-  set +e; CROSSKV_FAULT=kill_before_commit:$n "$FIT" two$n.yaml > run.log 2>&1; rc=$?; set -e
-  [ "$rc" = 137 ] || { cat run.log; die "two passes: expected the injected SIGKILL (137), got $rc"; }
+  expect_fault 137 kill_before_commit:$n two$n.yaml
   run two$n.yaml || { cat run.log run.err; die "two passes: resume after a kill before commit $n failed"; }
   expect_in "resuming from committed checkpoint $(( n - 1 ))" run.log
   if [ $n -gt 4 ]; then expect_in "pass 1/2 (probe): restored from the committed checkpoint" run.log; fi

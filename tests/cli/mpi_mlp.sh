@@ -9,9 +9,7 @@ MPI=${MPIEXEC:?}
 cfg() {  # cfg NAME LAYER_GROUPS
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1], lambda: 0.001, mapper: auto, mlp: {hidden: 32, epochs: 6, batch_tokens: 256, val_fraction: 0.25}}\noutput: {dir: %s}\nruntime: {block_tokens: 64, layer_groups: %s, checkpoint: {mlp_seconds: 0}}\n' "$1" "$2" > "$1.yaml"
 }
-same() {
-  for f in "$1"/k1/layer-*.safetensors; do cmp -s "$f" "$2/k1/$(basename "$f")" || die "$2/k1/$(basename "$f") differs from $1"; done
-}
+same() { same_layers "$1" "$2" k1; }
 for lg in 1 2; do
   for run in a b; do
     cfg "g$lg$run" $lg
