@@ -17,9 +17,7 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
     return;
   }
   scratch.resize(rows * K);
-  for (int64_t t = 0; t < rows; ++t)
-    for (size_t j = 0; j < layers.size(); ++j)
-      std::copy_n(X + t * XW + layers[j] * F, F, scratch.data() + t * K + static_cast<int64_t>(j) * F);
+  gather_layers_on_host(X, XW, layers, F, rows, scratch.data());
   be.matmul_acc(rows, K, G, scratch.data(), K, W, G, Y, YW);
 }
 
@@ -34,11 +32,8 @@ void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, 
 
 void gather_layers(const float* X, int64_t XW, const std::vector<int>& layers, int64_t F, int64_t rows,
                    std::vector<float>& out) {
-  const int64_t K = static_cast<int64_t>(layers.size()) * F;
-  out.resize(rows * K);
-  for (int64_t t = 0; t < rows; ++t)
-    for (size_t j = 0; j < layers.size(); ++j)
-      std::copy_n(X + t * XW + layers[j] * F, F, out.data() + t * K + static_cast<int64_t>(j) * F);
+  out.resize(rows * static_cast<int64_t>(layers.size()) * F);
+  gather_layers_on_host(X, XW, layers, F, rows, out.data());
 }
 
 Transfer::Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts)

@@ -202,11 +202,8 @@ void ResidentKernels::broadcast_rows(const float* b, int64_t n, int64_t rows, fl
 void ResidentKernels::gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists,
                                     int64_t F, int64_t rows, float* out) {
   for (const auto& layers : lists) {
-    const int64_t K = static_cast<int64_t>(layers.size()) * F;
-    for (int64_t t = 0; t < rows; ++t)
-      for (size_t j = 0; j < layers.size(); ++j)
-        std::copy_n(X + t * ldx + layers[j] * F, F, out + t * K + static_cast<int64_t>(j) * F);
-    out += rows * K;
+    gather_layers_on_host(X, ldx, layers, F, rows, out);
+    out += rows * static_cast<int64_t>(layers.size()) * F;
   }
 }
 
@@ -225,6 +222,14 @@ void ResidentKernels::rope_rows(const Rope& rope, bool strip, float* X, int64_t 
     rope.strip_block(X, rows, heads, positions);
   else
     rope.apply_block(X, rows, heads, positions);
+}
+
+void gather_layers_on_host(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
+                           float* out) {
+  const int64_t K = static_cast<int64_t>(layers.size()) * F;
+  for (int64_t t = 0; t < rows; ++t)
+    for (size_t j = 0; j < layers.size(); ++j)
+      std::copy_n(X + t * ldx + layers[j] * F, F, out + t * K + static_cast<int64_t>(j) * F);
 }
 
 void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out) {

@@ -318,5 +318,9 @@ const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const Comput
 // fp32 -> bf16 or fp16 bits on the host, in parallel (the CPU backend's to_half, and export's: the bits of the
 // device's conversion).
 void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out);
+// The selected layers' columns of X [rows x ldx] side by side: out [rows x layers*F] (Transfer's gather, and the
+// host's gather_layers).
+void gather_layers_on_host(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
+                           float* out);
 
 }  // namespace crosskv

@@ -1326,7 +1326,6 @@ TEST_F(Cuda, LayerDiagnosticsMatchTheCpu) {
   expect_same_figures(on_gpu.diagnose(r.keys.data(), r.values.data()), on_cpu.diagnose(r.keys.data(), r.values.data()));
 }
 
-// The residual MLP's forward and gradient through cuBLAS against the CPU's.
 // The serving apply on the GPU against the CPU's Transfer (fp32 products in another order: a tolerance relative to
 // the output's scale), for every k and with residual MLPs, from host arrays and from device memory on a caller's
 // stream; RoPE on the device equals the host's bit for bit.
@@ -1419,6 +1418,7 @@ TEST_F(Cuda, ServingApplyWithResidualMlpsMatchesTheCpu) {
   }
 }
 
+// The residual MLP's forward and gradient through cuBLAS against the CPU's.
 TEST_F(Cuda, MlpForwardAndGradientMatchTheCpu) {
   const MlpShape s{24, 16, 8};
   MlpParams p(s);
