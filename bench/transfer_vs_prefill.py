@@ -85,6 +85,19 @@ def model_table():
     return rows
 
 
+def median_time(f, repeats, warmup=0, sync=lambda: None):
+    """(median seconds of `repeats` calls of f after `warmup` untimed ones, f's last result); `sync` waits for a
+    device before and after each call."""
+    times, out = [], None
+    for _ in range(warmup + repeats):
+        sync()
+        t0 = time.perf_counter()
+        out = f()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:]), out
+
+
 def measured(work, contexts, repeats, ks):
     import numpy as np
     import torch
@@ -101,15 +114,7 @@ def measured(work, contexts, repeats, ks):
     rows = []
     for T in contexts:
         ids = torch.as_tensor(rng.integers(0, src.config.vocab_size, size=(1, T)))
-
-        def timed(f):
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                out = f()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times), out
-
+        timed = lambda f: median_time(f, repeats)  # noqa: E731
         with torch.no_grad():
             p_s, _ = timed(lambda: tgt(ids, use_cache=True).past_key_values)
             s_s, src_cache = timed(lambda: src(ids, use_cache=True).past_key_values)
@@ -141,15 +146,7 @@ def paper_measured(work, pairs, depths, mapper_depths, contexts, repeats, device
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     torch.set_num_threads(os.cpu_count() or 1)
 
-    def timed(f):
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            sync()
-            t0 = time.perf_counter()
-            f()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+    timed = lambda f: median_time(f, repeats, warmup=1, sync=sync)[0]  # noqa: E731
 
     points = []  # one per (pair, side, depth, tokens)
     for name in pairs:
