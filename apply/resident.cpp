@@ -103,6 +103,10 @@ void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, fl
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
   const int64_t XW = m_.source.n_layers * F, YW = Lt * G, K = k_ * F;
   be_.broadcast_rows(kd.b->as<float>(), YW, rows, Y, YW);  // every layer's bias in one call
+  // Layer l's residual MLP (if any) on its gathered input Xl [rows x K], after its product.
+  auto mlp = [&](int l, const float* Xl) {
+    if (kd.mlp[l]) add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), Xl, rows, Y + l * G);
+  };
   DenseMaths::BatchedGemm g;  // Y[:, l*G..] += X[:, selected(l)] W_l for a run of layers (map_one_layer's product)
   g.m = rows, g.n = G, g.k = K, g.beta = 1.0f;
   g.ldb = G, g.stride_b = K * G, g.ldc = YW, g.stride_c = G;
@@ -110,11 +114,16 @@ void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, fl
     g.A = X, g.lda = XW, g.stride_a = 0;
     g.B = kd.w->as<float>(), g.C = Y, g.batch = Lt;
     be_.resident_gemm(g);
+    for (int l = 0; l < Lt; ++l) mlp(l, X);
   } else if (k_ == 1) {  // X's columns of the one selected layer, read in place
     for (int l = 0; l < Lt; ++l) {
       g.A = X + int64_t{selected_[l][0]} * F, g.lda = XW;
       g.B = kd.w->as<float>() + l * K * G, g.C = Y + l * G, g.batch = 1;
       be_.resident_gemm(g);
+      if (!kd.mlp[l]) continue;
+      float* in = scratch<float>(gathered_, rows * K);  // the MLP reads its input contiguous
+      be_.gather_layers(X, XW, {selected_[l]}, F, rows, in);
+      mlp(l, in);
     }
   } else {  // chunks of layers: their selections gathered side by side in one call, then one batched product
     const int64_t chunk = std::max<int64_t>(
@@ -126,17 +135,8 @@ void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, fl
       g.A = gathered, g.lda = K, g.stride_a = rows * K;
       g.B = kd.w->as<float>() + l0 * K * G, g.C = Y + l0 * G, g.batch = l1 - l0;
       be_.resident_gemm(g);
+      for (int l = l0; l < l1; ++l) mlp(l, gathered + (l - l0) * rows * K);  // the gather the product read
     }
-  }
-  for (int l = 0; l < Lt; ++l) {
-    if (!kd.mlp[l]) continue;
-    const float* in = X;  // k = all: X is the MLP's input as it is
-    if (!all_layers_) {
-      float* out = scratch<float>(gathered_, rows * K);
-      be_.gather_layers(X, XW, {selected_[l]}, F, rows, out);
-      in = out;
-    }
-    add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), in, rows, Y + l * G);
   }
 }
 

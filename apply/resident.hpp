@@ -4,10 +4,10 @@
 // there (DLPack tensors from Python: no copy through the host) — or on the host. A batch of sequences is their
 // tokens back to back, each token at its own position. Per kind, one call sets every layer's bias, the selected
 // source layers of a chunk of target layers are gathered in one call and multiplied in one batched GEMM (k = all
-// needs no gather: every layer reads the cache as it is), then the residual MLPs, then the target RoPE. Each
-// layer's product is Transfer's (the same operands and shapes), so on the CPU backend the two agree bit for bit; a
-// device backend is held to the CPU within fp32 tolerance. One call at a time per object (its scratch is shared):
-// callers on several threads take turns, as the Python Mapper's do.
+// needs no gather: every layer reads the cache as it is), each layer's residual MLP on the input its product read,
+// then the target RoPE. Each layer's product is Transfer's (the same operands and shapes), so on the CPU backend the
+// two agree bit for bit; a device backend is held to the CPU within fp32 tolerance. One call at a time per object
+// (its scratch is shared): callers on several threads take turns, as the Python Mapper's do.
 #include <cstdint>
 #include <optional>
 #include <string>

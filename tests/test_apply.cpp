@@ -311,10 +311,10 @@ struct Artifact {
   TempDir tmp;
   std::string dir;
   nlohmann::json manifest;
-  Artifact() {
+  explicit Artifact(const std::string& k = "2") {
     synthesize(small_synth(tmp.str()));
-    fit_yaml(config_yaml(tmp.str(), "{k: [2], lambda: 0.01}"));
-    dir = tmp.str("out/k2");
+    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
+    dir = tmp.str("out/k" + k);
     std::ifstream in(dir + "/manifest.json");
     in >> manifest;
   }
@@ -580,10 +580,13 @@ TEST(ResidentTransfer, EqualsTransferBitForBitOnTheCpuForEveryK) {
 }
 
 TEST(ResidentTransfer, EqualsTransferBitForBitWithResidualMlps) {
-  Artifact a;
-  add_mlp_tensors(a, 2, 8);
-  const Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
-  expect_resident_equals_transfer(a.dir, s, s.tokens);
+  for (const char* k : {"1", "2", "all"}) {  // the MLP's input read in place, gathered for it, or the chunk's gather
+    Artifact a(k);
+    add_mlp_tensors(a, 2, 8);
+    add_mlp_tensors(a, 3, 4);
+    const Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+    expect_resident_equals_transfer(a.dir, s, s.tokens);
+  }
 }
 
 TEST(ResidentTransfer, RefusesWhatTransferRefusesByName) {
