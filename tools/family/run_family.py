@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -119,7 +120,6 @@ def caches(model, ids):
 
 def continuation_nll(model, ids, S, past=None, offset=0):
     """Mean NLL of tokens S+1..2S-1 of ids [B, 2S] given `past` (a cache of the prefix) or nothing."""
-    from transformers import DynamicCache
     x = torch.as_tensor(ids[:, S:])
     kwargs = {}
     if past is not None:
@@ -130,9 +130,6 @@ def continuation_nll(model, ids, S, past=None, offset=0):
     lp = torch.log_softmax(logits[:, :-1].float(), -1)
     nll = -lp.gather(-1, x[:, 1:].unsqueeze(-1)).squeeze(-1)
     return nll.mean().item()
-
-
-from transformers import DynamicCache  # noqa: E402
 
 
 def main():
