@@ -2,7 +2,9 @@
 // The backends layer: the CPU backend (backends/), and the CUDA backend and NCCL collectives (cuda/, or a stub that
 // refuses them by name when compiled out). Only programs and tests choose a backend; the stages see the interfaces
 // (core/backend.hpp, core/comm.hpp).
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -16,6 +18,12 @@ std::unique_ptr<ComputeBackend> make_cuda_backend(int device, int rank = 0, bool
 bool cuda_compiled_in();
 bool nccl_compiled_in();
 int cuda_device_count();  // 0 when built without CUDA or no device present
+// Free memory on `device` in bytes, and its name (-1 and "" when built without CUDA or no such device).
+struct CudaDeviceInfo {
+  std::string name;
+  int64_t free_bytes = -1, total_bytes = -1;
+};
+CudaDeviceInfo cuda_device_info(int device);
 // NCCL collectives on `device`, bootstrapped (unique id), barriers and votes through `host`; or the stub's error
 // "built without NCCL".
 std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, int device);

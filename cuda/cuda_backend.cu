@@ -412,7 +412,10 @@ class CudaBackend final : public ComputeBackend {
     float *dA = d, *dB = d + na, *dC = d + na + nb;
     if (na) CK(cudaMemcpyAsync(dA, g.A, na * 4, cudaMemcpyHostToDevice, compute_), ops);
     if (nb) CK(cudaMemcpyAsync(dB, g.B, nb * 4, cudaMemcpyHostToDevice, compute_), ops);
-    if (g.beta != 0.0f) CK(cudaMemcpyAsync(dC, g.C, nc * 4, cudaMemcpyHostToDevice, compute_), ops);
+    // C comes back whole (its extent): unless the batch's outputs tile it, what lies between them goes up first,
+    // even when beta is 0, or the copy back overwrites it.
+    const bool tiles = g.ldc == g.n && (g.batch == 1 || g.stride_c == g.m * g.n);
+    if (g.beta != 0.0f || !tiles) CK(cudaMemcpyAsync(dC, g.C, nc * 4, cudaMemcpyHostToDevice, compute_), ops);
     // Row-major C = op(A) op(B) is column-major C' = op(B)' op(A)'.
     CK(cublasSgemmStridedBatched_64(blas_, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
                                     g.n, g.m, g.k, &g.alpha, dB, g.ldb, g.stride_b, dA, g.lda, g.stride_a, &g.beta, dC,
@@ -851,6 +854,22 @@ bool cuda_compiled_in() { return true; }
 int cuda_device_count() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+CudaDeviceInfo cuda_device_info(int device) {
+  CudaDeviceInfo info;
+  cudaDeviceProp prop{};
+  int previous = 0;
+  size_t free = 0, total = 0;
+  if (device < 0 || device >= cuda_device_count() || cudaGetDevice(&previous) != cudaSuccess ||
+      cudaGetDeviceProperties(&prop, device) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
+    return info;
+  if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
+    info.free_bytes = static_cast<int64_t>(free);
+    info.total_bytes = static_cast<int64_t>(total);
+  }
+  info.name = prop.name;
+  cudaSetDevice(previous);
+  return info;
 }
 
 }  // namespace crosskv

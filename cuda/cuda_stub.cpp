@@ -12,6 +12,7 @@ std::unique_ptr<ComputeBackend> make_cuda_backend(int, int, bool) {
 bool cuda_compiled_in() { return false; }
 bool nccl_compiled_in() { return false; }
 int cuda_device_count() { return 0; }
+CudaDeviceInfo cuda_device_info(int) { return {}; }
 
 }  // namespace crosskv
 

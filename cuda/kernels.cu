@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cuda/kernels.hpp"
+#include "cuda/launch.hpp"
 
 namespace crosskv::cuda {
 namespace {
@@ -175,72 +176,62 @@ __global__ void rope_rows_kernel(float* X, int64_t rows, int64_t heads, const Ro
 cudaError_t launch_broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy,
                                   cudaStream_t stream) {
   if (rows * n == 0) return cudaSuccess;
-  broadcast_rows_kernel<<<blocks_for(rows * n), kThreads, 0, stream>>>(b, n, rows, Y, ldy);
-  return cudaGetLastError();
+  return launch(broadcast_rows_kernel, blocks_for(rows * n), kThreads, stream, b, n, rows, Y, ldy);
 }
 
 cudaError_t launch_gather_layers(const float* X, int64_t ldx, const LayerList& table, int64_t F, int64_t rows,
                                  float* out, cudaStream_t stream) {
   const int64_t total = int64_t{table.lists} * rows * table.k * F;
   if (total == 0) return cudaSuccess;
-  gather_layers_kernel<<<blocks_for(total), kThreads, 0, stream>>>(X, ldx, table, F, rows, out);
-  return cudaGetLastError();
+  return launch(gather_layers_kernel, blocks_for(total), kThreads, stream, X, ldx, table, F, rows, out);
 }
 
 cudaError_t launch_relu(float* X, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  relu_kernel<<<blocks_for(n), kThreads, 0, stream>>>(X, n);
-  return cudaGetLastError();
+  return launch(relu_kernel, blocks_for(n), kThreads, stream, X, n);
 }
 
 cudaError_t launch_add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy, cudaStream_t stream) {
   if (rows * n == 0) return cudaSuccess;
-  add_rows_kernel<<<blocks_for(rows * n), kThreads, 0, stream>>>(Z, n, rows, Y, ldy);
-  return cudaGetLastError();
+  return launch(add_rows_kernel, blocks_for(rows * n), kThreads, stream, Z, n, rows, Y, ldy);
 }
 
 cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, const RopeArgs& a, cudaStream_t stream) {
   const int64_t total = rows * heads * (a.rotary_dim / 2);
   if (total == 0) return cudaSuccess;
-  rope_rows_kernel<<<blocks_for(total), kThreads, 0, stream>>>(X, rows, heads, a);
-  return cudaGetLastError();
+  return launch(rope_rows_kernel, blocks_for(total), kThreads, stream, X, rows, heads, a);
 }
 
 cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const double* mean_i, const double* mean_j,
                                       double inv_n, double lambda, bool diagonal, double* a, double* at, int64_t lda,
                                       cudaStream_t stream) {
   if (F == 0) return cudaSuccess;
-  assemble_cov_block_kernel<<<blocks_for(F * F), kThreads, 0, stream>>>(g, read, F, mean_i, mean_j, inv_n, lambda,
-                                                                        diagonal, a, at, lda);
-  return cudaGetLastError();
+  return launch(assemble_cov_block_kernel, blocks_for(F * F), kThreads, stream, g, read, F, mean_i, mean_j, inv_n,
+                lambda, diagonal, a, at, lda);
 }
 
 cudaError_t launch_prepare(const void* in, Dtype kind, int64_t rows, int64_t cols, const StripArgs& strip,
                            const float* shift, float* out, cudaStream_t stream) {
   if (rows * cols == 0) return cudaSuccess;
-  prepare_kernel<<<blocks_for(rows * cols), kThreads, 0, stream>>>(in, kind, rows, cols, strip, shift, out);
-  return cudaGetLastError();
+  return launch(prepare_kernel, blocks_for(rows * cols), kThreads, stream, in, kind, rows, cols, strip, shift, out);
 }
 
 cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int D, float* out, cudaStream_t stream) {
   const int64_t n = rows * L * H * D;
   if (n == 0) return cudaSuccess;
-  gather_heads_kernel<<<blocks_for(n), kThreads, 0, stream>>>(X, rows, L, H, D, out);
-  return cudaGetLastError();
+  return launch(gather_heads_kernel, blocks_for(n), kThreads, stream, X, rows, L, H, D, out);
 }
 
 cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum, double* sumsq,
                                 cudaStream_t stream) {
   if (rows == 0 || cols == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>((cols + kStatsThreads - 1) / kStatsThreads);
-  column_stats_kernel<<<grid, kStatsThreads, 0, stream>>>(X, rows, cols, ldx, sum, sumsq);
-  return cudaGetLastError();
+  return launch(column_stats_kernel, grid, kStatsThreads, stream, X, rows, cols, ldx, sum, sumsq);
 }
 
 cudaError_t launch_to_half(const float* in, int64_t n, bool bf16, uint16_t* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  to_half_kernel<<<blocks_for(n), kThreads, 0, stream>>>(in, n, bf16, out);
-  return cudaGetLastError();
+  return launch(to_half_kernel, blocks_for(n), kThreads, stream, in, n, bf16, out);
 }
 
 }  // namespace crosskv::cuda

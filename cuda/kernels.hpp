@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "core/dtype.hpp"
 
@@ -64,5 +65,10 @@ struct RopeArgs {
   float factor = 1.0f;
 };
 cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, const RopeArgs& a, cudaStream_t stream);
+
+// The device pointers these arguments carry (a launch's pointer arguments are checked by the host emulation, and
+// these with them).
+inline auto device_pointers(const StripArgs& a) { return std::tuple{a.inv_freq, a.positions}; }
+inline auto device_pointers(const RopeArgs& a) { return std::tuple{a.positions}; }
 
 }  // namespace crosskv::cuda

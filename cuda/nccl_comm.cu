@@ -10,6 +10,7 @@
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/launch.hpp"
 #include "cuda/resources.hpp"
 
 namespace crosskv {
@@ -125,8 +126,7 @@ class NcclComm final : public Comm {
       CK(ncclGroupEnd(), ops);
       if (c > 0) {
         const int threads = 256, blocks = static_cast<int>(std::min<size_t>((c + threads - 1) / threads, 4096));
-        sum_in_rank_order<<<blocks, threads, 0, stream_>>>(parts, static_cast<int64_t>(c), P, sum);
-        CK(cudaGetLastError(), ops);
+        CK(cuda::launch(sum_in_rank_order<T>, blocks, threads, stream_, parts, static_cast<int64_t>(c), P, sum), ops);
       }
       const size_t at = chunk.size();
       chunk.resize(at + c);

@@ -16,6 +16,7 @@
 #include "core/mlp.hpp"
 #include "core/moments.hpp"
 #include "core/rope.hpp"
+#include "core/thread_comm.hpp"
 #include "core/ridge.hpp"
 #include "helpers.hpp"
 #include "apply/layer_diagnostics.hpp"
@@ -35,9 +36,18 @@ class Cuda : public ::testing::Test {
   void SetUp() override {
     if (!cuda_compiled_in()) GTEST_SKIP() << "built without CUDA";
     if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+    before_ = cuda_device_info(0);
     gpu_ = make_cuda_backend(0);
     cpu_ = make_cpu_backend();
   }
+  // On the emulated device every byte is accounted for: the backend gives back all it took (a GPU's driver and
+  // libraries keep pools of their own, so the check is the emulation's).
+  void TearDown() override {
+    gpu_.reset();
+    if (before_.name.find("emulated") == std::string::npos) return;
+    EXPECT_EQ(cuda_device_info(0).free_bytes, before_.free_bytes) << "device memory not freed by the CUDA backend";
+  }
+  CudaDeviceInfo before_;
   std::unique_ptr<ComputeBackend> gpu_, cpu_;
 };
 
@@ -1233,9 +1243,10 @@ TEST_F(Cuda, BatchedGemmOfEveryTransposeAndStrideMatchesTheCpu) {
   const auto A = random_rows(batch * 64 * 64, 1, 0.0f), B = random_rows(batch * 64 * 64, 2, 0.0f);
   for (bool ta : {false, true})
     for (bool tb : {false, true})
-      for (int64_t stride_b : {int64_t{0}, int64_t{64 * 64}}) {
+      for (int64_t stride_b : {int64_t{0}, int64_t{64 * 64}})
+        for (float beta : {1.0f, 0.0f}) {  // beta 0: C's values between the outputs stay as they were
         ComputeBackend::BatchedGemm g;
-        g.trans_a = ta, g.trans_b = tb, g.m = m, g.n = n, g.k = k, g.alpha = 0.5f, g.beta = 1.0f;
+        g.trans_a = ta, g.trans_b = tb, g.m = m, g.n = n, g.k = k, g.alpha = 0.5f, g.beta = beta;
         g.A = A.data(), g.lda = 64, g.stride_a = 64 * 64, g.B = B.data(), g.ldb = 64, g.stride_b = stride_b;
         g.ldc = 40, g.stride_c = 40 * 40, g.batch = batch;
         std::vector<float> c_cpu = random_rows(batch * 40 * 40, 3, 0.0f), c_gpu = c_cpu;
@@ -1245,7 +1256,7 @@ TEST_F(Cuda, BatchedGemmOfEveryTransposeAndStrideMatchesTheCpu) {
         gpu_->gemm_batched(g);
         for (size_t i = 0; i < c_cpu.size(); ++i)
           ASSERT_NEAR(c_gpu[i], c_cpu[i], 1e-4f * (1 + std::fabs(c_cpu[i])))
-              << "trans " << ta << tb << ", stride_b " << stride_b << ", element " << i;
+              << "trans " << ta << tb << ", stride_b " << stride_b << ", beta " << beta << ", element " << i;
       }
 }
 
@@ -1432,4 +1443,45 @@ TEST_F(Cuda, MlpForwardAndGradientMatchTheCpu) {
   EXPECT_NEAR(l_gpu, l_cpu, 1e-5 * l_cpu);
   for (size_t i = 0; i < g_cpu.flat.size(); ++i)
     ASSERT_NEAR(g_gpu.flat[i], g_cpu.flat[i], 1e-3f * (1 + std::fabs(g_cpu.flat[i]))) << "parameter " << i;
+}
+
+// NCCL between GPUs, ranks as threads with a GPU each: the same bits as the host's fixed-order collectives (rank order
+// shows in fp32 sums from three ranks on: (a + b) + c is not (c + b) + a).
+TEST(CudaNccl, CollectivesEqualTheHostCollectivesBitForBit) {
+  if (!nccl_compiled_in()) GTEST_SKIP() << "built without NCCL";
+  const int P = std::min(cuda_device_count(), 4);
+  if (P < 3) GTEST_SKIP() << "needs 3 CUDA devices, found " << cuda_device_count();
+  const size_t n = 3001;  // not a multiple of P
+  run_ranks(P, [&](Comm& host) {
+    const int r = host.rank();
+    std::unique_ptr<Comm> nccl = make_nccl_comm(host.split(0, r), r);
+    ASSERT_EQ(nccl->name(), "nccl");
+    const std::vector<float> in = random_rows(static_cast<int64_t>(n), 100 + r, 0.5f);
+    std::vector<double> din(n);
+    for (size_t i = 0; i < n; ++i) din[i] = in[i] * 1e3 + 1.0 / (1 + i);
+    auto same = [](const auto& a, const auto& b, const char* what) {
+      ASSERT_EQ(a.size(), b.size()) << what;
+      for (size_t i = 0; i < a.size(); ++i)
+        ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof a[i]), 0) << what << ": element " << i << ": " << a[i] << " vs " << b[i];
+    };
+    std::vector<float> ha, na;
+    host.reduce_scatter_sum(in.data(), n, ha);
+    nccl->reduce_scatter_sum(in.data(), n, na);
+    same(ha, na, "reduce_scatter_sum (fp32)");
+    std::vector<double> hd, nd;
+    host.reduce_scatter_sum(din.data(), n, hd);
+    nccl->reduce_scatter_sum(din.data(), n, nd);
+    same(hd, nd, "reduce_scatter_sum (fp64)");
+    std::vector<float> hg(n), ng(n);
+    host.allgather(ha, hg.data(), n);
+    nccl->allgather(na, ng.data(), n);
+    same(hg, ng, "allgather");
+    std::vector<float> ar = in, nr = in;
+    host.allreduce_sum(ar.data(), n);
+    nccl->allreduce_sum(nr.data(), n);
+    same(ar, nr, "allreduce_sum");
+    std::vector<int> msg(17, r == 1 ? 42 : -1);
+    nccl->broadcast(msg.data(), msg.size() * sizeof(int), 1);
+    EXPECT_EQ(msg, std::vector<int>(17, 42));
+  });
 }
