@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -281,10 +283,16 @@ std::unique_ptr<Comm> make_mpi_comm() {
 
 namespace {
 // This rank's index among the job's ranks on its node, and their number.
+// Collective over MPI_COMM_WORLD the first time (every rank asks first at the same point, the program's start);
+// later calls, by any subset of the ranks, read the answer (a rank-0-only call once deadlocked crosskv-fit).
 std::pair<int, int> node_rank_and_size() {
   int inited = 0;
   MPI_Initialized(&inited);
   if (!inited) return {0, 1};
+  static std::mutex m;
+  static std::optional<std::pair<int, int>> known;
+  std::lock_guard<std::mutex> lock(m);
+  if (known) return *known;
   MPI_Comm node;
   check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
             "MPI_Comm_split_type", 0);
@@ -292,7 +300,8 @@ std::pair<int, int> node_rank_and_size() {
   check_mpi(MPI_Comm_rank(node, &r), "MPI_Comm_rank (node)", 0);
   check_mpi(MPI_Comm_size(node, &n), "MPI_Comm_size (node)", 0);
   MPI_Comm_free(&node);
-  return {r, n};
+  known = std::make_pair(r, n);
+  return *known;
 }
 }  // namespace
 
