@@ -1241,23 +1241,25 @@ TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
 TEST_F(Cuda, BatchedGemmOfEveryTransposeAndStrideMatchesTheCpu) {
   const int64_t m = 37, n = 29, k = 45, batch = 3;
   const auto A = random_rows(batch * 64 * 64, 1, 0.0f), B = random_rows(batch * 64 * 64, 2, 0.0f);
+  uint64_t seed = 0;
   for (bool ta : {false, true})
     for (bool tb : {false, true})
       for (int64_t stride_b : {int64_t{0}, int64_t{64 * 64}})
         for (float beta : {1.0f, 0.0f}) {  // beta 0: C's values between the outputs stay as they were
-        ComputeBackend::BatchedGemm g;
-        g.trans_a = ta, g.trans_b = tb, g.m = m, g.n = n, g.k = k, g.alpha = 0.5f, g.beta = beta;
-        g.A = A.data(), g.lda = 64, g.stride_a = 64 * 64, g.B = B.data(), g.ldb = 64, g.stride_b = stride_b;
-        g.ldc = 40, g.stride_c = 40 * 40, g.batch = batch;
-        std::vector<float> c_cpu = random_rows(batch * 40 * 40, 3, 0.0f), c_gpu = c_cpu;
-        g.C = c_cpu.data();
-        cpu_->gemm_batched(g);
-        g.C = c_gpu.data();
-        gpu_->gemm_batched(g);
-        for (size_t i = 0; i < c_cpu.size(); ++i)
-          ASSERT_NEAR(c_gpu[i], c_cpu[i], 1e-4f * (1 + std::fabs(c_cpu[i])))
-              << "trans " << ta << tb << ", stride_b " << stride_b << ", beta " << beta << ", element " << i;
-      }
+          ComputeBackend::BatchedGemm g;
+          g.trans_a = ta, g.trans_b = tb, g.m = m, g.n = n, g.k = k, g.alpha = 0.5f, g.beta = beta;
+          g.A = A.data(), g.lda = 64, g.stride_a = 64 * 64, g.B = B.data(), g.ldb = 64, g.stride_b = stride_b;
+          g.ldc = 40, g.stride_c = 40 * 40, g.batch = batch;
+          // A new C each time: values left from an earlier product must not pass for the ones kept between outputs.
+          std::vector<float> c_cpu = random_rows(batch * 40 * 40, 3 + seed++, 0.0f), c_gpu = c_cpu;
+          g.C = c_cpu.data();
+          cpu_->gemm_batched(g);
+          g.C = c_gpu.data();
+          gpu_->gemm_batched(g);
+          for (size_t i = 0; i < c_cpu.size(); ++i)
+            ASSERT_NEAR(c_gpu[i], c_cpu[i], 1e-4f * (1 + std::fabs(c_cpu[i])))
+                << "trans " << ta << tb << ", stride_b " << stride_b << ", beta " << beta << ", element " << i;
+        }
 }
 
 TEST_F(Cuda, SymmetricEigenMatchesTheCpu) {

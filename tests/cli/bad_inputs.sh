@@ -21,6 +21,13 @@ if "$FIT" --version | grep -q "cuda: no"; then
 elif ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L > /dev/null 2>&1; then
   check 2 "runtime.device: cuda: no CUDA device 0 on host" cuda.yaml   # built with CUDA, no GPU here
 fi
+# The build without CUDA refuses by name; the emulation with no device, as a machine without a GPU does.
+if [ -n "${CROSSKV_FIT_STUB:-}" ]; then
+  FIT=$CROSSKV_FIT_STUB check 2 "runtime.device: cuda was requested but crosskv was built without CUDA" cuda.yaml
+fi
+if [ -n "${CROSSKV_FIT_EMULATED:-}" ]; then
+  CROSSKV_CUDA_EMULATION_DEVICES=0 FIT=$CROSSKV_FIT_EMULATED check 2 "runtime.device: cuda: no CUDA device 0 on host" cuda.yaml
+fi
 # Usage errors: one line, exit 2 (not CLI11's 105/109).
 check 2 "--log-level: bogus not in" typo.yaml --log-level bogus
 check 2 "--nope" typo.yaml --nope
