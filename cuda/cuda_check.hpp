@@ -6,7 +6,10 @@
 #include <cusolverDn.h>
 #include <nccl.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 namespace crosskv::cuda {
 
@@ -25,6 +28,13 @@ inline std::string status_text(cudaError_t e) { return std::string(cudaGetErrorN
 inline std::string status_text(cublasStatus_t s) { return cublasGetStatusName(s); }
 inline std::string status_text(cusolverStatus_t s) { return "cusolverStatus " + std::to_string(static_cast<int>(s)); }
 inline std::string status_text(ncclResult_t r) { return ncclGetErrorString(r); }
+
+// "m=3, n=4": the operands of a failed call.
+inline std::string dims(std::initializer_list<std::pair<const char*, int64_t>> d) {
+  std::string s;
+  for (const auto& [k, v] : d) s += (s.empty() ? "" : ", ") + std::string(k) + "=" + std::to_string(v);
+  return s;
+}
 
 }  // namespace crosskv::cuda
 

@@ -12,32 +12,33 @@ import shutil
 import subprocess
 import sys
 
-# (name, file under cuda/, text, replacement, test that must fail)
+# (name, file under cuda/, text, replacement, test that must fail[, the emulated object to rebuild when the file is
+# a header])
 MUTANTS = [
-    ("wrong transpose in one cuBLAS call (cross_acc)", "cuda_backend.cu",
-     "cublasSgemm_64(blas_, CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows,",
-     "cublasSgemm_64(blas_, CUBLAS_OP_T, CUBLAS_OP_T, n, m, rows,",
+    ("wrong transpose in one cuBLAS call (cross_acc)", "dense_maths.cu",
+     "cublasSgemm_64(res_.blas(), CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows,",
+     "cublasSgemm_64(res_.blas(), CUBLAS_OP_T, CUBLAS_OP_T, n, m, rows,",
      "Cuda.MomentsMatchTheCpuOverManyBlocks"),
-    ("wrong leading dimension in one cuBLAS call (matmul_acc's C)", "cuda_backend.cu",
-     "kept ? kept : d + na, ldb, d, lda, &one, dC,\n                      ldc)",
-     "kept ? kept : d + na, ldb, d, lda, &one, dC,\n                      n)",
+    ("wrong leading dimension in one cuBLAS call (matmul_acc's C)", "dense_maths.cu",
+     "kept ? kept : d + na, ldb, d, lda, &one,\n                    dC, ldc)",
+     "kept ? kept : d + na, ldb, d, lda, &one,\n                    dC, n)",
      "Cuda.MatmulMatchesTheCpu"),
-    ("no stream synchronisation before the host reads a product (matmul_acc)", "cuda_backend.cu",
-     "CK(cudaMemcpyAsync(C, dC, nc * 4, cudaMemcpyDeviceToHost, compute_), ops);\n    CK(cudaStreamSynchronize(compute_), ops);",
-     "CK(cudaMemcpyAsync(C, dC, nc * 4, cudaMemcpyDeviceToHost, compute_), ops);",
+    ("no stream synchronisation before the host reads a product (matmul_acc)", "dense_maths.cu",
+     "CK(cudaMemcpyAsync(C, dC, nc * 4, cudaMemcpyDeviceToHost, res_.compute()), ops);\n  CK(cudaStreamSynchronize(res_.compute()), ops);",
+     "CK(cudaMemcpyAsync(C, dC, nc * 4, cudaMemcpyDeviceToHost, res_.compute()), ops);",
      "Cuda.MatmulMatchesTheCpu"),
-    ("the compute stream no longer waits for the input copies (stage_inputs)", "cuda_backend.cu",
+    ("the compute stream no longer waits for the input copies (stage_inputs)", "device_resources.cu",
      'CK(cudaStreamWaitEvent(compute_, s.copied, 0), "");',
      "",
      "Cuda.MomentsMatchTheCpuOverManyBlocks"),
-    ("a host pointer passed to a kernel (column_stats)", "cuda_backend.cu",
+    ("a host pointer passed to a kernel (column_stats)", "inputs.cu",
      "cuda::launch_column_stats(d_x, rows,",
      "cuda::launch_column_stats(X, rows,",
      "Cuda.GatherHeadsAndColumnStatsMatchTheHost"),
-    ("a missing cudaFree (forget_constant)", "cuda_backend.cu",
-     'CK(cudaFree(const_cast<float*>(it->second.dev)), "forget_constant");',
-     "",
-     "Cuda.MatmulWithKeptWeightsMatchesTheCpu"),
+    ("a missing cudaFree (a growing device buffer never gives its memory back)", "resources.hpp",
+     "if (p_) cudaFree(p_);\n    p_ = nullptr;\n    cap_ = 0;",
+     "p_ = nullptr;\n    cap_ = 0;",
+     "Cuda.MatmulMatchesTheCpu", "device_resources.cpp"),
     ("an NCCL reduction summing the ranks in the wrong order", "nccl_comm.cu",
      "T s = parts[i];\n    for (int r = 1; r < ranks; ++r) s += parts[r * count + i];",
      "T s = parts[(ranks - 1) * count + i];\n    for (int r = ranks - 2; r >= 0; --r) s += parts[r * count + i];",
@@ -46,7 +47,7 @@ MUTANTS = [
      "out[i] = X[t * W + (a * H + h) * D + j];",
      "out[i] = X[t * W + (a * H + h) * D + j + 1];",
      "Cuda.GatherHeadsAndColumnStatsMatchTheHost"),
-    ("gemm_batched with beta 0 overwriting C between its outputs (the bug the emulation found)", "cuda_backend.cu",
+    ("gemm_batched with beta 0 overwriting C between its outputs (the bug the emulation found)", "dense_maths.cu",
      "if (g.beta != 0.0f || !tiles)",
      "if (g.beta != 0.0f)",
      "Cuda.BatchedGemmOfEveryTransposeAndStrideMatchesTheCpu"),
@@ -65,14 +66,14 @@ def main():
     assert f" {archive} " in link, "the link command does not name " + archive
     caught = 0
     rows = []
-    for i, (name, file, old, new, test) in enumerate(MUTANTS):
+    for i, (name, file, old, new, test, *rebuild) in enumerate(MUTANTS):
         m = os.path.join(work, f"mutant-{i}")
         shutil.copytree(os.path.join(root, "cuda"), os.path.join(m, "src", "cuda"))
         path = os.path.join(m, "src", "cuda", file)
         text = open(path).read()
         assert text.count(old) == 1, f"mutant {i} ({name}): the text to change occurs {text.count(old)} times in {file}"
         open(path, "w").write(text.replace(old, new))
-        wrapper = file.replace(".cu", ".cpp")
+        wrapper = rebuild[0] if rebuild else file.replace(".cu", ".cpp")
         entry = next(e for e in commands if e["file"].endswith("cuda/emulation/" + wrapper))
         obj = os.path.join(m, wrapper + ".o")
         cmd = entry["command"]
