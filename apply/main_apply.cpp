@@ -9,6 +9,7 @@
 
 #include "apply/transfer.hpp"
 #include "backends/backends.hpp"
+#include "core/blas_kernels.hpp"
 #include "core/backend.hpp"
 #include "core/cli.hpp"
 #include "core/error.hpp"
@@ -56,7 +57,9 @@ int main(int argc, char** argv) {
   app.add_flag("--resident", resident, "keep every layer's weights in memory (default: one layer at a time)");
   app.add_flag("--no-target-rope", no_rope, "diagnostics only: leave the mapped keys without the target RoPE");
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-apply")) return *rc;
+  const BlasKernels& blas = select_blas_kernels();  // before any BLAS call
   setup_logging(0, 1, "info");
+  log_blas_kernels(blas);
   return run_tool("crosskv-apply", [&]() -> int {
     for (const auto& [flag, input] : {std::pair{"--source", source}, std::pair{"--target-positions", positions_from}})
       if (!input.empty() && same_file(out, input))

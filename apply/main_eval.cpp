@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "backends/backends.hpp"
+#include "core/blas_kernels.hpp"
 #include "core/cli.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
@@ -29,10 +30,12 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--require-ok", require_ok, "exit 4 when the verdict is not LIKELY TO TRANSFER");
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-eval")) return *rc;
+  const BlasKernels& blas = select_blas_kernels();  // before any BLAS call
   MpiSession mpi(&argc, &argv);
   std::unique_ptr<Comm> comm = make_mpi_comm();
   setup_logging(comm->rank(), comm->size(), "info");
   const bool root = comm->rank() == 0;
+  if (root) log_blas_kernels(blas);
   try {
     return run_tool("crosskv-eval", [&]() -> int {
       // One rank per GPU: the rank's index on its node picks the device.

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
@@ -172,6 +173,8 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The kernels every figure is taken with, chosen before any BLAS call and printed with the results.
+  std::fprintf(stderr, "%s\n", crosskv::select_blas_kernels().summary().c_str());
   const std::string device = argc > 1 ? argv[1] : "cpu";
   if (argc > 2 && std::string(argv[2]) == "serving") {
     if (device == "cuda" && (!cuda_compiled_in() || cuda_device_count() == 0)) {

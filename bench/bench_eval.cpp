@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/blas_kernels.hpp"
 #include "apply/diagnose.hpp"
 #include "apply/layer_diagnostics.hpp"
 #include "apply/transfer.hpp"
@@ -201,6 +202,8 @@ int mlp(const std::string& device, int64_t k) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The kernels every figure is taken with, chosen before any BLAS call and printed with the results.
+  std::fprintf(stderr, "%s\n", crosskv::select_blas_kernels().summary().c_str());
   spdlog::set_level(spdlog::level::warn);
   const std::string mode = argc > 1 ? argv[1] : "demo", device = argc > 2 ? argv[2] : "cpu";
   try {

@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -101,6 +102,8 @@ int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
 }
 
 int main(int argc, char** argv) {
+  // The kernels every figure is taken with, chosen before any BLAS call and printed with the results.
+  std::fprintf(stderr, "%s\n", crosskv::select_blas_kernels().summary().c_str());
   if (argc >= 2 && std::string(argv[1]) == "--factor") {
     const bool cpu = std::getenv("CROSSKV_BENCH_CPU") != nullptr;
     if (!cpu && (!cuda_compiled_in() || cuda_device_count() == 0)) {

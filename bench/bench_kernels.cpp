@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -127,4 +128,13 @@ BENCHMARK(BM_dtrsm)->Arg(8)->Arg(12)->Unit(benchmark::kMillisecond)->UseRealTime
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  // The kernels every figure is taken with, chosen before any BLAS call (also in the benchmark's context).
+  const std::string blas = crosskv::select_blas_kernels().summary();
+  benchmark::AddCustomContext("blas", blas);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

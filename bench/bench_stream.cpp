@@ -2,6 +2,7 @@
 // finiteness), with no moment blocks to accumulate. Prints one JSON line.
 #include <cstdio>
 
+#include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
@@ -12,6 +13,8 @@
 using namespace crosskv;
 
 int main(int argc, char** argv) {
+  // The kernels every figure is taken with, chosen before any BLAS call and printed with the results.
+  std::fprintf(stderr, "%s\n", crosskv::select_blas_kernels().summary().c_str());
   if (argc != 2) {
     std::fprintf(stderr, "usage: crosskv-bench-stream CONFIG.yaml\n");
     return 2;

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "backends/backends.hpp"
+#include "core/blas_kernels.hpp"
 #include "core/backend.hpp"
 #include "core/cli.hpp"
 #include "core/comm.hpp"
@@ -52,9 +53,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--version", version, "print the version and build features");
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-fit")) return *rc;
+  const BlasKernels& blas = select_blas_kernels();  // before any BLAS call
   if (version) {
-    std::printf("crosskv-fit %s (cuda: %s, nccl: %s, mpi: yes)\n", CROSSKV_VERSION, cuda_compiled_in() ? "yes" : "no",
-                nccl_compiled_in() ? "yes" : "no");
+    std::printf("crosskv-fit %s (cuda: %s, nccl: %s, mpi: yes)\n%s\n", CROSSKV_VERSION, cuda_compiled_in() ? "yes" : "no",
+                nccl_compiled_in() ? "yes" : "no", blas.summary().c_str());
+    if (!blas.warning.empty()) std::printf("warning: %s\n", blas.warning.c_str());
     return 0;
   }
   if (config_path.empty()) {
@@ -92,6 +95,7 @@ int main(int argc, char** argv) {
     spdlog::info("threads: {} per rank for BLAS and OpenMP ({}; {} core(s) usable, {} rank(s) on this node)",
                  threads.threads, threads.from_env ? "OPENBLAS_NUM_THREADS/OMP_NUM_THREADS as set" : "chosen",
                  threads.cores, local_ranks);
+    if (comm->rank() == 0) log_blas_kernels(blas);
     FitResult r = run_fit(cfg, FitOptions{plan_only, fresh, plan_ranks}, ctx);
     if (plan_only && comm->rank() == 0) std::cout << r.plan_text;
     return 0;

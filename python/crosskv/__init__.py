@@ -12,9 +12,11 @@ into the target model's DynamicCache.
 """
 import numpy as np
 
-from ._crosskv import MapperError, __version__, cuda_compiled_in, _Mapper
+from ._crosskv import MapperError, __version__, blas, blas_warning, cuda_compiled_in, _Mapper
 
-__all__ = ["Mapper", "MapperError", "__version__", "cuda_compiled_in"]
+# `blas`: the BLAS library and the kernels it runs here (chosen at import to match the CPU unless OPENBLAS_CORETYPE is
+# set); `blas_warning`: what is wrong with them and how to fix it, or "".
+__all__ = ["Mapper", "MapperError", "__version__", "blas", "blas_warning", "cuda_compiled_in"]
 
 
 def _is_torch(x):

@@ -19,6 +19,7 @@
 #include "apply/resident.hpp"
 #include "apply/transfer.hpp"
 #include "backends/backends.hpp"
+#include "core/blas_kernels.hpp"
 #include "core/error.hpp"
 
 namespace nb = nanobind;
@@ -194,7 +195,11 @@ class PyMapper {
 
 NB_MODULE(_crosskv, m) {
   using crosskv::PyMapper;
+  const crosskv::BlasKernels& blas = crosskv::select_blas_kernels();  // at import, before any BLAS call
   spdlog::set_level(spdlog::level::warn);
+  m.attr("blas") = blas.summary();
+  m.attr("blas_warning") = blas.warning;
+  if (!blas.warning.empty()) spdlog::warn("crosskv: {}", blas.warning);
   m.doc() = "crosskv's apply layer: a fitted mapper turns a source model's KV cache into the target model's";
   m.attr("__version__") = CROSSKV_VERSION;
   m.attr("cuda_compiled_in") = crosskv::cuda_compiled_in();

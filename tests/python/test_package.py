@@ -37,6 +37,10 @@ def check(cond, what):
         failures.append(what)
 
 
+# The package says which BLAS kernels it runs (chosen at import, as the programs choose them).
+check("OpenBLAS" in crosskv.blas and "kernels" in crosskv.blas, f"crosskv.blas names the library and kernels: {crosskv.blas}")
+
+
 def run(*cmd):
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
