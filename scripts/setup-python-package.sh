@@ -6,8 +6,19 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 [ -x "$VENV/bin/python" ] || exit 0
+# The package is built from the sources git knows (tracked and untracked, not ignored): installed again only when
+# their contents changed since the last install into this environment.
+stamp="$VENV/.crosskv-sources.sha256"
+sources=$(cd "$ROOT" && git ls-files -co --exclude-standard 2> /dev/null | grep -E '^(core|io|apply|backends|cuda|python|stages|cmake)/|^(CMakeLists.txt|pyproject.toml)$' \
+          | sort | xargs -r sha256sum 2> /dev/null | sha256sum | cut -c1-64)
+if [ -n "$sources" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sources" ] && "$VENV/bin/python" -c "import crosskv" 2> /dev/null; then
+  echo "[setup] crosskv Python package up to date in $VENV"
+  exit 0
+fi
+rm -f "$stamp"
 if "$VENV/bin/pip" install -q --disable-pip-version-check "$ROOT" > "$ROOT/.venv-crosskv.log" 2>&1; then
   echo "[setup] crosskv Python package installed in $VENV ($("$VENV/bin/python" -c 'import crosskv; print(crosskv.__version__)'))"
+  [ -n "$sources" ] && echo "$sources" > "$stamp"
 else
   echo "[setup] could not build the crosskv Python package (see .venv-crosskv.log): its tests will be SKIPPED"
 fi

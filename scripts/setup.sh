@@ -18,10 +18,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
-echo "[setup] configuring and building in $BUILD"
 mkdir -p "$BUILD"
-cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release > "$BUILD/configure.log" 2>&1 \
-  || { cat "$BUILD/configure.log"; exit 1; }
+# A configured build folder is only built: ninja re-runs CMake itself when a CMakeLists.txt changed.
+if [ ! -f "$BUILD/build.ninja" ]; then
+  echo "[setup] configuring in $BUILD"
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release > "$BUILD/configure.log" 2>&1 \
+    || { cat "$BUILD/configure.log"; exit 1; }
+fi
+echo "[setup] building in $BUILD"
 cmake --build "$BUILD" -j"$(nproc)"
 # The capture tool's Python environment (torch, transformers), unless CROSSKV_NO_CAPTURE=1.
 [ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || "$ROOT/scripts/setup-capture.sh"
