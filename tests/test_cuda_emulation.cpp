@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nccl.h>
 
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -167,6 +168,18 @@ TEST_F(Emulation, AKernelWritingPastItsAllocationDiesNamingIt) {
         cudaDeviceSynchronize();
       },
       "SIGSEGV.*past the end of allocation");
+}
+
+TEST_F(Emulation, TheHostTouchingDeviceMemoryDiesNamingIt) {
+  EXPECT_DEATH(
+      {
+        float* d = nullptr;
+        cudaMalloc(&d, 64 * sizeof(float));
+        crosskv::cuda::launch(fill, 1, 64, nullptr, d, int64_t{64}, 2.0f);
+        cudaDeviceSynchronize();
+        std::printf("%f\n", d[3]);  // a device pointer dereferenced on the host
+      },
+      "SIGSEGV.*the host touched device memory, allocation #[0-9]+ \\(256 bytes, device 0\\) at offset 12");
 }
 
 TEST_F(Emulation, AProcessEndingWithDeviceMemoryAllocatedFails) {

@@ -111,6 +111,9 @@ cublasStatus_t queue(Call& c, cublasHandle_t h, std::vector<std::pair<const void
         return m;
       }
     }
+    std::vector<const void*> opened;
+    for (const auto& op : operands) opened.push_back(op.first);
+    const DeviceAccess access(opened);
     work();
     return "";
   };
@@ -271,6 +274,7 @@ cublasStatus_t cublasSgemmBatched(cublasHandle_t handle, cublasOperation_t ta, c
   const std::string name = c.name;
   // The pointer arrays are device memory, filled in stream order: their entries are checked when the stream runs.
   auto op = [=]() -> std::string {
+    const DeviceAccess arrays({Aarray, Barray, Carray});
     for (const auto& [arr, bytes] : {std::pair<const void*, size_t>{Aarray, nb * 8}, {Barray, nb * 8}, {Carray, nb * 8}}) {
       const std::string e = check_device(arr, bytes);
       if (!e.empty()) return note_misuse(name + ": " + e), name + ": " + e;
@@ -287,6 +291,9 @@ cublasStatus_t cublasSgemmBatched(cublasHandle_t handle, cublasOperation_t ta, c
         }
       }
     }
+    std::vector<const void*> matrices;
+    for (size_t i = 0; i < nb; ++i) matrices.insert(matrices.end(), {Aarray[i], Barray[i], Carray[i]});
+    const DeviceAccess access(matrices);
     for (size_t i = 0; i < nb; ++i)
       sgemm(tf32, ta, tb, m, n, k, al, Aarray[i], lda, Barray[i], ldb, be, Carray[i], ldc);
     return "";

@@ -7,6 +7,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda_runtime.h"
 
@@ -50,6 +51,19 @@ std::string check_device(const void* p, size_t bytes);
 // "" when [p, p + bytes) is host memory (pageable, or inside one live pinned allocation).
 std::string check_host(const void* p, size_t bytes);
 int current_device();
+// Device memory is inaccessible to the host, as a GPU's is: only the stream work that names an allocation opens it,
+// for as long as it runs (counted, so work on several threads may share one). A host read or write of device memory
+// outside that faults, and the SIGSEGV report names the allocation.
+class DeviceAccess {
+ public:
+  explicit DeviceAccess(const std::vector<const void*>& pointers);
+  ~DeviceAccess();
+  DeviceAccess(const DeviceAccess&) = delete;
+  DeviceAccess& operator=(const DeviceAccess&) = delete;
+
+ private:
+  std::vector<uintptr_t> opened_;
+};
 
 // ---- Streams: work queued in order, run by the thread that waits for it (lazily: a host read without the wait
 // reads what was there before).

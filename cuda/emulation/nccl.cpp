@@ -217,6 +217,9 @@ ncclResult_t flush_group() {
           return m;
         }
       }
+      std::vector<const void*> opened;
+      for (const Transfer& t : ts) opened.push_back(t.buf);
+      const DeviceAccess access(opened);
       std::string e = exchange(comm, ts);
       if (!e.empty() && comm->error.empty()) comm->error = e;
       return e;

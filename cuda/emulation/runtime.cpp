@@ -47,6 +47,7 @@ thread_local int this_thread_device = 0;
 struct Record : Allocation {
   char* map = nullptr;  // the mapping: [map, map + map_bytes), its last page the guard
   size_t map_bytes = 0;
+  int users = 0;  // stream work running on it (device memory is accessible only then)
 };
 thread_local const std::string* running_op = nullptr;  // named in a SIGSEGV report
 
@@ -107,9 +108,15 @@ void Registry::on_segv(int, siginfo_t* info, void*) {
   if (r.m.try_lock()) {
     if (const Record* a = r.mapped_near(info->si_addr)) {
       const auto off = static_cast<long long>(static_cast<char*>(info->si_addr) - a->p);
+      const char* at = static_cast<char*>(info->si_addr);
       if (!a->live)
         n += std::snprintf(line + n, sizeof line - n, ": inside allocation #%" PRIu64 " (%zu bytes) after its cudaFree",
                            a->id, a->bytes);
+      else if (at >= a->p && at < a->p + a->bytes && a->device >= 0 && a->users == 0)
+        n += std::snprintf(line + n, sizeof line - n,
+                           ": the host touched device memory, allocation #%" PRIu64 " (%zu bytes, device %d) at offset "
+                           "%lld (device memory is read and written by kernels and copies only)",
+                           a->id, a->bytes, a->device, off);
       else
         n += std::snprintf(line + n, sizeof line - n, ": %lld bytes past the end of allocation #%" PRIu64 " (%zu bytes%s)",
                            off - static_cast<long long>(a->bytes), a->id, a->bytes, a->device < 0 ? ", pinned" : "");
@@ -324,6 +331,7 @@ cudaError_t copy(const char* call, void* dst, size_t dpitch, const void* src, si
       note_misuse(m);
       return m;
     }
+    const DeviceAccess access({dst_dev ? dst : nullptr, src_dev ? src : nullptr});
     for (size_t r = 0; r < height; ++r)
       std::memmove(static_cast<char*>(dst) + r * dpitch, from + r * from_pitch, width);
     (void)staged;
@@ -358,6 +366,32 @@ int take_misuses() {
   return misuses.exchange(0);
 }
 int current_device() { return this_thread_device; }
+
+DeviceAccess::DeviceAccess(const std::vector<const void*>& pointers) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.m);
+  for (const void* p : pointers) {
+    if (!p) continue;
+    const auto u = reinterpret_cast<uintptr_t>(p);
+    auto it = r.allocations.upper_bound(u);
+    if (it == r.allocations.begin()) continue;
+    --it;
+    Record& a = it->second;
+    if (u >= it->first + a.bytes || !a.live || a.device < 0) continue;
+    if (a.users++ == 0) mprotect(a.map, a.map_bytes - r.page, PROT_READ | PROT_WRITE);
+    opened_.push_back(it->first);
+  }
+}
+
+DeviceAccess::~DeviceAccess() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.m);
+  for (uintptr_t start : opened_) {
+    auto it = r.allocations.find(start);
+    if (it == r.allocations.end() || !it->second.live) continue;
+    if (--it->second.users == 0) mprotect(it->second.map, it->second.map_bytes - r.page, PROT_NONE);
+  }
+}
 
 size_t env_size(const char* name, size_t fallback) {
   const char* v = std::getenv(name);
@@ -496,6 +530,9 @@ cudaError_t launch(const cudaLaunchConfig_t& c, const std::vector<PointerArg>& p
         return m;
       }
     }
+    std::vector<const void*> opened;
+    for (const PointerArg& a : pointers) opened.push_back(a.p);
+    const DeviceAccess access(opened);
     gridDim = g;
     blockDim = b;
     for (unsigned bz = 0; bz < g.z; ++bz)
@@ -607,7 +644,11 @@ cudaError_t allocate(const char* call, void** ptr, size_t bytes, int device) {
   if (map == MAP_FAILED)
     return ret(failure(cudaErrorMemoryAllocation, std::string(call) + "(" + std::to_string(bytes) + " bytes): mmap failed"));
   char* m = static_cast<char*>(map);
-  mprotect(m + body, r.page, PROT_NONE);
+  // The guard page always; a device allocation's body too, until stream work opens it (DeviceAccess).
+  if (device >= 0)
+    mprotect(m, total, PROT_NONE);
+  else
+    mprotect(m + body, r.page, PROT_NONE);
   // The allocation ends where the guard page starts, aligned as its size allows (at most 16 bytes, at least 1).
   size_t align = 16;
   while (align > 1 && bytes % align) align /= 2;
@@ -697,6 +738,7 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t str
       note_misuse(where + " when the stream ran it: " + e);
       return e;
     }
+    const DeviceAccess access({ptr});
     std::memset(ptr, value, bytes);
     return "";
   }));

@@ -74,6 +74,9 @@ cusolverStatus_t queue(Call& c, cusolverDnHandle_t h, std::vector<std::pair<cons
         return m;
       }
     }
+    std::vector<const void*> opened;
+    for (const auto& op : operands) opened.push_back(op.first);
+    const DeviceAccess access(opened);
     *info = work();
     return "";
   };

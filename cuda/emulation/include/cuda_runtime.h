@@ -1,6 +1,7 @@
 #pragma once
 // crosskv's host emulation of the CUDA runtime subset that cuda/ uses (not NVIDIA's header). Device memory is tracked
-// host memory with guard pages, streams are queues that run when the host waits for them, and a kernel runs over its
+// host memory with guard pages that the host cannot touch (only stream work opens it), streams are queues that run
+// when the host waits for them, and a kernel runs over its
 // whole grid, one thread at a time, on the thread that waits. Misuse (a host pointer where device memory is required,
 // a range past its allocation, a use after cudaFree or after a destroy) fails the call by name and is counted: a
 // process that misused the emulated device, or ends with device memory still allocated, exits with status 86.
