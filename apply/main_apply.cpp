@@ -9,6 +9,7 @@
 
 #include "apply/transfer.hpp"
 #include "backends/backends.hpp"
+#include "core/comm.hpp"
 #include "core/blas_kernels.hpp"
 #include "core/backend.hpp"
 #include "core/cli.hpp"
@@ -64,7 +65,8 @@ int main(int argc, char** argv) {
     for (const auto& [flag, input] : {std::pair{"--source", source}, std::pair{"--target-positions", positions_from}})
       if (!input.empty() && same_file(out, input))
         throw UserError("--out: " + out + " is the " + flag + " shard; write the mapped shard elsewhere");
-    auto be = device == "cuda" ? make_cuda_backend(0) : make_cpu_backend();
+    auto be = make_backend(device_for_rank(device == "cuda" ? DeviceKind::cuda : DeviceKind::cpu, mpi_local_rank()), 0,
+                           false);
     Transfer tr(mapper, *be, TransferOptions{resident, !no_rope, true});
     ShardReader src(source);
     const ShardHeader& h = src.header();

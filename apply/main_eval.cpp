@@ -40,9 +40,8 @@ int main(int argc, char** argv) {
     return run_tool("crosskv-eval", [&]() -> int {
       // One rank per GPU: the rank's index on its node picks the device.
       auto be = agreed(*comm, [&] {
-        const int n = cuda_device_count();
-        return device == "cuda" ? make_cuda_backend(n > 0 ? mpi_local_rank() % n : 0, comm->rank())
-                                : make_cpu_backend();
+        return make_backend(device_for_rank(device == "cuda" ? DeviceKind::cuda : DeviceKind::cpu, mpi_local_rank()),
+                            comm->rank(), false);
       });
       const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true);
       const Evaluation& ev = evals.front().evaluation;

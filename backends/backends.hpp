@@ -8,6 +8,7 @@
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
+#include "core/config.hpp"
 
 namespace crosskv {
 
@@ -24,6 +25,12 @@ struct CudaDeviceInfo {
   int64_t free_bytes = -1, total_bytes = -1;
 };
 CudaDeviceInfo cuda_device_info(int device);
+// The one policy every program uses: the device of a rank whose index on its node is `local_rank` (-1: the CPU).
+// cuda: the node's GPUs in turn (local_rank mod GPUs; local_rank itself when there is none, which the backend then
+// refuses by name); auto: the same when a GPU is present, else the CPU.
+int device_for_rank(DeviceKind kind, int local_rank);
+// The backend of `device` (-1: the CPU) for rank `rank`.
+std::unique_ptr<ComputeBackend> make_backend(int device, int rank, bool tf32);
 // NCCL collectives on `device`, bootstrapped (unique id), barriers and votes through `host`; or the stub's error
 // "built without NCCL".
 std::unique_ptr<Comm> make_nccl_comm(std::unique_ptr<Comm> host, int device);

@@ -33,8 +33,8 @@ CpuFeatures detect_cpu_features() {
   if (__get_cpuid(1, &a, &b, &c, &d)) {
     const int base_family = (a >> 8) & 0xf, base_model = (a >> 4) & 0xf;
     f.family = base_family == 0xf ? base_family + static_cast<int>((a >> 20) & 0xff) : base_family;
-    f.model = base_family == 0x6 || base_family == 0xf ? base_model + static_cast<int>(((a >> 16) & 0xf) << 4)
-                                                        : base_model;
+    f.model =
+        base_family == 0x6 || base_family == 0xf ? base_model + static_cast<int>(((a >> 16) & 0xf) << 4) : base_model;
   }
   // libgcc's checks include the OS's support (XSAVE state) of the AVX and AVX-512 registers.
   __builtin_cpu_init();
@@ -53,11 +53,16 @@ CpuFeatures detect_cpu_features() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::sse3: return "SSE3";
-    case Isa::avx: return "AVX";
-    case Isa::avx2: return "AVX2";
-    case Isa::avx512: return "AVX-512";
-    case Isa::unknown: break;
+    case Isa::sse3:
+      return "SSE3";
+    case Isa::avx:
+      return "AVX";
+    case Isa::avx2:
+      return "AVX2";
+    case Isa::avx512:
+      return "AVX-512";
+    case Isa::unknown:
+      break;
   }
   return "unknown";
 }
@@ -71,12 +76,18 @@ Isa cpu_isa(const CpuFeatures& f) {
 
 Isa openblas_core_isa(const std::string& core) {
   static const std::vector<std::pair<const char*, Isa>> table = {
-      {"Katmai", Isa::sse3},     {"Coppermine", Isa::sse3},   {"Northwood", Isa::sse3},   {"Prescott", Isa::sse3},
-      {"Banias", Isa::sse3},     {"Atom", Isa::sse3},         {"Core2", Isa::sse3},       {"Penryn", Isa::sse3},
-      {"Dunnington", Isa::sse3}, {"Nehalem", Isa::sse3},      {"Athlon", Isa::sse3},      {"Opteron", Isa::sse3},
-      {"Opteron_SSE3", Isa::sse3}, {"Barcelona", Isa::sse3},  {"Nano", Isa::sse3},        {"Bobcat", Isa::sse3},
-      {"Sandybridge", Isa::avx}, {"Bulldozer", Isa::avx},     {"Piledriver", Isa::avx},   {"Steamroller", Isa::avx},
-      {"Excavator", Isa::avx2},  {"Haswell", Isa::avx2},      {"Zen", Isa::avx2},         {"SkylakeX", Isa::avx512},
+      {"Katmai", Isa::sse3},       {"Coppermine", Isa::sse3},
+      {"Northwood", Isa::sse3},    {"Prescott", Isa::sse3},
+      {"Banias", Isa::sse3},       {"Atom", Isa::sse3},
+      {"Core2", Isa::sse3},        {"Penryn", Isa::sse3},
+      {"Dunnington", Isa::sse3},   {"Nehalem", Isa::sse3},
+      {"Athlon", Isa::sse3},       {"Opteron", Isa::sse3},
+      {"Opteron_SSE3", Isa::sse3}, {"Barcelona", Isa::sse3},
+      {"Nano", Isa::sse3},         {"Bobcat", Isa::sse3},
+      {"Sandybridge", Isa::avx},   {"Bulldozer", Isa::avx},
+      {"Piledriver", Isa::avx},    {"Steamroller", Isa::avx},
+      {"Excavator", Isa::avx2},    {"Haswell", Isa::avx2},
+      {"Zen", Isa::avx2},          {"SkylakeX", Isa::avx512},
       {"Cooperlake", Isa::avx512}, {"SapphireRapids", Isa::avx512}};
   for (const auto& [name, isa] : table)
     if (core == name) return isa;
@@ -93,9 +104,12 @@ BlasCoreDecision decide_blas_core(const CpuFeatures& cpu, const std::string& pic
   if (amd && level > Isa::avx2) level = Isa::avx2;
   d.target = level;
   std::string best;
-  if (level == Isa::avx512) best = cpu.avx512_bf16 ? "Cooperlake" : "SkylakeX";
-  else if (level == Isa::avx2) best = amd ? "Zen" : "Haswell";
-  else if (level == Isa::avx) best = "Sandybridge";
+  if (level == Isa::avx512)
+    best = cpu.avx512_bf16 ? "Cooperlake" : "SkylakeX";
+  else if (level == Isa::avx2)
+    best = amd ? "Zen" : "Haswell";
+  else if (level == Isa::avx)
+    best = "Sandybridge";
   const Isa have = openblas_core_isa(picked);
   if (best.empty() || have == Isa::unknown || have >= level) return d;  // nothing better to ask for, or as good
   d.fix = "OPENBLAS_CORETYPE=" + best;
@@ -162,8 +176,10 @@ BlasKernels choose() {
 std::string BlasKernels::summary() const {
   if (picked.empty()) return "BLAS " + library;
   std::string s = "BLAS " + library + "; kernels " + core + " on an " + cpu;
-  if (switched) s += " (chosen for this CPU; OpenBLAS picked " + picked + ")";
-  else if (from_env) s += " (OPENBLAS_CORETYPE as set)";
+  if (switched)
+    s += " (chosen for this CPU; OpenBLAS picked " + picked + ")";
+  else if (from_env)
+    s += " (OPENBLAS_CORETYPE as set)";
   return s;
 }
 

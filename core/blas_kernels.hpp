@@ -25,7 +25,7 @@ Isa openblas_core_isa(const std::string& core);  // "Prescott" -> sse3, "Haswell
 
 // What to do about OpenBLAS's choice `picked` on `cpu`, given OPENBLAS_CORETYPE (`env`, null when unset).
 struct BlasCoreDecision {
-  std::string request;  // the OpenBLAS core to switch to, or "" to keep `picked`
+  std::string request;        // the OpenBLAS core to switch to, or "" to keep `picked`
   Isa target = Isa::unknown;  // the level this CPU should run (AMD: AVX2, see blas_kernels.cpp)
   bool mismatch = false;      // the kernels in use stay below `target` (warn, with the fix)
   std::string fix;            // the setting that would fix a mismatch

@@ -21,14 +21,6 @@ using namespace crosskv;
 
 namespace {
 
-// One rank per GPU: the rank's index on its node picks the device (-1: the CPU).
-int choose_device(const FitConfig& cfg, int local_rank) {
-  if (cfg.device == DeviceKind::cpu) return -1;
-  const int n = cuda_device_count();
-  if (cfg.device == DeviceKind::cuda) return n > 0 ? local_rank % n : local_rank;
-  return n > 0 ? local_rank % n : -1;
-}
-
 int fail(const std::string& line, int code, int size) {
   std::fprintf(stderr, "crosskv-fit: error: %s\n", line.c_str());
   std::fflush(stderr);
@@ -72,10 +64,8 @@ int main(int argc, char** argv) {
   try {
     // A mistake in the config (or a missing device) is every rank's: agreed on, reported by rank 0 alone.
     const FitConfig cfg = agreed(*comm, [&] { return load_fit_config(config_path); });
-    const int device = choose_device(cfg, mpi_local_rank());
-    std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] {
-      return device < 0 ? make_cpu_backend() : make_cuda_backend(device, comm->rank(), cfg.tf32);
-    });
+    const int device = device_for_rank(cfg.device, mpi_local_rank());
+    std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] { return make_backend(device, comm->rank(), cfg.tf32); });
     // GPU ranks reduce over NCCL (the same fixed-order sums as MPI) when each has a GPU of its own on every node:
     // NCCL refuses two ranks of one communicator on one device.
     if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) {

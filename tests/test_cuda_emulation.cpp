@@ -202,8 +202,8 @@ TEST_F(Emulation, NcclPeersMustAgreeOnSizes) {
     if (ncclCommInitRank(&comm, 2, id, r) != ncclSuccess) return void(errors[r] = "init failed");
     float* d = nullptr;
     cudaMalloc(&d, 16 * sizeof(float));
-    const ncclResult_t q = r == 0 ? ncclSend(d, 10, ncclFloat32, 1, comm, nullptr)
-                                  : ncclRecv(d, 8, ncclFloat32, 0, comm, nullptr);
+    const ncclResult_t q =
+        r == 0 ? ncclSend(d, 10, ncclFloat32, 1, comm, nullptr) : ncclRecv(d, 8, ncclFloat32, 0, comm, nullptr);
     if (q != ncclSuccess) errors[r] = "enqueue failed";
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) errors[r] = cudaGetErrorString(e);

@@ -6,8 +6,8 @@
 #include <set>
 #include <vector>
 
-#include "cuda/emulation/device.hpp"
 #include "cublas_v2.h"
+#include "cuda/emulation/device.hpp"
 
 struct cublasContext {
   uint64_t id = 0;
@@ -92,9 +92,8 @@ void sgemm(bool tf32, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int
   const bool na = ta == CUBLAS_OP_N, nb = tb == CUBLAS_OP_N;
   A = maybe_tf32(tf32, A, na ? m : k, na ? k : m, lda, ba);
   B = maybe_tf32(tf32, B, nb ? k : n, nb ? n : k, ldb, bb);
-  cblas_sgemm(CblasColMajor, cb(ta), cb(tb), static_cast<blasint>(m), static_cast<blasint>(n),
-              static_cast<blasint>(k), alpha, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C,
-              static_cast<blasint>(ldc));
+  cblas_sgemm(CblasColMajor, cb(ta), cb(tb), static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k),
+              alpha, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
 }
 
 // What the stream runs: the device operands checked again (freed since the call?), then `work`.
@@ -126,14 +125,15 @@ cublasStatus_t queue(Call& c, cublasHandle_t h, std::vector<std::pair<const void
 void gemm_shape(Call& c, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, int64_t lda,
                 int64_t ldb, int64_t ldc) {
   c.value(op_ok(ta) && op_ok(tb), "transa/transb is not a cublasOperation_t");
-  c.value(m >= 0 && n >= 0 && k >= 0, "m, n or k negative (m " + std::to_string(m) + ", n " + std::to_string(n) +
-                                          ", k " + std::to_string(k) + ")");
+  c.value(m >= 0 && n >= 0 && k >= 0,
+          "m, n or k negative (m " + std::to_string(m) + ", n " + std::to_string(n) + ", k " + std::to_string(k) + ")");
   const int64_t ra = ta == CUBLAS_OP_N ? m : k, rb = tb == CUBLAS_OP_N ? k : n;
-  c.value(lda >= std::max<int64_t>(1, ra), "lda " + std::to_string(lda) + " < " + std::to_string(std::max<int64_t>(1, ra)) +
-                                               " (rows of op(A)'s storage)");
-  c.value(ldb >= std::max<int64_t>(1, rb), "ldb " + std::to_string(ldb) + " < " + std::to_string(std::max<int64_t>(1, rb)) +
-                                               " (rows of op(B)'s storage)");
-  c.value(ldc >= std::max<int64_t>(1, m), "ldc " + std::to_string(ldc) + " < " + std::to_string(std::max<int64_t>(1, m)));
+  c.value(lda >= std::max<int64_t>(1, ra), "lda " + std::to_string(lda) + " < " +
+                                               std::to_string(std::max<int64_t>(1, ra)) + " (rows of op(A)'s storage)");
+  c.value(ldb >= std::max<int64_t>(1, rb), "ldb " + std::to_string(ldb) + " < " +
+                                               std::to_string(std::max<int64_t>(1, rb)) + " (rows of op(B)'s storage)");
+  c.value(ldc >= std::max<int64_t>(1, m),
+          "ldc " + std::to_string(ldc) + " < " + std::to_string(std::max<int64_t>(1, m)));
 }
 
 std::string dims(int64_t m, int64_t n, int64_t k) {
@@ -184,15 +184,32 @@ const char* cublasGetStatusName(cublasStatus_t s) {
   static thread_local std::string text;
   const char* name = "CUBLAS_STATUS_UNKNOWN";
   switch (s) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: name = "CUBLAS_STATUS_NOT_INITIALIZED"; break;
-    case CUBLAS_STATUS_ALLOC_FAILED: name = "CUBLAS_STATUS_ALLOC_FAILED"; break;
-    case CUBLAS_STATUS_INVALID_VALUE: name = "CUBLAS_STATUS_INVALID_VALUE"; break;
-    case CUBLAS_STATUS_ARCH_MISMATCH: name = "CUBLAS_STATUS_ARCH_MISMATCH"; break;
-    case CUBLAS_STATUS_MAPPING_ERROR: name = "CUBLAS_STATUS_MAPPING_ERROR"; break;
-    case CUBLAS_STATUS_EXECUTION_FAILED: name = "CUBLAS_STATUS_EXECUTION_FAILED"; break;
-    case CUBLAS_STATUS_INTERNAL_ERROR: name = "CUBLAS_STATUS_INTERNAL_ERROR"; break;
-    case CUBLAS_STATUS_NOT_SUPPORTED: name = "CUBLAS_STATUS_NOT_SUPPORTED"; break;
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      name = "CUBLAS_STATUS_NOT_INITIALIZED";
+      break;
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      name = "CUBLAS_STATUS_ALLOC_FAILED";
+      break;
+    case CUBLAS_STATUS_INVALID_VALUE:
+      name = "CUBLAS_STATUS_INVALID_VALUE";
+      break;
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      name = "CUBLAS_STATUS_ARCH_MISMATCH";
+      break;
+    case CUBLAS_STATUS_MAPPING_ERROR:
+      name = "CUBLAS_STATUS_MAPPING_ERROR";
+      break;
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      name = "CUBLAS_STATUS_EXECUTION_FAILED";
+      break;
+    case CUBLAS_STATUS_INTERNAL_ERROR:
+      name = "CUBLAS_STATUS_INTERNAL_ERROR";
+      break;
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      name = "CUBLAS_STATUS_NOT_SUPPORTED";
+      break;
   }
   const char* m = last_message();
   text = m ? std::string(name) + ": " + m : name;
@@ -275,7 +292,8 @@ cublasStatus_t cublasSgemmBatched(cublasHandle_t handle, cublasOperation_t ta, c
   // The pointer arrays are device memory, filled in stream order: their entries are checked when the stream runs.
   auto op = [=]() -> std::string {
     const DeviceAccess arrays({Aarray, Barray, Carray});
-    for (const auto& [arr, bytes] : {std::pair<const void*, size_t>{Aarray, nb * 8}, {Barray, nb * 8}, {Carray, nb * 8}}) {
+    for (const auto& [arr, bytes] :
+         {std::pair<const void*, size_t>{Aarray, nb * 8}, {Barray, nb * 8}, {Carray, nb * 8}}) {
       const std::string e = check_device(arr, bytes);
       if (!e.empty()) return note_misuse(name + ": " + e), name + ": " + e;
     }
@@ -312,8 +330,10 @@ cublasStatus_t cublasSsyrk_64(cublasHandle_t handle, cublasFillMode_t uplo, cubl
   c.value(trans == CUBLAS_OP_N || trans == CUBLAS_OP_T, "trans is not N or T");
   c.value(n >= 0 && k >= 0, "n or k negative");
   const int64_t ra = trans == CUBLAS_OP_N ? n : k;
-  c.value(lda >= std::max<int64_t>(1, ra), "lda " + std::to_string(lda) + " < " + std::to_string(std::max<int64_t>(1, ra)));
-  c.value(ldc >= std::max<int64_t>(1, n), "ldc " + std::to_string(ldc) + " < " + std::to_string(std::max<int64_t>(1, n)));
+  c.value(lda >= std::max<int64_t>(1, ra),
+          "lda " + std::to_string(lda) + " < " + std::to_string(std::max<int64_t>(1, ra)));
+  c.value(ldc >= std::max<int64_t>(1, n),
+          "ldc " + std::to_string(ldc) + " < " + std::to_string(std::max<int64_t>(1, n)));
   c.host_scalar("alpha", alpha);
   c.host_scalar("beta", beta);
   if (c.failed()) return c.status;
@@ -332,8 +352,8 @@ cublasStatus_t cublasSsyrk_64(cublasHandle_t handle, cublasFillMode_t uplo, cubl
 }
 
 cublasStatus_t cublasDtrsm_64(cublasHandle_t handle, cublasSideMode_t side, cublasFillMode_t uplo,
-                              cublasOperation_t trans, cublasDiagType_t diag, int64_t m, int64_t n,
-                              const double* alpha, const double* A, int64_t lda, double* B, int64_t ldb) {
+                              cublasOperation_t trans, cublasDiagType_t diag, int64_t m, int64_t n, const double* alpha,
+                              const double* A, int64_t lda, double* B, int64_t ldb) {
   Call c{"cublasDtrsm_64(m " + std::to_string(m) + ", n " + std::to_string(n) + ")"};
   c.handle(handle);
   c.value(side == CUBLAS_SIDE_LEFT || side == CUBLAS_SIDE_RIGHT, "side is not left or right");
@@ -342,8 +362,10 @@ cublasStatus_t cublasDtrsm_64(cublasHandle_t handle, cublasSideMode_t side, cubl
   c.value(diag == CUBLAS_DIAG_UNIT || diag == CUBLAS_DIAG_NON_UNIT, "diag is not unit or non-unit");
   c.value(m >= 0 && n >= 0, "m or n negative");
   const int64_t na = side == CUBLAS_SIDE_LEFT ? m : n;
-  c.value(lda >= std::max<int64_t>(1, na), "lda " + std::to_string(lda) + " < " + std::to_string(std::max<int64_t>(1, na)));
-  c.value(ldb >= std::max<int64_t>(1, m), "ldb " + std::to_string(ldb) + " < " + std::to_string(std::max<int64_t>(1, m)));
+  c.value(lda >= std::max<int64_t>(1, na),
+          "lda " + std::to_string(lda) + " < " + std::to_string(std::max<int64_t>(1, na)));
+  c.value(ldb >= std::max<int64_t>(1, m),
+          "ldb " + std::to_string(ldb) + " < " + std::to_string(std::max<int64_t>(1, m)));
   c.host_scalar("alpha", alpha);
   if (c.failed()) return c.status;
   const size_t ea = extent(na, na, lda), eb = extent(m, n, ldb);
@@ -352,8 +374,9 @@ cublasStatus_t cublasDtrsm_64(cublasHandle_t handle, cublasSideMode_t side, cubl
   const double al = *alpha;
   return queue(c, handle, {{A, ea * 8}, {B, eb * 8}}, [=] {
     cblas_dtrsm(CblasColMajor, side == CUBLAS_SIDE_LEFT ? CblasLeft : CblasRight,
-                uplo == CUBLAS_FILL_MODE_LOWER ? CblasLower : CblasUpper, trans == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
-                diag == CUBLAS_DIAG_UNIT ? CblasUnit : CblasNonUnit, static_cast<blasint>(m), static_cast<blasint>(n),
-                al, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb));
+                uplo == CUBLAS_FILL_MODE_LOWER ? CblasLower : CblasUpper,
+                trans == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, diag == CUBLAS_DIAG_UNIT ? CblasUnit : CblasNonUnit,
+                static_cast<blasint>(m), static_cast<blasint>(n), al, A, static_cast<blasint>(lda), B,
+                static_cast<blasint>(ldb));
   });
 }

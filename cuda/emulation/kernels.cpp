@@ -1,2 +1,2 @@
-// cuda/kernels.cu built as C++ against the host emulation (CROSSKV_CUDA_EMULATION): the same source, not a copy.
+// cuda/kernels.cu built as C++ against the host emulation of CUDA: the same source, not a copy.
 #include "cuda/kernels.cu"

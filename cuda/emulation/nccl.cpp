@@ -1,6 +1,8 @@
 // The emulated NCCL: ranks on this machine (threads or processes) connect by the unique id's token over abstract
 // Unix sockets, one connection per pair, and exchange in stream order. Each message carries its size, so a send and
 // the receive it meets must agree; a group's transfers progress together under poll(), as NCCL's proxies do.
+#include "nccl.h"
+
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "cuda/emulation/device.hpp"
-#include "nccl.h"
 
 struct ncclComm {
   uint64_t id = 0;
@@ -42,15 +43,26 @@ double timeout_seconds() {
 
 size_t type_bytes(ncclDataType_t t) {
   switch (t) {
-    case ncclInt8: case ncclUint8: return 1;
-    case ncclFloat16: return 2;
-    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    case ncclInt8:
+    case ncclUint8:
+      return 1;
+    case ncclFloat16:
+      return 2;
+    case ncclInt32:
+    case ncclUint32:
+    case ncclFloat32:
+      return 4;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64:
+      return 8;
   }
   return 0;
 }
 
-std::string socket_name(const std::string& token, int rank) { return "crosskv-nccl-" + token + "-" + std::to_string(rank); }
+std::string socket_name(const std::string& token, int rank) {
+  return "crosskv-nccl-" + token + "-" + std::to_string(rank);
+}
 sockaddr_un address(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
@@ -158,7 +170,8 @@ std::string exchange(ncclComm* comm, const std::vector<Transfer>& ts) {
           }
           const ssize_t n = want ? ::recv(fds[i].fd, dst, want, MSG_DONTWAIT) : 0;
           if (want && n == 0) return "the peer closed its connection mid-transfer" + with;
-          if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return std::string("recv: ") + std::strerror(errno) + with;
+          if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return std::string("recv: ") + std::strerror(errno) + with;
           if (n > 0) p.ro += static_cast<size_t>(n);
           if (p.ro == 8 && p.in_header != t.bytes) {
             const std::string m = "ncclSend of " + std::to_string(p.in_header) + " bytes met an ncclRecv of " +
@@ -180,7 +193,8 @@ std::string exchange(ncclComm* comm, const std::vector<Transfer>& ts) {
           src = t.buf + (p.so - 8), left = t.bytes - (p.so - 8);
         }
         const ssize_t n = left ? ::send(fds[i].fd, src, left, MSG_DONTWAIT | MSG_NOSIGNAL) : 0;
-        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return std::string("send: ") + std::strerror(errno) + with;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+          return std::string("send: ") + std::strerror(errno) + with;
         if (n > 0) p.so += static_cast<size_t>(n);
         if (p.so == 8 + t.bytes) ++p.si, p.so = 0;
       }
@@ -201,8 +215,8 @@ ncclResult_t flush_group() {
   for (const auto& key : order) {
     ncclComm* comm = key.first;
     std::vector<Transfer> ts = std::move(by[key]);
-    const std::string what = "NCCL group of " + std::to_string(ts.size()) + " transfer(s), rank " +
-                             std::to_string(comm->rank);
+    const std::string what =
+        "NCCL group of " + std::to_string(ts.size()) + " transfer(s), rank " + std::to_string(comm->rank);
     auto op = [comm, ts, what]() -> std::string {
       if (!comm_error(comm).empty()) {
         const std::string m = what + ": " + comm_error(comm);
@@ -232,7 +246,8 @@ ncclResult_t flush_group() {
 
 ncclResult_t add(const char* call, const void* buf, size_t count, ncclDataType_t type, int peer, ncclComm_t comm,
                  cudaStream_t stream, bool send) {
-  const std::string name = std::string(call) + "(" + std::to_string(count) + " elements, peer " + std::to_string(peer) + ")";
+  const std::string name =
+      std::string(call) + "(" + std::to_string(count) + " elements, peer " + std::to_string(peer) + ")";
   const std::string ce = comm_error(comm);
   if (!ce.empty()) return misuse(ncclInvalidArgument, name + ": " + ce);
   if (type_bytes(type) == 0) return misuse(ncclInvalidArgument, name + ": not an ncclDataType_t");
@@ -326,8 +341,8 @@ ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int 
       if (peer[1] != nranks) {
         close(fd);
         close(listener);
-        return fail(ncclInvalidUsage, "rank " + std::to_string(peer[0]) + " was made with " +
-                                          std::to_string(peer[1]) + " ranks, this one with " + std::to_string(nranks));
+        return fail(ncclInvalidUsage, "rank " + std::to_string(peer[0]) + " was made with " + std::to_string(peer[1]) +
+                                          " ranks, this one with " + std::to_string(nranks));
       }
       c->fds[static_cast<size_t>(peer[0])] = fd;
     }
@@ -354,14 +369,29 @@ const char* ncclGetErrorString(ncclResult_t r) {
   static thread_local std::string text;
   const char* name = "unknown result";
   switch (r) {
-    case ncclSuccess: return "no error";
-    case ncclUnhandledCudaError: name = "unhandled cuda error"; break;
-    case ncclSystemError: name = "unhandled system error"; break;
-    case ncclInternalError: name = "internal error"; break;
-    case ncclInvalidArgument: name = "invalid argument"; break;
-    case ncclInvalidUsage: name = "invalid usage"; break;
-    case ncclRemoteError: name = "remote process exited or there was a network error"; break;
-    case ncclInProgress: name = "NCCL operation in progress"; break;
+    case ncclSuccess:
+      return "no error";
+    case ncclUnhandledCudaError:
+      name = "unhandled cuda error";
+      break;
+    case ncclSystemError:
+      name = "unhandled system error";
+      break;
+    case ncclInternalError:
+      name = "internal error";
+      break;
+    case ncclInvalidArgument:
+      name = "invalid argument";
+      break;
+    case ncclInvalidUsage:
+      name = "invalid usage";
+      break;
+    case ncclRemoteError:
+      name = "remote process exited or there was a network error";
+      break;
+    case ncclInProgress:
+      name = "NCCL operation in progress";
+      break;
   }
   const char* m = last_message();
   text = m ? std::string(name) + ": " + m : name;

@@ -114,17 +114,18 @@ void Registry::on_segv(int, siginfo_t* info, void*) {
                            a->id, a->bytes);
       else if (at >= a->p && at < a->p + a->bytes && a->device >= 0 && a->users == 0)
         n += std::snprintf(line + n, sizeof line - n,
-                           ": the host touched device memory, allocation #%" PRIu64 " (%zu bytes, device %d) at offset "
+                           ": the host touched device memory, allocation #%" PRIu64
+                           " (%zu bytes, device %d) at offset "
                            "%lld (device memory is read and written by kernels and copies only)",
                            a->id, a->bytes, a->device, off);
       else
-        n += std::snprintf(line + n, sizeof line - n, ": %lld bytes past the end of allocation #%" PRIu64 " (%zu bytes%s)",
+        n += std::snprintf(line + n, sizeof line - n,
+                           ": %lld bytes past the end of allocation #%" PRIu64 " (%zu bytes%s)",
                            off - static_cast<long long>(a->bytes), a->id, a->bytes, a->device < 0 ? ", pinned" : "");
     }
     r.m.unlock();
   }
-  if (running_op)
-    n += std::snprintf(line + n, sizeof line - n, ", while running %s", running_op->c_str());
+  if (running_op) n += std::snprintf(line + n, sizeof line - n, ", while running %s", running_op->c_str());
   std::snprintf(line + n, sizeof line - n, "\n");
   if (write(2, line, std::strlen(line)) < 0) {
   }
@@ -273,11 +274,16 @@ cudaError_t ret(cudaError_t e) {
 
 const char* kind_name(cudaMemcpyKind k) {
   switch (k) {
-    case cudaMemcpyHostToHost: return "cudaMemcpyHostToHost";
-    case cudaMemcpyHostToDevice: return "cudaMemcpyHostToDevice";
-    case cudaMemcpyDeviceToHost: return "cudaMemcpyDeviceToHost";
-    case cudaMemcpyDeviceToDevice: return "cudaMemcpyDeviceToDevice";
-    case cudaMemcpyDefault: return "cudaMemcpyDefault";
+    case cudaMemcpyHostToHost:
+      return "cudaMemcpyHostToHost";
+    case cudaMemcpyHostToDevice:
+      return "cudaMemcpyHostToDevice";
+    case cudaMemcpyDeviceToHost:
+      return "cudaMemcpyDeviceToHost";
+    case cudaMemcpyDeviceToDevice:
+      return "cudaMemcpyDeviceToDevice";
+    case cudaMemcpyDefault:
+      return "cudaMemcpyDefault";
   }
   return "an unknown cudaMemcpyKind";
 }
@@ -297,15 +303,24 @@ cudaError_t copy(const char* call, void* dst, size_t dpitch, const void* src, si
   const size_t dext = (height - 1) * dpitch + width, sext = (height - 1) * spitch + width;
   bool dst_dev, src_dev;
   switch (kind) {
-    case cudaMemcpyHostToHost: dst_dev = false, src_dev = false; break;
-    case cudaMemcpyHostToDevice: dst_dev = true, src_dev = false; break;
-    case cudaMemcpyDeviceToHost: dst_dev = false, src_dev = true; break;
-    case cudaMemcpyDeviceToDevice: dst_dev = true, src_dev = true; break;
+    case cudaMemcpyHostToHost:
+      dst_dev = false, src_dev = false;
+      break;
+    case cudaMemcpyHostToDevice:
+      dst_dev = true, src_dev = false;
+      break;
+    case cudaMemcpyDeviceToHost:
+      dst_dev = false, src_dev = true;
+      break;
+    case cudaMemcpyDeviceToDevice:
+      dst_dev = true, src_dev = true;
+      break;
     case cudaMemcpyDefault:
       dst_dev = side_of(dst) == Side::device;
       src_dev = side_of(src) == Side::device;
       break;
-    default: return ret(misuse(cudaErrorInvalidMemcpyDirection, where + ": not a cudaMemcpyKind"));
+    default:
+      return ret(misuse(cudaErrorInvalidMemcpyDirection, where + ": not a cudaMemcpyKind"));
   }
   const std::string derr = dst_dev ? check_device(dst, dext) : check_host(dst, dext);
   if (!derr.empty())
@@ -401,12 +416,26 @@ size_t env_size(const char* name, size_t fallback) {
   if (!end || x < 0) return fallback;
   double scale = 1;
   switch (*end) {
-    case '\0': break;
-    case 'K': case 'k': scale = 1024.0; break;
-    case 'M': case 'm': scale = 1024.0 * 1024; break;
-    case 'G': case 'g': scale = 1024.0 * 1024 * 1024; break;
-    case 'T': case 't': scale = 1024.0 * 1024 * 1024 * 1024; break;
-    default: return fallback;
+    case '\0':
+      break;
+    case 'K':
+    case 'k':
+      scale = 1024.0;
+      break;
+    case 'M':
+    case 'm':
+      scale = 1024.0 * 1024;
+      break;
+    case 'G':
+    case 'g':
+      scale = 1024.0 * 1024 * 1024;
+      break;
+    case 'T':
+    case 't':
+      scale = 1024.0 * 1024 * 1024 * 1024;
+      break;
+    default:
+      return fallback;
   }
   return static_cast<size_t>(x * scale);
 }
@@ -462,8 +491,8 @@ std::string check_host(const void* p, size_t bytes) {
     const size_t off = static_cast<size_t>(static_cast<const char*>(p) - a.p);
     if (off + bytes > a.bytes)
       return std::to_string(bytes) + " bytes at offset " + std::to_string(off) + " of pinned allocation #" +
-             std::to_string(a.id) + " (" + std::to_string(a.bytes) + " bytes): " +
-             std::to_string(off + bytes - a.bytes) + " bytes past its end";
+             std::to_string(a.id) + " (" + std::to_string(a.bytes) +
+             " bytes): " + std::to_string(off + bytes - a.bytes) + " bytes past its end";
   }
   return "";
 }
@@ -500,8 +529,7 @@ cudaError_t synchronize(Stream* s) {
   return cudaSuccess;
 }
 
-cudaError_t launch(const cudaLaunchConfig_t& c, const std::vector<PointerArg>& pointers,
-                   std::function<void()> body) {
+cudaError_t launch(const cudaLaunchConfig_t& c, const std::vector<PointerArg>& pointers, std::function<void()> body) {
   const uint64_t n = ++launches;
   const dim3 g = c.gridDim, b = c.blockDim;
   const std::string what = "kernel launch #" + std::to_string(n) + " (grid " + std::to_string(g.x) + "x" +
@@ -600,20 +628,34 @@ cudaError_t cudaGetLastError() { return std::exchange(last_error, cudaSuccess); 
 cudaError_t cudaPeekAtLastError() { return last_error; }
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
-    case cudaErrorInvalidPitchValue: return "cudaErrorInvalidPitchValue";
-    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
-    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
-    case cudaErrorNoDevice: return "cudaErrorNoDevice";
-    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
-    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
-    case cudaErrorNotReady: return "cudaErrorNotReady";
-    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
-    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
-    case cudaErrorUnknown: return "cudaErrorUnknown";
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+      return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidPitchValue:
+      return "cudaErrorInvalidPitchValue";
+    case cudaErrorInvalidDevicePointer:
+      return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection:
+      return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice:
+      return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle:
+      return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady:
+      return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress:
+      return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
+    case cudaErrorUnknown:
+      return "cudaErrorUnknown";
   }
   return "cudaError (unknown code)";
 }
@@ -642,7 +684,8 @@ cudaError_t allocate(const char* call, void** ptr, size_t bytes, int device) {
   }
   void* map = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (map == MAP_FAILED)
-    return ret(failure(cudaErrorMemoryAllocation, std::string(call) + "(" + std::to_string(bytes) + " bytes): mmap failed"));
+    return ret(
+        failure(cudaErrorMemoryAllocation, std::string(call) + "(" + std::to_string(bytes) + " bytes): mmap failed"));
   char* m = static_cast<char*>(map);
   // The guard page always; a device allocation's body too, until stream work opens it (DeviceAccess).
   if (device >= 0)

@@ -1,2 +1,2 @@
-// cuda/serving.cu built as C++ against the host emulation (CROSSKV_CUDA_EMULATION): the same source, not a copy.
+// cuda/serving.cu built as C++ against the host emulation of CUDA: the same source, not a copy.
 #include "cuda/serving.cu"

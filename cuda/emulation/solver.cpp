@@ -61,8 +61,8 @@ size_t potrf_workspace(int64_t n) { return static_cast<size_t>(std::max<int64_t>
 size_t syevd_workspace(int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)) * 16; }
 
 // Queues `work` (returning LAPACK's info) and the write of info to device `info`.
-cusolverStatus_t queue(Call& c, cusolverDnHandle_t h, std::vector<std::pair<const void*, size_t>> operands,
-                       int* info, std::function<int()> work) {
+cusolverStatus_t queue(Call& c, cusolverDnHandle_t h, std::vector<std::pair<const void*, size_t>> operands, int* info,
+                       std::function<int()> work) {
   if (c.failed()) return c.status;
   const std::string name = c.name;
   auto op = [name, operands = std::move(operands), info, work = std::move(work)]() -> std::string {
@@ -157,16 +157,15 @@ cusolverStatus_t cusolverDnXpotrf(cusolverDnHandle_t handle, cusolverDnParams_t 
   c.device("info", info, sizeof(int));
   auto* a = static_cast<double*>(A);
   const char ul = uplo == CUBLAS_FILL_MODE_LOWER ? 'L' : 'U';
-  return queue(c, handle, {{A, square_bytes(n, lda)}, {dws, dev_bytes}, {info, sizeof(int)}}, info, [=] {
-    return n == 0 ? 0 : static_cast<int>(LAPACKE_dpotrf_work(LAPACK_COL_MAJOR, ul, n, a, lda));
-  });
+  return queue(c, handle, {{A, square_bytes(n, lda)}, {dws, dev_bytes}, {info, sizeof(int)}}, info,
+               [=] { return n == 0 ? 0 : static_cast<int>(LAPACKE_dpotrf_work(LAPACK_COL_MAJOR, ul, n, a, lda)); });
 }
 
 cusolverStatus_t cusolverDnXsyevd_bufferSize(cusolverDnHandle_t handle, cusolverDnParams_t params,
                                              cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
-                                             cudaDataType dataTypeA, const void* A, int64_t lda,
-                                             cudaDataType dataTypeW, const void* W, cudaDataType computeType,
-                                             size_t* dev_bytes, size_t* host_bytes) {
+                                             cudaDataType dataTypeA, const void* A, int64_t lda, cudaDataType dataTypeW,
+                                             const void* W, cudaDataType computeType, size_t* dev_bytes,
+                                             size_t* host_bytes) {
   Call c{"cusolverDnXsyevd_bufferSize(n " + std::to_string(n) + ")"};
   c.handles(handle, params);
   c.fp64(dataTypeA, computeType);
@@ -198,7 +197,10 @@ cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t 
   auto* w = static_cast<double*>(W);
   const char ul = uplo == CUBLAS_FILL_MODE_LOWER ? 'L' : 'U', jz = jobz == CUSOLVER_EIG_MODE_VECTOR ? 'V' : 'N';
   return queue(c, handle,
-               {{A, square_bytes(n, lda)}, {W, static_cast<size_t>(std::max<int64_t>(n, 0)) * 8}, {dws, dev_bytes},
+               {{A, square_bytes(n, lda)},
+                {W, static_cast<size_t>(std::max<int64_t>(n, 0)) * 8},
+                {dws, dev_bytes},
                 {info, sizeof(int)}},
-               info, [=] { return n == 0 ? 0 : static_cast<int>(LAPACKE_dsyevd(LAPACK_COL_MAJOR, jz, ul, n, a, lda, w)); });
+               info,
+               [=] { return n == 0 ? 0 : static_cast<int>(LAPACKE_dsyevd(LAPACK_COL_MAJOR, jz, ul, n, a, lda, w)); });
 }

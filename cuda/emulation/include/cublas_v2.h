@@ -49,5 +49,5 @@ cublasStatus_t cublasSsyrk_64(cublasHandle_t handle, cublasFillMode_t uplo, cubl
                               int64_t k, const float* alpha, const float* A, int64_t lda, const float* beta, float* C,
                               int64_t ldc);
 cublasStatus_t cublasDtrsm_64(cublasHandle_t handle, cublasSideMode_t side, cublasFillMode_t uplo,
-                              cublasOperation_t trans, cublasDiagType_t diag, int64_t m, int64_t n,
-                              const double* alpha, const double* A, int64_t lda, double* B, int64_t ldb);
+                              cublasOperation_t trans, cublasDiagType_t diag, int64_t m, int64_t n, const double* alpha,
+                              const double* A, int64_t lda, double* B, int64_t ldb);

@@ -157,8 +157,7 @@ cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(
   auto params = std::make_shared<std::tuple<std::decay_t<Exp>...>>(std::forward<Act>(args)...);
   std::vector<crosskv_cuda_emulation::PointerArg> pointers;
   int index = 0;
-  std::apply([&](const auto&... v) { (crosskv_cuda_emulation::collect_pointers(pointers, index++, v), ...); },
-             *params);
+  std::apply([&](const auto&... v) { (crosskv_cuda_emulation::collect_pointers(pointers, index++, v), ...); }, *params);
   return crosskv_cuda_emulation::launch(*config, pointers, [kernel, params] { std::apply(kernel, *params); });
 }
 

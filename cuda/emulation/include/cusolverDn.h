@@ -39,9 +39,9 @@ cusolverStatus_t cusolverDnXpotrf(cusolverDnHandle_t handle, cusolverDnParams_t 
                                   size_t workspaceInBytesOnHost, int* info);
 cusolverStatus_t cusolverDnXsyevd_bufferSize(cusolverDnHandle_t handle, cusolverDnParams_t params,
                                              cusolverEigMode_t jobz, cublasFillMode_t uplo, int64_t n,
-                                             cudaDataType dataTypeA, const void* A, int64_t lda,
-                                             cudaDataType dataTypeW, const void* W, cudaDataType computeType,
-                                             size_t* workspaceInBytesOnDevice, size_t* workspaceInBytesOnHost);
+                                             cudaDataType dataTypeA, const void* A, int64_t lda, cudaDataType dataTypeW,
+                                             const void* W, cudaDataType computeType, size_t* workspaceInBytesOnDevice,
+                                             size_t* workspaceInBytesOnHost);
 cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t params, cusolverEigMode_t jobz,
                                   cublasFillMode_t uplo, int64_t n, cudaDataType dataTypeA, void* A, int64_t lda,
                                   cudaDataType dataTypeW, void* W, cudaDataType computeType, void* bufferOnDevice,
