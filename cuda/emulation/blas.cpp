@@ -96,28 +96,12 @@ void sgemm(bool tf32, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int
               alpha, A, static_cast<blasint>(lda), B, static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
 }
 
-// What the stream runs: the device operands checked again (freed since the call?), then `work`.
-cublasStatus_t queue(Call& c, cublasHandle_t h, std::vector<std::pair<const void*, size_t>> operands,
-                     std::function<void()> work) {
+// The call's work queued on its handle's stream, its device operands checked again and opened when it runs.
+cublasStatus_t queue(Call& c, cublasHandle_t h, Operands operands, std::function<void()> work) {
   if (c.failed()) return c.status;
-  const std::string name = c.name;
-  auto op = [name, operands = std::move(operands), work = std::move(work)]() -> std::string {
-    for (const auto& [p, bytes] : operands) {
-      const std::string e = check_device(p, bytes);
-      if (!e.empty()) {
-        const std::string m = name + " when the stream ran it: " + e;
-        note_misuse(m);
-        return m;
-      }
-    }
-    std::vector<const void*> opened;
-    for (const auto& op : operands) opened.push_back(op.first);
-    const DeviceAccess access(opened);
-    work();
-    return "";
-  };
-  if (enqueue(h->stream, name, std::move(op)) != cudaSuccess)
-    return misuse(CUBLAS_STATUS_EXECUTION_FAILED, name + ": its stream was destroyed");
+  if (enqueue_on(h->stream, c.name, std::move(operands), [work = std::move(work)] { return work(), std::string(); }) !=
+      cudaSuccess)
+    return misuse(CUBLAS_STATUS_EXECUTION_FAILED, c.name + ": its stream was destroyed");
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -74,6 +74,11 @@ cudaError_t enqueue(cudaStream_t stream, const std::string& what, Op op);
 // The stream a handle names, or null (and `why`) when it was destroyed or never made.
 Stream* stream_of(cudaStream_t stream, std::string* why);
 cudaError_t synchronize(Stream* s);
+// Device operands [pointer, pointer + bytes) of one piece of stream work.
+using Operands = std::vector<std::pair<const void*, size_t>>;
+// Queues `work` on `stream` (null: the default one): when the stream runs it, its operands are checked again (freed
+// since the call?, a misuse then) and opened to it (DeviceAccess) while it runs; `work` returns "" or what failed.
+cudaError_t enqueue_on(cudaStream_t stream, const std::string& what, Operands operands, Op work);
 
 // Parses a size with an optional K/M/G/T suffix ("16G"); `fallback` when unset or malformed.
 size_t env_size(const char* name, size_t fallback);

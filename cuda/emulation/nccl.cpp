@@ -217,28 +217,19 @@ ncclResult_t flush_group() {
     std::vector<Transfer> ts = std::move(by[key]);
     const std::string what =
         "NCCL group of " + std::to_string(ts.size()) + " transfer(s), rank " + std::to_string(comm->rank);
+    Operands operands;
+    for (const Transfer& t : ts) operands.emplace_back(t.buf, t.bytes);
     auto op = [comm, ts, what]() -> std::string {
       if (!comm_error(comm).empty()) {
         const std::string m = what + ": " + comm_error(comm);
         note_misuse(m);
         return m;
       }
-      for (const Transfer& t : ts) {
-        const std::string e = check_device(t.buf, t.bytes);
-        if (!e.empty()) {
-          const std::string m = what + " when the stream ran it: " + e;
-          note_misuse(m);
-          return m;
-        }
-      }
-      std::vector<const void*> opened;
-      for (const Transfer& t : ts) opened.push_back(t.buf);
-      const DeviceAccess access(opened);
       std::string e = exchange(comm, ts);
       if (!e.empty() && comm->error.empty()) comm->error = e;
       return e;
     };
-    if (enqueue(key.second, what, std::move(op)) != cudaSuccess)
+    if (enqueue_on(key.second, what, std::move(operands), std::move(op)) != cudaSuccess)
       return misuse(ncclInvalidArgument, what + ": the stream was destroyed or never made");
   }
   return ncclSuccess;

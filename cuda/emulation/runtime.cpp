@@ -523,6 +523,24 @@ cudaError_t enqueue(cudaStream_t stream, const std::string& what, Op op) {
   return cudaSuccess;
 }
 
+cudaError_t enqueue_on(cudaStream_t stream, const std::string& what, Operands operands, Op work) {
+  auto op = [what, operands = std::move(operands), work = std::move(work)]() -> std::string {
+    std::vector<const void*> opened;
+    for (const auto& [p, bytes] : operands) {
+      const std::string e = check_device(p, bytes);
+      if (!e.empty()) {
+        const std::string m = what + " when the stream ran it: " + e;
+        note_misuse(m);
+        return m;
+      }
+      opened.push_back(p);
+    }
+    const DeviceAccess access(opened);
+    return work();
+  };
+  return enqueue(stream, what, std::move(op));
+}
+
 cudaError_t synchronize(Stream* s) {
   drain(s, s->enqueued.load());
   if (!s->error.empty()) return failure(s->error_code, s->error);
@@ -548,19 +566,10 @@ cudaError_t launch(const cudaLaunchConfig_t& c, const std::vector<PointerArg>& p
     if (!err.empty())
       return ret(misuse(cudaErrorInvalidValue, what + ": argument " + std::to_string(a.index) + ": " + err));
   }
-  auto op = [what, g, b, pointers, body = std::move(body)]() -> std::string {
-    for (const PointerArg& a : pointers) {
-      if (!a.p) continue;
-      const std::string err = check_device(a.p, 1);
-      if (!err.empty()) {
-        const std::string m = what + " when the stream ran it: argument " + std::to_string(a.index) + ": " + err;
-        note_misuse(m);
-        return m;
-      }
-    }
-    std::vector<const void*> opened;
-    for (const PointerArg& a : pointers) opened.push_back(a.p);
-    const DeviceAccess access(opened);
+  Operands operands;
+  for (const PointerArg& a : pointers)
+    if (a.p) operands.emplace_back(a.p, 1);
+  auto run = [g, b, body = std::move(body)]() -> std::string {
     gridDim = g;
     blockDim = b;
     for (unsigned bz = 0; bz < g.z; ++bz)
@@ -576,7 +585,7 @@ cudaError_t launch(const cudaLaunchConfig_t& c, const std::vector<PointerArg>& p
         }
     return "";
   };
-  return ret(enqueue(c.stream, what, std::move(op)));
+  return ret(enqueue_on(c.stream, what, std::move(operands), std::move(run)));
 }
 
 }  // namespace crosskv_cuda_emulation
@@ -775,13 +784,7 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t str
   const std::string err = check_device(ptr, bytes);
   if (!err.empty()) return ret(misuse(cudaErrorInvalidValue, where + ": " + err));
   if (bytes == 0) return cudaSuccess;
-  return ret(enqueue(stream, where, [=]() -> std::string {
-    const std::string e = check_device(ptr, bytes);
-    if (!e.empty()) {
-      note_misuse(where + " when the stream ran it: " + e);
-      return e;
-    }
-    const DeviceAccess access({ptr});
+  return ret(enqueue_on(stream, where, {{ptr, bytes}}, [=]() -> std::string {
     std::memset(ptr, value, bytes);
     return "";
   }));

@@ -60,28 +60,15 @@ size_t square_bytes(int64_t n, int64_t lda) { return n <= 0 ? 0 : static_cast<si
 size_t potrf_workspace(int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)) * 8; }
 size_t syevd_workspace(int64_t n) { return static_cast<size_t>(std::max<int64_t>(n, 1)) * 16; }
 
-// Queues `work` (returning LAPACK's info) and the write of info to device `info`.
-cusolverStatus_t queue(Call& c, cusolverDnHandle_t h, std::vector<std::pair<const void*, size_t>> operands, int* info,
-                       std::function<int()> work) {
+// Queues `work` (returning LAPACK's info) and the write of info to device `info`, its device operands checked
+// again and opened when it runs.
+cusolverStatus_t queue(Call& c, cusolverDnHandle_t h, Operands operands, int* info, std::function<int()> work) {
   if (c.failed()) return c.status;
-  const std::string name = c.name;
-  auto op = [name, operands = std::move(operands), info, work = std::move(work)]() -> std::string {
-    for (const auto& [p, bytes] : operands) {
-      const std::string e = check_device(p, bytes);
-      if (!e.empty()) {
-        const std::string m = name + " when the stream ran it: " + e;
-        note_misuse(m);
-        return m;
-      }
-    }
-    std::vector<const void*> opened;
-    for (const auto& op : operands) opened.push_back(op.first);
-    const DeviceAccess access(opened);
-    *info = work();
-    return "";
-  };
-  if (enqueue(h->stream, name, std::move(op)) != cudaSuccess)
-    return misuse(CUSOLVER_STATUS_EXECUTION_FAILED, name + ": its stream was destroyed");
+  if (enqueue_on(h->stream, c.name, std::move(operands), [info, work = std::move(work)] {
+        *info = work();
+        return std::string();
+      }) != cudaSuccess)
+    return misuse(CUSOLVER_STATUS_EXECUTION_FAILED, c.name + ": its stream was destroyed");
   return CUSOLVER_STATUS_SUCCESS;
 }
 
