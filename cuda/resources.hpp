@@ -137,7 +137,8 @@ class DeviceBuffer {
 };
 
 // A bump allocator over pinned host or device chunks, reset once per round of inputs. A round that outgrew it leaves
-// several chunks; the next reset replaces them by one chunk of the total, so steady state is one allocation.
+// several chunks, each of what it was asked for; the next reset replaces them by one chunk of the total, so steady
+// state is one allocation of exactly what a round uses (what the plan's device-memory budget counts).
 class Arena {
  public:
   Arena(bool pinned, const Where& where) : pinned_(pinned), where_(where) {}
@@ -148,7 +149,7 @@ class Arena {
     bytes = (bytes + 255) / 256 * 256;
     if (chunks_.empty() || chunks_.back().used + bytes > chunks_.back().cap) {
       Chunk c;
-      c.cap = std::max(bytes, chunks_.empty() ? size_t{64} << 20 : chunks_.back().cap);
+      c.cap = bytes;
       if (pinned_)
         CROSSKV_CUDA_CHECK(cudaMallocHost(&c.p, c.cap), where_, dims({{"pinned bytes", static_cast<int64_t>(c.cap)}}));
       else

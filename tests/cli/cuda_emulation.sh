@@ -43,6 +43,15 @@ cfg cpu-2p d-float32 cpu "" ", max_moment_gib: 0.00002"; fit "$FIT" cpu-2p
 cfg gpu-2p d-float32 cuda "" ", max_moment_gib: 0.00002"; fit "$EFIT" gpu-2p
 expect_in "pass 2/2" gpu-2p.log
 close cpu-2p gpu-2p
+# The device's memory shapes the plan: a small emulated GPU caps the moments (the same fit), a smaller one is
+# refused by name before anything runs.
+cfg gpu-small d-float32 cuda "" ""
+CROSSKV_CUDA_EMULATION_MEMORY=1500K fit "$EFIT" gpu-small
+expect_in "moments per rank capped at" gpu-small.log
+close cpu-float32 gpu-small
+set +e; CROSSKV_CUDA_EMULATION_MEMORY=700K "$EFIT" gpu-small.yaml > tiny.log 2> tiny.err; rc=$?; set -e
+[ "$rc" = 2 ] || { cat tiny.log tiny.err; die "a device too small for the inputs: exit $rc, expected 2"; }
+expect_in "runtime.block_tokens: 64 tokens per block need" tiny.err
 # Held-out diagnostics of every k and the report, on the device.
 EV='eval: {shards: [web/shard-002.h5]}'
 cfg cpu-ev d-float32 cpu "" "" "$EV"; fit "$FIT" cpu-ev
