@@ -190,6 +190,9 @@ std::atomic<uint64_t> next_stream_id{1}, next_event_id{1}, launches{0};
 
 // Runs `s` until it has done `until` operations.
 void drain(Stream* s, uint64_t until) {
+  // Done already: return without the stream's lock, which another thread may hold while its work waits for this one
+  // (a wait captures its event's position when queued, so what it needs here is always done).
+  if (s->done.load() >= until) return;
   std::lock_guard<std::recursive_mutex> exec(s->exec);
   while (s->done.load() < until) {
     std::pair<std::string, Op> op;
