@@ -18,6 +18,15 @@ fi
 rm -f "$stamp"
 if "$VENV/bin/pip" install -q --disable-pip-version-check "$ROOT" > "$ROOT/.venv-crosskv.log" 2>&1; then
   echo "[setup] crosskv Python package installed in $VENV ($("$VENV/bin/python" -c 'import crosskv; print(crosskv.__version__)'))"
+  # The same package on the host emulation of CUDA, for its CUDA tests (python.package_cuda_emulation), beside it.
+  rm -rf "$ROOT/build/python-emulated"
+  if "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$ROOT/build/python-emulated" \
+       --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON \
+       --config-settings=build-dir=build/python-emulated-build "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
+    echo "[setup] the package on the emulated CUDA backend: $ROOT/build/python-emulated"
+  else
+    echo "[setup] could not build the package on the emulated CUDA backend (see .venv-crosskv.log): its test will be SKIPPED"
+  fi
   [ -n "$sources" ] && echo "$sources" > "$stamp"
 else
   echo "[setup] could not build the crosskv Python package (see .venv-crosskv.log): its tests will be SKIPPED"
