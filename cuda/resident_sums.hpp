@@ -43,19 +43,12 @@ class ResidentSums {
   // Host [p, p + count) made resident, its device copy zeroed (`host_is_zero`) or copied up; a range already
   // resident stays as it is.
   void keep(T* p, int64_t count, bool host_is_zero) {
-    if (count <= 0 || find(p, count)) return;
-    T* dev = add(p, count);
-    if (host_is_zero)
-      check(cudaMemsetAsync(dev, 0, count * sizeof(T), r_.compute()), count);
-    else
-      check(cudaMemcpyAsync(dev, p, count * sizeof(T), cudaMemcpyHostToDevice, r_.compute()), count);
+    if (count > 0 && !find(p, count)) make(p, count, host_is_zero);
   }
   // The device copy of a C argument, made resident (copied up) at its first use.
   T* resident(T* p, int64_t count) {
-    if (T* d = find(p, count)) return d;
-    T* dev = add(p, count);
-    check(cudaMemcpyAsync(dev, p, count * sizeof(T), cudaMemcpyHostToDevice, r_.compute()), count);
-    return dev;
+    T* d = find(p, count);
+    return d ? d : make(p, count, false);
   }
   // Every range's device copy back to its host array, in compute-stream order (the caller waits).
   void queue_write_back() const {
@@ -105,6 +98,15 @@ class ResidentSums {
     if (it == ranges_.begin()) return ranges_.end();
     --it;
     return p < it->first + it->second.count ? it : ranges_.end();
+  }
+  // A new range's device copy, zeroed or copied up in compute-stream order.
+  T* make(T* p, int64_t count, bool zero) {
+    T* dev = add(p, count);
+    if (zero)
+      check(cudaMemsetAsync(dev, 0, count * sizeof(T), r_.compute()), count);
+    else
+      check(cudaMemcpyAsync(dev, p, count * sizeof(T), cudaMemcpyHostToDevice, r_.compute()), count);
+    return dev;
   }
   T* add(T* p, int64_t count) {
     auto next = ranges_.upper_bound(p);

@@ -279,7 +279,10 @@ cublasStatus_t cublasSgemmBatched(cublasHandle_t handle, cublasOperation_t ta, c
     for (const auto& [arr, bytes] :
          {std::pair<const void*, size_t>{Aarray, nb * 8}, {Barray, nb * 8}, {Carray, nb * 8}}) {
       const std::string e = check_device(arr, bytes);
-      if (!e.empty()) return note_misuse(name + ": " + e), name + ": " + e;
+      if (!e.empty()) {
+        note_misuse(name + ": " + e);
+        return name + ": " + e;
+      }
     }
     for (size_t i = 0; i < nb; ++i) {
       for (const auto& [what, p, bytes] : {std::tuple<const char*, const void*, size_t>{"A", Aarray[i], ea * 4},

@@ -32,7 +32,6 @@ std::atomic<int> misuses{0};
 std::mutex report_mutex;
 std::vector<std::string> misuse_log;  // the first few, repeated at exit
 thread_local std::string last_failure;
-thread_local bool last_failure_read = true;
 thread_local cudaError_t last_error = cudaSuccess;
 
 int device_count() {
@@ -167,7 +166,7 @@ void Registry::at_exit() {
 struct Stream {
   uint64_t id = 0;
   int device = 0;
-  bool blocking = true, live = true;
+  bool live = true;
   std::mutex m;
   std::deque<std::pair<std::string, Op>> queue;
   std::atomic<uint64_t> enqueued{0}, done{0};
@@ -213,11 +212,10 @@ void drain(Stream* s, uint64_t until) {
   }
 }
 
-Stream* make_stream(int device, bool blocking) {
+Stream* make_stream(int device) {
   auto* s = new Stream;
   s->id = next_stream_id++;
   s->device = device;
-  s->blocking = blocking;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.m);
   r.streams.insert(s);
@@ -231,7 +229,7 @@ Stream* default_stream(int device) {
     if (r.default_streams.empty()) r.default_streams.assign(static_cast<size_t>(std::max(r.devices, 1)), nullptr);
     if (Stream* s = r.default_streams[static_cast<size_t>(device)]) return s;
   }
-  Stream* s = make_stream(device, true);
+  Stream* s = make_stream(device);
   std::lock_guard<std::mutex> lock(r.m);
   Stream*& slot = r.default_streams[static_cast<size_t>(device)];
   if (!slot) slot = s;
@@ -352,7 +350,7 @@ cudaError_t copy(const char* call, void* dst, size_t dpitch, const void* src, si
     const DeviceAccess access({dst_dev ? dst : nullptr, src_dev ? src : nullptr});
     for (size_t r = 0; r < height; ++r)
       std::memmove(static_cast<char*>(dst) + r * dpitch, from + r * from_pitch, width);
-    (void)staged;
+    (void)staged;  // held until the copy has run
     return "";
   };
   return ret(enqueue(stream, where, op));
@@ -370,13 +368,9 @@ void note_misuse(const std::string& message) {
   std::fprintf(stderr, "[cuda emulation] misuse: %s\n", message.c_str());
   std::fflush(stderr);
   last_failure = message;
-  last_failure_read = false;
 }
-void note_failure(const std::string& message) {
-  last_failure = message;
-  last_failure_read = false;
-}
-const char* last_message() { return last_failure_read ? nullptr : last_failure.c_str(); }
+void note_failure(const std::string& message) { last_failure = message; }
+const char* last_message() { return last_failure.empty() ? nullptr : last_failure.c_str(); }
 void set_last_error(cudaError_t e) { last_error = e; }
 int take_misuses() {
   std::lock_guard<std::mutex> lock(report_mutex);
@@ -455,13 +449,12 @@ Side side_of(const void* p, Allocation* found) {
 
 std::string describe(const void* p) {
   Allocation a;
-  const Side s = side_of(p, &a);
+  side_of(p, &a);
   if (a.id == 0) return "host memory at " + hex(p) + " (not from cudaMalloc)";
   const std::string what = "allocation #" + std::to_string(a.id) + " (" + std::to_string(a.bytes) + " bytes, " +
                            (a.device < 0 ? std::string("pinned host") : "device " + std::to_string(a.device)) +
                            ") at offset " + std::to_string(static_cast<const char*>(p) - a.p);
   if (!a.live) return what + ", after its " + (a.device < 0 ? "cudaFreeHost" : "cudaFree");
-  (void)s;
   return what;
 }
 
@@ -800,7 +793,8 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
 // ---- Streams and events.
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
   if (!stream) return ret(misuse(cudaErrorInvalidValue, "cudaStreamCreateWithFlags: a null result pointer"));
-  *stream = reinterpret_cast<cudaStream_t>(make_stream(current_device(), (flags & cudaStreamNonBlocking) == 0));
+  *stream = reinterpret_cast<cudaStream_t>(
+      make_stream(current_device()));  // no implicit sync with the default stream: stricter than CUDA
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, cudaStreamDefault); }
