@@ -1,7 +1,7 @@
 // GPU benchmark (issue 4): moment accumulation through Moments on the CUDA backend against the cuBLAS SGEMM rate of
 // the same backend on staged inputs, same run, same shapes: (1) fp32 inputs shifted on the host and copied; (2) the
 // fit's path, stored bf16 keys converted, RoPE-stripped and shifted on the device. Rates are steady state (sums
-// resident); a round's end is timed apart (the fit pays it once per round, not per block): the fit's way since
+// held); a round's end is timed apart (the fit pays it once per round, not per block): the fit's way since
 // 2026-11-30, a 1/8 share (P = 8) copied to the host from the resident sums and the sums zeroed on the device
 // (share_to_host_s, zero_resident_s); and the earlier way, every sum flushed to the host and zeroed there, then made
 // resident again by the next block (flush_s, zero_live_s, first_block_of_round_s).
@@ -67,7 +67,7 @@ int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
     x = static_cast<float>(static_cast<int32_t>(z >> 32)) * (1.0f / 2147483648.0f);
   }
   m.accumulate(be, X.data(), Y.data(), rows);
-  be.flush();
+  m.release_sums(true);
   std::vector<int> all(Ls);
   for (int a = 0; a < Ls; ++a) all[a] = a;
   const int64_t n = d.X();
@@ -163,28 +163,31 @@ int main(int argc, char** argv) {
   // Baseline: the backend's cuBLAS SGEMM on staged inputs into one resident [F x G] sum, repeated.
   const int64_t F = d.F(), G = d.G();
   std::vector<float> C(F * G, 0.0f);
+  const auto held_c = be->hold_sums(C.data(), F * G, true);
   // The device's SGEMM peak on this many rows: one wide product [rows x W]^T [rows x W], W = 8192 (or less).
   const int64_t W = std::min<int64_t>({8192, d.X(), d.Y()});
   std::vector<float> CL(W * W, 0.0f);
+  const auto held_cl = be->hold_sums(CL.data(), W * W, true);
+  float* dC = held_c->at(C.data());
+  float* dCL = held_cl->at(CL.data());
   be->begin_inputs();
   be->stage_inputs({ComputeBackend::floats(X.data(), rows * d.X()), ComputeBackend::floats(Y.data(), rows * d.Y())});
-  be->cross_acc(rows, F, G, X.data(), d.X(), Y.data(), d.Y(), C.data(), G);             // warm-up, resident
-  be->cross_acc(rows, W, W, X.data(), d.X(), Y.data(), d.Y(), CL.data(), W);            // warm-up, resident
+  be->cross_acc(rows, F, G, X.data(), d.X(), Y.data(), d.Y(), dC, G);    // warm-up, held
+  be->cross_acc(rows, W, W, X.data(), d.X(), Y.data(), d.Y(), dCL, W);  // warm-up, held
   be->synchronize();
   const int reps = 50;
   auto t0 = Clock::now();
   for (int r = 0; r < reps; ++r)
-    be->cross_acc(rows, F, G, X.data() + (r % d.Ls) * F, d.X(), Y.data() + (r % d.Lt) * G, d.Y(), C.data(), G);
+    be->cross_acc(rows, F, G, X.data() + (r % d.Ls) * F, d.X(), Y.data() + (r % d.Lt) * G, d.Y(), dC, G);
   be->synchronize();
   const double block_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double block_gflops = reps * 2.0 * rows * F * G / block_s / 1e9;
   const int wide_reps = 10;
   t0 = Clock::now();
-  for (int r = 0; r < wide_reps; ++r) be->cross_acc(rows, W, W, X.data(), d.X(), Y.data(), d.Y(), CL.data(), W);
+  for (int r = 0; r < wide_reps; ++r) be->cross_acc(rows, W, W, X.data(), d.X(), Y.data(), d.Y(), dCL, W);
   be->synchronize();
   const double wide_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double sgemm_gflops = wide_reps * 2.0 * rows * W * W / wide_s / 1e9;
-  be->flush();
 
   // Accumulation: every Gram and cross block (the one-pass fit's work), block after block.
   Moments m(d, std::vector<float>(d.X(), 0.1f), std::vector<float>(d.Y(), -0.1f));
@@ -200,12 +203,12 @@ int main(int argc, char** argv) {
   }
   be->synchronize();
   const double acc_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  // A round's end as in the fit: every sum back to the host (flush), then zeroed there once packed (zero_live).
+  // A round's end the earlier way: every sum back to the host (released), then zeroed there once packed.
   t0 = Clock::now();
-  be->flush();
+  m.release_sums(true);
   const double flush_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  m.zero_live(*be);
+  m.zero_live();
   const double zero_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double Xw = static_cast<double>(d.X()), Yw = static_cast<double>(d.Y());
   const double acc_flops = blocks * 2.0 * rows * (Xw * (Xw + F) / 2.0 + Xw * Yw);  // syrk-equivalent + cross
@@ -231,7 +234,7 @@ int main(int argc, char** argv) {
     const float* y = be->prepare({Ys.data(), Dtype::bf16, rows, d.Y()}, &sy, shy.data(), hy);
     m.accumulate_staged(*be, x, y, rows);
   };
-  // The next round's first block makes the sums resident again (zeroed on the device: nothing crosses PCIe).
+  // The next round's first block holds the sums again (zeroed on the device: nothing crosses PCIe).
   t0 = Clock::now();
   prepared_block();
   be->synchronize();
@@ -252,10 +255,10 @@ int main(int argc, char** argv) {
   be->copy_sums(fp, 0, share_n, share.data(), false);
   const double share_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  m.zero_live(*be);
+  m.zero_live();
   be->synchronize();
   const double zero_resident_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  be->flush();
+  m.release_sums(true);
   const double prep_gflops = acc_flops / prep_s / 1e9;
   std::printf(
       "{\"device\": \"%s\", \"shape\": [%d, %d, %d, %d, %d, %d], \"rows\": %lld, \"blocks\": %d, "

@@ -69,30 +69,48 @@ template <class T>
 void copy_host_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, T* dst,
                     bool dst_on_device) {
   CROSSKV_ASSERT(!dst_on_device, "copy_sums: a host backend was given device memory");
-  for_each_sum_run(pieces, off, len, [dst, off](const T* src, int64_t ld, int64_t rows, int64_t cols, int64_t flat) {
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * ld, cols, dst + (flat - off) + r * cols);
-  });
+  for_each_sum_run(pieces, off, len,
+                   [dst, off](const ComputeBackend::SumPiece<T>& q, int64_t e, int64_t rows, int64_t cols,
+                              int64_t flat) {
+                     for (int64_t r = 0; r < rows; ++r)
+                       std::copy_n(q.current() + e + r * q.ld, cols, dst + (flat - off) + r * cols);
+                   });
 }
+
+// A host backend's held sums: the host array itself.
+template <class T>
+class HostSums final : public Residency::HeldSums<T> {
+ public:
+  HostSums(T* p, int64_t count) : Residency::HeldSums<T>(p, p, count) {}
+};
 }  // namespace
 
-void Residency::copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
-                               bool dst_on_device) {
-  copy_host_sums(pieces, off, len, dst, dst_on_device);
-}
-void Residency::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
-                               bool dst_on_device) {
-  copy_host_sums(pieces, off, len, dst, dst_on_device);
-}
-namespace {
 template <class T>
-void zero_host(T* p, int64_t count) {
+void Residency::HeldSums<T>::zero() {
   constexpr int64_t kPart = int64_t{1} << 22;  // a parallel region pays off from a few MB on
+  T* p = held_;
+  const int64_t count = count_;
 #pragma omp parallel for schedule(static) if (count > 2 * kPart)
   for (int64_t at = 0; at < count; at += kPart) std::fill_n(p + at, std::min(kPart, count - at), T{0});
 }
-}  // namespace
-void Residency::zero_sums(float* p, int64_t count) { zero_host(p, count); }
-void Residency::zero_sums(double* p, int64_t count) { zero_host(p, count); }
+template class Residency::HeldSums<float>;
+template class Residency::HeldSums<double>;
+
+Residency::HeldSumsPtr<float> Residency::hold_sums(float* p, int64_t count, bool) {
+  return std::make_unique<HostSums<float>>(p, count);
+}
+Residency::HeldSumsPtr<double> Residency::hold_sums(double* p, int64_t count, bool) {
+  return std::make_unique<HostSums<double>>(p, count);
+}
+
+void Residency::copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
+                          bool dst_on_device) {
+  copy_host_sums(pieces, off, len, dst, dst_on_device);
+}
+void Residency::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
+                          bool dst_on_device) {
+  copy_host_sums(pieces, off, len, dst, dst_on_device);
+}
 
 void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, double* A, int64_t lda, double* diag) {
   const int64_t nl = t.nl, F = t.F;

@@ -19,14 +19,16 @@ class DenseMaths {
  public:
   virtual ~DenseMaths() = default;
 
-  // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc). fp32.
+  // C[m x n] += A^T B; A is row-major [rows x m] with leading dim lda, B [rows x n] (ldb), C row-major (ldc) in held
+  // sums (Residency::HeldSums::at). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
                          int64_t ldb, float* C, int64_t ldc) = 0;
   // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; B may be kept). fp32.
   virtual void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
                           int64_t ldb, float* C, int64_t ldc) = 0;
   // A batch of cross_acc calls of one shape and leading dims: C_i[m x n] += A_i^T B_i (every moment block of one block
-  // of rows; a device backend runs them as one batched GEMM, which fills the device where one block does not).
+  // of rows; a device backend runs them as one batched GEMM, which fills the device where one block does not). C_i
+  // in held sums.
   struct CrossTerm {
     const float* A;
     const float* B;
@@ -56,7 +58,7 @@ class DenseMaths {
   // Eigenvalues (ascending, into w[n]) and eigenvectors (the columns of A on return) of a symmetric row-major fp64
   // matrix A[n x n], upper triangle read (LAPACK dsyev / cuSOLVER syevd).
   virtual void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) = 0;
-  // Upper triangle (row-major, j >= i) of C[m x m] += A^T A. fp32.
+  // Upper triangle (row-major, j >= i) of C[m x m] += A^T A, C in held sums. fp32.
   virtual void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) = 0;
   // Cxx + lambda*I of some source layers (Moments::cov_xx_terms): A[i*F + p, j*F + q] = g_ij(p, q) / N -
   // mean[i*F + p] * mean[j*F + q], g_ij an [F x F] fp32 block of sums read as stored, transposed, or symmetric from
@@ -142,7 +144,7 @@ class InputPreparation {
   virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, std::vector<float>& host);
   // Head-major copy of X [rows x L*H*D]: out[t, (h*L + a)*D + j] = X[t, a*H*D + h*D + j]. Returns the operand.
   virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host);
-  // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 sums, resident like C).
+  // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 held sums, like C).
   virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq);
   // Copies `count` values of an operand (or a staged host array) of the current round to `host` (tests, diagnostics).
   virtual void download(const float* operand, int64_t count, float* host);
@@ -155,9 +157,10 @@ class Residency {
  public:
   virtual ~Residency() = default;
 
-  // Where the operands live. A device backend keeps every sum passed as C (or to column_stats) resident on the
-  // device from its first use until flush(), which makes the host copies current and drops the residency: call
-  // flush() before reading, packing or changing sums on the host.
+  // Where the operands live. Sums that calls add into (the C of cross_acc, gram_acc and cross_acc_batch, and
+  // column_stats' sums) are held by typed handles (HeldSums) that own their copy where this backend accumulates:
+  // device memory for a device backend, the host array itself for a host one. Calls name that copy (at()); nothing
+  // is looked up by host address. A handle writes its copy back to the host array (to_host) or is dropped.
   // Inputs come in rounds (one block of rows): begin_inputs() starts one; stage_inputs() names host arrays that the
   // round's calls read (a device backend copies each once, asynchronously, into one of two buffer sets); prepare()
   // and gather_heads() return operands made by the backend (a device backend makes them on the device). Operands
@@ -167,33 +170,60 @@ class Residency {
     int64_t bytes;
   };
   static HostSpan floats(const float* p, int64_t count) { return {p, count * 4}; }
-  // A hint that C arguments will fall in host sums [p, p + count) until flush(): a device backend makes the range
-  // resident as one allocation now, zeroed on the device when `host_is_zero` (the caller's promise), else copied up.
-  // Calls for a range already resident do nothing.
-  virtual void keep_resident(float* p, int64_t count, bool host_is_zero) {}
-  // A round's reduction reads the sums where they are current (no flush, no packed host copy): a SumPiece is a
-  // [rows x cols] part of host sums (leading dim ld) at `at` in a flat order of the pieces. copy_sums copies flat values
+  // Host sums [host, host + count) held where this backend accumulates them, for as long as the handle lives. Calls
+  // are ordered on the backend's stream; a device handle's destructor waits for them.
+  template <class T>
+  class HeldSums {
+   public:
+    virtual ~HeldSums() = default;
+    HeldSums(const HeldSums&) = delete;
+    HeldSums& operator=(const HeldSums&) = delete;
+    // The held copy of host element `host_element` (which lies in the held range), for a call's C argument.
+    T* at(const T* host_element) const {
+      CROSSKV_ASSERT(host_element >= host_ && host_element < host_ + count_, "a sum outside its held range");
+      return held_ + (host_element - host_);
+    }
+    T* host() const { return host_; }
+    const T* held() const { return held_; }
+    int64_t count() const { return count_; }
+    bool on_device() const { return held_ != host_; }
+    // The held copy to the host array; returns when it is there.
+    virtual void to_host() {}
+    // Zero where the sums are current (the held copy; a device's host array is left as it is).
+    virtual void zero();
+
+   protected:
+    HeldSums(T* host, T* held, int64_t count) : host_(host), held_(held), count_(count) {}
+
+   private:
+    T* host_;
+    T* held_;
+    int64_t count_;
+  };
+  template <class T>
+  using HeldSumsPtr = std::unique_ptr<HeldSums<T>>;
+  // Holds host sums [p, p + count): a device backend copies them up (or zeroes its copy when `host_is_zero`, the
+  // caller's promise); a host backend's handle is the host array.
+  virtual HeldSumsPtr<float> hold_sums(float* p, int64_t count, bool host_is_zero);
+  virtual HeldSumsPtr<double> hold_sums(double* p, int64_t count, bool host_is_zero);
+  // A round's reduction reads the sums where they are current (no write-back, no packed host copy): a SumPiece is a
+  // [rows x cols] part of host sums `host` (leading dim ld) at `at` in a flat order of the pieces, current in
+  // `held` (a HeldSums' copy laid out like the host part; null: current on the host). copy_sums copies flat values
   // [off, off + len) to dst, which is this backend's device memory when dst_on_device (a device comm's buffer), else
-  // host memory; a resident sum is read from its device copy.
+  // host memory.
   template <class T>
   struct SumPiece {
-    T* p;
+    T* host;
     int64_t rows, cols, ld, at;
+    const T* held = nullptr;
+    const T* current() const { return held ? held : host; }
   };
   virtual void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
                          bool dst_on_device);
   virtual void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
                          bool dst_on_device);
-  // Sets sums [p, p + count) to zero where they are current: on the device for a resident range (which stays
-  // resident; its host copy is left alone and stays stale), else on the host.
-  virtual void zero_sums(float* p, int64_t count);
-  virtual void zero_sums(double* p, int64_t count);
-  // Forgets every resident sum without copying it back: the host copies keep whatever they held, and the caller
-  // overwrites them (after a round's reduction has read the device copies).
-  virtual void drop_resident() {}
   virtual void begin_inputs() {}
   virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
-  virtual void flush() {}
   // Waits until the device has finished every call made so far (for timing; host backends return at once).
   virtual void synchronize() {}
   // Free memory of the device, in bytes, or -1 for a host backend (no limit beyond the host's).
@@ -264,15 +294,16 @@ class ComputeBackend : public DenseMaths, public InputPreparation, public Reside
   void resident_gemm(const BatchedGemm& g) override { gemm_batched(g); }
 };
 
-// The parts of `pieces` (sorted by `at`, back to back) that fall in flat values [off, off + len), as 2-D runs:
-// fn(src, ld, rows, cols, flat) copies rows x cols values at src (leading dim ld) to flat positions flat.. (row-major,
-// no gaps). A piece cut by the range gives at most three runs (its partial first row, whole rows, partial last row).
 // The flat size of pieces laid back to back: the end of the last one.
 template <class T>
 int64_t flat_size(const std::vector<ComputeBackend::SumPiece<T>>& pieces) {
   return pieces.empty() ? 0 : pieces.back().at + pieces.back().rows * pieces.back().cols;
 }
 
+// The parts of `pieces` (sorted by `at`, back to back) that fall in flat values [off, off + len), as 2-D runs:
+// fn(q, e, rows, cols, flat) copies rows x cols values of piece q from element e of its storage (leading dim q.ld;
+// e = row * ld + col) to flat positions flat.. (row-major, no gaps). A piece cut by the range gives at most three
+// runs (its partial first row, whole rows, partial last row).
 template <class T, class Fn>
 void for_each_sum_run(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, Fn fn) {
   const int64_t end = off + len;
@@ -282,29 +313,32 @@ void for_each_sum_run(const std::vector<ComputeBackend::SumPiece<T>>& pieces, in
   for (; it != pieces.end() && it->at < end; ++it) {
     const auto& q = *it;
     if (q.rows * q.cols == 0) continue;
-    int64_t s = std::max(off, q.at) - q.at;                  // first element of the piece in the range
+    int64_t s = std::max(off, q.at) - q.at;                          // first element of the piece in the range
     const int64_t e = std::min(end, q.at + q.rows * q.cols) - q.at;  // one past the last
     if (s >= e) continue;
     if (s % q.cols != 0) {  // a partial first row
       const int64_t n = std::min(e, (s / q.cols + 1) * q.cols) - s;
-      fn(q.p + (s / q.cols) * q.ld + s % q.cols, q.ld, int64_t{1}, n, q.at + s);
+      fn(q, (s / q.cols) * q.ld + s % q.cols, int64_t{1}, n, q.at + s);
       s += n;
     }
     if (e - s >= q.cols) {  // whole rows
       const int64_t rows = (e - s) / q.cols;
-      fn(q.p + (s / q.cols) * q.ld, q.ld, rows, q.cols, q.at + s);
+      fn(q, (s / q.cols) * q.ld, rows, q.cols, q.at + s);
       s += rows * q.cols;
     }
-    if (s < e) fn(q.p + (s / q.cols) * q.ld, q.ld, int64_t{1}, e - s, q.at + s);  // a partial last row
+    if (s < e) fn(q, (s / q.cols) * q.ld, int64_t{1}, e - s, q.at + s);  // a partial last row
   }
 }
 
-// The inverse of a host copy_sums: flat values [off, off + len) from src into the pieces' (host) memory.
+// The inverse of a host copy_sums: flat values [off, off + len) from src into the pieces' host arrays.
 template <class T>
 void place_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t off, int64_t len, const T* src) {
-  for_each_sum_run(pieces, off, len, [src, off](T* dst, int64_t ld, int64_t rows, int64_t cols, int64_t flat) {
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(src + (flat - off) + r * cols, cols, dst + r * ld);
-  });
+  for_each_sum_run(pieces, off, len,
+                   [src, off](const ComputeBackend::SumPiece<T>& q, int64_t e, int64_t rows, int64_t cols,
+                              int64_t flat) {
+                     for (int64_t r = 0; r < rows; ++r)
+                       std::copy_n(src + (flat - off) + r * cols, cols, q.host + e + r * q.ld);
+                   });
 }
 
 // Cxx + lambda*I on the host (all of A): host factors' (factor_cov) and Moments::cov_xx's.

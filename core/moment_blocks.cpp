@@ -42,9 +42,10 @@ std::vector<BlockRef> MomentBlocks::new_blocks(const std::vector<std::pair<int64
   for (const auto& [r, c] : shapes) total += r * c;
   arenas_.push_back(std::make_unique<FloatArena>(total));
   float* p = arenas_.back()->data();
+  const int arena = static_cast<int>(arenas_.size()) - 1;
   std::vector<BlockRef> out;
   for (const auto& [r, c] : shapes) {
-    out.push_back({r * c != 0 ? p : nullptr, r, c, c});
+    out.push_back({r * c != 0 ? p : nullptr, r, c, c, arena});
     p += r * c;
   }
   return out;
@@ -93,27 +94,30 @@ void MomentBlocks::add_plan(const MomentPlan& plan) {
   if (heads)
     for (int h = 0; h < H; ++h)
       if (probe[h]) off += int64_t{Ls} * Ds * Ds + int64_t{Ls} * Ds * Lt * Dt;
+  CROSSKV_ASSERT(held_.empty(), "a plan added while the live blocks are held");
   arenas_.push_back(std::make_unique<FloatArena>(off));
-  live_arenas_.push_back(arenas_.back().get());
+  const int arena = static_cast<int>(arenas_.size()) - 1;
+  live_arenas_.push_back(arena);
   float* base = arenas_.back()->data();
   for (size_t i = 0; i < grams.size(); ++i) {
     const auto [a, b] = grams[i];
     gram_idx_.emplace(grams[i], gram_.size());
-    gram_.push_back(gpanel[a] >= 0 ? BlockRef{base + gpanel[a] + (b - a) * F, F, F, (Ls - a) * F}
-                                   : BlockRef{base + gsingle[i], F, F, F});
+    gram_.push_back(gpanel[a] >= 0 ? BlockRef{base + gpanel[a] + (b - a) * F, F, F, (Ls - a) * F, arena}
+                                   : BlockRef{base + gsingle[i], F, F, F, arena});
     gram_live_.push_back(true);
     gram_in_panel_.push_back(gpanel[a] >= 0);
   }
   for (size_t i = 0; i < crosses.size(); ++i) {
     const auto [a, l] = crosses[i];
     cross_idx_.emplace(crosses[i], cross_.size());
-    cross_.push_back(cpanel[a] >= 0 ? BlockRef{base + cpanel[a] + l * G, F, G, Y}
-                                    : BlockRef{base + csingle[i], F, G, G});
+    cross_.push_back(cpanel[a] >= 0 ? BlockRef{base + cpanel[a] + l * G, F, G, Y, arena}
+                                    : BlockRef{base + csingle[i], F, G, G, arena});
     cross_live_.push_back(true);
     cross_in_panel_.push_back(cpanel[a] >= 0);
   }
   for (int a = 0; a < Ls; ++a)
-    if (gpanel[a] >= 0) panels_.push_back({a * F, F, false, a * F, (Ls - a) * F, base + gpanel[a], (Ls - a) * F});
+    if (gpanel[a] >= 0)
+      panels_.push_back({a * F, F, false, a * F, (Ls - a) * F, base + gpanel[a], (Ls - a) * F, arena});
   for (int a = 0; a < Ls;) {
     if (cpanel[a] < 0) {
       ++a;
@@ -121,7 +125,7 @@ void MomentBlocks::add_plan(const MomentPlan& plan) {
     }
     int b = a;
     while (b + 1 < Ls && cpanel[b + 1] >= 0) ++b;
-    panels_.push_back({a * F, (b - a + 1) * F, true, 0, Y, base + cpanel[a], Y});
+    panels_.push_back({a * F, (b - a + 1) * F, true, 0, Y, base + cpanel[a], Y, arena});
     a = b + 1;
   }
   if (heads) {
@@ -130,17 +134,32 @@ void MomentBlocks::add_plan(const MomentPlan& plan) {
     head_cross_.assign(H, BlockRef{});
     for (int h = 0; h < H; ++h) {
       if (!probe[h]) continue;
-      for (int a = 0; a < Ls; ++a, p += int64_t{Ds} * Ds) head_gram_[int64_t{a} * H + h] = {p, Ds, Ds, Ds};
-      head_cross_[h] = {p, int64_t{Ls} * Ds, int64_t{Lt} * Dt, int64_t{Lt} * Dt};
+      for (int a = 0; a < Ls; ++a, p += int64_t{Ds} * Ds) head_gram_[int64_t{a} * H + h] = {p, Ds, Ds, Ds, arena};
+      head_cross_[h] = {p, int64_t{Ls} * Ds, int64_t{Lt} * Dt, int64_t{Lt} * Dt, arena};
       p += int64_t{Ls} * Ds * Lt * Dt;
     }
     head_live_ = true;
   }
 }
 
-void MomentBlocks::make_resident(ComputeBackend& be) {
-  for (const FloatArena* a : live_arenas_) be.keep_resident(a->data(), a->size(), live_zero_);
+void MomentBlocks::hold(ComputeBackend& be) {
+  if (!held_.empty() || live_arenas_.empty()) return;
+  held_.resize(arenas_.size());
+  for (int a : live_arenas_) held_[a] = be.hold_sums(arenas_[a]->data(), arenas_[a]->size(), live_zero_);
   live_zero_ = false;
+}
+
+void MomentBlocks::release(bool write_back) {
+  for (auto& h : held_)
+    if (h && write_back) h->to_host();
+  // Dropped copies leave host arenas that are neither current nor known to be zero.
+  held_.clear();
+}
+
+float* MomentBlocks::sums(const float* p, int arena) const {
+  CROSSKV_ASSERT(arena >= 0 && arena < static_cast<int>(held_.size()) && held_[arena],
+                 "moment blocks added into while not held");
+  return held_[arena]->at(p);
 }
 
 void MomentBlocks::accumulate(ComputeBackend& be, const float* X, const float* Y, int64_t rows) {
@@ -149,30 +168,35 @@ void MomentBlocks::accumulate(ComputeBackend& be, const float* X, const float* Y
   // Head-major copies: source head h of every layer side by side, likewise for the targets.
   const float* hx = head_live_ ? be.gather_heads(rows, Ls, H, Ds, X, hx_) : nullptr;
   const float* hy = head_live_ ? be.gather_heads(rows, Lt, d_.Ht, d_.Dt, Y, hy_) : nullptr;
+  hold(be);
   for (const Panel& pn : panels_)
-    be.cross_acc(rows, pn.m, pn.n, X + pn.x_col, XW, (pn.from_y ? Y : X) + pn.b_col, pn.from_y ? YW : XW, pn.C,
-                 pn.ldc);
+    be.cross_acc(rows, pn.m, pn.n, X + pn.x_col, XW, (pn.from_y ? Y : X) + pn.b_col, pn.from_y ? YW : XW,
+                 sums(pn.C, pn.arena), pn.ldc);
   std::vector<ComputeBackend::CrossTerm> grams, crosses;  // blocks outside panels (contiguous)
   for (const auto& [p, i] : gram_idx_) {
     if (!gram_live_[i] || gram_in_panel_[i]) continue;
     if (p.first == p.second)
-      be.gram_acc(rows, F, X + p.first * F, XW, gram_[i].p, F);
+      be.gram_acc(rows, F, X + p.first * F, XW, sums(gram_[i].p, gram_[i].arena), F);
     else
-      grams.push_back({X + p.first * F, X + p.second * F, gram_[i].p});
+      grams.push_back({X + p.first * F, X + p.second * F, sums(gram_[i].p, gram_[i].arena)});
   }
   for (const auto& [p, i] : cross_idx_)
-    if (cross_live_[i] && !cross_in_panel_[i]) crosses.push_back({X + p.first * F, Y + p.second * G, cross_[i].p});
+    if (cross_live_[i] && !cross_in_panel_[i])
+      crosses.push_back({X + p.first * F, Y + p.second * G, sums(cross_[i].p, cross_[i].arena)});
   be.cross_acc_batch(rows, F, F, grams, XW, XW, F);
   be.cross_acc_batch(rows, F, G, crosses, XW, YW, G);
   if (head_live_) {
     for (int h = 0; h < H; ++h)
       if (!head_cross_[h].empty())
         be.cross_acc(rows, int64_t{Ls} * Ds, int64_t{Lt} * d_.Dt, hx + int64_t{h} * Ls * Ds, XW,
-                     hy + int64_t{h} * Lt * d_.Dt, YW, head_cross_[h].p, int64_t{Lt} * d_.Dt);
+                     hy + int64_t{h} * Lt * d_.Dt, YW, sums(head_cross_[h].p, head_cross_[h].arena),
+                     int64_t{Lt} * d_.Dt);
     for (int a = 0; a < Ls; ++a)
       for (int h = 0; h < H; ++h)
-        if (!head_cross_[h].empty())
-          be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, head_gram_[int64_t{a} * H + h].p, Ds);
+        if (!head_cross_[h].empty()) {
+          const BlockRef& g = head_gram_[int64_t{a} * H + h];
+          be.gram_acc(rows, Ds, X + a * F + int64_t{h} * Ds, XW, sums(g.p, g.arena), Ds);
+        }
   }
 }
 
@@ -199,12 +223,27 @@ std::vector<std::pair<const BlockRef*, int64_t>> MomentBlocks::live_layout() con
   return out;
 }
 
-void MomentBlocks::zero_live(ComputeBackend& be) {
-  for (const FloatArena* a : live_arenas_) be.zero_sums(a->data(), a->size());  // a live arena holds live blocks only
+void MomentBlocks::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, int64_t at) const {
+  for (const auto& [b, off] : live_layout()) {
+    ComputeBackend::SumPiece<float> q{b->p, b->rows, b->cols, b->ld, at + off};
+    if (!held_.empty() && !b->empty()) q.held = sums(b->p, b->arena);  // (a head not probed is empty)
+    f.push_back(q);
+  }
+}
+
+void MomentBlocks::zero_live() {
+  for (int a : live_arenas_) {  // a live arena holds live blocks only
+    if (!held_.empty())
+      held_[a]->zero();
+    else
+      std::fill_n(arenas_[a]->data(), arenas_[a]->size(), 0.0f);
+  }
   live_zero_ = true;
 }
 
 void MomentBlocks::mark_complete() {
+  for (const auto& h : held_) CROSSKV_ASSERT(!h || !h->on_device(), "moment blocks completed while held on a device");
+  held_.clear();
   std::fill(gram_live_.begin(), gram_live_.end(), false);
   std::fill(cross_live_.begin(), cross_live_.end(), false);
   head_live_ = false;

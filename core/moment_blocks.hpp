@@ -33,6 +33,7 @@ class FloatArena {
 struct BlockRef {
   float* p = nullptr;
   int64_t rows = 0, cols = 0, ld = 0;
+  int arena = -1;  // the arena that holds it (MomentBlocks' index)
   float* row(int64_t r) const { return p + r * ld; }
   float& at(int64_t r, int64_t c) const { return p[r * ld + c]; }
   int64_t size() const { return rows * cols; }
@@ -77,13 +78,20 @@ class MomentBlocks {
   // Gram and cross rows as one wide GEMM each (panels), the other blocks batched, the same-head blocks from
   // head-major copies.
   void accumulate(ComputeBackend& be, const float* X, const float* Y, int64_t rows);
-  // Makes the live arenas resident (a device backend keeps them until flush()); call before accumulate().
-  void make_resident(ComputeBackend& be);
+  // Holds the live arenas where the backend accumulates (ComputeBackend::hold_sums; a device backend's copies on the
+  // device); done by accumulate() if not before. Calls while held do nothing.
+  void hold(ComputeBackend& be);
+  // The held copies back to the host arenas (write_back) or dropped (the host arenas are then overwritten by the
+  // caller), and released.
+  void release(bool write_back);
+  bool held() const { return !held_.empty(); }
   // Every live block with its offset in the flat live state (plan order: Gram, cross, same-head Gram, same-head
   // cross): the layout of round reductions and checkpoints.
   std::vector<std::pair<const BlockRef*, int64_t>> live_layout() const;
-  // Zeroes the live blocks where they are current (see Residency::zero_sums).
-  void zero_live(ComputeBackend& be);
+  // The live blocks as pieces of the flat live state from `at` on, current where they are held.
+  void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, int64_t at) const;
+  // Zeroes the live blocks where they are current (their held copies, else the host).
+  void zero_live();
   // The live blocks were written on the host (gathered or loaded): not zero any more.
   void touched() { live_zero_ = false; }
   void mark_complete();
@@ -124,11 +132,14 @@ class MomentBlocks {
   std::vector<float> hx_, hy_;        // head-major scratch
   // Blocks being accumulated in the current pass (the rest are complete), the arenas that hold them, and whether
   // they are all zero (just made, or zeroed after a round: on the host, or on the device where they stay resident,
-  // so keep_resident's promise holds whenever it can still create a range).
+  // so hold_sums' promise holds whenever it can still create a range).
   std::vector<bool> gram_live_, cross_live_;
   bool head_live_ = false;
-  std::vector<const FloatArena*> live_arenas_;
+  std::vector<int> live_arenas_;
+  std::vector<ComputeBackend::HeldSumsPtr<float>> held_;  // [arenas_.size()] while held: the live ones'
   bool live_zero_ = true;
+  // Where a call adds into block memory p of arena `arena`: its held copy.
+  float* sums(const float* p, int arena) const;
   // Where a plan adds every Gram block (a, b >= a) or every cross block (a, l) of a source layer a, those blocks form
   // a panel, [F x (Ls-a)F] or [F x Y] (consecutive cross panels: one [n*F x Y] matrix), accumulated by one wide GEMM
   // each instead of block by block: C = X[:, x_col .. x_col+m)^T (Y or X)[:, b_col .. b_col+n).
@@ -138,6 +149,7 @@ class MomentBlocks {
     int64_t b_col, n;
     float* C;
     int64_t ldc;
+    int arena;
   };
   std::vector<Panel> panels_;  // of the live blocks
   std::vector<bool> gram_in_panel_, cross_in_panel_;

@@ -37,13 +37,27 @@ void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
 
 void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows) {
   const int64_t XW = d_.X(), YW = d_.Y();
-  blocks_.make_resident(be);
+  hold_sums(be);
   if (!stats_done_) {
-    be.column_stats(rows, XW, X, XW, sum_x_.data(), nullptr);
-    be.column_stats(rows, YW, Y, YW, sum_y_.data(), sq_y_.data());
+    be.column_stats(rows, XW, X, XW, held_stats_[0]->at(sum_x_.data()), nullptr);
+    be.column_stats(rows, YW, Y, YW, held_stats_[1]->at(sum_y_.data()), held_stats_[2]->at(sq_y_.data()));
     n_ += static_cast<double>(rows);
   }
   blocks_.accumulate(be, X, Y, rows);
+}
+
+void Moments::hold_sums(ComputeBackend& be) {
+  blocks_.hold(be);
+  if (stats_done_ || !held_stats_.empty()) return;
+  for (std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_})  // small: copied up as they are
+    held_stats_.push_back(be.hold_sums(v->data(), static_cast<int64_t>(v->size()), false));
+}
+
+void Moments::release_sums(bool write_back) {
+  blocks_.release(write_back);
+  for (auto& h : held_stats_)
+    if (write_back) h->to_host();
+  held_stats_.clear();
 }
 
 size_t Moments::live_floats() const {
@@ -68,29 +82,33 @@ void Moments::unpack_live_doubles(const double* d) {
 
 void Moments::live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f,
                           std::vector<ComputeBackend::SumPiece<double>>& d) {
-  const int64_t f_at = flat_size(f);
-  int64_t d_at = flat_size(d);
-  for (const auto& [b, at] : blocks_.live_layout()) f.push_back({b->p, b->rows, b->cols, b->ld, f_at + at});
+  blocks_.live_pieces(f, flat_size(f));
   if (stats_done_) return;
+  int64_t d_at = flat_size(d);
   d.push_back({&n_, 1, 1, 1, d_at++});
-  for (std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) {
-    const auto n = static_cast<int64_t>(v->size());
-    d.push_back({v->data(), 1, n, n, d_at});
+  std::vector<double>* stats[3] = {&sum_x_, &sum_y_, &sq_y_};
+  for (int i = 0; i < 3; ++i) {
+    const auto n = static_cast<int64_t>(stats[i]->size());
+    d.push_back({stats[i]->data(), 1, n, n, d_at});
+    if (!held_stats_.empty()) d.back().held = held_stats_[i]->held();
     d_at += n;
   }
 }
 
-void Moments::zero_live(ComputeBackend& be) {
-  blocks_.zero_live(be);
-  if (!stats_done_) {
-    n_ = 0;
-    be.zero_sums(sum_x_.data(), static_cast<int64_t>(sum_x_.size()));
-    be.zero_sums(sum_y_.data(), static_cast<int64_t>(sum_y_.size()));
-    be.zero_sums(sq_y_.data(), static_cast<int64_t>(sq_y_.size()));
+void Moments::zero_live() {
+  blocks_.zero_live();
+  if (stats_done_) return;
+  n_ = 0;
+  if (held_stats_.empty()) {
+    for (std::vector<double>* v : {&sum_x_, &sum_y_, &sq_y_}) std::fill(v->begin(), v->end(), 0.0);
+    return;
   }
+  for (auto& h : held_stats_) h->zero();
 }
 
 void Moments::mark_pass_complete() {
+  for (const auto& h : held_stats_) CROSSKV_ASSERT(!h->on_device(), "moments completed while held on a device");
+  held_stats_.clear();
   stats_done_ = true;
   blocks_.mark_complete();
 }

@@ -26,25 +26,31 @@ class Moments {
   void add_plan(const MomentPlan& plan);
 
   // Folds in `rows` tokens: X [rows x Ls*F] and Y [rows x Lt*G], row-major, unshifted (shifted here, in place).
-  // Token sums and target variances are accumulated in the first pass only. With a device backend the sums stay on
-  // the device until be.flush().
+  // Token sums and target variances are accumulated in the first pass only. The sums are held where the backend
+  // accumulates (hold_sums) until release_sums(): a device backend's stay on the device in between.
   void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows);
   // The same for inputs already shifted (by shift_x()/shift_y()) and staged or prepared in the backend's current
   // round (ComputeBackend::begin_inputs): X and Y are the backend's operands, possibly device memory.
   void accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows);
+  // Holds the live sums where `be` accumulates them (ComputeBackend::hold_sums): done by accumulate() if not before;
+  // holding them first makes live_pieces() name the held copies. Calls while held do nothing.
+  void hold_sums(ComputeBackend& be);
+  // The held copies back to the host (write_back: the host moments are current from here on) or dropped (the caller
+  // overwrites the host copies), and released. Read, pack or change the sums on the host only after this.
+  void release_sums(bool write_back);
   // The live state (this pass's blocks, and the token statistics in the first pass), flat in a fixed order: the
   // layout of round reductions and checkpoints. Its sizes:
   size_t live_floats() const;
   size_t live_doubles() const;
   // The live state as pieces in that order, appended to f and d after the pieces already there (so the pieces of
   // several Moments, in turn, are their flat states back to back): for a reduction that reads the sums where they are
-  // (ComputeBackend::copy_sums), and for gathering them back in place (place_sums, then unpack_live_doubles).
+  // current (ComputeBackend::copy_sums), and for gathering them back in place (place_sums, then unpack_live_doubles).
+  // Pieces name held copies only while they are held: make them again after hold_sums() or release_sums().
   void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, std::vector<ComputeBackend::SumPiece<double>>& d);
   // The live doubles (token statistics), after the floats were written through live_pieces.
   void unpack_live_doubles(const double* d);
-  // Zeroes the live state where it is current: a device backend zeroes resident sums on the device (they stay
-  // resident), the rest is zeroed on the host.
-  void zero_live(ComputeBackend& be);
+  // Zeroes the live state where it is current: held copies where they are held (they stay held), else the host's.
+  void zero_live();
   // Marks the live state complete without any reduction (the caller reduced it).
   void mark_pass_complete();
   // Adds complete moments of other tokens (another calibration domain) with the same shifts and blocks, each
@@ -91,6 +97,7 @@ class Moments {
   double n_ = 0;
   std::vector<float> shift_x_, shift_y_;
   std::vector<double> sum_x_, sum_y_, sq_y_;
+  std::vector<ComputeBackend::HeldSumsPtr<double>> held_stats_;  // of sum_x_, sum_y_, sq_y_ while held
   bool stats_done_ = false;  // the token statistics are complete (after the first pass)
   MomentBlocks blocks_;
 };

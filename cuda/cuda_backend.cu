@@ -22,7 +22,12 @@ CudaBackend::~CudaBackend() {
   cudaStreamSynchronize(res_.copy());
 }
 
-void CudaBackend::keep_resident(float* p, int64_t count, bool host_is_zero) { sums_.keep(p, count, host_is_zero); }
+Residency::HeldSumsPtr<float> CudaBackend::hold_sums(float* p, int64_t count, bool host_is_zero) {
+  return DeviceSums<float>::make(res_, p, count, host_is_zero);
+}
+Residency::HeldSumsPtr<double> CudaBackend::hold_sums(double* p, int64_t count, bool host_is_zero) {
+  return DeviceSums<double>::make(res_, p, count, host_is_zero);
+}
 void CudaBackend::begin_inputs() { res_.begin_round(); }
 void CudaBackend::stage_inputs(std::initializer_list<HostSpan> spans) { res_.stage(spans); }
 
@@ -37,36 +42,16 @@ void CudaBackend::synchronize() {
   CK(cudaStreamSynchronize(res_.compute()), "compute stream");
 }
 
-void CudaBackend::flush() {
-  res_.end_round();
-  sums_.queue_write_back();
-  dsums_.queue_write_back();
-  CK(cudaStreamSynchronize(res_.compute()), "");
-  sums_.clear();
-  dsums_.clear();
-}
-
 void CudaBackend::copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
                             bool dst_on_device) {
-  sums_.copy_out(pieces, off, len, dst, dst_on_device);
+  copy_current_sums(res_, pieces, off, len, dst, dst_on_device);
 }
 void CudaBackend::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
                             bool dst_on_device) {
-  dsums_.copy_out(pieces, off, len, dst, dst_on_device);
-}
-void CudaBackend::zero_sums(float* p, int64_t count) { sums_.zero(p, count); }
-void CudaBackend::zero_sums(double* p, int64_t count) { dsums_.zero(p, count); }
-
-void CudaBackend::drop_resident() {
-  CK(cudaStreamSynchronize(res_.compute()), "");
-  sums_.clear();
-  dsums_.clear();
+  copy_current_sums(res_, pieces, off, len, dst, dst_on_device);
 }
 
-void CudaBackend::keep_constant(const float* p, int64_t count) {
-  if (count <= 0 || constants_.find_whole(p, count)) return;
-  constants_.keep(const_cast<float*>(p), count, false);  // read, never written back
-}
+void CudaBackend::keep_constant(const float* p, int64_t count) { constants_.keep(p, count); }
 void CudaBackend::forget_constant(const float* p) { constants_.forget(p); }
 
 }  // namespace cuda

@@ -1,39 +1,36 @@
 #pragma once
 // The CUDA backend: the algorithms of ComputeBackend on one device, over the resources it owns (DeviceResources:
-// streams, handles, staging, scratch) and its resident sums. One backend per rank. Its member functions live by
-// concern: cuda_backend.cu (residency, the factory), inputs.cu (input preparation), dense_maths.cu (products,
-// factors, solves, eigen-solver), serving.cu (ResidentKernels for the serving apply).
+// streams, handles, staging, scratch); the sums it accumulates are held by typed handles (held_sums.hpp). One backend
+// per rank. Its member functions live by concern: cuda_backend.cu (residency, the factory), inputs.cu (input
+// preparation), dense_maths.cu (products, factors, solves, eigen-solver), serving.cu (ResidentKernels for the serving
+// apply).
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "core/backend.hpp"
 #include "cuda/device_resources.hpp"
-#include "cuda/resident_sums.hpp"
+#include "cuda/held_sums.hpp"
 
 namespace crosskv::cuda {
 
 class CudaBackend final : public ComputeBackend {
  public:
-  CudaBackend(int device, int rank, bool tf32)
-      : res_(device, rank, tf32), sums_(res_), dsums_(res_), constants_(res_) {}
+  CudaBackend(int device, int rank, bool tf32) : res_(device, rank, tf32), constants_(res_) {}
   ~CudaBackend() override;
   std::string name() const override { return res_.name(); }
 
   // ---- Residency (cuda_backend.cu).
-  void keep_resident(float* p, int64_t count, bool host_is_zero) override;
+  HeldSumsPtr<float> hold_sums(float* p, int64_t count, bool host_is_zero) override;
+  HeldSumsPtr<double> hold_sums(double* p, int64_t count, bool host_is_zero) override;
   void begin_inputs() override;
   void stage_inputs(std::initializer_list<HostSpan> spans) override;
   int64_t device_memory_free() const override;
   void synchronize() override;
-  void flush() override;
   void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
                  bool dst_on_device) override;
   void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
                  bool dst_on_device) override;
-  void zero_sums(float* p, int64_t count) override;
-  void zero_sums(double* p, int64_t count) override;
-  void drop_resident() override;
   void keep_constant(const float* p, int64_t count) override;
   void forget_constant(const float* p) override;
 
@@ -98,9 +95,7 @@ class CudaBackend final : public ComputeBackend {
   void copy_diagonal(const double* dA, int64_t n, int64_t lda, double* out, const std::string& ops);
 
   DeviceResources res_;
-  ResidentSums<float> sums_;
-  ResidentSums<double> dsums_;
-  ResidentSums<float> constants_;  // kept read-only operands (keep_constant), never written back
+  KeptConstants constants_;  // kept read-only operands (keep_constant)
 };
 
 }  // namespace crosskv::cuda

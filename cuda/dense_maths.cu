@@ -1,4 +1,4 @@
-// The CUDA backend's dense maths: fp32 moment products with cuBLAS into the resident sums, products of host arrays,
+// The CUDA backend's dense maths: fp32 moment products with cuBLAS into the held sums, products of host arrays,
 // fp64 systems assembled and factored on the device (cuSOLVER's 64-bit API), solves with cuBLAS, the eigen-solver.
 #include <algorithm>
 #include <climits>
@@ -15,10 +15,9 @@ void CudaBackend::cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, 
   if (rows == 0 || m == 0 || n == 0) return;
   const float* dA = static_cast<const float*>(res_.operand(A, static_cast<size_t>((rows - 1) * lda + m) * 4));
   const float* dB = static_cast<const float*>(res_.operand(B, static_cast<size_t>((rows - 1) * ldb + n) * 4));
-  float* dC = sums_.resident(C, (m - 1) * ldc + n);
   const float one = 1.0f;
   // Row-major C[m x n] += A^T B is column-major C' [n x m] += B' A'^T.
-  CK(cublasSgemm_64(res_.blas(), CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, dB, ldb, dA, lda, &one, dC, ldc),
+  CK(cublasSgemm_64(res_.blas(), CUBLAS_OP_N, CUBLAS_OP_T, n, m, rows, &one, dB, ldb, dA, lda, &one, C, ldc),
      dims({{"m", m}, {"n", n}, {"rows", rows}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}}));
 }
 
@@ -41,7 +40,7 @@ void CudaBackend::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std:
   for (size_t i = 0; i < nt; ++i) {
     ptrs[i] = static_cast<const float*>(res_.operand(terms[i].B, static_cast<size_t>((rows - 1) * ldb + n) * 4));
     ptrs[nt + i] = static_cast<const float*>(res_.operand(terms[i].A, static_cast<size_t>((rows - 1) * lda + m) * 4));
-    ptrs[2 * nt + i] = sums_.resident(terms[i].C, (m - 1) * ldc + n);
+    ptrs[2 * nt + i] = terms[i].C;  // held sums: device memory
   }
   const auto* d = static_cast<const float* const*>(res_.upload(ptrs.data(), ptrs.size() * sizeof(float*)));
   const float one = 1.0f;
@@ -57,7 +56,7 @@ void CudaBackend::matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A,
   const std::string ops = dims({{"rows", rows}, {"k", k}, {"n", n}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}});
   const size_t na = static_cast<size_t>((rows - 1) * lda + k), nb = static_cast<size_t>((k - 1) * ldb + n),
                nc = static_cast<size_t>((rows - 1) * ldc + n);
-  const float* kept = constants_.find_whole(B, static_cast<int64_t>(nb));
+  const float* kept = constants_.find(B, static_cast<int64_t>(nb));
   float* d = res_.apply.get(na + (kept ? 0 : nb) + nc, res_.where());
   float* dC = d + na + (kept ? 0 : nb);
   CK(cudaMemcpyAsync(d, A, na * 4, cudaMemcpyHostToDevice, res_.compute()), ops);
@@ -103,10 +102,9 @@ void CudaBackend::gemm_batched(const BatchedGemm& g) {
 void CudaBackend::gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) {
   if (rows == 0 || m == 0) return;
   const float* dA = static_cast<const float*>(res_.operand(A, static_cast<size_t>((rows - 1) * lda + m) * 4));
-  float* dC = sums_.resident(C, (m - 1) * ldc + m);
   const float one = 1.0f;
   // Row-major upper triangle of A^T A = column-major lower triangle of A' A'^T.
-  CK(cublasSsyrk_64(res_.blas(), CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, m, rows, &one, dA, lda, &one, dC, ldc),
+  CK(cublasSsyrk_64(res_.blas(), CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, m, rows, &one, dA, lda, &one, C, ldc),
      dims({{"m", m}, {"rows", rows}, {"lda", lda}, {"ldc", ldc}}));
 }
 

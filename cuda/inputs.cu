@@ -44,9 +44,7 @@ const float* CudaBackend::gather_heads(int64_t rows, int L, int H, int D, const 
 void CudaBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) {
   if (rows == 0 || cols == 0) return;
   const float* d_x = static_cast<const float*>(res_.operand(X, static_cast<size_t>((rows - 1) * ldx + cols) * 4));
-  double* d_sum = dsums_.resident(sum, cols);
-  double* d_sq = sumsq ? dsums_.resident(sumsq, cols) : nullptr;
-  CK(cuda::launch_column_stats(d_x, rows, cols, ldx, d_sum, d_sq, res_.compute()),
+  CK(cuda::launch_column_stats(d_x, rows, cols, ldx, sum, sumsq, res_.compute()),
      "column_stats kernel, " + dims({{"rows", rows}, {"cols", cols}, {"ldx", ldx}}));
 }
 

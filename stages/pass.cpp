@@ -41,7 +41,7 @@ namespace {
 
 // One streaming pass in rounds, checkpointed after each. Several readers reduce their round's sums (fixed order) into
 // this rank's share of the pass and gather the shares back into complete moments at the end. One reader's share is
-// its moments: nothing to reduce, and checkpoints read the sums where they are (a device's, without a flush), so the
+// its moments: nothing to reduce, and checkpoints read the sums where they are (a device's held copies), so the
 // sums are never held twice. With a checkpoint of this pass, reading resumes after its last round (or not at all if
 // the pass was complete). `keep_share`: a one-reader state keeps a copy of the pass's sums for a later pass's
 // checkpoints.
@@ -59,7 +59,13 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   Comm& readers = ctx.readers();
   const bool one_reader = readers.size() == 1;
   LiveSums live{&ctx.backend, {}, {}};
-  for (auto* m : ms) m->live_pieces(live.f, live.d);
+  // The live sums as pieces where they are current: on the host, or the held copies while the moments hold them.
+  auto name_live = [&] {
+    live.f.clear();
+    live.d.clear();
+    for (auto* m : ms) m->live_pieces(live.f, live.d);
+  };
+  name_live();
   const auto nf = static_cast<size_t>(flat_size(live.f)), nd = static_cast<size_t>(flat_size(live.d));
   auto unpack_doubles = [&ms](const double* pd) {
     for (auto* m : ms) {
@@ -91,6 +97,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   if (!was_complete) {
     if (state.rounds_done > 0)
       spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
+    for (auto* m : ms) m->hold_sums(ctx.backend);  // the rounds reduce and checkpoint the held copies
+    name_live();
     auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
       if (!ctx.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
@@ -117,7 +125,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
   const auto t_end = std::chrono::steady_clock::now();
   double to_host_s = 0;
   if (one_reader) {
-    ctx.backend.flush();  // a device's sums to the host moments, once per pass
+    for (auto* m : ms) m->release_sums(true);  // a device's sums to the host moments, once per pass
+    name_live();
     to_host_s = seconds_since(t_end);
     if (!was_complete) store.save(state, &live);
     if (keep_share && base_f.empty() && base_d.empty()) {
@@ -127,7 +136,8 @@ PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointSto
       ctx.backend.copy_sums(live.d, 0, static_cast<int64_t>(nd), base_d.data(), false);
     }
   } else {
-    ctx.backend.drop_resident();  // zeros after the last round's reduction: the host copies are overwritten below
+    for (auto* m : ms) m->release_sums(false);  // zeros after the last round's reduction: overwritten below
+    name_live();
     // The shares gathered back a segment at a time straight into the blocks (no copy of all of them), then the token
     // statistics (small).
     readers.allgather_drained(base_f, nf, [&](size_t off, size_t len, const float* values) {

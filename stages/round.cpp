@@ -35,7 +35,7 @@ void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& rea
   };
   reduce_into(base_f, fp);
   reduce_into(base_d, dp);
-  for (Moments* m : ms) m->zero_live(be);
+  for (Moments* m : ms) m->zero_live();
 }
 
 }  // namespace crosskv

@@ -692,6 +692,8 @@ cudaError_t allocate(const char* call, void** ptr, size_t bytes, int device) {
     return ret(
         failure(cudaErrorMemoryAllocation, std::string(call) + "(" + std::to_string(bytes) + " bytes): mmap failed"));
   char* m = static_cast<char*>(map);
+  // Fresh memory is not zero on a GPU: here it is all ones (NaN as fp32 and fp64), so a read before a write shows.
+  std::memset(m, 0xFF, body);
   // The guard page always; a device allocation's body too, until stream work opens it (DeviceAccess).
   if (device >= 0)
     mprotect(m, total, PROT_NONE);

@@ -55,6 +55,10 @@ MUTANTS = [
      "if (g.beta != 0.0f || !tiles)",
      "if (g.beta != 0.0f)",
      "Cuda.BatchedGemmOfEveryTransposeAndStrideMatchesTheCpu"),
+    ("held sums that start from the device's fresh memory instead of zeros (DeviceSums::make)", "held_sums.hpp",
+     "if (host_is_zero)\n      h->zero();\n    else",
+     "if (!host_is_zero)",
+     "Cuda.MomentsMatchTheCpuOverManyBlocks", "cuda_backend.cpp"),
 ]
 
 
