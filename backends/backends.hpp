@@ -8,7 +8,6 @@
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "core/config.hpp"
 
 namespace crosskv {
 

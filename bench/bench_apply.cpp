@@ -20,8 +20,8 @@
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
-#include "apply/resident.hpp"
-#include "apply/transfer.hpp"
+#include "serve/resident.hpp"
+#include "serve/transfer.hpp"
 
 using namespace crosskv;
 using Clock = std::chrono::steady_clock;

@@ -23,13 +23,13 @@
 #include <vector>
 
 #include "core/blas_kernels.hpp"
-#include "apply/diagnose.hpp"
-#include "apply/layer_diagnostics.hpp"
-#include "apply/transfer.hpp"
+#include "eval/diagnose.hpp"
+#include "eval/layer_diagnostics.hpp"
+#include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/comm.hpp"
-#include "core/config.hpp"
-#include "core/log.hpp"
+#include "runtime/config.hpp"
+#include "runtime/log.hpp"
 #include "core/mlp.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "stages/eval.hpp"

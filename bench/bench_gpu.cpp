@@ -20,7 +20,7 @@
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "core/config.hpp"
+#include "runtime/config.hpp"
 #include "core/half.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"

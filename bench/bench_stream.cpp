@@ -6,8 +6,8 @@
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "core/config.hpp"
-#include "core/log.hpp"
+#include "runtime/config.hpp"
+#include "runtime/log.hpp"
 #include "stages/stages.hpp"
 
 using namespace crosskv;

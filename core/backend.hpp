@@ -14,6 +14,9 @@ namespace crosskv {
 
 class Rope;
 
+// The kinds of compute backend a program may ask for (auto: CUDA where a GPU is, else the CPU).
+enum class DeviceKind { auto_, cpu, cuda };
+
 // The dense maths every backend implements first: fp32 products into sums, fp64 assembly, factorisations and solves.
 class DenseMaths {
  public:

@@ -10,7 +10,6 @@
 #include <cpuid.h>
 #endif
 
-#include <spdlog/spdlog.h>
 
 // OpenBLAS's own entry points, absent from another BLAS (weak: null there). gotoblas_dynamic_quit/init re-run the
 // DYNAMIC_ARCH selection, which reads OPENBLAS_CORETYPE, exactly as at load time.
@@ -188,9 +187,5 @@ const BlasKernels& select_blas_kernels() {
   return k;
 }
 
-void log_blas_kernels(const BlasKernels& k) {
-  spdlog::info("{}", k.summary());
-  if (!k.warning.empty()) spdlog::warn("{}", k.warning);
-}
 
 }  // namespace crosskv

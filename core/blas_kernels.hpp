@@ -47,7 +47,5 @@ struct BlasKernels {
 std::string request_openblas_core(const std::string& core);
 // Chooses the kernels once per process (later calls return the same); call before any BLAS call.
 const BlasKernels& select_blas_kernels();
-// The choice in the log: its summary (info) and, when the kernels do not match the CPU, the warning with its fix.
-void log_blas_kernels(const BlasKernels& k);
 
 }  // namespace crosskv

@@ -1,5 +1,6 @@
 #pragma once
-// Collectives: a small interface; the single-process form is a no-op. MPI now, NCCL with the CUDA backend.
+// Collectives: a small interface; the single-process form is a no-op. MPI (runtime/mpi), threads (thread_comm),
+// NCCL with the CUDA backend.
 #include <cstddef>
 #include <exception>
 #include <functional>
@@ -121,25 +122,5 @@ auto agreed(Comm& comm, Check&& check) {
 }
 
 std::unique_ptr<Comm> make_single_comm();
-// MPI_COMM_WORLD once MpiSession initialised MPI; else (a program run on its own) the single-process comm.
-std::unique_ptr<Comm> make_mpi_comm();
-
-// Whether an MPI launcher started this process (its environment names a rank); CROSSKV_MPI=1 or 0 decides instead.
-bool started_by_mpi_launcher();
-
-// MPI_Init and MPI_Finalize for a program, when a launcher started it: a program run on its own makes no MPI calls
-// (make_mpi_comm then gives the single-process comm).
-class MpiSession {
- public:
-  MpiSession(int* argc, char*** argv);
-  ~MpiSession();
-  MpiSession(const MpiSession&) = delete;
-  MpiSession& operator=(const MpiSession&) = delete;
-};
-
 std::string host_name();
-// This rank's index among the ranks on its node (MPI_Comm_split_type SHARED); 0 without MPI.
-int mpi_local_rank();
-int mpi_local_size();  // ranks of this job on this node (1 without MPI)
-
 }  // namespace crosskv

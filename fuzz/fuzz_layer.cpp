@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "core/error.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 
 namespace {
 

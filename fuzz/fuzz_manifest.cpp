@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/error.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

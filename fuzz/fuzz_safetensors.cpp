@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/error.hpp"
-#include "io/safetensors.hpp"
+#include "artifact/safetensors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {

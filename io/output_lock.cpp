@@ -9,7 +9,7 @@
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 
 namespace crosskv {
 

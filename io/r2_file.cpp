@@ -1,7 +1,7 @@
 #include "io/r2_file.hpp"
 
 #include "core/error.hpp"
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 #include "io/h5.hpp"
 
 namespace crosskv {

@@ -7,7 +7,7 @@
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/mlp.hpp"
 #include "io/output_lock.hpp"
 #include "stages/eval.hpp"

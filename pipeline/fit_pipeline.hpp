@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "core/config.hpp"
+#include "runtime/config.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {

@@ -15,11 +15,11 @@
 
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "core/fault.hpp"
-#include "core/log.hpp"
+#include "runtime/fault.hpp"
+#include "runtime/log.hpp"
 #include "core/memory.hpp"
 #include "core/sha256.hpp"
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 
 namespace fs = std::filesystem;
 

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/backend.hpp"
-#include "core/stop.hpp"
+#include "runtime/stop.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {

@@ -11,17 +11,17 @@
 #include <numeric>
 #include <optional>
 
-#include "apply/layer_diagnostics.hpp"
-#include "apply/report.hpp"
-#include "apply/transfer.hpp"
+#include "eval/layer_diagnostics.hpp"
+#include "eval/report.hpp"
+#include "serve/transfer.hpp"
 #include "core/backend.hpp"
 #include "core/bytes.hpp"
 #include "core/comm.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/rope.hpp"
 #include "core/threads.hpp"
-#include "io/atomic_file.hpp"
-#include "io/mapper.hpp"
+#include "core/atomic_file.hpp"
+#include "artifact/mapper.hpp"
 #include "io/shard.hpp"
 
 namespace fs = std::filesystem;

@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "apply/diagnose.hpp"
+#include "eval/diagnose.hpp"
 #include "core/kv_spec.hpp"
 
 namespace crosskv {

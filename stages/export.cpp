@@ -12,13 +12,13 @@
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
-#include "core/fault.hpp"
+#include "runtime/fault.hpp"
 #include "core/half.hpp"
 #include "core/kv_spec.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/sha256.hpp"
-#include "io/atomic_file.hpp"
-#include "io/safetensors.hpp"
+#include "core/atomic_file.hpp"
+#include "artifact/safetensors.hpp"
 
 namespace fs = std::filesystem;
 

@@ -8,17 +8,17 @@
 #include <fstream>
 #include <optional>
 
-#include "apply/transfer.hpp"
+#include "serve/transfer.hpp"
 #include "core/bytes.hpp"
 #include "core/comm.hpp"
-#include "core/fault.hpp"
-#include "core/log.hpp"
+#include "runtime/fault.hpp"
+#include "runtime/log.hpp"
 #include "core/mlp.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
-#include "io/atomic_file.hpp"
-#include "io/mapper.hpp"
-#include "io/safetensors.hpp"
+#include "core/atomic_file.hpp"
+#include "artifact/mapper.hpp"
+#include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/grid.hpp"

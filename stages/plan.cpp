@@ -6,7 +6,7 @@
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "stages/stages.hpp"
 
 namespace crosskv {

@@ -4,9 +4,9 @@
 #include <filesystem>
 
 #include "core/comm.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/select.hpp"
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 #include "io/heatmap.hpp"
 #include "io/r2_file.hpp"
 #include "stages/grid.hpp"

@@ -8,7 +8,7 @@
 #include "core/bytes.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/ridge.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/export.hpp"

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "core/config.hpp"
+#include "runtime/config.hpp"
 #include "core/kv_spec.hpp"
 #include "core/moments.hpp"
-#include "core/stop.hpp"
+#include "runtime/stop.hpp"
 
 namespace crosskv {
 

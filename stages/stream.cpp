@@ -9,7 +9,7 @@
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/rope.hpp"
 #include "io/shard.hpp"
 #include "stages/checkpoint.hpp"

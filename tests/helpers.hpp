@@ -15,7 +15,7 @@
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "core/config.hpp"
+#include "runtime/config.hpp"
 #include "core/error.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "tools/synth.hpp"

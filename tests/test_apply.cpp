@@ -9,15 +9,15 @@
 #include <random>
 #include <tuple>
 
-#include "apply/diagnose.hpp"
-#include "apply/report.hpp"
-#include "apply/resident.hpp"
-#include "apply/transfer.hpp"
+#include "eval/diagnose.hpp"
+#include "eval/report.hpp"
+#include "serve/resident.hpp"
+#include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"
-#include "io/safetensors.hpp"
+#include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
 
 using namespace crosskv;

@@ -8,7 +8,7 @@
 
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/grid.hpp"
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "core/config.hpp"
+#include "runtime/config.hpp"
 #include "core/threads.hpp"
 #include "helpers.hpp"
 

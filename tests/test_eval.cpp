@@ -4,13 +4,13 @@
 #include <map>
 #include <random>
 
-#include "apply/diagnose.hpp"
-#include "apply/layer_diagnostics.hpp"
-#include "apply/transfer.hpp"
+#include "eval/diagnose.hpp"
+#include "eval/layer_diagnostics.hpp"
+#include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 #include "stages/eval.hpp"
 
 using namespace crosskv;

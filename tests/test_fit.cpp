@@ -8,9 +8,9 @@
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 #include "io/r2_file.hpp"
-#include "io/safetensors.hpp"
+#include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
 #include "stages/export.hpp"
 

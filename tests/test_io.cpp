@@ -10,10 +10,10 @@
 #include "core/comm.hpp"
 #include "core/half.hpp"
 #include "helpers.hpp"
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 #include "io/h5.hpp"
 #include "io/r2_file.hpp"
-#include "io/safetensors.hpp"
+#include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
 #include "stages/checkpoint.hpp"
 

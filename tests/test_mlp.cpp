@@ -11,10 +11,10 @@
 #include "core/mlp.hpp"
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 #include "io/shard.hpp"
-#include "apply/diagnose.hpp"
-#include "apply/transfer.hpp"
+#include "eval/diagnose.hpp"
+#include "serve/transfer.hpp"
 #include "stages/eval.hpp"
 
 using namespace crosskv;

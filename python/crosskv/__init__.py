@@ -10,9 +10,14 @@ numpy arrays and torch tensors go in and the same kind comes out. CPU float32 te
 (or the tokens stacked, each with its own position). `crosskv.hf.transfer_cache` turns a Hugging Face source cache
 into the target model's DynamicCache.
 """
+import warnings
+
 import numpy as np
 
 from ._crosskv import MapperError, __version__, blas, blas_warning, cuda_compiled_in, _Mapper
+
+if blas_warning:
+    warnings.warn(f"crosskv: {blas_warning}", RuntimeWarning, stacklevel=2)
 
 # `blas`: the BLAS library and the kernels it runs here (chosen at import to match the CPU unless OPENBLAS_CORETYPE is
 # set); `blas_warning`: what is wrong with them and how to fix it, or "".

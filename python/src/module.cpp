@@ -8,7 +8,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -16,8 +15,8 @@
 #include <mutex>
 #include <string>
 
-#include "apply/resident.hpp"
-#include "apply/transfer.hpp"
+#include "serve/resident.hpp"
+#include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/blas_kernels.hpp"
 #include "core/error.hpp"
@@ -196,10 +195,8 @@ class PyMapper {
 NB_MODULE(_crosskv, m) {
   using crosskv::PyMapper;
   const crosskv::BlasKernels& blas = crosskv::select_blas_kernels();  // at import, before any BLAS call
-  spdlog::set_level(spdlog::level::warn);
   m.attr("blas") = blas.summary();
   m.attr("blas_warning") = blas.warning;
-  if (!blas.warning.empty()) spdlog::warn("crosskv: {}", blas.warning);
   m.doc() = "crosskv's apply layer: a fitted mapper turns a source model's KV cache into the target model's";
   m.attr("__version__") = CROSSKV_VERSION;
   m.attr("cuda_compiled_in") = crosskv::cuda_compiled_in();

@@ -37,6 +37,14 @@ def check(cond, what):
         failures.append(what)
 
 
+# A serving node's package: the extension links none of the fitting side's libraries (pip install . builds the
+# serving layers alone, with MPI, HDF5, yaml-cpp, spdlog and CLI11 hidden from CMake).
+ext = crosskv._crosskv.__file__
+linked = subprocess.run(["ldd", ext], capture_output=True, text=True).stdout
+for lib in ("libmpi", "libhdf5", "libyaml-cpp", "libspdlog", "libfmt", "libopen-pal", "libsz"):
+    check(lib not in linked, f"the extension does not link {lib} (ldd {os.path.basename(ext)})")
+check("libopenblas" in linked, "the extension links OpenBLAS")
+
 # The package says which BLAS kernels it runs (chosen at import, as the programs choose them).
 check("OpenBLAS" in crosskv.blas and "kernels" in crosskv.blas, f"crosskv.blas names the library and kernels: {crosskv.blas}")
 

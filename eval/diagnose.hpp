@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "apply/transfer.hpp"
+#include "serve/transfer.hpp"
 #include "core/kv_spec.hpp"
 
 namespace crosskv {

@@ -7,15 +7,16 @@
 
 #include <CLI/CLI.hpp>
 
-#include "apply/transfer.hpp"
+#include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/comm.hpp"
+#include "runtime/mpi.hpp"
 #include "core/blas_kernels.hpp"
 #include "core/backend.hpp"
-#include "core/cli.hpp"
+#include "runtime/cli.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
-#include "io/atomic_file.hpp"
+#include "runtime/log.hpp"
+#include "core/atomic_file.hpp"
 #include "io/shard.hpp"
 
 using namespace crosskv;

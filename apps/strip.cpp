@@ -5,7 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "core/cli.hpp"
+#include "runtime/cli.hpp"
 #include "core/error.hpp"
 #include "core/rope.hpp"
 #include "io/h5.hpp"

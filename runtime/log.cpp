@@ -1,4 +1,4 @@
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 
 #include <cmath>
 #include <cstdio>
@@ -97,6 +97,11 @@ void Progress::report(bool final) {
     spdlog::info("{}: {}/{} {} ({:.0f}%), {} {}/s{}, ETA {}", label_, done_, total_, unit_,
                  total_ ? 100.0 * done_ / total_ : 100.0, human_count(rate), unit_, bytes, human_seconds(eta));
   }
+}
+
+void log_blas_kernels(const BlasKernels& k) {
+  spdlog::info("{}", k.summary());
+  if (!k.warning.empty()) spdlog::warn("{}", k.warning);
 }
 
 }  // namespace crosskv

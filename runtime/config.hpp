@@ -7,12 +7,12 @@
 #include <string>
 #include <vector>
 
+#include "core/backend.hpp"
 #include "core/dtype.hpp"
 
 namespace crosskv {
 
 enum class ProbeMode { same_head, all_heads };
-enum class DeviceKind { auto_, cpu, cuda };
 
 const char* to_string(ProbeMode p);
 

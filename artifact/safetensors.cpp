@@ -1,4 +1,4 @@
-#include "io/safetensors.hpp"
+#include "artifact/safetensors.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -11,7 +11,7 @@
 
 #include "core/error.hpp"
 #include "core/half.hpp"
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 
 namespace crosskv {
 

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "apply/diagnose.hpp"
+#include "eval/diagnose.hpp"
 
 namespace crosskv {
 

@@ -1,6 +1,4 @@
 // crosskv-fit CONFIG.yaml [--plan [--ranks N]] [--fresh]
-#include <mpi.h>
-
 #include <cstdio>
 #include <iostream>
 
@@ -9,11 +7,12 @@
 #include "backends/backends.hpp"
 #include "core/blas_kernels.hpp"
 #include "core/backend.hpp"
-#include "core/cli.hpp"
+#include "runtime/cli.hpp"
 #include "core/comm.hpp"
+#include "runtime/mpi.hpp"
 #include "core/threads.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "stages/checkpoint.hpp"
 
@@ -24,7 +23,7 @@ namespace {
 int fail(const std::string& line, int code, int size) {
   std::fprintf(stderr, "crosskv-fit: error: %s\n", line.c_str());
   std::fflush(stderr);
-  if (size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+  if (size > 1) mpi_abort(code);
   return code;
 }
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/backend.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 
 namespace crosskv {
 

@@ -1,4 +1,4 @@
-#include "apply/resident.hpp"
+#include "serve/resident.hpp"
 
 #include <algorithm>
 #include <tuple>

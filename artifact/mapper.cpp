@@ -1,4 +1,4 @@
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 
 #include <cblas.h>
 
@@ -13,7 +13,7 @@
 
 #include "core/error.hpp"
 #include "core/sha256.hpp"
-#include "io/safetensors.hpp"
+#include "artifact/safetensors.hpp"
 
 namespace fs = std::filesystem;
 

@@ -15,7 +15,7 @@
 
 #include "core/backend.hpp"
 #include "core/rope.hpp"
-#include "io/mapper.hpp"
+#include "artifact/mapper.hpp"
 
 namespace crosskv {
 

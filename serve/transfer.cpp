@@ -1,4 +1,4 @@
-#include "apply/transfer.hpp"
+#include "serve/transfer.hpp"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "core/config.hpp"
+#include "runtime/config.hpp"
 
 #include <cmath>
 #include <filesystem>

@@ -1,4 +1,4 @@
-#include "apply/layer_diagnostics.hpp"
+#include "eval/layer_diagnostics.hpp"
 
 #if CROSSKV_HAVE_MVEC
 #include <immintrin.h>

@@ -1,11 +1,11 @@
-#include "apply/diagnose.hpp"
+#include "eval/diagnose.hpp"
 
 #include <lapacke.h>
 
 #include <cmath>
 #include <limits>
 
-#include "apply/layer_diagnostics.hpp"
+#include "eval/layer_diagnostics.hpp"
 #include "core/error.hpp"
 #include "core/ridge.hpp"
 #include "core/rope.hpp"

@@ -1,4 +1,4 @@
-#include "apply/report.hpp"
+#include "eval/report.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include <optional>
 #include <sstream>
 
-#include "core/log.hpp"
+#include "runtime/log.hpp"
 #include "core/mlp.hpp"
 
 namespace crosskv {

@@ -8,11 +8,12 @@
 
 #include "backends/backends.hpp"
 #include "core/blas_kernels.hpp"
-#include "core/cli.hpp"
+#include "runtime/cli.hpp"
 #include "core/comm.hpp"
+#include "runtime/mpi.hpp"
 #include "core/error.hpp"
-#include "core/log.hpp"
-#include "io/atomic_file.hpp"
+#include "runtime/log.hpp"
+#include "core/atomic_file.hpp"
 #include "stages/eval.hpp"
 
 using namespace crosskv;

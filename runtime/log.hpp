@@ -6,6 +6,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "core/blas_kernels.hpp"
+
 namespace crosskv {
 
 // Whether log lines carry ANSI colours: never with NO_COLOR, always with CLICOLOR_FORCE, else only when stdout is
@@ -13,6 +15,9 @@ namespace crosskv {
 bool log_colours();
 // Sets the default logger: rank 0 logs at `level`, other ranks warnings and above; colours as log_colours().
 void setup_logging(int rank, int size, const std::string& level = "info");
+// The BLAS kernels chosen (select_blas_kernels) in the log: their summary (info) and, when they do not match the
+// CPU, the warning with its fix.
+void log_blas_kernels(const BlasKernels& k);
 std::string human_bytes(double bytes);
 std::string human_count(double n);
 std::string human_seconds(double s);

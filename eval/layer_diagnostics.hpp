@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "apply/diagnose.hpp"
+#include "eval/diagnose.hpp"
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 

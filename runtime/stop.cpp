@@ -1,4 +1,4 @@
-#include "core/stop.hpp"
+#include "runtime/stop.hpp"
 
 namespace crosskv {
 namespace {

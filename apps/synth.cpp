@@ -3,7 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "core/cli.hpp"
+#include "runtime/cli.hpp"
 #include "core/error.hpp"
 #include "tools/synth.hpp"
 
