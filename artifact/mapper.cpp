@@ -13,6 +13,7 @@
 
 #include "core/error.hpp"
 #include "core/sha256.hpp"
+#include "artifact/layer_file.hpp"
 #include "artifact/safetensors.hpp"
 
 namespace fs = std::filesystem;
@@ -147,7 +148,7 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   auto t = parse_safetensors(bytes, file);
   const int64_t F = m.source.features_per_layer(), G = m.target.features_per_layer();
   const int64_t rows = static_cast<int64_t>(e.source_layers.size()) * F;
-  auto take = [&](const char* name, std::vector<int64_t> shape, bool weight) {
+  auto take = [&](const std::string& name, std::vector<int64_t> shape, bool weight) {
     auto it = t.find(name);
     if (it == t.end()) throw InputError(file + ": tensor '" + name + "' is missing");
     if (it->second.shape != shape) {
@@ -156,7 +157,7 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
       for (auto d : it->second.shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
       throw InputError(file + ": tensor '" + name + "' has shape [" + got + "], expected [" + want + "]");
     }
-    if (!weight && it->second.dtype != "F32") throw InputError(file + ": tensor '" + std::string(name) + "' must be F32");
+    if (!weight && it->second.dtype != "F32") throw InputError(file + ": tensor '" + name + "' must be F32");
     const auto& v = it->second.values;
     const auto bad = std::find_if(v.begin(), v.end(), [](float x) { return !std::isfinite(x); });
     if (bad != v.end())
@@ -168,13 +169,13 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   MapperLayer l;
   l.target_layer = target_layer;
   l.source_layers = e.source_layers;
-  l.wk = take("k.weight", {rows, G}, true);
-  l.bk = take("k.bias", {G}, false);
-  l.wv = take("v.weight", {rows, G}, true);
-  l.bv = take("v.bias", {G}, false);
+  l.wk = take(layer_tensor_name('k', "weight"), {rows, G}, true);
+  l.bk = take(layer_tensor_name('k', "bias"), {G}, false);
+  l.wv = take(layer_tensor_name('v', "weight"), {rows, G}, true);
+  l.bv = take(layer_tensor_name('v', "bias"), {G}, false);
   // Optional residual MLPs: <kind>.mlp.{w1, b1, w2, b2, w3, b3}, F32, hidden width from w1.
-  for (auto [kind, mlp] : {std::pair{"k", &l.mlp_k}, std::pair{"v", &l.mlp_v}}) {
-    const std::string p = std::string(kind) + ".mlp.";
+  for (auto [kind, mlp] : {std::pair{'k', &l.mlp_k}, std::pair{'v', &l.mlp_v}}) {
+    const std::string p = layer_tensor_name(kind, "mlp.");
     const auto w1 = t.find(p + "w1");
     if (w1 == t.end()) {
       for (const auto& [name, tensor] : t)
@@ -187,7 +188,7 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
     const int64_t h = w1->second.shape[1];
     *mlp = MlpParams(MlpShape{rows, h, G});
     for (const MlpTensor& x : mlp_tensors(mlp->shape)) {
-      const std::vector<float> v = take((p + x.name).c_str(), x.shape, false);
+      const std::vector<float> v = take(p + x.name, x.shape, false);
       std::copy(v.begin(), v.end(), mlp->flat.begin() + x.offset);
     }
   }

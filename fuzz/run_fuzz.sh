@@ -15,7 +15,7 @@ rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK"
 FLAGS=(-std=c++20 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -I"$ROOT"
        -DCROSSKV_VERSION=\"fuzz\")
 # Each source compiled once, all at a time (the instrumented compiles are most of this test's time), then linked.
-SOURCES=(fuzz/fuzz_safetensors.cpp fuzz/fuzz_manifest.cpp fuzz/fuzz_layer.cpp artifact/safetensors.cpp artifact/mapper.cpp
+SOURCES=(fuzz/fuzz_safetensors.cpp fuzz/fuzz_manifest.cpp fuzz/fuzz_layer.cpp artifact/safetensors.cpp artifact/layer_file.cpp artifact/mapper.cpp
          core/error.cpp core/kv_spec.cpp core/sha256.cpp core/atomic_file.cpp)
 pids=()
 for src in "${SOURCES[@]}"; do

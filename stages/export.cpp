@@ -18,7 +18,7 @@
 #include "runtime/log.hpp"
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"
-#include "artifact/safetensors.hpp"
+#include "artifact/layer_file.hpp"
 
 namespace fs = std::filesystem;
 
@@ -31,12 +31,6 @@ nlohmann::json nan_to_null(const std::vector<double>& v) {
 }
 
 namespace {
-
-std::string layer_file(int l) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "layer-%03d.safetensors", l);
-  return buf;
-}
 
 // Inside a k<K>.partial folder: the per-layer records of an export in progress (and its identity).
 fs::path records_in(const std::string& partial_dir) { return fs::path(partial_dir) / ".layers"; }
@@ -95,13 +89,13 @@ void ArtifactWriter::begin(const nlohmann::json& identity) {
 bool ArtifactWriter::resume_layer(int l) {
   std::vector<nlohmann::json> entries;
   for (const auto& k : plan_.ks) {
-    const std::string rec = (fs::path(record_dir(k)) / (layer_file(l) + ".json")).string();
+    const std::string rec = (fs::path(record_dir(k)) / (layer_file_name(l) + ".json")).string();
     std::ifstream in(rec);
     if (!in) return false;
     nlohmann::json e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (!e.is_object() || !e.contains("sha256") || !e["sha256"].is_string() || e.value("target_layer", -1) != l)
       return false;
-    const std::string file = (fs::path(partial_dir(k)) / layer_file(l)).string();
+    const std::string file = (fs::path(partial_dir(k)) / layer_file_name(l)).string();
     std::error_code ec;
     if (!fs::is_regular_file(file, ec) || sha256_file(file) != e["sha256"].get<std::string>()) return false;
     entries.push_back(std::move(e));
@@ -212,22 +206,14 @@ void ArtifactWriter::write_job(const Job& job) {
     const void* wk = half ? static_cast<const void*>(half_k_.data()) : fk.W.data();
     const void* wv = half ? static_cast<const void*>(half_v_.data()) : fv.W.data();
     const size_t wbytes = fk.W.size() * (half ? 2 : 4);
-    const std::vector<int64_t> wshape = {k.features, d.G()}, bshape = {d.G()};
-    std::string layers_csv;
-    for (int a : fk.layers) layers_csv += (layers_csv.empty() ? "" : ",") + std::to_string(a);
-    const std::string file = layer_file(l);
+    const std::string file = layer_file_name(l);
     const std::string path = (fs::path(partial_dir(k)) / file).string();
     if (fault("kill_in_layer_write", files_ + 1, rank_)) {  // a write cut short: its temporary stays behind
       AtomicFile partial(path);
       partial.write(wk, wbytes / 2);
       std::raise(SIGKILL);
     }
-    write_safetensors(path,
-                      {{"k.weight", wdtype, wshape, wk, wbytes},
-                       {"k.bias", "F32", bshape, fk.b.data(), fk.b.size() * 4},
-                       {"v.weight", wdtype, wshape, wv, wbytes},
-                       {"v.bias", "F32", bshape, fv.b.data(), fv.b.size() * 4}},
-                      {{"format", "crosskv-mapper"}, {"target_layer", std::to_string(l)}, {"source_layers", layers_csv}});
+    write_layer_file(path, {l, fk.layers, k.features, d.G(), {wdtype, wk, fk.b.data()}, {wdtype, wv, fv.b.data()}});
     written();
     nlohmann::json entry = {{"target_layer", l},
                             {"source_layers", fk.layers},

@@ -17,6 +17,7 @@
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"
+#include "artifact/layer_file.hpp"
 #include "artifact/mapper.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
@@ -402,17 +403,21 @@ nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::js
 void write_layer(const std::string& dir, nlohmann::json& entry, const std::vector<const Outcome*>& kinds) {
   const std::string file = (fs::path(dir) / entry["file"].get<std::string>()).string();
   const auto t = read_safetensors(file);
-  std::vector<std::vector<uint16_t>> halves;
-  std::vector<TensorOut> out;
-  for (const char* name : {"k.weight", "k.bias", "v.weight", "v.bias"}) {
-    const TensorIn& x = t.at(name);
-    if (x.dtype == "F32") {
-      out.push_back({name, "F32", x.shape, x.values.data(), x.values.size() * 4});
-    } else {  // bf16 / fp16 bits again: the fp32 values read are exact conversions of them
-      halves.emplace_back(x.values.size());
-      to_half_on_host(x.values.data(), static_cast<int64_t>(x.values.size()), x.dtype == "BF16", halves.back().data());
-      out.push_back({name, x.dtype, x.shape, halves.back().data(), halves.back().size() * 2});
+  LayerFileContent c;
+  c.target_layer = entry["target_layer"].get<int>();
+  c.source_layers = entry["source_layers"].get<std::vector<int>>();
+  std::vector<uint16_t> halves[2];
+  for (auto [name, kind, half] : {std::tuple{'k', &c.k, &halves[0]}, std::tuple{'v', &c.v, &halves[1]}}) {
+    const TensorIn& w = t.at(layer_tensor_name(name, "weight"));
+    c.features = w.shape.at(0), c.G = w.shape.at(1);
+    kind->weight_dtype = w.dtype;
+    kind->weight = w.values.data();
+    if (w.dtype != "F32") {  // bf16 / fp16 bits again: the fp32 values read are exact conversions of them
+      half->resize(w.values.size());
+      to_half_on_host(w.values.data(), static_cast<int64_t>(w.values.size()), w.dtype == "BF16", half->data());
+      kind->weight = half->data();
     }
+    kind->bias = t.at(layer_tensor_name(name, "bias")).values.data();
   }
   nlohmann::json mlp = nlohmann::json::object();
   for (const Outcome* o : kinds) {
@@ -423,19 +428,10 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
                  {"val_r2_ridge", finite_or_null(o->r2_ridge)},
                  {"val_r2_mlp", finite_or_null(o->r2_mlp)}};
     if (!o->kept) continue;
-    const MlpParams& p = o->params;
-    mlp[kind]["hidden"] = p.shape.hidden;
-    for (const MlpTensor& x : mlp_tensors(p.shape)) {
-      int64_t count = 1;
-      for (auto n : x.shape) count *= n;
-      out.push_back({kind + ".mlp." + x.name, "F32", x.shape, p.flat.data() + x.offset, static_cast<size_t>(count) * 4});
-    }
+    mlp[kind]["hidden"] = o->params.shape.hidden;
+    (o->kind == 0 ? c.k : c.v).mlp = &o->params;
   }
-  std::string csv;
-  for (const auto& a : entry["source_layers"]) csv += (csv.empty() ? "" : ",") + std::to_string(a.get<int>());
-  write_safetensors(file, out, {{"format", "crosskv-mapper"},
-                                {"target_layer", std::to_string(entry["target_layer"].get<int>())},
-                                {"source_layers", csv}});
+  write_layer_file(file, c);
   entry["sha256"] = sha256_file(file);
   entry["mlp"] = mlp;
   record_rewritten_layer(dir, entry);

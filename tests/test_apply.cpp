@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <set>
 #include <tuple>
 
 #include "eval/diagnose.hpp"
@@ -14,9 +15,11 @@
 #include "serve/resident.hpp"
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
+#include "core/half.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"
+#include "artifact/layer_file.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
 
@@ -503,6 +506,66 @@ TEST(ResidualMlpArtifact, ApplyAddsTheMlpToRidgeLikeTheLoopReference) {
     EXPECT_GT(diff2, 0.1);
     EXPECT_LT(diff_other, 1e-4);
   }
+}
+
+// The layer file's one writer and its reader agree on every field: weights as F32, BF16 and F16 bits, biases, the
+// residual MLPs of keys, values, both or neither, and the source layers of the manifest; the file holds exactly the
+// tensors the format names.
+TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
+  Artifact a;
+  const MapperManifest m0 = read_mapper_manifest(a.dir);
+  const int l = 1;
+  const int64_t F = m0.source.features_per_layer(), G = m0.target.features_per_layer();
+  const std::vector<int> layers = m0.layers[l].source_layers;
+  const int64_t rows = static_cast<int64_t>(layers.size()) * F;
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> n(0, 0.5f);
+  auto random = [&](int64_t count) {
+    std::vector<float> v(count);
+    for (auto& x : v) x = n(rng);
+    return v;
+  };
+  const std::vector<float> wk = random(rows * G), wv = random(rows * G), bk = random(G), bv = random(G);
+  MlpParams mk(MlpShape{rows, 6, G}), mv(MlpShape{rows, 3, G});
+  mk.flat = random(mk.shape.parameters()), mv.flat = random(mv.shape.parameters());
+  for (const std::string dtype : {"F32", "BF16", "F16"})
+    for (int mlps = 0; mlps < 4; ++mlps) {
+      const std::string what = dtype + ", MLPs " + std::to_string(mlps);
+      std::vector<uint16_t> hk(wk.size()), hv(wv.size());
+      for (size_t i = 0; i < wk.size(); ++i) {
+        hk[i] = dtype == "BF16" ? float_to_bf16(wk[i]) : float_to_fp16(wk[i]);
+        hv[i] = dtype == "BF16" ? float_to_bf16(wv[i]) : float_to_fp16(wv[i]);
+      }
+      const bool f32 = dtype == "F32";
+      LayerFileContent c{l, layers, rows, G,
+                         {dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data(), mlps & 1 ? &mk : nullptr},
+                         {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data(), mlps & 2 ? &mv : nullptr}};
+      const std::string file = a.dir + "/" + layer_file_name(l);
+      write_layer_file(file, c);
+      nlohmann::json m = a.manifest;
+      m["layers"][l]["sha256"] = sha256_file(file);
+      a.write(m);
+      const MapperLayer got = load_mapper_layer(read_mapper_manifest(a.dir), l);
+      EXPECT_EQ(got.source_layers, layers) << what;
+      auto stored = [&](const std::vector<float>& w, const std::vector<uint16_t>& h) {
+        std::vector<float> v(w.size());
+        for (size_t i = 0; i < w.size(); ++i) v[i] = f32 ? w[i] : dtype == "BF16" ? bf16_to_float(h[i]) : fp16_to_float(h[i]);
+        return v;
+      };
+      EXPECT_EQ(got.wk, stored(wk, hk)) << what;
+      EXPECT_EQ(got.wv, stored(wv, hv)) << what;
+      EXPECT_EQ(got.bk, bk) << what;
+      EXPECT_EQ(got.bv, bv) << what;
+      EXPECT_EQ(got.mlp_k.flat, mlps & 1 ? mk.flat : std::vector<float>()) << what;
+      EXPECT_EQ(got.mlp_v.flat, mlps & 2 ? mv.flat : std::vector<float>()) << what;
+      if (mlps & 1) EXPECT_EQ(got.mlp_k.shape.hidden, 6) << what;
+      std::set<std::string> names, want = {"k.weight", "k.bias", "v.weight", "v.bias"};
+      for (const auto& [name, x] : read_safetensors(file)) names.insert(name);
+      for (auto [kind, on, p] : {std::tuple{'k', mlps & 1, &mk}, std::tuple{'v', mlps & 2, &mv}})
+        if (on)
+          for (const MlpTensor& x : mlp_tensors(p->shape)) want.insert(layer_tensor_name(kind, std::string("mlp.") + x.name));
+      EXPECT_EQ(names, want) << what;
+    }
 }
 
 TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {
