@@ -37,24 +37,12 @@ struct MapperLayer {
   MlpParams mlp_k, mlp_v;
 };
 
-struct Mapper {
-  std::string dir;
-  nlohmann::json manifest;
-  KvSpec source, target;
-  std::vector<MapperLayer> layers;
-};
-
 // Validates a manifest's text (`path` names it in messages; `dir` is where its layer files are).
 MapperManifest parse_mapper_manifest(const std::string& text, const std::string& path, const std::string& dir);
 MapperManifest read_mapper_manifest(const std::string& dir);
 // Loads one target layer's tensors (checking the file's SHA-256 when `verify`) and their shapes.
 MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool verify = true);
-// Every layer.
-Mapper load_mapper(const std::string& dir);
 // InputError naming `where` unless `spec` is the mapper's source (or target) kv_spec, saying what differs.
 void check_kv_spec(const MapperManifest& m, bool source_side, const KvSpec& spec, const std::string& where);
-
-// X: source content [rows x Ls*F] (RoPE-stripped keys, or values); out: target content [rows x Lt*G].
-void map_content(const Mapper& m, bool keys, const float* X, int64_t rows, float* out);
 
 }  // namespace crosskv

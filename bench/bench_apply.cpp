@@ -3,9 +3,10 @@
 // layer's weights once per batch, with the bandwidth measured in the same run. Prints one JSON object.
 //   crosskv-bench-apply [cpu|cuda] [k] [resident]   (resident: weights kept on the backend, as for serving)
 // The serving apply (issue 16): a Qwen3-14B -> 32B-shaped mapper (40 x 8 x 128 -> Lt x 8 x 128, k source layers per
-// target layer), every target layer in one ResidentTransfer call on caches in the backend's memory, against the
+// target layer), every target layer in one ServingMapper call on caches in the backend's memory, against the
 // same mapper applied as before (Transfer's per-layer loop on host arrays, weights kept) and through host arrays,
-// in the same run; the roofline from the backend's own copy bandwidth and GEMM peak, measured in the same run.
+// in the same run; the roofline from the backend's own copy bandwidth and GEMM peak, measured in the same run; and the
+// serving inputs' checks (check_serving_inputs: finite caches, positions in range) against the host-array call.
 //   crosskv-bench-apply [cpu|cuda] serving [Lt=8] [k=4] [tf32]
 #include <algorithm>
 #include <chrono>
@@ -20,7 +21,7 @@
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
-#include "serve/resident.hpp"
+#include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 
 using namespace crosskv;
@@ -99,7 +100,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     be->keep_constant(w.wk.data(), static_cast<int64_t>(w.wk.size()));
     be->keep_constant(w.wv.data(), static_cast<int64_t>(w.wv.size()));
   }
-  ResidentTransfer rt(m, std::move(layers), *be);
+  ServingMapper rt(m, std::move(layers), *be);
   const Rope src_rope(m.source), tgt_rope(m.target);
   // The backend's copy bandwidth (bytes read + written) and GEMM peak, on its own memory.
   double bw = 0, peak = 0;
@@ -115,7 +116,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     DenseMaths::BatchedGemm g;
     g.m = g.n = g.k = q, g.A = A->as<float>(), g.lda = q, g.B = B->as<float>(), g.ldb = q, g.C = C->as<float>(),
     g.ldc = q;
-    const double t = time_call([&] { be->resident_gemm(g), be->synchronize(); }, 0.5);
+    const double t = time_call([&] { be->serving_gemm(g), be->synchronize(); }, 0.5);
     peak = 2.0 * q * q * q / t;
   }
   const double weight_bytes = static_cast<double>(rt.weight_bytes());
@@ -134,12 +135,15 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     be->copy_from_host(Xk.data(), T * XW * 4, dk->data);
     be->copy_from_host(Xv.data(), T * XW * 4, dv->data);
     be->copy_from_host(pos.data(), T * 4, dp->data);
-    const ResidentBatch b{dk->as<float>(), dv->as<float>(), dp->as<int32_t>(), dp->as<int32_t>(), T, ok->as<float>(),
+    const ServingBatch b{dk->as<float>(), dv->as<float>(), dp->as<int32_t>(), dp->as<int32_t>(), T, ok->as<float>(),
                           ov->as<float>()};
     const double resident = time_call([&] { rt.apply(b), be->synchronize(); });
     const double host = time_call([&] {
       rt.apply_host(Xk.data(), Xv.data(), pos.data(), pos.data(), T, Yk.data(), Yv.data());
     });
+    // What the Python package checks before a host-array call (finite caches, positions in range): its cost
+    // against the call it guards.
+    const double checks = time_call([&] { check_serving_inputs(Xk.data(), Xv.data(), XW, pos.data(), pos.data(), T); });
     std::vector<float> content, scratch;
     const double before = time_call([&] {
       content.assign(Xk.begin(), Xk.end());
@@ -159,10 +163,12 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     const double roof = std::max((weight_bytes + cache_bytes) / bw, flops / peak);
     std::printf("%s{\"tokens\": %lld, \"resident_ms\": %.3f, \"host_arrays_ms\": %.3f, \"before_ms\": %.3f, "
                 "\"resident_tokens_per_s\": %.0f, \"speedup_vs_before\": %.2f, \"speedup_vs_host_arrays\": %.2f, "
-                "\"roofline_ms\": %.3f, \"of_roofline\": %.3f, \"bound\": \"%s\", \"gflops\": %.1f}",
+                "\"roofline_ms\": %.3f, \"of_roofline\": %.3f, \"bound\": \"%s\", \"gflops\": %.1f, "
+                "\"input_checks_ms\": %.4f, \"input_checks_of_host_arrays\": %.4f}",
                 first ? "" : ", ", static_cast<long long>(T), resident * 1e3, host * 1e3, before * 1e3, T / resident,
                 before / resident, host / resident, roof * 1e3, roof / resident,
-                (weight_bytes + cache_bytes) / bw > flops / peak ? "bandwidth" : "compute", flops / resident / 1e9);
+                (weight_bytes + cache_bytes) / bw > flops / peak ? "bandwidth" : "compute", flops / resident / 1e9,
+                checks * 1e3, checks / host);
     first = false;
   }
   std::printf("]}\n");

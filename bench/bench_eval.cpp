@@ -33,7 +33,7 @@
 #include "core/mlp.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "stages/eval.hpp"
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 #include "tools/synth.hpp"
 
 using namespace crosskv;

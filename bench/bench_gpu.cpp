@@ -27,7 +27,7 @@
 #include "core/memory.hpp"
 #include "core/moments.hpp"
 #include "pipeline/fit_pipeline.hpp"
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 
 #include <spdlog/spdlog.h>
 #include <string>

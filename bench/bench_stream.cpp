@@ -8,7 +8,8 @@
 #include "core/comm.hpp"
 #include "runtime/config.hpp"
 #include "runtime/log.hpp"
-#include "stages/stages.hpp"
+#include "stages/validate.hpp"
+#include "stages/stream.hpp"
 
 using namespace crosskv;
 

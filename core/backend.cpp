@@ -189,35 +189,35 @@ void InputPreparation::download(const float* operand, int64_t count, float* host
 void InputPreparation::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) { to_half_on_host(in, n, bf16, out); }
 
 namespace {
-struct HostMemory final : ResidentKernels::Memory {
+struct HostMemory final : ServingKernels::Memory {
   std::vector<float> storage;  // float-aligned; any type up to float's alignment fits
 };
 }  // namespace
 
-ResidentKernels::MemoryPtr ResidentKernels::allocate(int64_t bytes) {
+ServingKernels::MemoryPtr ServingKernels::allocate(int64_t bytes) {
   auto m = std::make_unique<HostMemory>();
   m->storage.resize(static_cast<size_t>((bytes + 3) / 4));
   m->data = m->storage.data(), m->bytes = bytes;
   return m;
 }
 
-void ResidentKernels::copy_from_host(const void* host, int64_t bytes, void* dst) {
+void ServingKernels::copy_from_host(const void* host, int64_t bytes, void* dst) {
   if (bytes > 0 && host != dst) std::memcpy(dst, host, static_cast<size_t>(bytes));
 }
 
-void ResidentKernels::copy_to_host(const void* src, int64_t bytes, void* host) {
+void ServingKernels::copy_to_host(const void* src, int64_t bytes, void* host) {
   if (bytes > 0 && host != src) std::memcpy(host, src, static_cast<size_t>(bytes));
 }
 
-void ResidentKernels::copy_within(const void* src, int64_t bytes, void* dst) {
+void ServingKernels::copy_within(const void* src, int64_t bytes, void* dst) {
   if (bytes > 0 && src != dst) std::memmove(dst, src, static_cast<size_t>(bytes));
 }
 
-void ResidentKernels::broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) {
+void ServingKernels::broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) {
   for (int64_t t = 0; t < rows; ++t) std::copy_n(b, n, Y + t * ldy);
 }
 
-void ResidentKernels::gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists,
+void ServingKernels::gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists,
                                     int64_t F, int64_t rows, float* out) {
   for (const auto& layers : lists) {
     gather_layers_on_host(X, ldx, layers, F, rows, out);
@@ -225,16 +225,16 @@ void ResidentKernels::gather_layers(const float* X, int64_t ldx, const std::vect
   }
 }
 
-void ResidentKernels::relu(float* X, int64_t n) {
+void ServingKernels::relu(float* X, int64_t n) {
   for (int64_t i = 0; i < n; ++i) X[i] = X[i] > 0.0f ? X[i] : 0.0f;
 }
 
-void ResidentKernels::add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) {
+void ServingKernels::add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) {
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t c = 0; c < n; ++c) Y[t * ldy + c] += Z[t * n + c];
 }
 
-void ResidentKernels::rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+void ServingKernels::rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
                                 const int32_t* positions) {
   if (strip)
     rope.strip_block(X, rows, heads, positions);

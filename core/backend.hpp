@@ -238,13 +238,13 @@ class Residency {
   virtual void forget_constant(const float* p) {}
 };
 
-// Kernels on the backend's own memory, for serving (apply/resident): weights, caches and scratch all stay where the
+// Kernels on the backend's own memory, for serving (serve/serving_mapper): weights, caches and scratch all stay where the
 // backend computes (host memory for a host backend, device memory for a device one), and calls are ordered on the
 // backend's stream (asynchronous on a device until copy_to_host or synchronize). The host implementations are the
 // defaults and the reference for device ones.
-class ResidentKernels {
+class ServingKernels {
  public:
-  virtual ~ResidentKernels() = default;
+  virtual ~ServingKernels() = default;
   // True when the memory below is device memory (a host array must be copied in, not named).
   virtual bool memory_on_device() const { return false; }
   // Memory of this backend, owned by its handle (released with it; a device backend first waits for its stream).
@@ -279,7 +279,7 @@ class ResidentKernels {
   virtual void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
                          const int32_t* positions);
   // C = alpha op(A) op(B) + beta C on this backend's memory (gemm_batched's operands, but resident).
-  virtual void resident_gemm(const DenseMaths::BatchedGemm& g) = 0;
+  virtual void serving_gemm(const DenseMaths::BatchedGemm& g) = 0;
   // Ordering with a caller's device stream (a cudaStream_t as void*, 0 for the legacy default one): work issued
   // after begin_after(s) starts once what s holds now is done; end_before(s) makes s wait for the work so far.
   // Host backends: no-ops (their calls return when done).
@@ -289,12 +289,12 @@ class ResidentKernels {
 
 // A compute backend: the concerns together. CPU (BLAS/LAPACK, backends/) is the reference; CUDA lives in cuda/.
 // A new backend implements DenseMaths first and inherits the host's input preparation, residency and kernels.
-class ComputeBackend : public DenseMaths, public InputPreparation, public Residency, public ResidentKernels {
+class ComputeBackend : public DenseMaths, public InputPreparation, public Residency, public ServingKernels {
  public:
   ~ComputeBackend() override = default;
   virtual std::string name() const = 0;
   // Host memory is this backend's memory: the batched products are the resident ones.
-  void resident_gemm(const BatchedGemm& g) override { gemm_batched(g); }
+  void serving_gemm(const BatchedGemm& g) override { gemm_batched(g); }
 };
 
 // The flat size of pieces laid back to back: the end of the last one.

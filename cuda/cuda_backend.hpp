@@ -2,7 +2,7 @@
 // The CUDA backend: the algorithms of ComputeBackend on one device, over the resources it owns (DeviceResources:
 // streams, handles, staging, scratch); the sums it accumulates are held by typed handles (held_sums.hpp). One backend
 // per rank. Its member functions live by concern: cuda_backend.cu (residency, the factory), inputs.cu (input
-// preparation), dense_maths.cu (products, factors, solves, eigen-solver), serving.cu (ResidentKernels for the serving
+// preparation), dense_maths.cu (products, factors, solves, eigen-solver), serving.cu (ServingKernels for the serving
 // apply).
 #include <cstdint>
 #include <string>
@@ -76,7 +76,7 @@ class CudaBackend final : public ComputeBackend {
   void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override;
   void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
                  const int32_t* positions) override;
-  void resident_gemm(const BatchedGemm& g) override;
+  void serving_gemm(const BatchedGemm& g) override;
   void begin_after(void* stream) override;
   void end_before(void* stream) override;
 

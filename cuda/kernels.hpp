@@ -38,7 +38,7 @@ cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const
                                       double inv_n, double lambda, bool diagonal, double* a, double* at, int64_t lda,
                                       cudaStream_t stream);
 
-// The serving apply's kernels (ResidentKernels; each the host default's loop, bit for bit):
+// The serving apply's kernels (ServingKernels; each the host default's loop, bit for bit):
 // Y[t*ldy + c] = b[c].
 cudaError_t launch_broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy, cudaStream_t stream);
 // out[(s*rows + t)*k*F + j*F + i] = X[t*ldx + layer[s*k + j]*F + i] for s < lists: `lists` selections of k layers

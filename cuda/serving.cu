@@ -1,4 +1,4 @@
-// The CUDA backend's ResidentKernels: the serving apply on device memory, in order on the compute stream.
+// The CUDA backend's ServingKernels: the serving apply on device memory, in order on the compute stream.
 #include <algorithm>
 
 #include "core/rope.hpp"
@@ -10,7 +10,7 @@ namespace crosskv::cuda {
 #define CK(expr, ops) CROSSKV_CUDA_CHECK(expr, res_.where(), ops)
 namespace {
 // Memory of the serving apply, released once the backend's stream no longer reads it.
-struct CudaMemory final : ResidentKernels::Memory {
+struct CudaMemory final : ServingKernels::Memory {
   cudaStream_t stream = nullptr;
   ~CudaMemory() override {
     if (!data) return;
@@ -102,7 +102,7 @@ void CudaBackend::rope_rows(const Rope& rope, bool strip, float* X, int64_t rows
      dims({{"rows", rows}, {"heads", heads}, {"head_dim", a.head_dim}, {"rotary_dim", a.rotary_dim}}));
 }
 
-void CudaBackend::resident_gemm(const BatchedGemm& g) {
+void CudaBackend::serving_gemm(const BatchedGemm& g) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return;
   res_.make_current();
   // Row-major C = op(A) op(B) is column-major C' = op(B)' op(A)' (gemm_batched's call, on device operands).

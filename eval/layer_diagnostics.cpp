@@ -104,7 +104,7 @@ LayerDiagnosticsCost layer_diagnostics_cost(const KvSpec& s, int64_t tokens, con
   return c;
 }
 
-LayerDiagnoser::LayerDiagnoser(ComputeBackend& be, const LayerTruth& truth, int64_t tile_floats)
+LayerDiagnoser::LayerDiagnoser(DenseMaths& be, const LayerTruth& truth, int64_t tile_floats)
     : be_(be), t_(truth), tile_floats_(tile_floats) {
   const KvSpec& s = truth.spec;
   H_ = s.n_kv_heads, Hq_ = s.n_q_heads, D_ = s.head_dim;
@@ -144,7 +144,7 @@ LayerDiagnoser::LayerDiagnoser(ComputeBackend& be, const LayerTruth& truth, int6
   // Q_j^T Q_j of every query head, then its eigen-decomposition (fp64).
   const int64_t QW = int64_t{Hq_} * D_, DD = int64_t{D_} * D_;
   std::vector<float> M(Hq_ * DD);
-  ComputeBackend::BatchedGemm g;
+  DenseMaths::BatchedGemm g;
   g.trans_a = true, g.m = D_, g.n = D_, g.k = T_;
   g.A = truth.queries.data(), g.lda = QW, g.stride_a = D_;
   g.B = truth.queries.data(), g.ldb = QW, g.stride_b = D_;
@@ -185,7 +185,7 @@ void LayerDiagnoser::attention_unit(int g, int64_t s, const float* keys, const f
     const int64_t rows = std::min(n, r0 + R) - r0, cols = r0 + rows;  // the causal part: columns up to the last row
     scores.resize(group * rows * cols);
     float* P = scores.data();
-    ComputeBackend::BatchedGemm qk;  // S_j = scale Q_j K^T over the tile
+    DenseMaths::BatchedGemm qk;  // S_j = scale Q_j K^T over the tile
     qk.trans_b = true, qk.m = rows, qk.n = cols, qk.k = D_, qk.alpha = scale;
     qk.A = t_.queries.data() + (a + r0) * QW + int64_t{g} * group * D_, qk.lda = QW, qk.stride_a = D_;
     qk.B = keys + a * G_ + int64_t{g} * D_, qk.ldb = G_, qk.stride_b = 0;
@@ -212,7 +212,7 @@ void LayerDiagnoser::attention_unit(int g, int64_t s, const float* keys, const f
           for (int64_t u = 0; u <= r0 + t; ++u) w[u] += static_cast<double>(row[u]) * row[u];
         }
       }
-    ComputeBackend::BatchedGemm pv;  // O_j = P_j V
+    DenseMaths::BatchedGemm pv;  // O_j = P_j V
     pv.m = rows, pv.n = D_, pv.k = cols;
     pv.A = P, pv.lda = cols, pv.stride_a = rows * cols;
     pv.B = values + a * G_ + int64_t{g} * D_, pv.ldb = G_, pv.stride_b = 0;
@@ -281,13 +281,13 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
       e2[h * T_ + t] = e;
     }
   }
-  ComputeBackend::BatchedGemm cg;
+  DenseMaths::BatchedGemm cg;
   cg.trans_a = true, cg.m = D_, cg.n = D_, cg.k = T_, cg.alpha = static_cast<float>(1.0 / static_cast<double>(T_));
   cg.A = dk.data(), cg.lda = G_, cg.stride_a = D_, cg.B = dk.data(), cg.ldb = G_, cg.stride_b = D_;
   cg.C = C.data(), cg.ldc = D_, cg.stride_c = DD, cg.batch = H_;
   be_.gemm_batched(cg);
   for (int g = 0; g < H_; ++g) {
-    ComputeBackend::BatchedGemm cv;  // W_j = C_g V_j for the group's query heads
+    DenseMaths::BatchedGemm cv;  // W_j = C_g V_j for the group's query heads
     cv.m = D_, cv.n = D_, cv.k = D_;
     cv.A = C.data() + g * DD, cv.lda = D_, cv.stride_a = 0;
     cv.B = vecs_.data() + int64_t{g} * group_ * DD, cv.ldb = D_, cv.stride_b = DD;

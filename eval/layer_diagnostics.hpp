@@ -36,7 +36,7 @@ class LayerDiagnoser {
   // Computes the truth's side: content-space keys and column means, attention outputs and the squared attention
   // weights (V-concentration), and the eigen-decomposition of every query head's covariance (K-concentration).
   // `tile_floats` bounds the scores held at once (rows of a long sequence go through in tiles; tests make it small).
-  LayerDiagnoser(ComputeBackend& be, const LayerTruth& truth, int64_t tile_floats = kDefaultTileFloats);
+  LayerDiagnoser(DenseMaths& be, const LayerTruth& truth, int64_t tile_floats = kDefaultTileFloats);
   static constexpr int64_t kDefaultTileFloats = int64_t{1} << 24;  // 64 MiB of scores
   // A prediction of this layer, [tokens x H*D] each, keys post-RoPE as served.
   LayerDiagnostics diagnose(const float* keys, const float* values);
@@ -48,7 +48,7 @@ class LayerDiagnoser {
   void attention_unit(int g, int64_t s, const float* keys, const float* values, float* out, double* wsq,
                       std::vector<float>& scores);
 
-  ComputeBackend& be_;
+  DenseMaths& be_;
   const LayerTruth& t_;
   int H_ = 0, Hq_ = 0, D_ = 0, group_ = 1;
   int64_t T_ = 0, G_ = 0, tile_floats_ = 0;

@@ -23,10 +23,10 @@ for src in "${SOURCES[@]}"; do
 done
 for pid in "${pids[@]}"; do wait "$pid" || { echo "FAIL: a fuzz target's source did not compile"; exit 1; }; done
 COMMON=(error.o kv_spec.o sha256.o atomic_file.o)
-link() { "$CXX" "${FLAGS[@]}" -fsanitize=fuzzer "$@" "${COMMON[@]}" -lcrypto $(pkg-config --libs openblas); }
+link() { "$CXX" "${FLAGS[@]}" -fsanitize=fuzzer "$@" "${COMMON[@]}" -lcrypto; }
 link fuzz_safetensors.o safetensors.o -o fuzz_safetensors
-link fuzz_manifest.o mapper.o safetensors.o -o fuzz_manifest
-link fuzz_layer.o mapper.o safetensors.o -o fuzz_layer
+link fuzz_manifest.o mapper.o layer_file.o safetensors.o -o fuzz_manifest
+link fuzz_layer.o mapper.o layer_file.o safetensors.o -o fuzz_layer
 mkdir -p seeds-st seeds-mf seeds-ly
 if [ -n "${CROSSKV_FIT:-}" ] && [ -n "${CROSSKV_SYNTH:-}" ]; then
   "$CROSSKV_SYNTH" --out data --shards 1 --sequences 1 --seq-len 64 --source-layers 3 --target-layers 2 \

@@ -17,6 +17,7 @@
 #include "stages/pass.hpp"
 #include "stages/probe.hpp"
 #include "stages/solve.hpp"
+#include "stages/validate.hpp"
 
 namespace fs = std::filesystem;
 

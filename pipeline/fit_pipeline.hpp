@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "runtime/config.hpp"
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 
 namespace crosskv {
 

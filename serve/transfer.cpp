@@ -1,24 +1,65 @@
 #include "serve/transfer.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "core/error.hpp"
 #include "core/rope.hpp"
 
 namespace crosskv {
 
+int64_t first_non_finite(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 4096;
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t len = std::min(kChunk, n - at);
+    uint32_t any = 0;  // an exponent of all ones (NaN or infinity) in the chunk
+    for (int64_t i = 0; i < len; ++i) {
+      uint32_t b;
+      std::memcpy(&b, x + at + i, 4);
+      any |= static_cast<uint32_t>((b & 0x7f800000u) == 0x7f800000u);
+    }
+    if (any)
+      for (int64_t i = 0; i < len; ++i)
+        if (!std::isfinite(x[at + i])) return at + i;
+  }
+  return -1;
+}
+
+void check_serving_inputs(const float* keys, const float* values, int64_t values_per_token, const int32_t* src_pos,
+                          const int32_t* tgt_pos, int64_t rows) {
+  for (auto [name, x] : {std::pair{"keys", keys}, std::pair{"values", values}}) {
+    const int64_t i = first_non_finite(x, rows * values_per_token);
+    if (i >= 0)
+      throw InputError(std::string(name) + ": element " + std::to_string(i) + " (token " +
+                       std::to_string(i / values_per_token) + ") is " + (std::isnan(x[i]) ? "NaN" : "infinite") +
+                       "; a source cache must be finite (the request should re-prefill)");
+  }
+  for (auto [name, p] : {std::pair{"positions", src_pos}, std::pair{"target_positions", tgt_pos}})
+    for (int64_t t = 0; t < rows; ++t)
+      if (p[t] < 0)
+        throw InputError(std::string(name) + ": token " + std::to_string(t) + " is at position " +
+                         std::to_string(p[t]) + "; positions must be >= 0");
+}
+
+void map_gathered(DenseMaths& be, const float* X, int64_t K, const float* W, const float* b, int64_t G, int64_t rows,
+                  float* Y, int64_t YW) {
+  for (int64_t t = 0; t < rows; ++t) std::copy(b, b + G, Y + t * YW);
+  be.matmul_acc(rows, K, G, X, K, W, G, Y, YW);
+}
+
 void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::vector<int>& layers, int64_t F,
                    const float* W, const float* b, int64_t G, int64_t rows, float* Y, int64_t YW,
                    std::vector<float>& scratch) {
   const int64_t K = static_cast<int64_t>(layers.size()) * F;
-  for (int64_t t = 0; t < rows; ++t) std::copy(b, b + G, Y + t * YW);
-  if (layers.size() == 1) {
+  if (layers.size() == 1) {  // one source layer: read in place
+    for (int64_t t = 0; t < rows; ++t) std::copy(b, b + G, Y + t * YW);
     be.matmul_acc(rows, F, G, X + layers[0] * F, XW, W, G, Y, YW);
     return;
   }
   scratch.resize(rows * K);
   gather_layers_on_host(X, XW, layers, F, rows, scratch.data());
-  be.matmul_acc(rows, K, G, scratch.data(), K, W, G, Y, YW);
+  map_gathered(be, scratch.data(), K, W, b, G, rows, Y, YW);
 }
 
 void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, int64_t rows, float* Y, int64_t YW,
@@ -28,12 +69,6 @@ void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, 
   const int64_t G = mlp.shape.out;
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t c = 0; c < G; ++c) Y[t * YW + c] += ws.out[t * G + c];
-}
-
-void gather_layers(const float* X, int64_t XW, const std::vector<int>& layers, int64_t F, int64_t rows,
-                   std::vector<float>& out) {
-  out.resize(rows * static_cast<int64_t>(layers.size()) * F);
-  gather_layers_on_host(X, XW, layers, F, rows, out.data());
 }
 
 Transfer::Transfer(const std::string& mapper_dir, ComputeBackend& be, TransferOptions opts)
@@ -75,7 +110,8 @@ void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_
                 out + int64_t{w.target_layer} * G, YW, scratch_);
   const MlpParams& mlp = keys ? w.mlp_k : w.mlp_v;
   if (mlp.flat.empty()) return;
-  gather_layers(X, XW, w.source_layers, F, rows, gathered_);
+  gathered_.resize(rows * static_cast<int64_t>(w.source_layers.size()) * F);
+  gather_layers_on_host(X, XW, w.source_layers, F, rows, gathered_.data());
   add_residual_mlp(be_, mlp, gathered_.data(), rows, out + int64_t{w.target_layer} * G, YW, mlp_ws_);
 }
 

@@ -19,6 +19,18 @@ struct TransferOptions {
   bool verify = true;        // check each layer file's SHA-256 the first time it is read
 };
 
+// The index of the first NaN or infinity in x[0, n), or -1: a source cache that holds one would map to wrong KV.
+// Memory-bound (every value read once, the exponents OR-ed 4096 at a time), a few percent of a mapping's time.
+int64_t first_non_finite(const float* x, int64_t n);
+// A serving call's inputs checked, so that it fails closed: keys and values finite, positions in [0, 2^31).
+// Throws InputError naming the argument and the element ("keys: element 17 (token 0, layer 1, ...) is NaN").
+void check_serving_inputs(const float* keys, const float* values, int64_t values_per_token, const int32_t* src_pos,
+                          const int32_t* tgt_pos, int64_t rows);
+
+// Y [rows x G] (row stride YW) = X W + b for one target layer whose selected source layers are already gathered
+// side by side in X [rows x K] (leading dim K), W [K x G]: the product every apply of a layer makes.
+void map_gathered(DenseMaths& be, const float* X, int64_t K, const float* W, const float* b, int64_t G, int64_t rows,
+                  float* Y, int64_t YW);
 // One target layer of one kind: Y[rows, G] (row stride YW) = X[:, selected source layers] W + b. The selected
 // layers' columns are gathered into `scratch` first, so the product is one GEMM over k*F features.
 void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::vector<int>& layers, int64_t F,
@@ -29,9 +41,6 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
 // source layers, gathered side by side (leading dim K).
 void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, int64_t rows, float* Y, int64_t YW,
                       MlpWorkspace& ws);
-// The selected layers' columns of X [rows x XW] side by side: out [rows x layers*F].
-void gather_layers(const float* X, int64_t XW, const std::vector<int>& layers, int64_t F, int64_t rows,
-                   std::vector<float>& out);
 
 class Transfer {
  public:

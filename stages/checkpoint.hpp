@@ -13,7 +13,7 @@
 
 #include "core/backend.hpp"
 #include "runtime/stop.hpp"
-#include "stages/stages.hpp"
+#include "stages/plan.hpp"
 
 namespace crosskv {
 

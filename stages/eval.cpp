@@ -113,7 +113,7 @@ LayerDiagnostics get_layer(ByteReader& in) {
 // What one mapper's layer l predicts: [T x G] keys and values in content space.
 void map_layer(ComputeBackend& be, const MapperLayer& w, const std::map<int, SourceLayer>& src, int64_t T, int64_t F,
                int64_t G, std::vector<float>& xk, std::vector<float>& xv, std::vector<float>& ck,
-               std::vector<float>& cv, std::vector<float>& mk, std::vector<float>& mv, std::vector<float>& scratch) {
+               std::vector<float>& cv, std::vector<float>& mk, std::vector<float>& mv) {
   const int64_t K = static_cast<int64_t>(w.source_layers.size()) * F;
   xk.resize(T * K), xv.resize(T * K), mk.resize(K), mv.resize(K);
   for (size_t j = 0; j < w.source_layers.size(); ++j) {
@@ -126,8 +126,8 @@ void map_layer(ComputeBackend& be, const MapperLayer& w, const std::map<int, Sou
     std::copy(s.mean_values.begin(), s.mean_values.end(), mv.begin() + static_cast<int64_t>(j) * F);
   }
   ck.resize(T * G), cv.resize(T * G);
-  map_one_layer(be, xk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, T, ck.data(), G, scratch);
-  map_one_layer(be, xv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, T, cv.data(), G, scratch);
+  map_gathered(be, xk.data(), K, w.wk.data(), w.bk.data(), G, T, ck.data(), G);
+  map_gathered(be, xv.data(), K, w.wv.data(), w.bv.data(), G, T, cv.data(), G);
 }
 
 // Whether a mapper was fitted with residual MLPs (fit.mapper: mlp | auto): its eval adds "ridge alone".
@@ -211,7 +211,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
     std::optional<SingleThreadedBlas> one_thread;
     if (be.concurrent_calls()) one_thread.emplace();
     ByteWriter out;
-    std::vector<float> xk, xv, ck, cv, mk, mv, pk, scratch, yk(G), yv(G), bk, bv;
+    std::vector<float> xk, xv, ck, cv, mk, mv, pk, yk(G), yv(G), bk, bv;
     LayerDiagnostics ridge_layer;
     Progress progress(P > 1 ? "eval (this rank's layers)" : "eval", static_cast<int64_t>(mine.size()) * T, 0);
     for (int l : mine) {
@@ -238,7 +238,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
               s.mean_values[c] += s.values[t * F + c] / static_cast<float>(T);
             }
         }
-        map_layer(be, w, resident, T, F, G, xk, xv, ck, cv, mk, mv, scratch);
+        map_layer(be, w, resident, T, F, G, xk, xv, ck, cv, mk, mv);
         if (has_mlps(m)) {  // ridge alone first, then the residual MLPs added
           pk = ck;
           tgt_rope.apply_block(pk.data(), T, Tg.n_kv_heads, tgt.positions.data());
@@ -253,8 +253,8 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
         put_layer(out, dg.diagnose(ck.data(), cv.data()));  // without the target RoPE
         // Mean-only: layer l's weights applied to the mean source content, for every token.
         const auto K = static_cast<int64_t>(mk.size());
-        map_one_layer(be, mk.data(), K, {0}, K, w.wk.data(), w.bk.data(), G, 1, yk.data(), G, scratch);
-        map_one_layer(be, mv.data(), K, {0}, K, w.wv.data(), w.bv.data(), G, 1, yv.data(), G, scratch);
+        map_gathered(be, mk.data(), K, w.wk.data(), w.bk.data(), G, 1, yk.data(), G);
+        map_gathered(be, mv.data(), K, w.wv.data(), w.bv.data(), G, 1, yv.data(), G);
         MlpWorkspace ws;
         add_residual_mlp(be, w.mlp_k, mk.data(), 1, yk.data(), G, ws);
         add_residual_mlp(be, w.mlp_v, mv.data(), 1, yv.data(), G, ws);

@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/ridge.hpp"
-#include "stages/stages.hpp"
+#include "stages/plan.hpp"
 
 namespace crosskv {
 

@@ -337,11 +337,11 @@ Outcome fit_unit(UnitContext& u, const MapperLayer& w, int64_t G, int l, int kin
   const LayerData d = load_layer_data(u.cal, u.share, w.source_layers, l, kind);
   const std::vector<float>& W = kind == 0 ? w.wk : w.wv;
   const std::vector<float>& b = kind == 0 ? w.bk : w.bv;
-  std::vector<float> R[2], z[2], scratch;  // the ridge's residual; the standardised features
+  std::vector<float> R[2], z[2];  // the ridge's residual; the standardised features
   for (int split = 0; split < 2; ++split) {
     const int64_t n = d.rows[split];
     R[split].assign(n * G, 0.0f);
-    map_one_layer(be, d.x[split].data(), K, {0}, K, W.data(), b.data(), G, n, R[split].data(), G, scratch);
+    map_gathered(be, d.x[split].data(), K, W.data(), b.data(), G, n, R[split].data(), G);
     for (int64_t i = 0; i < n * G; ++i) R[split][i] = d.y[split][i] - R[split][i];
   }
   // Trained on standardised features (the keys' large-mean channels would otherwise swamp the first layer).

@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 
 namespace crosskv {
 

@@ -1,4 +1,5 @@
 #include "stages/pass.hpp"
+#include "stages/round.hpp"
 
 #include <chrono>
 #include <filesystem>

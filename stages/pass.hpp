@@ -8,7 +8,8 @@
 
 #include "core/moments.hpp"
 #include "stages/checkpoint.hpp"
-#include "stages/stages.hpp"
+#include "stages/plan.hpp"
+#include "stages/stream.hpp"
 
 namespace crosskv {
 

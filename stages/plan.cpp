@@ -1,3 +1,5 @@
+#include "stages/plan.hpp"
+
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
@@ -7,7 +9,7 @@
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "runtime/log.hpp"
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 
 namespace crosskv {
 

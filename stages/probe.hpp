@@ -7,7 +7,7 @@
 
 #include "core/ridge.hpp"
 #include "stages/pass.hpp"
-#include "stages/stages.hpp"
+#include "stages/plan.hpp"
 
 namespace crosskv {
 

@@ -1,10 +1,12 @@
+#include "stages/round.hpp"
+
 #include <algorithm>
 #include <type_traits>
 
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
-#include "stages/stages.hpp"
+
 
 namespace crosskv {
 

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/moments.hpp"
-#include "stages/stages.hpp"
+#include "stages/plan.hpp"
 
 namespace crosskv {
 

@@ -1,3 +1,5 @@
+#include "stages/stream.hpp"
+
 #include <cmath>
 #include <condition_variable>
 #include <deque>
@@ -14,7 +16,7 @@
 #include "io/shard.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/grid.hpp"
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 
 namespace crosskv {
 namespace {

@@ -1,3 +1,5 @@
+#include "stages/validate.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,7 +12,7 @@
 #include "core/sha256.hpp"
 #include "io/shard.hpp"
 #include "io/store.hpp"
-#include "stages/stages.hpp"
+#include "stages/calibration.hpp"
 
 namespace fs = std::filesystem;
 

@@ -12,13 +12,14 @@
 
 #include "eval/diagnose.hpp"
 #include "eval/report.hpp"
-#include "serve/resident.hpp"
+#include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/half.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"
+#include "reference_mapper.hpp"
 #include "artifact/layer_file.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
@@ -494,7 +495,7 @@ TEST(ResidualMlpArtifact, ApplyAddsTheMlpToRidgeLikeTheLoopReference) {
     map_content(load_mapper(a.dir), keys, X.data(), rows, want.data());
     for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::fabs(want[i]))) << i;
     // Layer 2 differs from ridge alone by f(x), the other layers not at all.
-    Mapper plain = load_mapper(a.dir);
+    MapperWeights plain = load_mapper(a.dir);
     plain.layers[2].mlp_k = plain.layers[2].mlp_v = MlpParams();
     map_content(plain, keys, X.data(), rows, ridge.data());
     double diff2 = 0, diff_other = 0;  // the largest difference in layer 2, and elsewhere (fp32 rounding only)
@@ -558,7 +559,9 @@ TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
       EXPECT_EQ(got.bv, bv) << what;
       EXPECT_EQ(got.mlp_k.flat, mlps & 1 ? mk.flat : std::vector<float>()) << what;
       EXPECT_EQ(got.mlp_v.flat, mlps & 2 ? mv.flat : std::vector<float>()) << what;
-      if (mlps & 1) EXPECT_EQ(got.mlp_k.shape.hidden, 6) << what;
+      if (mlps & 1) {
+        EXPECT_EQ(got.mlp_k.shape.hidden, 6) << what;
+      }
       std::set<std::string> names, want = {"k.weight", "k.bias", "v.weight", "v.bias"};
       for (const auto& [name, x] : read_safetensors(file)) names.insert(name);
       for (auto [kind, on, p] : {std::tuple{'k', mlps & 1, &mk}, std::tuple{'v', mlps & 2, &mv}})
@@ -592,11 +595,11 @@ TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {
 // ---- The serving apply (issue 16): weights resident, every layer in one call, the caches in the backend's memory.
 namespace {
 
-// Transfer::apply and ResidentTransfer (one call, and host arrays) on the same caches: the same bits on the CPU.
+// Transfer::apply and ServingMapper (one call, and host arrays) on the same caches: the same bits on the CPU.
 void expect_resident_equals_transfer(const std::string& dir, const Cache& s, int64_t rows) {
   auto be = make_cpu_backend();
   Transfer tr(dir, *be);
-  ResidentTransfer rt(dir, *be);
+  ServingMapper rt(dir, *be);
   const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
   std::vector<int32_t> tgt(s.positions.begin(), s.positions.begin() + rows);
   for (auto& p : tgt) p += 3;  // the target's positions need not be the source's
@@ -613,7 +616,7 @@ void expect_resident_equals_transfer(const std::string& dir, const Cache& s, int
 
 }  // namespace
 
-TEST(ResidentTransfer, EqualsTransferBitForBitOnTheCpuForEveryK) {
+TEST(ServingMapper, EqualsTransferBitForBitOnTheCpuForEveryK) {
   TempDir tmp;
   synthesize(small_synth(tmp.str()));
   fit_yaml(config_yaml(tmp.str(), "{k: [1, 2, all], lambda: 0.01}"));
@@ -625,7 +628,7 @@ TEST(ResidentTransfer, EqualsTransferBitForBitOnTheCpuForEveryK) {
   for (int64_t per_chunk : {1, 3}) {
     auto cpu = make_cpu_backend();
     Transfer tr(tmp.str("out/k2"), *cpu);
-    ResidentTransfer rt(tmp.str("out/k2"), *cpu);
+    ServingMapper rt(tmp.str("out/k2"), *cpu);
     rt.set_gather_bytes(per_chunk * s.tokens * 2 * rt.source().features_per_layer() * 4);
     const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
     std::vector<float> k(s.tokens * W), v(s.tokens * W), rk(s.tokens * W), rv(s.tokens * W);
@@ -636,13 +639,13 @@ TEST(ResidentTransfer, EqualsTransferBitForBitOnTheCpuForEveryK) {
     EXPECT_EQ(v, rv) << per_chunk << " layer(s) per product";
   }
   auto be = make_cpu_backend();
-  ResidentTransfer rt(tmp.str("out/k1"), *be);
-  rt.apply(ResidentBatch{});
+  ServingMapper rt(tmp.str("out/k1"), *be);
+  rt.apply(ServingBatch{});
   const int64_t F = rt.source().features_per_layer(), G = rt.target().features_per_layer();
   EXPECT_EQ(rt.weight_bytes(), int64_t{rt.target().n_layers} * 2 * (F * G + G) * 4);
 }
 
-TEST(ResidentTransfer, EqualsTransferBitForBitWithResidualMlps) {
+TEST(ServingMapper, EqualsTransferBitForBitWithResidualMlps) {
   for (const char* k : {"1", "2", "all"}) {  // the MLP's input read in place, gathered for it, or the chunk's gather
     Artifact a(k);
     add_mlp_tensors(a, 2, 8);
@@ -652,14 +655,14 @@ TEST(ResidentTransfer, EqualsTransferBitForBitWithResidualMlps) {
   }
 }
 
-TEST(ResidentTransfer, RefusesWhatTransferRefusesByName) {
+TEST(ServingMapper, RefusesWhatTransferRefusesByName) {
   Artifact a;
   auto be = make_cpu_backend();
   nlohmann::json m = a.manifest;
   m["target"]["kv_spec"]["rope"]["type"] = "dynamic";
   a.write(m);
-  expect_error<InputError>([&] { ResidentTransfer rt(a.dir, *be); }, {"target.kv_spec", "dynamic"});
+  expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, {"target.kv_spec", "dynamic"});
   a.write(a.manifest);
   std::ofstream(a.dir + "/" + a.manifest["layers"][1]["file"].get<std::string>(), std::ios::app) << "x";
-  expect_error<InputError>([&] { ResidentTransfer rt(a.dir, *be); }, {"SHA-256"});
+  expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, {"SHA-256"});
 }

@@ -8,6 +8,7 @@
 
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
+#include "reference_mapper.hpp"
 #include "artifact/mapper.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/grid.hpp"
@@ -178,7 +179,7 @@ TEST(DistributedFit, ThreadRanksMatchOneRankAndRepeatByteForByte) {
         if (name == "manifest.json") continue;  // it holds the stage times
         EXPECT_TRUE(file_bytes(e.path().string()) == file_bytes(tmp.str("b/") + k + "/" + name)) << e.path();
       }
-      Mapper a = load_mapper(tmp.str(std::string("a/") + k)), one = load_mapper(tmp.str(std::string("one/") + k));
+      MapperWeights a = load_mapper(tmp.str(std::string("a/") + k)), one = load_mapper(tmp.str(std::string("one/") + k));
       for (size_t l = 0; l < a.layers.size(); ++l) {
         EXPECT_EQ(a.layers[l].source_layers, one.layers[l].source_layers);
         for (size_t i = 0; i < a.layers[l].wk.size(); ++i)

@@ -19,12 +19,15 @@
 #include "core/thread_comm.hpp"
 #include "core/ridge.hpp"
 #include "helpers.hpp"
+#include "reference_mapper.hpp"
 #include "eval/layer_diagnostics.hpp"
-#include "serve/resident.hpp"
+#include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 #include "artifact/mapper.hpp"
 #include "stages/checkpoint.hpp"
-#include "stages/stages.hpp"
+#include "stages/validate.hpp"
+#include "stages/plan.hpp"
+#include "stages/round.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;
@@ -238,7 +241,7 @@ TEST_F(Cuda, FitMatchesTheCpuFit) {
       EXPECT_TRUE(!sa.empty() && sa == sb) << e.path() << " differs between two GPU fits";
     }
   for (const std::string k : {"k1", "k3", "kall"}) {
-    Mapper c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("gpu/" + k));
+    MapperWeights c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("gpu/" + k));
     ASSERT_EQ(c.layers.size(), g.layers.size());
     for (size_t l = 0; l < c.layers.size(); ++l) {
       EXPECT_EQ(c.layers[l].source_layers, g.layers[l].source_layers) << k << " layer " << l;
@@ -432,44 +435,44 @@ class ShadowBackend final : public ComputeBackend {
   };
   MemoryPtr allocate(int64_t bytes) override {
     auto m = std::make_unique<ShadowMemory>();
-    m->inner = ResidentKernels::allocate(bytes);
+    m->inner = ServingKernels::allocate(bytes);
     m->data = m->inner->data, m->bytes = bytes, m->live = &live_;
     live_[static_cast<const char*>(m->data)] = bytes;
     return m;
   }
   void copy_from_host(const void* host, int64_t bytes, void* dst) override {
     if (on_device(host, 1)) ADD_FAILURE() << "copy_from_host from device memory";
-    ResidentKernels::copy_from_host(host, bytes, device(dst, bytes));
+    ServingKernels::copy_from_host(host, bytes, device(dst, bytes));
   }
   void copy_to_host(const void* src, int64_t bytes, void* host) override {
     if (on_device(host, 1)) ADD_FAILURE() << "copy_to_host into device memory";
-    ResidentKernels::copy_to_host(device(src, bytes), bytes, host);
+    ServingKernels::copy_to_host(device(src, bytes), bytes, host);
   }
   void copy_within(const void* src, int64_t bytes, void* dst) override {
-    ResidentKernels::copy_within(device(src, bytes), bytes, device(dst, bytes));
+    ServingKernels::copy_within(device(src, bytes), bytes, device(dst, bytes));
   }
   void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
-    ResidentKernels::broadcast_rows(device(b, n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
+    ServingKernels::broadcast_rows(device(b, n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
   }
   void gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists, int64_t F,
                      int64_t rows, float* out) override {
     int64_t top = 0, count = 0;
     for (const auto& l : lists) top = std::max<int64_t>(top, l.back() + 1), count += rows * l.size() * F;
     ++gathers;
-    ResidentKernels::gather_layers(device(X, ((rows - 1) * ldx + top * F) * 4), ldx, lists, F, rows,
+    ServingKernels::gather_layers(device(X, ((rows - 1) * ldx + top * F) * 4), ldx, lists, F, rows,
                                    device(out, count * 4));
   }
   int gathers = 0, gemm_calls = 0;
-  void relu(float* X, int64_t n) override { ResidentKernels::relu(device(X, n * 4), n); }
+  void relu(float* X, int64_t n) override { ServingKernels::relu(device(X, n * 4), n); }
   void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
-    ResidentKernels::add_rows(device(Z, rows * n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
+    ServingKernels::add_rows(device(Z, rows * n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
   }
   void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
                  const int32_t* positions) override {
-    ResidentKernels::rope_rows(rope, strip, device(X, rows * heads * rope.head_dim() * 4), rows, heads,
+    ServingKernels::rope_rows(rope, strip, device(X, rows * heads * rope.head_dim() * 4), rows, heads,
                                device(positions, rows * 4));
   }
-  void resident_gemm(const BatchedGemm& g) override {
+  void serving_gemm(const BatchedGemm& g) override {
     auto extent = [&](int64_t r, int64_t c, int64_t ld, int64_t stride) {
       return ((g.batch - 1) * stride + (r - 1) * ld + c) * 4;
     };
@@ -1080,7 +1083,7 @@ TEST(DeviceContract, AFitThroughAShadowDeviceEqualsTheCpuFit) {
       EXPECT_EQ(shadow.live_held(), 0) << tag;
       EXPECT_GT(shadow.assembled, assembled_before) << "the ridge systems are assembled by the backend";
       for (const std::string k : {"k1", "k3", "kall"}) {
-        Mapper c = load_mapper(dir.str("cpu-" + tag + "/" + k)), s = load_mapper(dir.str("shadow-" + tag + "/" + k));
+        MapperWeights c = load_mapper(dir.str("cpu-" + tag + "/" + k)), s = load_mapper(dir.str("shadow-" + tag + "/" + k));
         for (size_t l = 0; l < c.layers.size(); ++l) {
           ASSERT_EQ(c.layers[l].source_layers, s.layers[l].source_layers) << tag << " " << k << " layer " << l;
           const float scale = std::max(1.0f, max_abs(c.layers[l].wk));
@@ -1124,7 +1127,7 @@ TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
   const std::string mapper = fitted_mapper(dir, "2");
   auto cpu = make_cpu_backend();
   ShadowBackend shadow;
-  const Mapper m = load_mapper(mapper);
+  const MapperWeights m = load_mapper(mapper);
   const int64_t rows = 5, XW = int64_t{m.source.n_layers} * m.source.features_per_layer(),
                 YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
   const auto X = random_rows(rows * XW, 41, 0.1f);
@@ -1158,7 +1161,7 @@ TEST(DeviceContract, ServingApplyKeepsEveryOperandOnTheDeviceAndMatchesTheCpu) {
     shadow.device_memory = true;
     {
       Transfer want_tr(mapper, *cpu);
-      ResidentTransfer rt(mapper, shadow);
+      ServingMapper rt(mapper, shadow);
       const int64_t XW = int64_t{rt.source().n_layers} * rt.source().features_per_layer(),
                     YW = int64_t{rt.target().n_layers} * rt.target().features_per_layer();
       std::vector<float> wk(rows * YW), wv(rows * YW), hk(rows * YW), hv(rows * YW), dk(rows * YW), dv(rows * YW);
@@ -1225,7 +1228,7 @@ TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
   Context cctx{*comm, *cpu};
   run_fit(cpu_cfg, FitOptions{}, cctx);
   for (const std::string k : {"k1", "kall"}) {
-    Mapper c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("dev/" + k));
+    MapperWeights c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("dev/" + k));
     for (size_t l = 0; l < c.layers.size(); ++l) {
       const float scale = std::max(1.0f, max_abs(c.layers[l].wk));
       for (size_t i = 0; i < c.layers[l].wk.size(); ++i)
@@ -1355,7 +1358,7 @@ TEST_F(Cuda, ServingApplyMatchesTheCpu) {
     const ServingCase c = serving_case(dir.str());
     const int64_t rows = c.cache.tokens;
     Transfer want_tr(mapper, *cpu_);
-    ResidentTransfer rt(mapper, *gpu_);
+    ServingMapper rt(mapper, *gpu_);
     const int64_t XW = int64_t{rt.source().n_layers} * rt.source().features_per_layer(),
                   YW = int64_t{rt.target().n_layers} * rt.target().features_per_layer();
     std::vector<float> wk(rows * YW), wv(rows * YW), hk(rows * YW), hv(rows * YW), dk(rows * YW), dv(rows * YW);
@@ -1422,7 +1425,7 @@ TEST_F(Cuda, ServingApplyWithResidualMlpsMatchesTheCpu) {
     layers.push_back(std::move(w));
   }
   std::vector<MapperLayer> copy = layers;
-  ResidentTransfer on_cpu(m, std::move(copy), *cpu_), on_gpu(m, std::move(layers), *gpu_);
+  ServingMapper on_cpu(m, std::move(copy), *cpu_), on_gpu(m, std::move(layers), *gpu_);
   const ServingCase c = serving_case(dir.str());
   const int64_t rows = c.cache.tokens, YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
   std::vector<float> wk(rows * YW), wv(rows * YW), gk(rows * YW), gv(rows * YW);

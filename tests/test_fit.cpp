@@ -8,6 +8,7 @@
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"
+#include "reference_mapper.hpp"
 #include "artifact/mapper.hpp"
 #include "io/r2_file.hpp"
 #include "artifact/safetensors.hpp"
@@ -28,7 +29,7 @@ nlohmann::json manifest(const std::string& dir) {
 struct MapError {
   double max_abs_k = 0, max_abs_v = 0, scale = 0;
 };
-MapError map_shard(const Mapper& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
+MapError map_shard(const MapperWeights& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
   ShardReader s(src), t(tgt);
   const int64_t T = s.header().tokens;
   const int64_t XW = m.source.n_layers * m.source.features_per_layer(), YW = m.target.n_layers * m.target.features_per_layer();
@@ -86,7 +87,7 @@ TEST_P(ExactRecovery, PlantedLinearMapThroughDifferentRopeIsRecoveredOnHeldOutTo
   o.shards_per_domain = 1;
   synthesize(o);
   fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0}"));
-  Mapper m = load_mapper(tmp.str("cal/out/k1"));
+  MapperWeights m = load_mapper(tmp.str("cal/out/k1"));
   // Target layer l was planted from source layer l mod Ls: the probe must pick it.
   for (const auto& l : m.layers) EXPECT_EQ(l.source_layers, std::vector<int>{l.target_layer % o.source.n_layers});
   MapError e = map_shard(m, tmp.str("held/source/eval/shard-000.h5"), tmp.str("held/target/eval/shard-000.h5"));
@@ -175,7 +176,7 @@ TEST(Fit, KSweepGivesTheSameArtifactsAsSeparateRuns) {
   fit_yaml(config_yaml(tmp.str(), "{k: [1, 3, all], lambda: 0.01}", "sweep"));
   for (const char* k : {"1", "3", "all"}) {
     fit_yaml(config_yaml(tmp.str(), std::string("{k: ") + k + ", lambda: 0.01}", std::string("single") + k));
-    Mapper a = load_mapper(tmp.str(std::string("sweep/k") + k)), b = load_mapper(tmp.str(std::string("single") + k + "/k" + k));
+    MapperWeights a = load_mapper(tmp.str(std::string("sweep/k") + k)), b = load_mapper(tmp.str(std::string("single") + k + "/k" + k));
     ASSERT_EQ(a.layers.size(), b.layers.size());
     for (size_t l = 0; l < a.layers.size(); ++l) {
       EXPECT_EQ(a.layers[l].source_layers, b.layers[l].source_layers);
@@ -195,7 +196,7 @@ TEST(Fit, TwoPassModeMatchesSinglePass) {
   EXPECT_EQ(one.passes, 1);
   EXPECT_EQ(two.passes, 2);
   for (const char* k : {"k2", "k4"}) {
-    Mapper a = load_mapper(tmp.str(std::string("one/") + k)), b = load_mapper(tmp.str(std::string("two/") + k));
+    MapperWeights a = load_mapper(tmp.str(std::string("one/") + k)), b = load_mapper(tmp.str(std::string("two/") + k));
     for (size_t l = 0; l < a.layers.size(); ++l) {
       EXPECT_EQ(a.layers[l].source_layers, b.layers[l].source_layers);
       for (size_t i = 0; i < a.layers[l].wv.size(); ++i) ASSERT_NEAR(a.layers[l].wv[i], b.layers[l].wv[i], 1e-5);

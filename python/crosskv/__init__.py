@@ -28,6 +28,33 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
+def _check_cache_type(name, x):
+    if not (isinstance(x, np.ndarray) or _is_torch(x)):
+        raise MapperError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+_MAX_POSITION = 2**31 - 1
+
+
+def _check_positions(name, p):
+    """Integers in [0, 2^31): anything else is refused before it is cast (a cast would wrap or overflow)."""
+    if _is_torch(p):
+        import torch
+
+        integer = not (p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool)
+        n = p.numel()
+    else:
+        integer, n = np.issubdtype(p.dtype, np.integer), p.size
+    if not integer:
+        raise MapperError(f"{name}: expected integer positions, got {p.dtype}")
+    if n:
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0:
+            raise MapperError(f"{name}: position {lo} is negative; positions must be >= 0")
+        if hi > _MAX_POSITION:
+            raise MapperError(f"{name}: position {hi} does not fit in 32 bits; positions must be < 2^31")
+
+
 class Mapper:
     """A mapper folder (`k<K>/`) on `device` ("cpu", "cuda", "cuda:N"). resident=True (the default) keeps every layer's
     weights in the device's memory for the object's lifetime and maps all target layers in one call; resident=False
@@ -54,6 +81,8 @@ class Mapper:
         of the same leading shape with [Lt, Ht, Dt] last, keys post-RoPE at `target_positions` (default: the same
         positions). Tokens are independent: each is mapped at its own position."""
         s = self.source
+        _check_cache_type("keys", keys)
+        _check_cache_type("values", values)
         if keys.ndim not in (4, 5):
             raise MapperError(f"keys: expected [tokens, {s['n_layers']}, {s['n_kv_heads']}, {s['head_dim']}] or "
                               f"[batch, seq, ...], got {tuple(keys.shape)}")
@@ -80,7 +109,11 @@ class Mapper:
             return p.reshape(rows)
 
         src_pos = positions_of(positions)
-        tgt_pos = src_pos if target_positions is None else positions_of(target_positions)
+        _check_positions("positions", src_pos)
+        tgt_pos = src_pos
+        if target_positions is not None:
+            tgt_pos = positions_of(target_positions)
+            _check_positions("target_positions", tgt_pos)
         k4 = keys.reshape(rows, *keys.shape[-3:])
         v4 = values.reshape(rows, *values.shape[-3:])
         if _is_torch(keys):
@@ -102,6 +135,10 @@ class Mapper:
             f32 = lambda x: x.detach().to(dev, torch.float32).contiguous()
             i32 = lambda x: torch.as_tensor(x).to(dev, torch.int32).contiguous()
             k, v, p = f32(keys), f32(values), i32(src_pos)
+            for name, x in (("keys", k), ("values", v)):  # on the GPU: one reduction each, then a wait
+                if not bool(torch.isfinite(x).all()):
+                    raise MapperError(f"{name}: holds NaN or infinity; a source cache must be finite "
+                                      "(the request should re-prefill)")
             tp = p if tgt_pos is src_pos else i32(tgt_pos)
             t = self.target
             shape = (k.shape[0], t["n_layers"], t["n_kv_heads"], t["head_dim"])

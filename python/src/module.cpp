@@ -1,4 +1,4 @@
-// crosskv._crosskv: the apply layer (apply/resident, apply/transfer) for Python. transfer(): float32/int32
+// crosskv._crosskv: the apply layer (serve/serving_mapper, serve/transfer) for Python. transfer(): float32/int32
 // C-contiguous CPU arrays of any framework that speaks DLPack or the buffer protocol (numpy, torch CPU tensors:
 // zero-copy) in, numpy arrays that own their memory out. transfer_into(): CUDA arrays (DLPack: torch, CuPy, JAX)
 // in and out, read and written in place on the mapper's GPU, ordered on the caller's stream. The GIL is released
@@ -15,7 +15,7 @@
 #include <mutex>
 #include <string>
 
-#include "serve/resident.hpp"
+#include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/blas_kernels.hpp"
@@ -91,14 +91,14 @@ nb::dict spec_dict(const KvSpec& s) {
 }
 
 // A mapper folder (k<K>/) loaded for applying. resident: every layer's weights in the backend's memory (a GPU's for
-// cuda) for the object's lifetime, all layers in one call (ResidentTransfer); else one layer at a time (Transfer).
+// cuda) for the object's lifetime, all layers in one call (ServingMapper); else one layer at a time (Transfer).
 // Each layer file's SHA-256 is checked when first read.
 class PyMapper {
  public:
   PyMapper(const std::string& path, const std::string& device, bool resident, bool verify, bool tf32)
       : device_(device_index(device)), be_(backend_for(device, device_, tf32)) {
     if (resident) {
-      resident_ = std::make_unique<ResidentTransfer>(path, *be_, verify);
+      resident_ = std::make_unique<ServingMapper>(path, *be_, verify);
     } else {
       TransferOptions o;
       o.verify = verify;
@@ -117,6 +117,8 @@ class PyMapper {
     Out k = owned(rows, t), v = owned(rows, t);
     {
       nb::gil_scoped_release unlocked;
+      check_serving_inputs(keys.data(), values.data(), int64_t{s.n_layers} * s.n_kv_heads * s.head_dim, src_pos.data(),
+                           tgt_pos.data(), static_cast<int64_t>(rows));
       std::lock_guard<std::mutex> one_at_a_time(busy_);
       if (resident_)
         resident_->apply_host(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
@@ -151,7 +153,7 @@ class PyMapper {
     check_cache("out_keys", out_keys, rows, t, "target");
     check_cache("out_values", out_values, rows, t, "target");
     check_positions(src_pos.shape(0), tgt_pos.shape(0), rows);
-    ResidentBatch b;
+    ServingBatch b;
     b.keys = keys.data(), b.values = values.data(), b.rows = static_cast<int64_t>(rows);
     b.source_positions = src_pos.data(), b.target_positions = tgt_pos.data();
     b.out_keys = out_keys.data(), b.out_values = out_values.data();
@@ -184,7 +186,7 @@ class PyMapper {
 
   int device_;
   std::unique_ptr<ComputeBackend> be_;
-  std::unique_ptr<ResidentTransfer> resident_;
+  std::unique_ptr<ServingMapper> resident_;
   std::unique_ptr<Transfer> streamed_;
   std::mutex busy_;  // the transfers share the mapper's scratch: threads take turns (the GIL is released first)
 };

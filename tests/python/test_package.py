@@ -125,6 +125,34 @@ for mapper in ("ridge", "mlp"):
         print(f"skip {mapper}: CUDA tensors on a GPU mapper (no CUDA device, or the package was built without CUDA)")
 m = crosskv.Mapper("out-ridge/k2", resident=False)
 check("k=2" in repr(m) and m.k == 2 and len(m.source_layers) == 4, f"repr and properties: {m!r}")
+# Bad input fails closed (issue 24): refused by name, never mapped to wrong KV; the same with the weights resident.
+nan_keys = keys.copy()
+nan_keys[3, 1, 0, 5] = np.nan
+inf_values = values.copy()
+inf_values[7, 2, 1, 0] = -np.inf
+neg, big = pos.copy(), pos.astype(np.int64)
+neg[2] = -1
+big[0] = 2**31
+resident = crosskv.Mapper("out-ridge/k2")
+for mapper in (m, resident):
+    for call, want in ((lambda: mapper.transfer(nan_keys, values, pos), "keys: element 325 (token 3) is NaN"),
+                       (lambda: mapper.transfer(keys, inf_values, pos), "values: element 752 (token 7) is infinite"),
+                       (lambda: mapper.transfer(torch.from_numpy(nan_keys), torch.from_numpy(values), torch.from_numpy(pos)),
+                        "keys: element 325 (token 3) is NaN"),
+                       (lambda: mapper.transfer(keys, values, neg), "positions: position -1 is negative"),
+                       (lambda: mapper.transfer(keys, values, pos, neg), "target_positions: position -1 is negative"),
+                       (lambda: mapper.transfer(keys, values, big), "positions: position 2147483648 does not fit in 32 bits"),
+                       (lambda: mapper.transfer(keys, values, pos.astype(np.float32)),
+                        "positions: expected integer positions, got float32"),
+                       (lambda: mapper.transfer(keys.tolist(), values, pos),
+                        "keys: expected a numpy array or a torch tensor, got list"),
+                       (lambda: mapper.transfer(keys, values.tolist(), pos),
+                        "values: expected a numpy array or a torch tensor, got list")):
+        try:
+            call()
+            check(False, f"refused: {want}")
+        except crosskv.MapperError as e:
+            check(want in str(e), f"refused with a MapperError naming it: {e}")
 for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expected shape [tokens, 3, 2, 16]"),
                    (lambda: m.transfer(keys, values, pos[:5]), "positions: expected"),
                    (lambda: m.transfer(keys[0], values[0], pos), "keys: expected [tokens, 3, 2, 16] or [batch, seq"),

@@ -1,4 +1,4 @@
-#include "serve/resident.hpp"
+#include "serve/serving_mapper.hpp"
 
 #include <algorithm>
 #include <tuple>
@@ -8,7 +8,7 @@
 
 namespace crosskv {
 
-ResidentTransfer::ResidentTransfer(const std::string& mapper_dir, ComputeBackend& be, bool verify)
+ServingMapper::ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify)
     : m_(read_mapper_manifest(mapper_dir)),
       be_(be),
       src_rope_(m_.source, m_.path + " (source.kv_spec)"),
@@ -19,7 +19,7 @@ ResidentTransfer::ResidentTransfer(const std::string& mapper_dir, ComputeBackend
   upload(std::move(layers));
 }
 
-ResidentTransfer::ResidentTransfer(MapperManifest m, std::vector<MapperLayer> layers, ComputeBackend& be)
+ServingMapper::ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be)
     : m_(std::move(m)),
       be_(be),
       src_rope_(m_.source, m_.path + " (source.kv_spec)"),
@@ -28,7 +28,7 @@ ResidentTransfer::ResidentTransfer(MapperManifest m, std::vector<MapperLayer> la
 }
 
 template <class T>
-T* ResidentTransfer::scratch(ResidentKernels::MemoryPtr& m, int64_t count) {
+T* ServingMapper::scratch(ServingKernels::MemoryPtr& m, int64_t count) {
   const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
   if (!m || m->bytes < bytes) {
     m.reset();  // the old one first: a device keeps one at a time
@@ -37,13 +37,13 @@ T* ResidentTransfer::scratch(ResidentKernels::MemoryPtr& m, int64_t count) {
   return m->as<T>();
 }
 
-void ResidentTransfer::upload(std::vector<MapperLayer> layers) {
+void ServingMapper::upload(std::vector<MapperLayer> layers) {
   const int Lt = m_.target.n_layers;
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
   CROSSKV_ASSERT(static_cast<int>(layers.size()) == Lt && Lt > 0, "resident transfer: one entry per layer");
   k_ = static_cast<int64_t>(layers[0].source_layers.size());
   const int64_t K = k_ * F;
-  auto put = [&](const void* host, int64_t bytes, ResidentKernels::MemoryPtr& into, int64_t at) {
+  auto put = [&](const void* host, int64_t bytes, ServingKernels::MemoryPtr& into, int64_t at) {
     be_.copy_from_host(host, bytes, static_cast<char*>(into->data) + at);
   };
   for (Kind* kd : {&keys_, &values_}) {
@@ -76,7 +76,7 @@ void ResidentTransfer::upload(std::vector<MapperLayer> layers) {
   all_layers_ = std::all_of(selected_.begin(), selected_.end(), [&](const auto& s) { return s == every; });
 }
 
-void ResidentTransfer::add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y) {
+void ServingMapper::add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y) {
   // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the gathered features X [rows x s.in] (core/mlp's forward).
   const int64_t YW = m_.target.n_layers * m_.target.features_per_layer();
   const std::vector<MlpTensor> t = mlp_tensors(s);  // w1 b1 w2 b2 w3 b3
@@ -89,7 +89,7 @@ void ResidentTransfer::add_mlp(const MlpShape& s, const float* p, const float* X
     DenseMaths::BatchedGemm a;
     a.m = rows, a.n = n, a.k = k, a.beta = 1.0f;
     a.A = A, a.lda = k, a.B = p + w.offset, a.ldb = n, a.C = C, a.ldc = n;
-    be_.resident_gemm(a);
+    be_.serving_gemm(a);
     if (relu) be_.relu(C, rows * n);
   };
   affine(X, s.in, t[0], t[1], s.hidden, true, h1);
@@ -98,7 +98,7 @@ void ResidentTransfer::add_mlp(const MlpShape& s, const float* p, const float* X
   be_.add_rows(out, s.out, rows, Y, YW);
 }
 
-void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, float* Y) {
+void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, float* Y) {
   const int Lt = m_.target.n_layers;
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
   const int64_t XW = m_.source.n_layers * F, YW = Lt * G, K = k_ * F;
@@ -113,13 +113,13 @@ void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, fl
   if (all_layers_) {  // every layer's input is X itself (XW == K): one product for the whole mapper
     g.A = X, g.lda = XW, g.stride_a = 0;
     g.B = kd.w->as<float>(), g.C = Y, g.batch = Lt;
-    be_.resident_gemm(g);
+    be_.serving_gemm(g);
     for (int l = 0; l < Lt; ++l) mlp(l, X);
   } else if (k_ == 1) {  // X's columns of the one selected layer, read in place
     for (int l = 0; l < Lt; ++l) {
       g.A = X + int64_t{selected_[l][0]} * F, g.lda = XW;
       g.B = kd.w->as<float>() + l * K * G, g.C = Y + l * G, g.batch = 1;
-      be_.resident_gemm(g);
+      be_.serving_gemm(g);
       if (!kd.mlp[l]) continue;
       float* in = scratch<float>(gathered_, rows * K);  // the MLP reads its input contiguous
       be_.gather_layers(X, XW, {selected_[l]}, F, rows, in);
@@ -134,13 +134,13 @@ void ResidentTransfer::map_kind(const Kind& kd, const float* X, int64_t rows, fl
       be_.gather_layers(X, XW, {selected_.begin() + l0, selected_.begin() + l1}, F, rows, gathered);
       g.A = gathered, g.lda = K, g.stride_a = rows * K;
       g.B = kd.w->as<float>() + l0 * K * G, g.C = Y + l0 * G, g.batch = l1 - l0;
-      be_.resident_gemm(g);
+      be_.serving_gemm(g);
       for (int l = l0; l < l1; ++l) mlp(l, gathered + (l - l0) * rows * K);  // the gather the product read
     }
   }
 }
 
-void ResidentTransfer::apply(const ResidentBatch& b, std::optional<void*> stream) {
+void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
   if (b.rows == 0) return;
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
   if (stream) be_.begin_after(*stream);
@@ -155,7 +155,7 @@ void ResidentTransfer::apply(const ResidentBatch& b, std::optional<void*> stream
   if (stream) be_.end_before(*stream);
 }
 
-void ResidentTransfer::apply_host(const float* keys, const float* values, const int32_t* src_pos,
+void ServingMapper::apply_host(const float* keys, const float* values, const int32_t* src_pos,
                                   const int32_t* tgt_pos, int64_t rows, float* out_keys, float* out_values) {
   if (rows == 0) return;
   if (!be_.memory_on_device()) {
@@ -166,7 +166,7 @@ void ResidentTransfer::apply_host(const float* keys, const float* values, const 
   const int64_t YW = m_.target.n_layers * m_.target.features_per_layer();
   // One device array for the call: keys, values, out keys, out values (floats), then both positions (int32).
   float* d = scratch<float>(io_, rows * (2 * XW + 2 * YW + 2));
-  ResidentBatch b;
+  ServingBatch b;
   float *k = d, *v = k + rows * XW, *ok = v + rows * XW, *ov = ok + rows * YW;
   auto* pos = reinterpret_cast<int32_t*>(ov + rows * YW);
   b.keys = k, b.values = v, b.out_keys = ok, b.out_values = ov, b.rows = rows;

@@ -19,8 +19,8 @@
 
 namespace crosskv {
 
-// One call's arrays, all in the backend's memory (ResidentKernels::memory_on_device).
-struct ResidentBatch {
+// One call's arrays, all in the backend's memory (ServingKernels::memory_on_device).
+struct ServingBatch {
   const float* keys = nullptr;    // [rows, Ls, Hs, Ds] as the source caches them: post-RoPE at source_positions
   const float* values = nullptr;  // [rows, Ls, Hs, Ds]
   const int32_t* source_positions = nullptr;  // [rows]
@@ -30,19 +30,19 @@ struct ResidentBatch {
   float* out_values = nullptr;  // [rows, Lt, Ht, Dt]
 };
 
-class ResidentTransfer {
+class ServingMapper {
  public:
   // Reads the manifest and every layer file (each SHA-256 checked when `verify`) and moves the weights to `be`.
-  ResidentTransfer(const std::string& mapper_dir, ComputeBackend& be, bool verify = true);
+  ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify = true);
   // A mapper already in memory (benchmarks): `layers` in target-layer order.
-  ResidentTransfer(MapperManifest m, std::vector<MapperLayer> layers, ComputeBackend& be);
-  ResidentTransfer(const ResidentTransfer&) = delete;
-  ResidentTransfer& operator=(const ResidentTransfer&) = delete;
+  ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be);
+  ServingMapper(const ServingMapper&) = delete;
+  ServingMapper& operator=(const ServingMapper&) = delete;
 
   const MapperManifest& manifest() const { return m_; }
   const KvSpec& source() const { return m_.source; }
   const KvSpec& target() const { return m_.target; }
-  ComputeBackend& backend() const { return be_; }
+  ServingKernels& backend() const { return be_; }
   int64_t weight_bytes() const { return weight_bytes_; }  // resident: ridge and MLP parameters, fp32
   // The cap on the gathered source layers of one batched product (default 256 MiB): below it, fewer target layers
   // per product; at least one.
@@ -50,28 +50,28 @@ class ResidentTransfer {
 
   // Arrays in the backend's memory. With a caller's stream (a cudaStream_t; 0 is the legacy default stream), the
   // work starts after what the stream holds when called and the stream's later work waits for it, with no wait on
-  // the host (ResidentKernels::begin_after); without one, in the backend's own order. Asynchronous on a device.
-  void apply(const ResidentBatch& b, std::optional<void*> stream = std::nullopt);
+  // the host (ServingKernels::begin_after); without one, in the backend's own order. Asynchronous on a device.
+  void apply(const ServingBatch& b, std::optional<void*> stream = std::nullopt);
   // Host arrays (Transfer::apply's contract); copied to and from a device backend's memory, waited for.
   void apply_host(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos,
                   int64_t rows, float* out_keys, float* out_values);
 
  private:
   struct Kind {  // keys or values of every target layer, in backend memory
-    ResidentKernels::MemoryPtr w;             // [Lt][K x G]: layer l's weights at l*K*G
-    ResidentKernels::MemoryPtr b;             // [Lt * G]: a row of the output's width
-    std::vector<ResidentKernels::MemoryPtr> mlp;  // per layer: its residual MLP's parameters, or null
+    ServingKernels::MemoryPtr w;             // [Lt][K x G]: layer l's weights at l*K*G
+    ServingKernels::MemoryPtr b;             // [Lt * G]: a row of the output's width
+    std::vector<ServingKernels::MemoryPtr> mlp;  // per layer: its residual MLP's parameters, or null
     std::vector<MlpShape> mlp_shape;
   };
   // A scratch array of at least `count` Ts (grown, contents not kept).
   template <class T>
-  T* scratch(ResidentKernels::MemoryPtr& m, int64_t count);
+  T* scratch(ServingKernels::MemoryPtr& m, int64_t count);
   void upload(std::vector<MapperLayer> layers);
   void map_kind(const Kind& kd, const float* X, int64_t rows, float* Y);
   void add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y);
 
   MapperManifest m_;
-  ComputeBackend& be_;
+  ServingKernels& be_;
   Rope src_rope_, tgt_rope_;
   std::vector<std::vector<int>> selected_;  // per target layer, its source layers
   int64_t k_ = 0;                           // source layers per target layer (the same for every one)
@@ -79,7 +79,7 @@ class ResidentTransfer {
   Kind keys_, values_;
   int64_t weight_bytes_ = 0;
   int64_t gather_bytes_ = int64_t{256} << 20;
-  ResidentKernels::MemoryPtr content_, gathered_, h1_, h2_, mlp_out_, io_;
+  ServingKernels::MemoryPtr content_, gathered_, h1_, h2_, mlp_out_, io_;
 };
 
 }  // namespace crosskv

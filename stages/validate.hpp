@@ -1,0 +1,17 @@
+#pragma once
+// Stage 1 of a fit: the config, the stores and their shards checked, read as metadata.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "runtime/config.hpp"
+#include "stages/calibration.hpp"
+
+namespace crosskv {
+
+// Stage 1: config, stores, shards. Reads only metadata, token ids and positions.
+Calibration validate(const FitConfig& cfg);
+
+}  // namespace crosskv
