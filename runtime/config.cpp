@@ -95,6 +95,116 @@ struct Reader {
 
 }  // namespace
 
+namespace {
+
+// One of `names` (a scalar) as its value in `values`; else the key's error listing them.
+template <class T>
+T choice(Reader& r, const YAML::Node& n, const std::string& key, const std::vector<std::string>& names,
+         const std::vector<T>& values) {
+  const std::string v = r.str(n, key);
+  for (size_t i = 0; i < names.size(); ++i)
+    if (v == names[i]) return values[i];
+  std::string expected;
+  for (size_t i = 0; i < names.size(); ++i)
+    expected += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
+  r.fail(n, key, "expected " + expected + ", got \"" + v + "\"");
+  return values[0];  // not reached: fail throws
+}
+
+void parse_calibration(Reader& r, const YAML::Node& cal, FitConfig& c) {
+  r.only_keys(cal, "calibration", {"domains", "token_stride", "max_tokens", "weights"});
+  if (auto w = cal["weights"]; w && !w.IsNull()) {
+    if (!w.IsMap()) r.fail(w, "calibration.weights", "expected a mapping {domain: weight}");
+    for (const auto& kv : w) {
+      const std::string dom = kv.first.as<std::string>();
+      const double v = r.number(kv.second, "calibration.weights." + dom);
+      if (!(v >= 0.0)) r.fail(kv.second, "calibration.weights." + dom, "must be >= 0");
+      c.weights[dom] = v;
+    }
+  }
+  if (auto d = cal["domains"]; d && !d.IsNull())
+    c.domains = r.distinct_strings(d, "calibration.domains", "expected a list of domain names", "domain ");
+  if (auto s = cal["token_stride"]) c.token_stride = r.integer(s, "calibration.token_stride", 1);
+  if (auto m = cal["max_tokens"]; m && !m.IsNull()) c.max_tokens = r.integer(m, "calibration.max_tokens", 1);
+}
+
+void parse_mlp(Reader& r, const YAML::Node& m, MlpConfig& mlp) {
+  r.only_keys(m, "fit.mlp", {"hidden", "epochs", "lr", "batch_tokens", "weight_decay", "val_fraction", "seed"});
+  if (auto x = m["hidden"]) mlp.hidden = static_cast<int>(r.integer(x, "fit.mlp.hidden", 1));
+  if (auto x = m["epochs"]) mlp.epochs = static_cast<int>(r.integer(x, "fit.mlp.epochs", 1));
+  if (auto x = m["batch_tokens"]) mlp.batch_tokens = r.integer(x, "fit.mlp.batch_tokens", 1);
+  if (auto x = m["seed"]) mlp.seed = static_cast<uint64_t>(r.integer(x, "fit.mlp.seed", 0));
+  if (auto x = m["lr"]) {
+    mlp.lr = r.number(x, "fit.mlp.lr");
+    if (!(mlp.lr > 0)) r.fail(x, "fit.mlp.lr", "must be > 0");
+  }
+  if (auto x = m["weight_decay"]) {
+    mlp.weight_decay = r.number(x, "fit.mlp.weight_decay");
+    if (!(mlp.weight_decay >= 0)) r.fail(x, "fit.mlp.weight_decay", "must be >= 0");
+  }
+  if (auto x = m["val_fraction"]) {
+    mlp.val_fraction = r.number(x, "fit.mlp.val_fraction");
+    if (!(mlp.val_fraction > 0 && mlp.val_fraction < 1))
+      r.fail(x, "fit.mlp.val_fraction", "must be between 0 and 1 (exclusive)");
+  }
+}
+
+void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
+  r.only_keys(fit, "fit", {"k", "lambda", "probe", "dtype", "mapper", "mlp"});
+  if (auto k = fit["k"]) {
+    c.ks.clear();
+    if (k.IsSequence()) {
+      if (k.size() == 0) r.fail(k, "fit.k", "expected a number, \"all\" or a non-empty list");
+      for (const auto& e : k) c.ks.push_back(r.k_value(e, "fit.k"));
+    } else {
+      c.ks.push_back(r.k_value(k, "fit.k"));
+    }
+    std::set<int> seen;
+    for (const auto& kc : c.ks)
+      if (!seen.insert(kc.value).second) r.fail(k, "fit.k", "k = " + kc.label() + " listed twice");
+  }
+  if (auto l = fit["lambda"]) {
+    c.lambda = r.number(l, "fit.lambda");
+    if (!(c.lambda >= 0.0)) r.fail(l, "fit.lambda", "must be >= 0");
+  }
+  if (auto p = fit["probe"])
+    c.probe = choice<ProbeMode>(r, p, "fit.probe", {"same_head", "all_heads"}, {ProbeMode::same_head, ProbeMode::all_heads});
+  if (auto d = fit["dtype"])
+    c.dtype = choice<Dtype>(r, d, "fit.dtype", {"fp32", "bf16", "fp16"}, {Dtype::f32, Dtype::bf16, Dtype::f16});
+  if (auto m = fit["mapper"])
+    c.mapper = choice<MapperKind>(r, m, "fit.mapper", {"ridge", "mlp", "auto"}, {MapperKind::ridge, MapperKind::mlp, MapperKind::auto_});
+  if (auto m = fit["mlp"]) parse_mlp(r, m, c.mlp);
+}
+
+void parse_runtime(Reader& r, const YAML::Node& rt, FitConfig& c) {
+  r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib", "layer_groups", "tf32"});
+  if (auto t = rt["tf32"]) c.tf32 = r.boolean(t, "runtime.tf32");
+  if (auto d = rt["device"])
+    c.device = choice<DeviceKind>(r, d, "runtime.device", {"auto", "cpu", "cuda"}, {DeviceKind::auto_, DeviceKind::cpu, DeviceKind::cuda});
+  if (auto g = rt["layer_groups"]) {
+    int64_t v = 0;
+    if (g.IsScalar() && g.Scalar() == "auto")
+      c.layer_groups = 0;
+    else if (!g.IsScalar() || !YAML::convert<int64_t>::decode(g, v) || v < 1 || v > 65536)
+      r.fail(g, "runtime.layer_groups", "expected auto or an integer >= 1, got \"" + (g.IsScalar() ? g.Scalar() : "?") + "\"");
+    else
+      c.layer_groups = static_cast<int>(v);
+  }
+  if (auto b = rt["block_tokens"]) c.block_tokens = r.integer(b, "runtime.block_tokens", 1);
+  if (auto m = rt["max_moment_gib"]) {
+    c.max_moment_gib = r.number(m, "runtime.max_moment_gib");
+    if (!(c.max_moment_gib > 0)) r.fail(m, "runtime.max_moment_gib", "must be > 0");
+  }
+  if (auto ck = rt["checkpoint"]) {
+    r.only_keys(ck, "runtime.checkpoint", {"dir", "every_shards", "mlp_seconds"});
+    if (auto d = ck["dir"]) c.checkpoint_dir = r.path_relative_to_config(r.str(d, "runtime.checkpoint.dir"));
+    if (auto e = ck["every_shards"]) c.checkpoint_every_shards = r.integer(e, "runtime.checkpoint.every_shards", 1);
+    if (auto e = ck["mlp_seconds"]) c.checkpoint_mlp_seconds = r.integer(e, "runtime.checkpoint.mlp_seconds", 0);
+  }
+}
+
+}  // namespace
+
 FitConfig parse_fit_config(const std::string& text, const std::string& path) {
   Reader r{path};
   YAML::Node root;
@@ -118,116 +228,13 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
     std::string p = r.path_relative_to_config(r.str(root[side]["store"], std::string(side) + ".store"));
     (std::string(side) == "source" ? c.source_store : c.target_store) = p;
   }
-  if (auto cal = root["calibration"]) {
-    r.only_keys(cal, "calibration", {"domains", "token_stride", "max_tokens", "weights"});
-    if (auto w = cal["weights"]; w && !w.IsNull()) {
-      if (!w.IsMap()) r.fail(w, "calibration.weights", "expected a mapping {domain: weight}");
-      for (const auto& kv : w) {
-        const std::string dom = kv.first.as<std::string>();
-        const double v = r.number(kv.second, "calibration.weights." + dom);
-        if (!(v >= 0.0)) r.fail(kv.second, "calibration.weights." + dom, "must be >= 0");
-        c.weights[dom] = v;
-      }
-    }
-    if (auto d = cal["domains"]; d && !d.IsNull())
-      c.domains = r.distinct_strings(d, "calibration.domains", "expected a list of domain names", "domain ");
-    if (auto s = cal["token_stride"]) c.token_stride = r.integer(s, "calibration.token_stride", 1);
-    if (auto m = cal["max_tokens"]; m && !m.IsNull()) c.max_tokens = r.integer(m, "calibration.max_tokens", 1);
-  }
-  if (auto fit = root["fit"]) {
-    r.only_keys(fit, "fit", {"k", "lambda", "probe", "dtype", "mapper", "mlp"});
-    if (auto k = fit["k"]) {
-      c.ks.clear();
-      if (k.IsSequence()) {
-        if (k.size() == 0) r.fail(k, "fit.k", "expected a number, \"all\" or a non-empty list");
-        for (const auto& e : k) c.ks.push_back(r.k_value(e, "fit.k"));
-      } else {
-        c.ks.push_back(r.k_value(k, "fit.k"));
-      }
-      std::set<int> seen;
-      for (const auto& kc : c.ks)
-        if (!seen.insert(kc.value).second) r.fail(k, "fit.k", "k = " + kc.label() + " listed twice");
-    }
-    if (auto l = fit["lambda"]) {
-      c.lambda = r.number(l, "fit.lambda");
-      if (!(c.lambda >= 0.0)) r.fail(l, "fit.lambda", "must be >= 0");
-    }
-    if (auto p = fit["probe"]) {
-      std::string v = r.str(p, "fit.probe");
-      if (v == "same_head") c.probe = ProbeMode::same_head;
-      else if (v == "all_heads") c.probe = ProbeMode::all_heads;
-      else r.fail(p, "fit.probe", "expected same_head or all_heads, got \"" + v + "\"");
-    }
-    if (auto d = fit["dtype"]) {
-      std::string v = r.str(d, "fit.dtype");
-      if (v == "fp32") c.dtype = Dtype::f32;
-      else if (v == "bf16") c.dtype = Dtype::bf16;
-      else if (v == "fp16") c.dtype = Dtype::f16;
-      else r.fail(d, "fit.dtype", "expected fp32, bf16 or fp16, got \"" + v + "\"");
-    }
-    if (auto m = fit["mapper"]) {
-      std::string v = r.str(m, "fit.mapper");
-      if (v == "ridge") c.mapper = MapperKind::ridge;
-      else if (v == "mlp") c.mapper = MapperKind::mlp;
-      else if (v == "auto") c.mapper = MapperKind::auto_;
-      else r.fail(m, "fit.mapper", "expected ridge, mlp or auto, got \"" + v + "\"");
-    }
-    if (auto m = fit["mlp"]) {
-      r.only_keys(m, "fit.mlp", {"hidden", "epochs", "lr", "batch_tokens", "weight_decay", "val_fraction", "seed"});
-      if (auto x = m["hidden"]) c.mlp.hidden = static_cast<int>(r.integer(x, "fit.mlp.hidden", 1));
-      if (auto x = m["epochs"]) c.mlp.epochs = static_cast<int>(r.integer(x, "fit.mlp.epochs", 1));
-      if (auto x = m["batch_tokens"]) c.mlp.batch_tokens = r.integer(x, "fit.mlp.batch_tokens", 1);
-      if (auto x = m["seed"]) c.mlp.seed = static_cast<uint64_t>(r.integer(x, "fit.mlp.seed", 0));
-      if (auto x = m["lr"]) {
-        c.mlp.lr = r.number(x, "fit.mlp.lr");
-        if (!(c.mlp.lr > 0)) r.fail(x, "fit.mlp.lr", "must be > 0");
-      }
-      if (auto x = m["weight_decay"]) {
-        c.mlp.weight_decay = r.number(x, "fit.mlp.weight_decay");
-        if (!(c.mlp.weight_decay >= 0)) r.fail(x, "fit.mlp.weight_decay", "must be >= 0");
-      }
-      if (auto x = m["val_fraction"]) {
-        c.mlp.val_fraction = r.number(x, "fit.mlp.val_fraction");
-        if (!(c.mlp.val_fraction > 0 && c.mlp.val_fraction < 1))
-          r.fail(x, "fit.mlp.val_fraction", "must be between 0 and 1 (exclusive)");
-      }
-    }
-  }
+  if (auto cal = root["calibration"]) parse_calibration(r, cal, c);
+  if (auto fit = root["fit"]) parse_fit(r, fit, c);
   if (!root["output"]) r.fail(root, "output", "missing (expected {dir: PATH})");
   r.only_keys(root["output"], "output", {"dir"});
   if (!root["output"]["dir"]) r.fail(root["output"], "output.dir", "missing (expected a path)");
   c.output_dir = r.path_relative_to_config(r.str(root["output"]["dir"], "output.dir"));
-  if (auto rt = root["runtime"]) {
-    r.only_keys(rt, "runtime", {"device", "block_tokens", "checkpoint", "max_moment_gib", "layer_groups", "tf32"});
-    if (auto t = rt["tf32"]) c.tf32 = r.boolean(t, "runtime.tf32");
-    if (auto d = rt["device"]) {
-      std::string v = r.str(d, "runtime.device");
-      if (v == "auto") c.device = DeviceKind::auto_;
-      else if (v == "cpu") c.device = DeviceKind::cpu;
-      else if (v == "cuda") c.device = DeviceKind::cuda;
-      else r.fail(d, "runtime.device", "expected auto, cpu or cuda, got \"" + v + "\"");
-    }
-    if (auto g = rt["layer_groups"]) {
-      int64_t v = 0;
-      if (g.IsScalar() && g.Scalar() == "auto")
-        c.layer_groups = 0;
-      else if (!g.IsScalar() || !YAML::convert<int64_t>::decode(g, v) || v < 1 || v > 65536)
-        r.fail(g, "runtime.layer_groups", "expected auto or an integer >= 1, got \"" + (g.IsScalar() ? g.Scalar() : "?") + "\"");
-      else
-        c.layer_groups = static_cast<int>(v);
-    }
-    if (auto b = rt["block_tokens"]) c.block_tokens = r.integer(b, "runtime.block_tokens", 1);
-    if (auto m = rt["max_moment_gib"]) {
-      c.max_moment_gib = r.number(m, "runtime.max_moment_gib");
-      if (!(c.max_moment_gib > 0)) r.fail(m, "runtime.max_moment_gib", "must be > 0");
-    }
-    if (auto ck = rt["checkpoint"]) {
-      r.only_keys(ck, "runtime.checkpoint", {"dir", "every_shards", "mlp_seconds"});
-      if (auto d = ck["dir"]) c.checkpoint_dir = r.path_relative_to_config(r.str(d, "runtime.checkpoint.dir"));
-      if (auto e = ck["every_shards"]) c.checkpoint_every_shards = r.integer(e, "runtime.checkpoint.every_shards", 1);
-      if (auto e = ck["mlp_seconds"]) c.checkpoint_mlp_seconds = r.integer(e, "runtime.checkpoint.mlp_seconds", 0);
-    }
-  }
+  if (auto rt = root["runtime"]) parse_runtime(r, rt, c);
   return c;
 }
 

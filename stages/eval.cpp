@@ -166,138 +166,176 @@ std::string EvalCost::text() const {
   return buf;
 }
 
-std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& dirs, const HeldOut& data,
-                                               ComputeBackend& be, Comm& comm, bool verify) {
-  // Inputs opened and checked on every rank (the same files: the same errors, reported once).
-  struct Inputs {
-    HeldOutSide src, tgt;
-    std::vector<MapperManifest> mappers;
-  };
-  const auto in = agreed(comm, [&] {
-    auto inputs = std::make_shared<Inputs>();
-    inputs->src = open_side(data.source_shards, false);
-    inputs->tgt = open_side(data.target_shards, true);
-    for (const auto& dir : dirs) {
-      MapperManifest m = read_mapper_manifest(dir);
-      Rope(m.source, m.path + " (source.kv_spec)");
-      Rope(m.target, m.path + " (target.kv_spec)");
-      check_kv_spec(m, true, inputs->src.spec, inputs->src.name);
-      check_kv_spec(m, false, inputs->tgt.spec, inputs->tgt.name);
-      inputs->mappers.push_back(std::move(m));
-    }
-    const HeldOutSide &s = inputs->src, &t = inputs->tgt;
-    if (s.tokens != t.tokens || s.seq_offsets != t.seq_offsets)
-      throw InputError(t.name + ": holds other tokens than " + s.name + " (" + std::to_string(t.tokens) + " vs " +
-                       std::to_string(s.tokens) + ", or other sequences)");
-    return inputs;
-  });
-  const HeldOutSide &src = in->src, &tgt = in->tgt;
-  const KvSpec &S = src.spec, &Tg = tgt.spec;
-  const int64_t T = tgt.tokens, F = S.features_per_layer(), G = Tg.features_per_layer();
-  const int P = comm.size(), rank = comm.rank(), nm = static_cast<int>(dirs.size());
-  std::vector<int> mine;
-  for (int l = rank; l < Tg.n_layers; l += P) mine.push_back(l);
-  const EvalCost cost = eval_cost(S, Tg, T, tgt.seq_offsets, tgt.queries, nm, P);
-  spdlog::info("eval: {} mapper(s) on {}; {}", nm, data.names, cost.text());
+namespace {
 
-  // This rank's target layers, every mapper and baseline (no collectives inside: errors are agreed on after).
-  const std::string mine_bytes = agreed(comm, [&] {
-    std::map<int, SourceLayer> resident;
+// The held-out shards of both sides and the mappers, opened and checked against each other.
+struct EvalInputs {
+  HeldOutSide src, tgt;
+  std::vector<MapperManifest> mappers;
+};
+
+std::shared_ptr<EvalInputs> open_eval_inputs(const std::vector<std::string>& dirs, const HeldOut& data) {
+  auto inputs = std::make_shared<EvalInputs>();
+  inputs->src = open_side(data.source_shards, false);
+  inputs->tgt = open_side(data.target_shards, true);
+  for (const auto& dir : dirs) {
+    MapperManifest m = read_mapper_manifest(dir);
+    Rope(m.source, m.path + " (source.kv_spec)");
+    Rope(m.target, m.path + " (target.kv_spec)");
+    check_kv_spec(m, true, inputs->src.spec, inputs->src.name);
+    check_kv_spec(m, false, inputs->tgt.spec, inputs->tgt.name);
+    inputs->mappers.push_back(std::move(m));
+  }
+  const HeldOutSide &s = inputs->src, &t = inputs->tgt;
+  if (s.tokens != t.tokens || s.seq_offsets != t.seq_offsets)
+    throw InputError(t.name + ": holds other tokens than " + s.name + " (" + std::to_string(t.tokens) + " vs " +
+                     std::to_string(s.tokens) + ", or other sequences)");
+  return inputs;
+}
+
+// The diagnostics of this rank's target layers, for every mapper and baseline, as bytes (put_layer) in layer order:
+// per layer and mapper, the mapper's, without the target RoPE, mean-only, and ridge alone where it has MLPs.
+class LayerEvaluator {
+ public:
+  LayerEvaluator(const EvalInputs& in, ComputeBackend& be, bool verify)
+      : in_(in), be_(be), verify_(verify), S_(in.src.spec), Tg_(in.tgt.spec), T_(in.tgt.tokens),
+        F_(S_.features_per_layer()), G_(Tg_.features_per_layer()), src_rope_(S_), tgt_rope_(Tg_), yk_(G_), yv_(G_) {}
+
+  std::string run(const std::vector<int>& mine, int ranks) {
     for (int l : mine)
-      for (const auto& m : in->mappers)
-        for (int a : m.layers.at(l).source_layers) ++resident[a].uses;
-    const Rope src_rope(S), tgt_rope(Tg);
+      for (const auto& m : in_.mappers)
+        for (int a : m.layers.at(l).source_layers) ++resident_[a].uses;
     // On a host backend BLAS runs on one thread and the diagnostics spread their units over OpenMP's threads.
     std::optional<SingleThreadedBlas> one_thread;
-    if (be.concurrent_calls()) one_thread.emplace();
-    ByteWriter out;
-    std::vector<float> xk, xv, ck, cv, mk, mv, pk, yk(G), yv(G), bk, bv;
-    LayerDiagnostics ridge_layer;
-    Progress progress(P > 1 ? "eval (this rank's layers)" : "eval", static_cast<int64_t>(mine.size()) * T, 0);
+    if (be_.concurrent_calls()) one_thread.emplace();
+    Progress progress(ranks > 1 ? "eval (this rank's layers)" : "eval", static_cast<int64_t>(mine.size()) * T_, 0);
     for (int l : mine) {
+      const HeldOutSide& tgt = in_.tgt;
       LayerTruth truth;
-      truth.layer = l, truth.spec = Tg, truth.tokens = T;
+      truth.layer = l, truth.spec = Tg_, truth.tokens = T_;
       truth.positions = tgt.positions.data(), truth.seq_offsets = tgt.seq_offsets.data();
       truth.sequences = static_cast<int64_t>(tgt.seq_offsets.size()) - 1;
-      truth.keys = tgt.layer("keys", l, G);
-      truth.values = tgt.layer("values", l, G);
-      if (tgt.queries) truth.queries = tgt.layer("queries", l, int64_t{Tg.n_q_heads} * Tg.head_dim);
-      LayerDiagnoser dg(be, truth);
-      for (const auto& m : in->mappers) {
-        const MapperLayer w = load_mapper_layer(m, l, verify);
-        for (int a : w.source_layers) {
-          SourceLayer& s = resident[a];
-          if (!s.keys.empty()) continue;
-          s.keys = src.layer("keys", a, F);
-          s.values = src.layer("values", a, F);
-          src_rope.strip_block(s.keys.data(), T, S.n_kv_heads, src.positions.data());
-          s.mean_keys.assign(F, 0.0f), s.mean_values.assign(F, 0.0f);
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t c = 0; c < F; ++c) {
-              s.mean_keys[c] += s.keys[t * F + c] / static_cast<float>(T);
-              s.mean_values[c] += s.values[t * F + c] / static_cast<float>(T);
-            }
-        }
-        map_layer(be, w, resident, T, F, G, xk, xv, ck, cv, mk, mv);
-        if (has_mlps(m)) {  // ridge alone first, then the residual MLPs added
-          pk = ck;
-          tgt_rope.apply_block(pk.data(), T, Tg.n_kv_heads, tgt.positions.data());
-          ridge_layer = dg.diagnose(pk.data(), cv.data());
-          MlpWorkspace ws;
-          add_residual_mlp(be, w.mlp_k, xk.data(), T, ck.data(), G, ws);
-          add_residual_mlp(be, w.mlp_v, xv.data(), T, cv.data(), G, ws);
-        }
-        pk = ck;
-        tgt_rope.apply_block(pk.data(), T, Tg.n_kv_heads, tgt.positions.data());
-        put_layer(out, dg.diagnose(pk.data(), cv.data()));
-        put_layer(out, dg.diagnose(ck.data(), cv.data()));  // without the target RoPE
-        // Mean-only: layer l's weights applied to the mean source content, for every token.
-        const auto K = static_cast<int64_t>(mk.size());
-        map_gathered(be, mk.data(), K, w.wk.data(), w.bk.data(), G, 1, yk.data(), G);
-        map_gathered(be, mv.data(), K, w.wv.data(), w.bv.data(), G, 1, yv.data(), G);
-        MlpWorkspace ws;
-        add_residual_mlp(be, w.mlp_k, mk.data(), 1, yk.data(), G, ws);
-        add_residual_mlp(be, w.mlp_v, mv.data(), 1, yv.data(), G, ws);
-        bk.resize(T * G), bv.resize(T * G);
-        for (int64_t t = 0; t < T; ++t) {
-          std::copy(yk.begin(), yk.end(), bk.begin() + t * G);
-          std::copy(yv.begin(), yv.end(), bv.begin() + t * G);
-        }
-        tgt_rope.apply_block(bk.data(), T, Tg.n_kv_heads, tgt.positions.data());
-        put_layer(out, dg.diagnose(bk.data(), bv.data()));
-        if (has_mlps(m)) put_layer(out, ridge_layer);
-        for (int a : w.source_layers)
-          if (--resident[a].uses == 0) resident.erase(a);
-      }
-      progress.add(T);
+      truth.keys = tgt.layer("keys", l, G_);
+      truth.values = tgt.layer("values", l, G_);
+      if (tgt.queries) truth.queries = tgt.layer("queries", l, int64_t{Tg_.n_q_heads} * Tg_.head_dim);
+      LayerDiagnoser dg(be_, truth);
+      for (const auto& m : in_.mappers) diagnose(m, l, dg);
+      progress.add(T_);
     }
     progress.finish();
-    return std::move(out.bytes());
-  });
+    return std::move(out_.bytes());
+  }
 
-  // Every rank's layers, on every rank: per mapper, the mapper's and the two baselines' layers in layer order.
-  const std::vector<std::string> all = gather_strings(comm, mine_bytes);
+ private:
+  // The source layers a mapper's layer reads, in content space with their means (kept while some layer needs them).
+  void load_sources(const MapperLayer& w) {
+    for (int a : w.source_layers) {
+      SourceLayer& s = resident_[a];
+      if (!s.keys.empty()) continue;
+      s.keys = in_.src.layer("keys", a, F_);
+      s.values = in_.src.layer("values", a, F_);
+      src_rope_.strip_block(s.keys.data(), T_, S_.n_kv_heads, in_.src.positions.data());
+      s.mean_keys.assign(F_, 0.0f), s.mean_values.assign(F_, 0.0f);
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t c = 0; c < F_; ++c) {
+          s.mean_keys[c] += s.keys[t * F_ + c] / static_cast<float>(T_);
+          s.mean_values[c] += s.values[t * F_ + c] / static_cast<float>(T_);
+        }
+    }
+  }
+
+  // One mapper's target layer l: the mapper, without the target RoPE, mean-only, and ridge alone (with MLPs).
+  void diagnose(const MapperManifest& m, int l, LayerDiagnoser& dg) {
+    const MapperLayer w = load_mapper_layer(m, l, verify_);
+    load_sources(w);
+    map_layer(be_, w, resident_, T_, F_, G_, xk_, xv_, ck_, cv_, mk_, mv_);
+    const int32_t* pos = in_.tgt.positions.data();
+    LayerDiagnostics ridge_layer;
+    if (has_mlps(m)) {  // ridge alone first, then the residual MLPs added
+      pk_ = ck_;
+      tgt_rope_.apply_block(pk_.data(), T_, Tg_.n_kv_heads, pos);
+      ridge_layer = dg.diagnose(pk_.data(), cv_.data());
+      MlpWorkspace ws;
+      add_residual_mlp(be_, w.mlp_k, xk_.data(), T_, ck_.data(), G_, ws);
+      add_residual_mlp(be_, w.mlp_v, xv_.data(), T_, cv_.data(), G_, ws);
+    }
+    pk_ = ck_;
+    tgt_rope_.apply_block(pk_.data(), T_, Tg_.n_kv_heads, pos);
+    put_layer(out_, dg.diagnose(pk_.data(), cv_.data()));
+    put_layer(out_, dg.diagnose(ck_.data(), cv_.data()));  // without the target RoPE
+    // Mean-only: layer l's weights applied to the mean source content, for every token.
+    const auto K = static_cast<int64_t>(mk_.size());
+    map_gathered(be_, mk_.data(), K, w.wk.data(), w.bk.data(), G_, 1, yk_.data(), G_);
+    map_gathered(be_, mv_.data(), K, w.wv.data(), w.bv.data(), G_, 1, yv_.data(), G_);
+    MlpWorkspace ws;
+    add_residual_mlp(be_, w.mlp_k, mk_.data(), 1, yk_.data(), G_, ws);
+    add_residual_mlp(be_, w.mlp_v, mv_.data(), 1, yv_.data(), G_, ws);
+    bk_.resize(T_ * G_), bv_.resize(T_ * G_);
+    for (int64_t t = 0; t < T_; ++t) {
+      std::copy(yk_.begin(), yk_.end(), bk_.begin() + t * G_);
+      std::copy(yv_.begin(), yv_.end(), bv_.begin() + t * G_);
+    }
+    tgt_rope_.apply_block(bk_.data(), T_, Tg_.n_kv_heads, pos);
+    put_layer(out_, dg.diagnose(bk_.data(), bv_.data()));
+    if (has_mlps(m)) put_layer(out_, ridge_layer);
+    for (int a : w.source_layers)
+      if (--resident_[a].uses == 0) resident_.erase(a);
+  }
+
+  const EvalInputs& in_;
+  ComputeBackend& be_;
+  const bool verify_;
+  const KvSpec &S_, &Tg_;
+  const int64_t T_, F_, G_;
+  const Rope src_rope_, tgt_rope_;
+  std::map<int, SourceLayer> resident_;
+  std::vector<float> xk_, xv_, ck_, cv_, mk_, mv_, pk_, yk_, yv_, bk_, bv_;
+  ByteWriter out_;
+};
+
+// Every rank's layers (gathered), per mapper: the mapper's and the baselines' figures, summarized and judged.
+std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::string>& dirs, const EvalInputs& in,
+                                                    const std::vector<std::string>& all, int ranks) {
+  const int nm = static_cast<int>(dirs.size());
+  const int64_t T = in.tgt.tokens;
   std::vector<std::array<std::vector<LayerDiagnostics>, 4>> layers(nm);  // mapper, no RoPE, mean-only, ridge alone
-  for (int r = 0; r < P; ++r) {
+  for (int r = 0; r < ranks; ++r) {
     ByteReader rd(all[r], "a rank's diagnostics");
-    for (int l = r; l < Tg.n_layers; l += P)
+    for (int l = r; l < in.tgt.spec.n_layers; l += ranks)
       for (int i = 0; i < nm; ++i)
-        for (int v = 0; v < (has_mlps(in->mappers[i]) ? 4 : 3); ++v) layers[i][v].push_back(get_layer(rd));
+        for (int v = 0; v < (has_mlps(in.mappers[i]) ? 4 : 3); ++v) layers[i][v].push_back(get_layer(rd));
   }
   std::vector<MapperEvaluation> out;
   for (int i = 0; i < nm; ++i) {
     for (auto& v : layers[i])
       std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.layer < b.layer; });
     Evaluation ev;
-    ev.mapper = summarize_layers(std::move(layers[i][0]), T, tgt.queries);
-    ev.no_target_rope = summarize_layers(std::move(layers[i][1]), T, tgt.queries);
-    ev.mean_only = summarize_layers(std::move(layers[i][2]), T, tgt.queries);
-    if (has_mlps(in->mappers[i])) ev.ridge_only = summarize_layers(std::move(layers[i][3]), T, tgt.queries);
+    ev.mapper = summarize_layers(std::move(layers[i][0]), T, in.tgt.queries);
+    ev.no_target_rope = summarize_layers(std::move(layers[i][1]), T, in.tgt.queries);
+    ev.mean_only = summarize_layers(std::move(layers[i][2]), T, in.tgt.queries);
+    if (has_mlps(in.mappers[i])) ev.ridge_only = summarize_layers(std::move(layers[i][3]), T, in.tgt.queries);
     judge(ev);
-    const MapperManifest& m = in->mappers[i];
+    const MapperManifest& m = in.mappers[i];
     out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& dirs, const HeldOut& data,
+                                               ComputeBackend& be, Comm& comm, bool verify) {
+  // Inputs opened and checked on every rank (the same files: the same errors, reported once).
+  const auto in = agreed(comm, [&] { return open_eval_inputs(dirs, data); });
+  const KvSpec &S = in->src.spec, &Tg = in->tgt.spec;
+  const int P = comm.size(), rank = comm.rank(), nm = static_cast<int>(dirs.size());
+  std::vector<int> mine;
+  for (int l = rank; l < Tg.n_layers; l += P) mine.push_back(l);
+  const EvalCost cost = eval_cost(S, Tg, in->tgt.tokens, in->tgt.seq_offsets, in->tgt.queries, nm, P);
+  spdlog::info("eval: {} mapper(s) on {}; {}", nm, data.names, cost.text());
+  // This rank's target layers, every mapper and baseline (no collectives inside: errors are agreed on after).
+  const std::string mine_bytes = agreed(comm, [&] { return LayerEvaluator(*in, be, verify).run(mine, P); });
+  return summarize_evaluations(dirs, *in, gather_strings(comm, mine_bytes), P);
 }
 
 std::string render_evaluation_report(const std::vector<MapperEvaluation>& evals, const std::string& held_out,

@@ -46,118 +46,155 @@ namespace {
 // sums are never held twice. With a checkpoint of this pass, reading resumes after its last round (or not at all if
 // the pass was complete). `keep_share`: a one-reader state keeps a copy of the pass's sums for a later pass's
 // checkpoints.
-PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
-                   const std::vector<Moments*>& ms, const std::string& label, bool keep_share) {
-  auto& base_f = pass == 1 ? state.pass1_f : state.pass2_f;
-  auto& base_d = pass == 1 ? state.pass1_d : state.pass2_d;
-  if (state.pass < pass) {
-    state.pass = pass;
-    state.rounds_done = 0;
-    base_f.clear();
-    base_d.clear();
-    state.deferred.reset();
+class PassRun {
+ public:
+  PassRun(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
+          const std::vector<Moments*>& ms, const std::string& label)
+      : pass_(pass), cal_(cal), ctx_(ctx), store_(store), state_(state), ms_(ms), label_(label),
+        base_f_(pass == 1 ? state.pass1_f : state.pass2_f), base_d_(pass == 1 ? state.pass1_d : state.pass2_d),
+        readers_(ctx.readers()), one_reader_(readers_.size() == 1), live_{&ctx.backend, {}, {}} {}
+
+  PassStats run(bool keep_share) {
+    if (state_.pass < pass_) {
+      state_.pass = pass_;
+      state_.rounds_done = 0;
+      base_f_.clear();
+      base_d_.clear();
+      state_.deferred.reset();
+    }
+    name_live();
+    nf_ = static_cast<size_t>(flat_size(live_.f)), nd_ = static_cast<size_t>(flat_size(live_.d));
+    restore();
+    // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds) and keeps it
+    // for that pass's checkpoints; in this pass a reader's moments are current from here on.
+    const int64_t rounds = pass_rounds(cal_, readers_.size());
+    const bool was_complete = state_.pass > pass_ || state_.rounds_done == rounds;
+    if (one_reader_ && state_.pass == pass_) {
+      std::vector<float>().swap(base_f_);
+      std::vector<double>().swap(base_d_);
+    }
+    PassStats st;
+    if (!was_complete)
+      st = stream(rounds);
+    else
+      spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label_, store_.dir());
+    end(keep_share, was_complete);
+    for (auto* m : ms_) m->mark_pass_complete();
+    double share = static_cast<double>(base_f_.size() * sizeof(float) + base_d_.size() * sizeof(double));
+    log_rank_memory(ctx_, label_ + " (moments + checkpointed share)", ms_, share);
+    return st;
   }
-  Comm& readers = ctx.readers();
-  const bool one_reader = readers.size() == 1;
-  LiveSums live{&ctx.backend, {}, {}};
+
+ private:
   // The live sums as pieces where they are current: on the host, or the held copies while the moments hold them.
-  auto name_live = [&] {
-    live.f.clear();
-    live.d.clear();
-    for (auto* m : ms) m->live_pieces(live.f, live.d);
-  };
-  name_live();
-  const auto nf = static_cast<size_t>(flat_size(live.f)), nd = static_cast<size_t>(flat_size(live.d));
-  auto unpack_doubles = [&ms](const double* pd) {
-    for (auto* m : ms) {
+  void name_live() {
+    live_.f.clear();
+    live_.d.clear();
+    for (auto* m : ms_) m->live_pieces(live_.f, live_.d);
+  }
+  void unpack_doubles(const double* pd) {
+    for (auto* m : ms_) {
       m->unpack_live_doubles(pd);
       pd += m->live_doubles();
     }
-  };
-  CROSSKV_ASSERT(one_reader || !state.deferred, "only one reader defers a checkpoint's sums");
-  if (one_reader && state.deferred && state.pass == pass) {  // the state's latest pass, straight into the moments
-    const std::vector<double> d = read_deferred(*state.deferred, live.f);
-    check_state_size(state.deferred->path, d.size(), nd);
-    unpack_doubles(d.data());
-    state.deferred.reset();
-  } else if (one_reader && !(base_f.empty() && base_d.empty())) {
-    check_state_size(store.dir(), base_f.size(), nf);
-    check_state_size(store.dir(), base_d.size(), nd);
-    place_sums(live.f, 0, static_cast<int64_t>(nf), base_f.data());
-    unpack_doubles(base_d.data());
   }
-  // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds) and keeps it
-  // for that pass's checkpoints; in this pass a reader's moments are current from here on.
-  const int64_t rounds = pass_rounds(cal, readers.size());
-  const bool was_complete = state.pass > pass || state.rounds_done == rounds;
-  if (one_reader && state.pass == pass) {
-    std::vector<float>().swap(base_f);
-    std::vector<double>().swap(base_d);
+
+  // One reader's checkpointed sums of this pass into its moments (several readers restore their shares instead).
+  void restore() {
+    CROSSKV_ASSERT(one_reader_ || !state_.deferred, "only one reader defers a checkpoint's sums");
+    if (one_reader_ && state_.deferred && state_.pass == pass_) {  // the state's latest pass, straight in
+      const std::vector<double> d = read_deferred(*state_.deferred, live_.f);
+      check_state_size(state_.deferred->path, d.size(), nd_);
+      unpack_doubles(d.data());
+      state_.deferred.reset();
+    } else if (one_reader_ && !(base_f_.empty() && base_d_.empty())) {
+      check_state_size(store_.dir(), base_f_.size(), nf_);
+      check_state_size(store_.dir(), base_d_.size(), nd_);
+      place_sums(live_.f, 0, static_cast<int64_t>(nf_), base_f_.data());
+      unpack_doubles(base_d_.data());
+    }
   }
-  PassStats st;
-  if (!was_complete) {
-    if (state.rounds_done > 0)
-      spdlog::info("{}: resuming after round {} of {}", label, state.rounds_done, rounds);
-    for (auto* m : ms) m->hold_sums(ctx.backend);  // the rounds reduce and checkpoint the held copies
+
+  // The rounds left, each ended by a reduction (several readers) and a checkpoint.
+  PassStats stream(int64_t rounds) {
+    if (state_.rounds_done > 0) spdlog::info("{}: resuming after round {} of {}", label_, state_.rounds_done, rounds);
+    for (auto* m : ms_) m->hold_sums(ctx_.backend);  // the rounds reduce and checkpoint the held copies
     name_live();
     auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
-      if (!ctx.comm.all_ok(!abandoned))
+      if (!ctx_.comm.all_ok(!abandoned))
         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
-                          std::to_string(pass) + "; the last committed checkpoint in " + store.dir() + " stands");
+                          std::to_string(pass_) + "; the last committed checkpoint in " + store_.dir() + " stands");
       const auto t_round = std::chrono::steady_clock::now();
-      if (!one_reader) reduce_round(ms, ctx.backend, readers, base_f, base_d);
-      state.rounds_done = round + 1;
+      if (!one_reader_) reduce_round(ms_, ctx_.backend, readers_, base_f_, base_d_);
+      state_.rounds_done = round + 1;
       const double reduce_s = seconds_since(t_round);
-      if (round + 1 < R) store.save(state, one_reader ? &live : nullptr);
+      if (round + 1 < R) store_.save(state_, one_reader_ ? &live_ : nullptr);
       const std::string ckpt =
           round + 1 < R ? human_seconds(seconds_since(t_round) - reduce_s) : std::string("at the pass's end");
-      if (one_reader)
-        spdlog::info("{}: round {}/{} ended: checkpoint {} (one reader: read from its moments)", label, round + 1, R,
+      if (one_reader_)
+        spdlog::info("{}: round {}/{} ended: checkpoint {} (one reader: read from its moments)", label_, round + 1, R,
                      ckpt);
       else
-        spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", label, round + 1, R,
+        spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", label_, round + 1, R,
                      human_seconds(reduce_s), ckpt);
     };
-    st = stream_pass(cal, ctx, *ms.front(), ms.size() == 3 ? ms[1] : nullptr, *ms.back(), label, state.rounds_done,
-                     on_round);
-  } else {
-    spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label, store.dir());
+    return stream_pass(cal_, ctx_, *ms_.front(), ms_.size() == 3 ? ms_[1] : nullptr, *ms_.back(), label_,
+                       state_.rounds_done, on_round);
   }
-  const auto t_end = std::chrono::steady_clock::now();
-  double to_host_s = 0;
-  if (one_reader) {
-    for (auto* m : ms) m->release_sums(true);  // a device's sums to the host moments, once per pass
-    name_live();
-    to_host_s = seconds_since(t_end);
-    if (!was_complete) store.save(state, &live);
-    if (keep_share && base_f.empty() && base_d.empty()) {
-      base_f.resize(nf);
-      base_d.resize(nd);
-      ctx.backend.copy_sums(live.f, 0, static_cast<int64_t>(nf), base_f.data(), false);
-      ctx.backend.copy_sums(live.d, 0, static_cast<int64_t>(nd), base_d.data(), false);
+
+  // The pass's end: one reader's held sums to its host moments; several readers' shares gathered into theirs.
+  void end(bool keep_share, bool was_complete) {
+    const auto t_end = std::chrono::steady_clock::now();
+    double to_host_s = 0;
+    if (one_reader_) {
+      for (auto* m : ms_) m->release_sums(true);  // a device's sums to the host moments, once per pass
+      name_live();
+      to_host_s = seconds_since(t_end);
+      if (!was_complete) store_.save(state_, &live_);
+      if (keep_share && base_f_.empty() && base_d_.empty()) {
+        base_f_.resize(nf_);
+        base_d_.resize(nd_);
+        ctx_.backend.copy_sums(live_.f, 0, static_cast<int64_t>(nf_), base_f_.data(), false);
+        ctx_.backend.copy_sums(live_.d, 0, static_cast<int64_t>(nd_), base_d_.data(), false);
+      }
+    } else {
+      for (auto* m : ms_) m->release_sums(false);  // zeros after the last round's reduction: overwritten below
+      name_live();
+      // The shares gathered back a segment at a time straight into the blocks (no copy of all of them), then the
+      // token statistics (small).
+      readers_.allgather_drained(base_f_, nf_, [&](size_t off, size_t len, const float* values) {
+        place_sums(live_.f, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
+      });
+      std::vector<double> D(nd_);
+      readers_.allgather(base_d_, D.data(), nd_);
+      unpack_doubles(D.data());
+      to_host_s = seconds_since(t_end);
+      if (!was_complete) store_.save(state_);
     }
-  } else {
-    for (auto* m : ms) m->release_sums(false);  // zeros after the last round's reduction: overwritten below
-    name_live();
-    // The shares gathered back a segment at a time straight into the blocks (no copy of all of them), then the token
-    // statistics (small).
-    readers.allgather_drained(base_f, nf, [&](size_t off, size_t len, const float* values) {
-      place_sums(live.f, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
-    });
-    std::vector<double> D(nd);
-    readers.allgather(base_d, D.data(), nd);
-    unpack_doubles(D.data());
-    to_host_s = seconds_since(t_end);
-    if (!was_complete) store.save(state);
+    if (!was_complete)
+      spdlog::info("{}: pass end: {} {}, checkpoint {}", label_,
+                   one_reader_ ? "sums to the host moments" : "shares gathered into the moments",
+                   human_seconds(to_host_s), human_seconds(seconds_since(t_end) - to_host_s));
   }
-  if (!was_complete)
-    spdlog::info("{}: pass end: {} {}, checkpoint {}", label,
-                 one_reader ? "sums to the host moments" : "shares gathered into the moments",
-                 human_seconds(to_host_s), human_seconds(seconds_since(t_end) - to_host_s));
-  for (auto* m : ms) m->mark_pass_complete();
-  double share = static_cast<double>(base_f.size() * sizeof(float) + base_d.size() * sizeof(double));
-  log_rank_memory(ctx, label + " (moments + checkpointed share)", ms, share);
-  return st;
+
+  const int pass_;
+  const Calibration& cal_;
+  Context& ctx_;
+  CheckpointStore& store_;
+  PassState& state_;
+  const std::vector<Moments*>& ms_;
+  const std::string& label_;
+  std::vector<float>& base_f_;
+  std::vector<double>& base_d_;
+  Comm& readers_;
+  const bool one_reader_;
+  LiveSums live_;
+  size_t nf_ = 0, nd_ = 0;
+};
+
+PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
+                   const std::vector<Moments*>& ms, const std::string& label, bool keep_share) {
+  return PassRun(pass, cal, ctx, store, state, ms, label).run(keep_share);
 }
 
 // The moments of one pass-1 accumulation over `plan`'s blocks (this rank's layer group's share of them).
