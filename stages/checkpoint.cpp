@@ -1,7 +1,6 @@
 #include "stages/checkpoint.hpp"
 
 #include <chrono>
-#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -406,7 +405,7 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
     }
     size_t total = 0;
     for (const Part& p : parts) total += p.bytes;
-    if (fault("fail_state_write", seq, comm_.rank())) throw SystemError("injected write failure (CROSSKV_FAULT)");
+    fault_point("fail_state_write", seq, comm_.rank());
     const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // half the bytes, then SIGKILL
     AtomicFile f(state_path(seq, comm_.rank()));
     // A batch of chunks at a time: filled from the parts (a value run at most a chunk long), hashed, written.
@@ -425,7 +424,7 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
       hash_chunks(buf.data(), len, digests);
       if (kill_half && written + len >= total / 2) {
         f.write(buf.data(), total / 2 - written);
-        std::raise(SIGKILL);
+        fault_kill();
       }
       f.write(buf.data(), len);
       written += len;
@@ -438,7 +437,7 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
     error = e.what();
     spdlog::warn("checkpoint {}: writing {} failed: {}", seq, state_path(seq, comm_.rank()), error);
   }
-  if (fault("kill_before_commit", seq, comm_.rank())) std::raise(SIGKILL);
+  fault_point("kill_before_commit", seq, comm_.rank());
   if (!comm_.all_ok(ok)) {
     // The previous commit stands; remove this attempt's files.
     std::error_code ec;
@@ -460,8 +459,7 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
     if (comm_.rank() == 0) fs::remove(commit_path(seq - 2), ec);
   }
   seq_ = seq;
-  if (fault("pause_after_commit", seq, comm_.rank()))
-    for (int i = 0; i < 2400 && !stop_.requested(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  fault_point("pause_after_commit", seq, comm_.rank(), [this] { return stop_.requested(); });
 }
 
 }  // namespace crosskv

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -62,7 +61,7 @@ std::string ArtifactWriter::final_dir(const KPlan& k) const { return (fs::path(c
 std::string ArtifactWriter::partial_dir(const KPlan& k) const { return final_dir(k) + ".partial"; }
 
 void ArtifactWriter::written() {
-  if (fault("kill_in_export", ++files_, rank_)) std::raise(SIGKILL);
+  fault_point("kill_in_export", ++files_, rank_);
 }
 
 std::string ArtifactWriter::record_dir(const KPlan& k) const { return records_in(partial_dir(k)).string(); }
@@ -211,7 +210,7 @@ void ArtifactWriter::write_job(const Job& job) {
     if (fault("kill_in_layer_write", files_ + 1, rank_)) {  // a write cut short: its temporary stays behind
       AtomicFile partial(path);
       partial.write(wk, wbytes / 2);
-      std::raise(SIGKILL);
+      fault_kill();
     }
     write_layer_file(path, {l, fk.layers, k.features, d.G(), {wdtype, wk, fk.b.data()}, {wdtype, wv, fv.b.data()}});
     written();

@@ -1,9 +1,10 @@
 #include "stages/mlp.hpp"
+#include "stages/mlp_checkpoint.hpp"
+#include "stages/mlp_data.hpp"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -29,103 +30,6 @@ namespace fs = std::filesystem;
 
 namespace crosskv {
 namespace {
-
-uint64_t splitmix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (const unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
-  return h;
-}
-
-// Whether sequence s of calibration shard `rel` is held back for validation: a function of the shard's name, the
-// sequence and fit.mlp.seed alone, so that it does not depend on which rank reads the shard.
-bool validation_sequence(const std::string& rel, int64_t s, const MlpConfig& c) {
-  const uint64_t z = splitmix(fnv1a(rel) ^ splitmix(static_cast<uint64_t>(s) * 0x100000001b3ull + c.seed));
-  return static_cast<double>(z >> 11) / static_cast<double>(uint64_t{1} << 53) < c.val_fraction;
-}
-
-// The rows of one shard pair that a rank reads, for each whether it is for validation, and both sides' positions
-// (read once: every (layer, kind) strips RoPE with them).
-struct ShardRows {
-  const ShardPair* pair = nullptr;
-  std::vector<int64_t> rows;
-  std::vector<uint8_t> validation;
-  std::vector<int32_t> source_positions, target_positions;
-};
-
-// A rank's share of the data: shards i with i % T == token_group, over the calibration shards (the rows the fit
-// used, 0, s, 2s, ..., split by sequence) and then the eval shards (every s-th row, all for validation).
-std::vector<ShardRows> plan_rows(const Calibration& cal, int T, int token_group) {
-  std::vector<ShardRows> out;
-  const int64_t stride = cal.cfg.token_stride;
-  size_t i = 0;
-  for (const ShardPair& sh : cal.shards) {
-    if (static_cast<int>(i++ % T) != token_group) continue;
-    const ShardReader src(sh.source_path);
-    const auto offs = src.seq_offsets();
-    ShardRows r{&sh, {}, {}, src.positions(), ShardReader(sh.target_path).positions()};
-    for (int64_t u = 0; u < sh.used; ++u) {
-      const int64_t t = u * stride;
-      const auto s = std::upper_bound(offs.begin(), offs.end(), t) - offs.begin() - 1;
-      r.rows.push_back(t);
-      r.validation.push_back(validation_sequence(sh.rel, s, cal.cfg.mlp) ? 1 : 0);
-    }
-    out.push_back(std::move(r));
-  }
-  for (const ShardPair& sh : cal.eval_shards) {
-    if (static_cast<int>(i++ % T) != token_group) continue;
-    const ShardReader src(sh.source_path);
-    const int64_t tokens = src.header().tokens;
-    ShardRows r{&sh, {}, {}, src.positions(), ShardReader(sh.target_path).positions()};
-    for (int64_t t = 0; t < tokens; t += stride) r.rows.push_back(t), r.validation.push_back(1);
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
-// One (target layer, kind)'s data on this rank, in content space: the selected source layers side by side (x, K
-// wide) and the target layer (y, G wide), the rows of training [0] and of validation [1] apart.
-struct LayerData {
-  std::vector<float> x[2], y[2];
-  int64_t rows[2] = {0, 0};
-};
-
-LayerData load_layer_data(const Calibration& cal, const std::vector<ShardRows>& share,
-                          const std::vector<int>& sources, int l, int kind) {
-  const Rope rs(cal.source), rt(cal.target);
-  const int64_t F = cal.source.features_per_layer(), G = cal.target.features_per_layer();
-  const int64_t K = static_cast<int64_t>(sources.size()) * F;
-  const char* dataset = kind == 0 ? "keys" : "values";
-  LayerData d;
-  std::vector<uint16_t> raw;
-  for (const ShardRows& sr : share) {
-    const ShardReader src(sr.pair->source_path), tgt(sr.pair->target_path);
-    const int64_t T = src.header().tokens;
-    std::vector<float> xs(T * K), ys(T * G), layer(T * F);
-    for (size_t j = 0; j < sources.size(); ++j) {
-      src.read_layer(dataset, sources[j], layer.data(), raw);
-      if (kind == 0) rs.strip_block(layer.data(), T, cal.source.n_kv_heads, sr.source_positions.data());
-      for (int64_t t = 0; t < T; ++t)
-        std::copy_n(layer.data() + t * F, F, xs.data() + t * K + static_cast<int64_t>(j) * F);
-    }
-    tgt.read_layer(dataset, l, ys.data(), raw);
-    if (kind == 0) rt.strip_block(ys.data(), T, cal.target.n_kv_heads, sr.target_positions.data());
-    for (size_t i = 0; i < sr.rows.size(); ++i) {
-      const int64_t t = sr.rows[i];
-      const int split = sr.validation[i];
-      d.x[split].insert(d.x[split].end(), xs.begin() + t * K, xs.begin() + (t + 1) * K);
-      d.y[split].insert(d.y[split].end(), ys.begin() + t * G, ys.begin() + (t + 1) * G);
-      ++d.rows[split];
-    }
-  }
-  return d;
-}
 
 // The validation R² a residual MLP must add to be kept (fit.mapper: auto).
 constexpr double kMinGain = 1e-3;
@@ -165,84 +69,6 @@ std::vector<Outcome> deserialise(const std::string& s) {
     all.push_back(std::move(o));
   }
   return all;
-}
-
-// A training stopped after some epochs: parameters, Adam's moments and steps, the epochs' errors.
-std::string serialise_state(const MlpTrained& t) {
-  ByteWriter w;
-  const int64_t head[3] = {static_cast<int64_t>(t.epoch_mse.size()), t.steps,
-                           static_cast<int64_t>(t.params.flat.size())};
-  w.put(head, sizeof head);
-  w.put(t.epoch_mse.data(), t.epoch_mse.size() * 8);
-  for (const auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) w.put(v->data(), v->size() * 4);
-  return std::move(w.bytes());
-}
-
-std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape& shape) {
-  ByteReader r(s, "a residual-MLP training state");
-  int64_t head[3];
-  r.get(head, sizeof head);
-  const size_t n = static_cast<size_t>(shape.parameters());
-  if (head[0] < 0 || head[2] != static_cast<int64_t>(n) ||
-      s.size() != sizeof head + static_cast<size_t>(head[0]) * 8 + 3 * n * 4)
-    return std::nullopt;
-  MlpTrained t{MlpParams(shape), std::vector<double>(static_cast<size_t>(head[0])), head[1], {}, {}, false};
-  t.adam_m.resize(n), t.adam_v.resize(n);
-  r.get(t.epoch_mse.data(), t.epoch_mse.size() * 8);
-  for (auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) r.get(v->data(), v->size() * 4);
-  return t;
-}
-
-// The stage's checkpoint files: "<what>" after a line naming the format and the job's identity, sealed by the
-// SHA-256 of all before it. A file that does not verify, or of another job, reads as absent.
-class MlpCheckpoint {
- public:
-  MlpCheckpoint(const std::string& ckpt_dir, const std::string& k, const nlohmann::json& identity)
-      : dir_((fs::path(ckpt_dir) / "mlp").string()), k_(k), job_(sha_of(identity.dump())) {}
-  std::string path(int l, int kind, const char* what) const {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "k%s-layer-%03d-%s.%s", k_.c_str(), l, kind == 0 ? "k" : "v", what);
-    return (fs::path(dir_) / buf).string();
-  }
-  void write(const std::string& file, const std::string& payload) const {
-    std::error_code ec;
-    fs::create_directories(dir_, ec);
-    if (ec) throw SystemError("cannot create " + dir_ + ": " + ec.message());
-    std::string s = "crosskv-mlp-checkpoint 1 " + job_ + "\n" + payload;
-    s += sha_of(s);
-    write_file_atomic(file, s);
-  }
-  std::optional<std::string> read(const std::string& file) const {
-    std::ifstream in(file, std::ios::binary);
-    if (!in) return std::nullopt;
-    const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const std::string head = "crosskv-mlp-checkpoint 1 " + job_ + "\n";
-    if (s.size() < head.size() + 64 || s.compare(0, head.size(), head) != 0) return std::nullopt;
-    if (sha_of(s.substr(0, s.size() - 64)) != s.substr(s.size() - 64)) {
-      spdlog::warn("{}: damaged (its SHA-256 does not match); not used", file);
-      return std::nullopt;
-    }
-    return s.substr(head.size(), s.size() - 64 - head.size());
-  }
-  const std::string& dir() const { return dir_; }
-
- private:
-  static std::string sha_of(const std::string& s) {
-    Sha256 h;
-    h.update(s.data(), s.size());
-    return h.hex();
-  }
-  std::string dir_, k_, job_;
-};
-
-// Rank 0's file, read there and broadcast to the comm: the ranks need not see the same file system.
-std::optional<std::string> read_on_root(Comm& comm, const MlpCheckpoint& ck, const std::string& file) {
-  std::optional<std::string> got;
-  if (comm.rank() == 0) got = ck.read(file);
-  if (!comm.all_ok(comm.rank() != 0 || got.has_value())) return std::nullopt;
-  std::string s = got.value_or(std::string());
-  broadcast_string(comm, s, 0);
-  return s;
 }
 
 // Sums over the layer group in a fixed order.
@@ -369,13 +195,13 @@ Outcome fit_unit(UnitContext& u, const MapperLayer& w, int64_t G, int l, int kin
   bool stopped = false;
   const auto after_epoch = [&](const MlpTrained& now) {
     u.progress.add(u.tokens_per_epoch);
-    if (fault("term_in_mlp", ++u.epochs_run, u.ctx.comm.rank())) std::raise(SIGTERM);
+    fault_point("term_in_mlp", ++u.epochs_run, u.ctx.comm.rank());
     stopped = !u.group.all_ok(!u.ctx.stop.requested());
     const double since = seconds_since(u.last_state);
     if (u.group.rank() == 0 && (stopped || since >= static_cast<double>(u.cal.cfg.checkpoint_mlp_seconds))) {
       u.ck.write(state_file, serialise_state(now));
       u.last_state = std::chrono::steady_clock::now();
-      if (fault("kill_in_mlp", ++u.states_written, u.ctx.comm.rank())) std::raise(SIGKILL);
+      fault_point("kill_in_mlp", ++u.states_written, u.ctx.comm.rank());
     }
     return !stopped;
   };
@@ -450,7 +276,7 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
       if (o.layer == entry["target_layer"].get<int>()) kinds.push_back(&o), kept[o.kind] += o.kept;
     std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->kind < b->kind; });
     write_layer(dir, entry, kinds);
-    if (fault("kill_in_mlp_rewrite", ++rewritten, 0)) std::raise(SIGKILL);
+    fault_point("kill_in_mlp_rewrite", ++rewritten, 0);
   }
   manifest["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
   manifest["fit"]["mlp"] = mlp_settings_json(cfg.mlp);
