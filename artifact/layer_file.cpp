@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <map>
 
+#include "artifact/manifest.hpp"
 #include "artifact/safetensors.hpp"
 #include "core/error.hpp"
 
@@ -46,7 +47,7 @@ void write_layer_file(const std::string& path, const LayerFileContent& c) {
   std::string csv;
   for (int a : c.source_layers) csv += (csv.empty() ? "" : ",") + std::to_string(a);
   write_safetensors(path, out,
-                    {{"format", kLayerFileFormat}, {"target_layer", std::to_string(c.target_layer)}, {"source_layers", csv}});
+                    {{"format", kMapperFormat}, {"target_layer", std::to_string(c.target_layer)}, {"source_layers", csv}});
 }
 
 }  // namespace crosskv

@@ -9,8 +9,6 @@
 
 namespace crosskv {
 
-inline constexpr const char* kLayerFileFormat = "crosskv-mapper";  // the metadata's "format"
-
 // "layer-007.safetensors" for target layer 7.
 std::string layer_file_name(int target_layer);
 // A tensor of the file: "<kind>.<part>" (kind 'k' or 'v'; part "weight", "bias", or "mlp.<name>" of mlp_tensors).

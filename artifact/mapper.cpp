@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "core/sha256.hpp"
 #include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
 #include "artifact/safetensors.hpp"
 
 namespace fs = std::filesystem;
@@ -61,7 +62,8 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   }
   if (!m.json.is_object()) throw InputError(path + ": must be a JSON object");
   const std::string format = str_field(m.json, "format", path);
-  if (format != "crosskv-mapper") throw InputError(path + ": format is '" + format + "', expected 'crosskv-mapper'");
+  if (format != kMapperFormat)
+    throw InputError(path + ": format is '" + format + "', expected '" + kMapperFormat + "'");
   const int64_t version = int_field(m.json, "format_version", path);
   if (version != 1)
     throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version 1)");
@@ -118,7 +120,7 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
 }
 
 MapperManifest read_mapper_manifest(const std::string& dir) {
-  const std::string path = (fs::path(dir) / "manifest.json").string();
+  const std::string path = (fs::path(dir) / kManifestFile).string();
   std::ifstream in(path);
   if (!in) throw InputError(path + ": missing (not a complete mapper artifact)");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -15,7 +15,7 @@ rm -rf "$WORK" && mkdir -p "$WORK" && cd "$WORK"
 FLAGS=(-std=c++20 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined -I"$ROOT"
        -DCROSSKV_VERSION=\"fuzz\")
 # Each source compiled once, all at a time (the instrumented compiles are most of this test's time), then linked.
-SOURCES=(fuzz/fuzz_safetensors.cpp fuzz/fuzz_manifest.cpp fuzz/fuzz_layer.cpp artifact/safetensors.cpp artifact/layer_file.cpp artifact/mapper.cpp
+SOURCES=(fuzz/fuzz_safetensors.cpp fuzz/fuzz_manifest.cpp fuzz/fuzz_layer.cpp artifact/safetensors.cpp artifact/layer_file.cpp artifact/manifest.cpp artifact/mapper.cpp
          core/error.cpp core/kv_spec.cpp core/sha256.cpp core/atomic_file.cpp)
 pids=()
 for src in "${SOURCES[@]}"; do
@@ -25,8 +25,8 @@ for pid in "${pids[@]}"; do wait "$pid" || { echo "FAIL: a fuzz target's source 
 COMMON=(error.o kv_spec.o sha256.o atomic_file.o)
 link() { "$CXX" "${FLAGS[@]}" -fsanitize=fuzzer "$@" "${COMMON[@]}" -lcrypto; }
 link fuzz_safetensors.o safetensors.o -o fuzz_safetensors
-link fuzz_manifest.o mapper.o layer_file.o safetensors.o -o fuzz_manifest
-link fuzz_layer.o mapper.o layer_file.o safetensors.o -o fuzz_layer
+link fuzz_manifest.o mapper.o layer_file.o manifest.o safetensors.o -o fuzz_manifest
+link fuzz_layer.o mapper.o layer_file.o manifest.o safetensors.o -o fuzz_layer
 mkdir -p seeds-st seeds-mf seeds-ly
 if [ -n "${CROSSKV_FIT:-}" ] && [ -n "${CROSSKV_SYNTH:-}" ]; then
   "$CROSSKV_SYNTH" --out data --shards 1 --sequences 1 --seq-len 64 --source-layers 3 --target-layers 2 \

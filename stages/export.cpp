@@ -18,16 +18,12 @@
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"
 #include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
 
 namespace fs = std::filesystem;
 
 namespace crosskv {
 
-nlohmann::json nan_to_null(const std::vector<double>& v) {
-  nlohmann::json a = nlohmann::json::array();
-  for (double x : v) a.push_back(std::isnan(x) ? nlohmann::json(nullptr) : nlohmann::json(x));
-  return a;
-}
 
 namespace {
 
@@ -214,12 +210,7 @@ void ArtifactWriter::write_job(const Job& job) {
     }
     write_layer_file(path, {l, fk.layers, k.features, d.G(), {wdtype, wk, fk.b.data()}, {wdtype, wv, fv.b.data()}});
     written();
-    nlohmann::json entry = {{"target_layer", l},
-                            {"source_layers", fk.layers},
-                            {"file", file},
-                            {"sha256", sha256_file(path)},
-                            {"r2_k", nan_to_null(fk.r2)},
-                            {"r2_v", nan_to_null(fv.r2)}};
+    nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
     // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
     write_file_atomic((fs::path(record_dir(k)) / (file + ".json")).string(), entry.dump());
     std::lock_guard<std::mutex> lk(m_);
@@ -246,33 +237,17 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, boo
                       {"fingerprint_sha256", s.fingerprint}});
   for (size_t i = 0; i < plan_.ks.size(); ++i) {
     const KPlan& k = plan_.ks[i];
-    nlohmann::json m = {
-        {"format", "crosskv-mapper"},
-        {"format_version", 1},
-        {"tool", {{"name", "crosskv"}, {"version", CROSSKV_VERSION}}},
-        {"source", {{"model", cal_.source_model}, {"kv_spec", kv_spec_to_json(cal_.source)}}},
-        {"target", {{"model", cal_.target_model}, {"kv_spec", kv_spec_to_json(cal_.target)}}},
-        {"fit",
-         {{"k", k.label == "all" ? nlohmann::json("all") : nlohmann::json(k.count)},
-          {"k_count", k.count},
-          {"features", k.features},
-          {"lambda", c.lambda},
-          {"lambda_scale", "covariance"},
-          {"probe", to_string(c.probe)},
-          {"dtype", weight_dtype_name(c.dtype)},
-          {"content_space", true},
-          {"params", k.params},
-          {"bias_params", k.bias_params}}},
-        {"layers", layers_[i]},
-        {"calibration",
-         {{"domains", cal_.domains},
-          {"weights", c.weights},
-          {"shards", shards},
-          {"tokens_used", cal_.tokens_used},
-          {"token_stride", c.token_stride},
-          {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}}}};
+    const ManifestFit fit{k.label, k.count, k.features, k.params, k.bias_params, c.lambda, to_string(c.probe),
+                          weight_dtype_name(c.dtype)};
+    nlohmann::json m = make_manifest(cal_.source_model, cal_.source, cal_.target_model, cal_.target, fit, layers_[i],
+                                     {{"domains", cal_.domains},
+                                      {"weights", c.weights},
+                                      {"shards", shards},
+                                      {"tokens_used", cal_.tokens_used},
+                                      {"token_stride", c.token_stride},
+                                      {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}});
     for (auto it = extra.begin(); it != extra.end(); ++it) m[it.key()] = it.value();
-    write_file_atomic((fs::path(partial_dir(k)) / "manifest.json").string(), m.dump(2) + "\n");
+    write_manifest(partial_dir(k), m);
     if (!publish) {
       out.push_back(partial_dir(k));
       continue;
@@ -295,10 +270,9 @@ nlohmann::json mlp_settings_json(const MlpConfig& m) {
 
 std::string publish_artifact(const std::string& output_dir, const std::string& label) {
   const std::string final_dir = (fs::path(output_dir) / ("k" + label)).string(), partial = final_dir + ".partial";
-  std::ifstream in((fs::path(partial) / "manifest.json").string());
-  const nlohmann::json m = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json m = read_manifest_json(partial);
   CROSSKV_ASSERT(m.is_object() && m.contains("layers"), "publishing " + partial + " without its manifest");
-  std::set<std::string> files = {"manifest.json"};
+  std::set<std::string> files = {kManifestFile};
   for (const auto& e : m["layers"]) files.insert(e["file"].get<std::string>());
   std::error_code ec;
   fs::remove_all(records_in(partial), ec);

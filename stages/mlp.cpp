@@ -19,6 +19,7 @@
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"
 #include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
 #include "artifact/mapper.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
@@ -258,8 +259,7 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
     (o->kind == 0 ? c.k : c.v).mlp = &o->params;
   }
   write_layer_file(file, c);
-  entry["sha256"] = sha256_file(file);
-  entry["mlp"] = mlp;
+  add_layer_mlp(entry, sha256_file(file), mlp);
   record_rewritten_layer(dir, entry);
 }
 
@@ -267,8 +267,8 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
 // `rewritten` counts layer files over the stage (the kill_in_mlp_rewrite fault hook).
 void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, const FitConfig& cfg,
                   int n_layers, double seconds, int64_t& rewritten) {
-  std::ifstream in((fs::path(dir) / "manifest.json").string());
-  nlohmann::json manifest = nlohmann::json::parse(in);
+  nlohmann::json manifest = read_manifest_json(dir);
+  CROSSKV_ASSERT(manifest.is_object() && manifest.contains("layers"), "residual MLPs for " + dir + " without its manifest");
   int kept[2] = {0, 0};
   for (auto& entry : manifest["layers"]) {
     std::vector<const Outcome*> kinds;
@@ -278,13 +278,8 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
     write_layer(dir, entry, kinds);
     fault_point("kill_in_mlp_rewrite", ++rewritten, 0);
   }
-  manifest["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
-  manifest["fit"]["mlp"] = mlp_settings_json(cfg.mlp);
-  if (manifest.contains("timings_s")) {
-    manifest["timings_s"]["mlp"] = seconds;
-    manifest["timings_s"]["total"] = manifest["timings_s"].value("total", 0.0) + seconds;
-  }
-  write_file_atomic((fs::path(dir) / "manifest.json").string(), manifest.dump(2) + "\n");
+  add_fit_mlp(manifest, mapper_kind_name(cfg.mapper), mlp_settings_json(cfg.mlp), seconds);
+  write_manifest(dir, manifest);
   const std::string k = fs::path(dir).filename().replace_extension().string();
   spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept[0],
                n_layers, kept[1], mapper_kind_name(cfg.mapper));

@@ -21,6 +21,7 @@
 #include "helpers.hpp"
 #include "reference_mapper.hpp"
 #include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
 
@@ -569,6 +570,57 @@ TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
           for (const MlpTensor& x : mlp_tensors(p->shape)) want.insert(layer_tensor_name(kind, std::string("mlp.") + x.name));
       EXPECT_EQ(names, want) << what;
     }
+}
+
+// The manifest's one writer and the reader agree: a manifest made by make_manifest (and given the MLP stage's
+// additions) reads back with every field the reader takes, and its layer entries as written.
+TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
+  Artifact a;
+  const MapperManifest m0 = read_mapper_manifest(a.dir);
+  nlohmann::json layers = nlohmann::json::array();
+  for (const MapperLayerEntry& e : m0.layers)
+    layers.push_back(manifest_layer_entry(e.target_layer, e.source_layers, e.file, e.sha256,
+                                          {0.5, std::numeric_limits<double>::quiet_NaN()}, {0.25}));
+  const ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, 0.01, "same_head", "bf16"};
+  nlohmann::json m = make_manifest("src-model", m0.source, "tgt-model", m0.target, fit, layers, {{"domains", {"web"}}});
+  m["timings_s"] = {{"total", 1.0}};
+  add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {{"k", {{"kept", false}}}});
+  add_fit_mlp(m, "auto", {{"hidden", 8}}, 2.5);
+  write_manifest(a.dir, m);
+  const MapperManifest got = read_mapper_manifest(a.dir);
+  EXPECT_EQ(got.source_model, "src-model");
+  EXPECT_EQ(got.target_model, "tgt-model");
+  EXPECT_EQ(got.source, m0.source);
+  EXPECT_EQ(got.target, m0.target);
+  EXPECT_EQ(got.k_count, 2);
+  EXPECT_EQ(got.dtype, "bf16");
+  ASSERT_EQ(got.layers.size(), m0.layers.size());
+  for (size_t l = 0; l < got.layers.size(); ++l) {
+    EXPECT_EQ(got.layers[l].target_layer, m0.layers[l].target_layer);
+    EXPECT_EQ(got.layers[l].source_layers, m0.layers[l].source_layers);
+    EXPECT_EQ(got.layers[l].file, m0.layers[l].file);
+    EXPECT_EQ(got.layers[l].sha256, m0.layers[l].sha256);
+  }
+  const nlohmann::json& j = got.json;
+  EXPECT_EQ(j["format"], kMapperFormat);
+  EXPECT_EQ(j["format_version"], kManifestVersion);
+  EXPECT_EQ(j["fit"]["k"], 2);
+  EXPECT_EQ(j["fit"]["features"], fit.features);
+  EXPECT_EQ(j["fit"]["params"], 1234);
+  EXPECT_EQ(j["fit"]["bias_params"], 56);
+  EXPECT_EQ(j["fit"]["probe"], "same_head");
+  EXPECT_EQ(j["fit"]["mapper"], "auto");
+  EXPECT_EQ(j["fit"]["mlp"]["hidden"], 8);
+  EXPECT_EQ(j["timings_s"]["mlp"], 2.5);
+  EXPECT_EQ(j["timings_s"]["total"], 3.5);
+  EXPECT_TRUE(j["layers"][0]["r2_k"][1].is_null()) << "NaN is written as null";
+  EXPECT_EQ(j["layers"][0]["r2_v"][0], 0.25);
+  EXPECT_EQ(j["layers"][1]["mlp"]["k"]["kept"], false);
+  EXPECT_EQ(j["calibration"]["domains"][0], "web");
+  // A transfer through it maps as the export's own manifest does (the same weights).
+  auto be = make_cpu_backend();
+  Transfer tr(a.dir, *be);
+  EXPECT_EQ(tr.manifest().k_count, 2);
 }
 
 TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {

@@ -1,0 +1,45 @@
+#pragma once
+// A mapper folder's manifest (SPEC §6, docs/FORMATS.md), built and written here only: the export writes it, the
+// residual-MLP stage adds its decisions to it, artifact/mapper reads it back.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/kv_spec.hpp"
+
+namespace crosskv {
+
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kMapperFormat = "crosskv-mapper";  // the manifest's and the layer files' "format"
+inline constexpr int kManifestVersion = 1;
+
+// What one k of a fit is: its label ("4", "all"), source layers per target layer, features and parameters.
+struct ManifestFit {
+  std::string k_label;
+  int k_count = 0;
+  int64_t features = 0, params = 0, bias_params = 0;
+  double lambda = 0;
+  std::string probe, dtype;
+};
+
+// A target layer's entry: its source layers, its layer file and that file's SHA-256, and the fit's per-output R²
+// of keys and values (NaN as null).
+nlohmann::json manifest_layer_entry(int target_layer, const std::vector<int>& source_layers, const std::string& file,
+                                    const std::string& sha256, const std::vector<double>& r2_k,
+                                    const std::vector<double>& r2_v);
+// The whole manifest of one k: the models and their kv_specs, the fit, the layer entries, the calibration.
+nlohmann::json make_manifest(const std::string& source_model, const KvSpec& source, const std::string& target_model,
+                             const KvSpec& target, const ManifestFit& fit, const nlohmann::json& layers,
+                             const nlohmann::json& calibration);
+// The residual-MLP stage's additions: a layer's decisions (and its rewritten file's SHA-256), and the fit's mapper
+// kind, MLP settings and the stage's time.
+void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const nlohmann::json& decisions);
+void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const nlohmann::json& settings,
+                 double seconds);
+// Written whole or not at all (indented, one trailing newline), and read back as JSON (the caller checks it).
+void write_manifest(const std::string& dir, const nlohmann::json& m);
+nlohmann::json read_manifest_json(const std::string& dir);
+
+}  // namespace crosskv
