@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "serve/transfer.hpp"
+#include "apps/bootstrap.hpp"
 #include "backends/backends.hpp"
 #include "core/comm.hpp"
 #include "runtime/mpi.hpp"
@@ -66,8 +67,7 @@ int main(int argc, char** argv) {
     for (const auto& [flag, input] : {std::pair{"--source", source}, std::pair{"--target-positions", positions_from}})
       if (!input.empty() && same_file(out, input))
         throw UserError("--out: " + out + " is the " + flag + " shard; write the mapped shard elsewhere");
-    auto be = make_backend(device_for_rank(device == "cuda" ? DeviceKind::cuda : DeviceKind::cpu, mpi_local_rank()), 0,
-                           false);
+    auto be = backend_for_this_rank(device_kind(device), 0, false);
     Transfer tr(mapper, *be, TransferOptions{resident, !no_rope, true});
     ShardReader src(source);
     const ShardHeader& h = src.header();

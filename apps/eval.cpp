@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "apps/bootstrap.hpp"
 #include "backends/backends.hpp"
 #include "core/blas_kernels.hpp"
 #include "runtime/cli.hpp"
@@ -41,8 +42,7 @@ int main(int argc, char** argv) {
     return run_tool("crosskv-eval", [&]() -> int {
       // One rank per GPU: the rank's index on its node picks the device.
       auto be = agreed(*comm, [&] {
-        return make_backend(device_for_rank(device == "cuda" ? DeviceKind::cuda : DeviceKind::cpu, mpi_local_rank()),
-                            comm->rank(), false);
+        return backend_for_this_rank(device_kind(device), comm->rank(), false);
       });
       const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true);
       const Evaluation& ev = evals.front().evaluation;

@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "apps/bootstrap.hpp"
 #include "backends/backends.hpp"
 #include "core/blas_kernels.hpp"
 #include "core/backend.hpp"

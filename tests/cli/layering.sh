@@ -9,7 +9,7 @@ declare -A allowed=(
   [serve]="core artifact serve" [runtime]="core runtime" [io]="core runtime io"
   [eval]="core runtime io artifact serve eval" [stages]="core runtime io artifact serve eval stages"
   [pipeline]="core runtime io artifact serve eval stages pipeline" [tools]="core runtime io tools"
-  [apps]="core backends runtime io artifact serve eval stages pipeline tools" [python/src]="$SERVING")
+  [apps]="core backends runtime io artifact serve eval stages pipeline tools apps" [python/src]="$SERVING")
 bad=0
 for layer in "${!allowed[@]}"; do
   for f in "$ROOT/$layer"/*.{hpp,cpp,cu}; do
