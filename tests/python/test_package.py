@@ -125,6 +125,14 @@ for mapper in ("ridge", "mlp"):
         print(f"skip {mapper}: CUDA tensors on a GPU mapper (no CUDA device, or the package was built without CUDA)")
 m = crosskv.Mapper("out-ridge/k2", resident=False)
 check("k=2" in repr(m) and m.k == 2 and len(m.source_layers) == 4, f"repr and properties: {m!r}")
+def expect_refused(call, want):
+    try:
+        call()
+        check(False, f"refused: {want}")
+    except crosskv.MapperError as e:
+        check(want in str(e), f"refused with a MapperError naming it: {e}")
+
+
 # Bad input fails closed (issue 24): refused by name, never mapped to wrong KV; the same with the weights resident.
 nan_keys = keys.copy()
 nan_keys[3, 1, 0, 5] = np.nan
@@ -148,11 +156,7 @@ for mapper in (m, resident):
                         "keys: expected a numpy array or a torch tensor, got list"),
                        (lambda: mapper.transfer(keys, values.tolist(), pos),
                         "values: expected a numpy array or a torch tensor, got list")):
-        try:
-            call()
-            check(False, f"refused: {want}")
-        except crosskv.MapperError as e:
-            check(want in str(e), f"refused with a MapperError naming it: {e}")
+        expect_refused(call, want)
 for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expected shape [tokens, 3, 2, 16]"),
                    (lambda: m.transfer(keys, values, pos[:5]), "positions: expected"),
                    (lambda: m.transfer(keys[0], values[0], pos), "keys: expected [tokens, 3, 2, 16] or [batch, seq"),
@@ -170,11 +174,7 @@ for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expecte
                     "source cache: 2 layers, the mapper's source has 3"),
                    (lambda: crosskv.hf.transfer_cache(m, [(torch.zeros(1, 1, 5, 16),) * 2] * 3),
                     "source cache: 1 KV heads of 16, the mapper's source has 2 of 16")):
-    try:
-        call()
-        check(False, f"refused: {want}")
-    except crosskv.MapperError as e:
-        check(want in str(e), f"refused with a MapperError naming it: {e}")
+    expect_refused(call, want)
 
 # ---- Hugging Face: a source model's cache handed to a larger target model.
 COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
