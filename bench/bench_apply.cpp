@@ -6,7 +6,7 @@
 // target layer), every target layer in one ServingMapper call on caches in the backend's memory, against the
 // same mapper applied as before (Transfer's per-layer loop on host arrays, weights kept) and through host arrays,
 // in the same run; the roofline from the backend's own copy bandwidth and GEMM peak, measured in the same run; and the
-// serving inputs' checks (check_serving_inputs: finite caches, positions in range) against the host-array call.
+// serving caches' finiteness check (check_finite_caches) against the host-array call.
 //   crosskv-bench-apply [cpu|cuda] serving [Lt=8] [k=4] [tf32]
 #include <algorithm>
 #include <chrono>
@@ -141,9 +141,8 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     const double host = time_call([&] {
       rt.apply_host(Xk.data(), Xv.data(), pos.data(), pos.data(), T, Yk.data(), Yv.data());
     });
-    // What the Python package checks before a host-array call (finite caches, positions in range): its cost
-    // against the call it guards.
-    const double checks = time_call([&] { check_serving_inputs(Xk.data(), Xv.data(), XW, pos.data(), pos.data(), T); });
+    // What the Python package checks before a host-array call (finite caches): its cost against the call it guards.
+    const double checks = time_call([&] { check_finite_caches(Xk.data(), Xv.data(), XW, T); });
     std::vector<float> content, scratch;
     const double before = time_call([&] {
       content.assign(Xk.begin(), Xk.end());

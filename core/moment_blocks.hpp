@@ -84,7 +84,6 @@ class MomentBlocks {
   // The held copies back to the host arenas (write_back) or dropped (the host arenas are then overwritten by the
   // caller), and released.
   void release(bool write_back);
-  bool held() const { return !held_.empty(); }
   // Every live block with its offset in the flat live state (plan order: Gram, cross, same-head Gram, same-head
   // cross): the layout of round reductions and checkpoints.
   std::vector<std::pair<const BlockRef*, int64_t>> live_layout() const;

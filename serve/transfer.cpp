@@ -26,8 +26,7 @@ int64_t first_non_finite(const float* x, int64_t n) {
   return -1;
 }
 
-void check_serving_inputs(const float* keys, const float* values, int64_t values_per_token, const int32_t* src_pos,
-                          const int32_t* tgt_pos, int64_t rows) {
+void check_finite_caches(const float* keys, const float* values, int64_t values_per_token, int64_t rows) {
   for (auto [name, x] : {std::pair{"keys", keys}, std::pair{"values", values}}) {
     const int64_t i = first_non_finite(x, rows * values_per_token);
     if (i >= 0)
@@ -35,11 +34,6 @@ void check_serving_inputs(const float* keys, const float* values, int64_t values
                        std::to_string(i / values_per_token) + ") is " + (std::isnan(x[i]) ? "NaN" : "infinite") +
                        "; a source cache must be finite (the request should re-prefill)");
   }
-  for (auto [name, p] : {std::pair{"positions", src_pos}, std::pair{"target_positions", tgt_pos}})
-    for (int64_t t = 0; t < rows; ++t)
-      if (p[t] < 0)
-        throw InputError(std::string(name) + ": token " + std::to_string(t) + " is at position " +
-                         std::to_string(p[t]) + "; positions must be >= 0");
 }
 
 void map_gathered(DenseMaths& be, const float* X, int64_t K, const float* W, const float* b, int64_t G, int64_t rows,

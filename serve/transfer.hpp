@@ -22,10 +22,9 @@ struct TransferOptions {
 // The index of the first NaN or infinity in x[0, n), or -1: a source cache that holds one would map to wrong KV.
 // Memory-bound (every value read once, the exponents OR-ed 4096 at a time), a few percent of a mapping's time.
 int64_t first_non_finite(const float* x, int64_t n);
-// A serving call's inputs checked, so that it fails closed: keys and values finite, positions in [0, 2^31).
-// Throws InputError naming the argument and the element ("keys: element 17 (token 0, layer 1, ...) is NaN").
-void check_serving_inputs(const float* keys, const float* values, int64_t values_per_token, const int32_t* src_pos,
-                          const int32_t* tgt_pos, int64_t rows);
+// A serving call's caches checked, so that it fails closed: keys and values finite. Throws InputError naming the
+// argument and the element ("keys: element 17 (token 0) is NaN"). (Positions are checked where they are cast.)
+void check_finite_caches(const float* keys, const float* values, int64_t values_per_token, int64_t rows);
 
 // Y [rows x G] (row stride YW) = X W + b for one target layer whose selected source layers are already gathered
 // side by side in X [rows x K] (leading dim K), W [K x G]: the product every apply of a layer makes.

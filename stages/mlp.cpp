@@ -233,10 +233,11 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
   LayerFileContent c;
   c.target_layer = entry["target_layer"].get<int>();
   c.source_layers = entry["source_layers"].get<std::vector<int>>();
+  const std::vector<int64_t>& shape = t.at(layer_tensor_name('k', "weight")).shape;
+  c.features = shape.at(0), c.G = shape.at(1);
   std::vector<uint16_t> halves[2];
   for (auto [name, kind, half] : {std::tuple{'k', &c.k, &halves[0]}, std::tuple{'v', &c.v, &halves[1]}}) {
     const TensorIn& w = t.at(layer_tensor_name(name, "weight"));
-    c.features = w.shape.at(0), c.G = w.shape.at(1);
     kind->weight_dtype = w.dtype;
     kind->weight = w.values.data();
     if (w.dtype != "F32") {  // bf16 / fp16 bits again: the fp32 values read are exact conversions of them

@@ -117,8 +117,8 @@ class PyMapper {
     Out k = owned(rows, t), v = owned(rows, t);
     {
       nb::gil_scoped_release unlocked;
-      check_serving_inputs(keys.data(), values.data(), int64_t{s.n_layers} * s.n_kv_heads * s.head_dim, src_pos.data(),
-                           tgt_pos.data(), static_cast<int64_t>(rows));
+      check_finite_caches(keys.data(), values.data(), int64_t{s.n_layers} * s.n_kv_heads * s.head_dim,
+                          static_cast<int64_t>(rows));
       std::lock_guard<std::mutex> one_at_a_time(busy_);
       if (resident_)
         resident_->apply_host(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
