@@ -5,7 +5,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-$ROOT/demo}
-"$ROOT/scripts/setup.sh"
+# The demo needs no vLLM (scripts/test.sh installs it for crosskv.vllm's tests).
+CROSSKV_NO_VLLM=${CROSSKV_NO_VLLM:-1} "$ROOT/scripts/setup.sh"
 BIN=$ROOT/build
 mkdir -p "$WORK"
 echo "[demo] synthesizing a source (8 layers) and a target (12 layers) store in $WORK/data (+ a held-out domain)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The crosskv Python package (python/crosskv: pip install . builds its extension on the serving layers alone, with
 # CMake through scikit-build-core and nanobind) into the capture virtualenv, rebuilt incrementally in build/python/.
-# Failure is reported, not fatal: the package's tests then SKIP. Usage: scripts/setup-python-package.sh    env: CROSSKV_CAPTURE_VENV
+# Failure is reported, not fatal: the package's tests then SKIP. Usage: scripts/setup-python-package.sh
+# env: CROSSKV_CAPTURE_VENV (the environment), CROSSKV_NO_EMULATED_PACKAGE=1 (no emulated-CUDA build beside it)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
@@ -18,9 +19,11 @@ fi
 rm -f "$stamp"
 if "$VENV/bin/pip" install -q --disable-pip-version-check "$ROOT" > "$ROOT/.venv-crosskv.log" 2>&1; then
   echo "[setup] crosskv Python package installed in $VENV ($("$VENV/bin/python" -c 'import crosskv; print(crosskv.__version__)'))"
-  # The same package on the host emulation of CUDA, for its CUDA tests (python.package_cuda_emulation), beside it.
-  rm -rf "$ROOT/build/python-emulated"
-  if "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$ROOT/build/python-emulated" \
+  # The same package on the host emulation of CUDA, for its CUDA tests (python.package_cuda_emulation), beside it
+  # (once, for the capture environment: CROSSKV_NO_EMULATED_PACKAGE=1 skips it).
+  if [ "${CROSSKV_NO_EMULATED_PACKAGE:-0}" = 1 ]; then
+    :
+  elif rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$ROOT/build/python-emulated" \
        --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON \
        --config-settings=build-dir=build/python-emulated-build "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
     echo "[setup] the package on the emulated CUDA backend: $ROOT/build/python-emulated"

@@ -31,3 +31,5 @@ cmake --build "$BUILD" -j"$(nproc)"
 [ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || "$ROOT/scripts/setup-capture.sh"
 # The crosskv Python package, into that environment (pip install . with scikit-build-core and nanobind).
 [ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || "$ROOT/scripts/setup-python-package.sh"
+# vLLM on the CPU with the crosskv package (crosskv.vllm's tests), unless CROSSKV_NO_VLLM=1 or CROSSKV_NO_CAPTURE=1.
+[ "${CROSSKV_NO_CAPTURE:-0}" = 1 ] || [ "${CROSSKV_NO_VLLM:-0}" = 1 ] || "$ROOT/scripts/setup-vllm.sh"

@@ -8,7 +8,7 @@ numpy arrays and torch tensors go in and the same kind comes out. CPU float32 te
 `Mapper(path, device="cuda")` the weights live on the GPU and CUDA tensors stay there: read and written in place
 (DLPack), ordered on torch's current stream, never through the host. A batch of sequences is [batch, seq, L, H, D]
 (or the tokens stacked, each with its own position). `crosskv.hf.transfer_cache` turns a Hugging Face source cache
-into the target model's DynamicCache.
+into the target model's DynamicCache; `crosskv.vllm` is a vLLM KV connector that serves a mapper in a vLLM engine.
 """
 import warnings
 

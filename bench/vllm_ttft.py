@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Time to the first token in vLLM: the target engine with crosskv.vllm mapping a stored source prefix, against the
+same engine prefilling a context of the same length itself (prefix caching off, so each request is what it says).
+
+shapes   family: the small family of docs/RESULTS.md (Qwen3-style, 4 layers of width 128 -> 8 of width 192, 2 KV
+         heads of 32), random weights. qwen3-32b: Qwen3 14B -> 32B at their real widths (5120, 8 KV heads of 128,
+         vocab 151936) with --depth decoder layers each, random weights: per layer, prefill and transfer both scale
+         about linearly with depth, so the ratio at a depth is near the full model's (docs/PERFORMANCE.md).
+Mapper: random weights of the real shape (bench/synthetic_mapper.py), k = all; the weights do not change its cost.
+The source engine saves each context's KV first; then, per context, the median of --repeats requests each way.
+
+    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
+    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --contexts 512,1024,2048
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAPES = {  # source, target: layers, hidden, q heads, kv heads, head dim, intermediate, vocab
+    "family": (dict(layers=4, hidden=128, q=4, kv=2, dim=32, inter=512, vocab=257),
+               dict(layers=8, hidden=192, q=4, kv=2, dim=32, inter=768, vocab=257)),
+    "qwen3-32b": (dict(layers=40, hidden=5120, q=40, kv=8, dim=128, inter=17408, vocab=151936),
+                  dict(layers=64, hidden=5120, q=64, kv=8, dim=128, inter=25600, vocab=151936)),
+}
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def engine(model, connector, role, max_len):
+    from vllm import LLM
+
+    kv = {"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm", "kv_role": role,
+          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}
+    return LLM(model=model, enforce_eager=True, dtype="float32", block_size=32, max_model_len=max_len + 64,
+               kv_cache_memory_bytes=int(os.environ.get("TTFT_KV_BYTES", 2 << 30)), enable_prefix_caching=False,
+               kv_transfer_config=kv, seed=0, skip_tokenizer_init=True)
+
+
+def serve(job_path, out_path):
+    from vllm import SamplingParams
+
+    job = json.load(open(job_path))
+    llm = engine(job["model"], job["connector"], job["role"], max(len(p) for p in job["prompts"]))
+    one = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    res = []
+    llm.generate([{"prompt_token_ids": job["prompts"][0][:64]}], one, use_tqdm=False)  # warm-up
+    for p in job["prompts"]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
+        res.append({"s": time.perf_counter() - t0, "kv": out.kv_transfer_params})
+    llm.llm_engine.step()  # a source engine saves finished requests' KV on the next step
+    json.dump(res, open(out_path, "w"))
+
+
+def run(job, name, work):
+    path = os.path.join(work, name + ".job.json")
+    json.dump(job, open(path, "w"))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--serve", path, os.path.join(work, name + ".json")],
+                       env={**os.environ, **ENV}, capture_output=True, text=True)
+    open(os.path.join(work, name + ".log"), "w").write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        sys.exit(f"the {name} engine failed (see {work}/{name}.log):\n{r.stderr[-2000:]}")
+    return json.load(open(os.path.join(work, name + ".json")))
+
+
+def make_models(work, shape, depth):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, HERE)
+    from synthetic_mapper import kv_spec, write_mapper
+
+    specs = []
+    for name, c in zip(("source", "target"), SHAPES[shape]):
+        layers = depth or c["layers"]
+        torch.manual_seed(len(name))
+        cfg = Qwen3Config(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
+                          num_hidden_layers=layers, num_attention_heads=c["q"], num_key_value_heads=c["kv"],
+                          head_dim=c["dim"], max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False)
+        Qwen3ForCausalLM(cfg).eval().save_pretrained(os.path.join(work, f"model-{name}"))
+        specs.append(kv_spec(layers, c["kv"], c["dim"], c["q"], 1e6))
+    write_mapper(os.path.join(work, "mapper", "kall"), specs[0], specs[1], k=specs[0]["n_layers"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("work", nargs="?")
+    ap.add_argument("--shape", choices=SHAPES, default="family")
+    ap.add_argument("--depth", type=int, default=0, help="decoder layers of both models (0: their own)")
+    ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve:
+        return serve(*a.serve)
+    import numpy as np
+
+    import crosskv
+
+    work = os.path.abspath(a.work)
+    os.makedirs(work, exist_ok=True)
+    make_models(work, a.shape, a.depth)
+    contexts = [int(c) for c in a.contexts.split(",")]
+    rng = np.random.default_rng(0)
+    vocab = SHAPES[a.shape][0]["vocab"]
+    prefixes = [rng.integers(1, vocab, n).tolist() for n in contexts]
+    store = {"store": os.path.join(work, "store")}
+    run({"model": os.path.join(work, "model-source"), "connector": store, "role": "kv_producer",
+         "prompts": prefixes}, "source", work)
+    mapped, own = [], []
+    for n, p in zip(contexts, prefixes):  # the stored prefix + one token; a fresh context of the same length
+        mapped += [p + [int(rng.integers(1, vocab))] for _ in range(a.repeats)]
+        own += [rng.integers(1, vocab, n + 1).tolist() for _ in range(a.repeats)]
+    res = run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": mapped + own,
+               "connector": {**store, "mapper": os.path.join(work, "mapper", "kall")}}, "target", work)
+    half = len(mapped)
+    rows = []
+    print(f"CPU: {crosskv.blas}")
+    print(f"{a.shape}{f', {a.depth} layers each' if a.depth else ''}: time to the first token, median of "
+          f"{a.repeats} (ms)\n  context   crosskv   own prefill   speed-up")
+    for i, n in enumerate(contexts):
+        m = res[i * a.repeats:(i + 1) * a.repeats]
+        o = res[half + i * a.repeats:half + (i + 1) * a.repeats]
+        assert all(x["kv"]["crosskv"]["status"] == "applied" for x in m), m[0]["kv"]
+        tm, to = statistics.median(x["s"] for x in m), statistics.median(x["s"] for x in o)
+        map_ms = statistics.median(x["kv"]["crosskv"].get("map_ms", 0) for x in m)
+        rows.append({"context": n, "crosskv_s": tm, "own_prefill_s": to, "map_ms": map_ms, "speedup": to / tm})
+        print(f"  {n:7d}  {tm * 1e3:8.1f}   {to * 1e3:11.1f}   {to / tm:7.2f}x   (mapping {map_ms:.1f} ms)")
+    if a.json:
+        json.dump({"shape": a.shape, "depth": a.depth, "blas": crosskv.blas, "rows": rows}, open(a.json, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
