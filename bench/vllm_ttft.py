@@ -3,14 +3,16 @@
 same engine prefilling a context of the same length itself (prefix caching off, so each request is what it says).
 
 shapes   family: the small family of docs/RESULTS.md (Qwen3-style, 4 layers of width 128 -> 8 of width 192, 2 KV
-         heads of 32), random weights. qwen3-32b: Qwen3 14B -> 32B at their real widths (5120, 8 KV heads of 128,
-         vocab 151936) with --depth decoder layers each, random weights: per layer, prefill and transfer both scale
-         about linearly with depth, so the ratio at a depth is near the full model's (docs/PERFORMANCE.md).
-Mapper: random weights of the real shape (bench/synthetic_mapper.py), k = all; the weights do not change its cost.
+         heads of 32), random weights, mapper k = all. qwen3-32b: Qwen3 14B -> 32B at their real widths (5120, 8
+         KV heads of 128, vocab 151936), random weights, the target cut to --depth decoder layers and the source to
+         --source-depth, mapper k = --k: each target layer costs what it costs in the full models on both sides
+         (its prefill; its mapping from k source layers), so the ratio at a depth is near the full model's.
+Mapper: random weights of the real shape (bench/synthetic_mapper.py); the weights do not change its cost.
 The source engine saves each context's KV first; then, per context, the median of --repeats requests each way.
 
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
-    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --contexts 512,1024,2048
+    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --source-depth 4 --k 4 \
+        --contexts 512,1024,2048
 """
 import argparse
 import json
@@ -67,7 +69,7 @@ def run(job, name, work):
     return json.load(open(os.path.join(work, name + ".json")))
 
 
-def make_models(work, shape, depth):
+def make_models(work, shape, depth, source_depth, k):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -76,21 +78,24 @@ def make_models(work, shape, depth):
 
     specs = []
     for name, c in zip(("source", "target"), SHAPES[shape]):
-        layers = depth or c["layers"]
+        layers = (source_depth if name == "source" else depth) or c["layers"]
         torch.manual_seed(len(name))
         cfg = Qwen3Config(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
                           num_hidden_layers=layers, num_attention_heads=c["q"], num_key_value_heads=c["kv"],
                           head_dim=c["dim"], max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False)
         Qwen3ForCausalLM(cfg).eval().save_pretrained(os.path.join(work, f"model-{name}"))
         specs.append(kv_spec(layers, c["kv"], c["dim"], c["q"], 1e6))
-    write_mapper(os.path.join(work, "mapper", "kall"), specs[0], specs[1], k=specs[0]["n_layers"])
+    write_mapper(os.path.join(work, "mapper", "kall"), specs[0], specs[1], k=min(k or specs[0]["n_layers"],
+                                                                                 specs[0]["n_layers"]))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("work", nargs="?")
     ap.add_argument("--shape", choices=SHAPES, default="family")
-    ap.add_argument("--depth", type=int, default=0, help="decoder layers of both models (0: their own)")
+    ap.add_argument("--depth", type=int, default=0, help="the target's decoder layers (0: its own)")
+    ap.add_argument("--source-depth", type=int, default=0, help="the source's decoder layers (0: its own)")
+    ap.add_argument("--k", type=int, default=0, help="source layers per target layer (0: all)")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
@@ -104,7 +109,7 @@ def main():
 
     work = os.path.abspath(a.work)
     os.makedirs(work, exist_ok=True)
-    make_models(work, a.shape, a.depth)
+    make_models(work, a.shape, a.depth, a.source_depth, a.k)
     contexts = [int(c) for c in a.contexts.split(",")]
     rng = np.random.default_rng(0)
     vocab = SHAPES[a.shape][0]["vocab"]
@@ -121,18 +126,19 @@ def main():
     half = len(mapped)
     rows = []
     print(f"CPU: {crosskv.blas}")
-    print(f"{a.shape}{f', {a.depth} layers each' if a.depth else ''}: time to the first token, median of "
+    cut = f", target {a.depth} / source {a.source_depth} layers, k = {a.k or 'all'}" if a.depth else ""
+    print(f"{a.shape}{cut}: time to the first token, median of "
           f"{a.repeats} (ms)\n  context   crosskv   own prefill   speed-up")
     for i, n in enumerate(contexts):
         m = res[i * a.repeats:(i + 1) * a.repeats]
         o = res[half + i * a.repeats:half + (i + 1) * a.repeats]
         assert all(x["kv"]["crosskv"]["status"] == "applied" for x in m), m[0]["kv"]
         tm, to = statistics.median(x["s"] for x in m), statistics.median(x["s"] for x in o)
-        map_ms = statistics.median(x["kv"]["crosskv"].get("map_ms", 0) for x in m)
-        rows.append({"context": n, "crosskv_s": tm, "own_prefill_s": to, "map_ms": map_ms, "speedup": to / tm})
-        print(f"  {n:7d}  {tm * 1e3:8.1f}   {to * 1e3:11.1f}   {to / tm:7.2f}x   (mapping {map_ms:.1f} ms)")
+        rows.append({"context": n, "crosskv_s": tm, "own_prefill_s": to, "speedup": to / tm})
+        print(f"  {n:7d}  {tm * 1e3:8.1f}   {to * 1e3:11.1f}   {to / tm:7.2f}x")
     if a.json:
-        json.dump({"shape": a.shape, "depth": a.depth, "blas": crosskv.blas, "rows": rows}, open(a.json, "w"), indent=2)
+        json.dump({"shape": a.shape, "depth": a.depth, "source_depth": a.source_depth, "k": a.k, "blas": crosskv.blas,
+                   "rows": rows}, open(a.json, "w"), indent=2)
 
 
 if __name__ == "__main__":

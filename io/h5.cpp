@@ -33,6 +33,19 @@ Handle create_file(const std::string& path) {
 bool has_object(hid_t loc, const std::string& name) { return H5Lexists(loc, name.c_str(), H5P_DEFAULT) > 0; }
 bool has_attr(hid_t obj, const std::string& name) { return H5Aexists(obj, name.c_str()) > 0; }
 
+bool has_fletcher32(hid_t dataset) {
+  Handle plist(check(H5Dget_create_plist(dataset), "H5Dget_create_plist", "a dataset"), H5Pclose);
+  const int n = H5Pget_nfilters(plist);
+  for (int i = 0; i < n; ++i) {
+    unsigned flags = 0, config = 0;
+    size_t nvalues = 0;
+    if (H5Pget_filter2(plist, static_cast<unsigned>(i), &flags, &nvalues, nullptr, 0, nullptr, &config) ==
+        H5Z_FILTER_FLETCHER32)
+      return true;
+  }
+  return false;
+}
+
 Handle open_dataset(hid_t file, const std::string& name, const std::string& path) {
   if (!has_object(file, name)) throw InputError(path + ": dataset '" + name + "' is missing");
   hid_t d = H5Dopen2(file, name.c_str(), H5P_DEFAULT);

@@ -48,6 +48,8 @@ Handle open_file_ro(const std::string& path);  // throws InputError for missing/
 Handle create_file(const std::string& path);   // truncates
 Handle open_dataset(hid_t file, const std::string& name, const std::string& file_path);  // InputError if missing
 bool has_object(hid_t loc, const std::string& name);
+// Whether the dataset's chunks carry HDF5's Fletcher-32 checksum (a damaged chunk then fails its read).
+bool has_fletcher32(hid_t dataset);
 bool has_attr(hid_t obj, const std::string& name);
 std::vector<int64_t> dataset_shape(hid_t dset, const std::string& where);
 

@@ -47,6 +47,8 @@ ShardReader::ShardReader(const std::string& path) {
   }
   h_.key_dtype = check_kv_dataset("keys", h_.spec.n_kv_heads);
   h_.value_dtype = check_kv_dataset("values", h_.spec.n_kv_heads);
+  h_.checksummed = h5::has_fletcher32(h5::open_dataset(file_, "keys", path)) &&
+                   h5::has_fletcher32(h5::open_dataset(file_, "values", path));
   h_.has_queries = h5::has_object(file_, "queries");
   if (h_.has_queries) h_.query_dtype = check_kv_dataset("queries", h_.spec.n_q_heads);
 }
@@ -138,7 +140,10 @@ Dtype ShardReader::read_into(const std::string& name, int64_t t0, int64_t count,
   if (rc < 0)
     throw InputError(h_.path + ": cannot read tokens " + std::to_string(t0) + ".." +
                      std::to_string(t0 + (count - 1) * stride) + (layer >= 0 ? " of layer " + std::to_string(layer) : "") +
-                     " of dataset '" + name + "' (truncated or corrupt file?)");
+                     " of dataset '" + name + "' (" +
+                     (h_.checksummed ? "damaged: a chunk fails its Fletcher-32 checksum, or the file is truncated"
+                                     : "truncated or corrupt file?") +
+                     ")");
   return dt;
 }
 
@@ -172,8 +177,8 @@ void ShardReader::read_positions(int64_t t0, int64_t count, int64_t stride, int3
 
 ShardWriter::ShardWriter(const std::string& path, const std::string& model, const std::string& domain,
                          const KvSpec& spec, int64_t tokens, Dtype dtype, bool with_queries,
-                         int64_t chunk_tokens)
-    : path_(path), spec_(spec), tokens_(tokens), dtype_(dtype) {
+                         int64_t chunk_tokens, bool checksum)
+    : path_(path), spec_(spec), tokens_(tokens), dtype_(dtype), checksum_(checksum) {
   file_ = h5::create_file(path);
   h5::write_string_attr(file_, "crosskv_format", "kv-shard");
   h5::write_int_attr(file_, "crosskv_format_version", 1);
@@ -192,7 +197,10 @@ void ShardWriter::create_kv(const std::string& name, int heads, int64_t chunk_to
                       dims[3]};
   h5::Handle space(H5Screate_simple(4, dims, nullptr), H5Sclose);
   h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-  if (tokens_ > 0) h5::check(H5Pset_chunk(dcpl, 4, chunk), "H5Pset_chunk", path_);
+  if (tokens_ > 0) {  // checksummed chunks: a flipped bit in the data fails its read (SPEC's shard format)
+    h5::check(H5Pset_chunk(dcpl, 4, chunk), "H5Pset_chunk", path_);
+    if (checksum_) h5::check(H5Pset_fletcher32(dcpl), "H5Pset_fletcher32", path_ + ":" + name);
+  }
   h5::Handle type = dtype_ == Dtype::f32    ? h5::Handle(H5Tcopy(H5T_IEEE_F32LE), H5Tclose)
                     : dtype_ == Dtype::bf16 ? h5::Handle(H5Tcopy(H5T_STD_U16LE), H5Tclose)
                                                   : float16_type();
@@ -205,10 +213,15 @@ void ShardWriter::create_kv(const std::string& name, int heads, int64_t chunk_to
 namespace {
 
 void write_1d(hid_t file, const std::string& path, const char* name, hid_t file_type, hid_t mem_type,
-              const void* data, size_t n) {
+              const void* data, size_t n, bool checksum) {
   hsize_t dims = n;
   h5::Handle s(H5Screate_simple(1, &dims, nullptr), H5Sclose);
-  h5::Handle d(h5::check(H5Dcreate2(file, name, file_type, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "H5Dcreate2",
+  h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  if (n > 0 && checksum) {
+    h5::check(H5Pset_chunk(dcpl, 1, &dims), "H5Pset_chunk", path);
+    h5::check(H5Pset_fletcher32(dcpl), "H5Pset_fletcher32", path + ":" + name);
+  }
+  h5::Handle d(h5::check(H5Dcreate2(file, name, file_type, s, H5P_DEFAULT, dcpl, H5P_DEFAULT), "H5Dcreate2",
                          path + ":" + name),
                H5Dclose);
   h5::check(H5Dwrite(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "H5Dwrite", path + ":" + name);
@@ -217,13 +230,13 @@ void write_1d(hid_t file, const std::string& path, const char* name, hid_t file_
 }  // namespace
 
 void ShardWriter::write_token_ids(const std::vector<int32_t>& v) {
-  write_1d(file_, path_, "token_ids", H5T_STD_I32LE, H5T_NATIVE_INT32, v.data(), v.size());
+  write_1d(file_, path_, "token_ids", H5T_STD_I32LE, H5T_NATIVE_INT32, v.data(), v.size(), checksum_);
 }
 void ShardWriter::write_positions(const std::vector<int32_t>& v) {
-  write_1d(file_, path_, "positions", H5T_STD_I32LE, H5T_NATIVE_INT32, v.data(), v.size());
+  write_1d(file_, path_, "positions", H5T_STD_I32LE, H5T_NATIVE_INT32, v.data(), v.size(), checksum_);
 }
 void ShardWriter::write_seq_offsets(const std::vector<int64_t>& v) {
-  write_1d(file_, path_, "seq_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, v.data(), v.size());
+  write_1d(file_, path_, "seq_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, v.data(), v.size(), checksum_);
 }
 
 void ShardWriter::write_rows(const std::string& name, int64_t t0, int64_t count, const float* data) {

@@ -19,6 +19,7 @@ struct ShardHeader {
   int64_t tokens = 0;
   Dtype key_dtype = Dtype::f32, value_dtype = Dtype::f32, query_dtype = Dtype::f32;
   bool has_queries = false;
+  bool checksummed = false;  // keys and values carry HDF5's Fletcher-32 checksum (h5::has_fletcher32)
 };
 
 class ShardReader {
@@ -59,7 +60,8 @@ class ShardReader {
 class ShardWriter {
  public:
   ShardWriter(const std::string& path, const std::string& model, const std::string& domain, const KvSpec& spec,
-              int64_t tokens, Dtype dtype, bool with_queries = false, int64_t chunk_tokens = 256);
+              int64_t tokens, Dtype dtype, bool with_queries = false, int64_t chunk_tokens = 256,
+              bool checksum = true);
   void write_token_ids(const std::vector<int32_t>& ids);
   void write_positions(const std::vector<int32_t>& pos);
   void write_seq_offsets(const std::vector<int64_t>& offs);
@@ -73,6 +75,7 @@ class ShardWriter {
   KvSpec spec_;
   int64_t tokens_;
   Dtype dtype_;
+  bool checksum_;
   h5::Handle file_;
 };
 

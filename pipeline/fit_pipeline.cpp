@@ -183,6 +183,12 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   clock.start("plan");
   const FitPlan plan = plan_job(cal, world, planned, opts.plan_only);
   res.plan_text = format_plan(plan) + format_host_memory(plan.host);
+  res.plan_text += cal.unchecked_files == 0
+                       ? "  checksums: all " + std::to_string(cal.shard_files) + " shard files (Fletcher-32)\n"
+                       : "  checksums: " + std::to_string(cal.unchecked_files) + " of " +
+                             std::to_string(cal.shard_files) +
+                             " shard files unchecked (no Fletcher-32 on keys/values: damage to their data goes "
+                             "unnoticed; crosskv-capture and crosskv-synth write checksummed shards)\n";
   const HeldOut held_out = held_out_shards(cal);
   if (!cal.eval_shards.empty())
     res.plan_text += "  held-out eval (every k): " +

@@ -47,6 +47,7 @@ struct Calibration {
   // The shard pair whose first block gives the provisional shift: the store's first pair over every domain, so
   // that the shift (and moments kept per domain) does not change with the domains a fit selects.
   ShardPair shift_shard;
+  int64_t shard_files = 0, unchecked_files = 0;  // the fit's shard files; those without Fletcher-32 on keys/values
   std::vector<std::string> skipped;  // store entries passed over ("<path>: skipped (why)"), for the log
   PairDims dims() const;
 };

@@ -55,6 +55,33 @@ void check_artifact_names(const FitConfig& cfg) {
 }
 
 // Both stores' shards (relative paths).
+// Whether two paths name one place (after symlinks and ".."), or `inner` lies inside `outer` with inside = true.
+bool same_place(const std::string& a, const std::string& b, bool inside = false) {
+  std::error_code ec;
+  const fs::path pa = fs::weakly_canonical(fs::absolute(a, ec), ec), pb = fs::weakly_canonical(fs::absolute(b, ec), ec);
+  if (!inside) return pa == pb;
+  auto ia = pa.begin();
+  for (auto ib = pb.begin(); ib != pb.end(); ++ib, ++ia)
+    if (ib->empty()) continue;
+    else if (ia == pa.end() || *ia != *ib) return false;
+  return true;
+}
+
+// The fit's outputs never land in a store it reads: a second fit would take r2.h5 and the rest for shards.
+void check_output_outside_stores(const FitConfig& cfg) {
+  for (const auto& [key, store] : {std::pair{"source", cfg.source_store}, std::pair{"target", cfg.target_store}})
+    if (same_place(cfg.output_dir, store, true))
+      throw InputError("output.dir: " + cfg.output_dir + " is inside the " + key + " store " + store +
+                       "; the fit's outputs must live outside the stores it reads");
+}
+
+void check_checkpoint_dir(const FitConfig& cfg) {
+  if (cfg.checkpoint_dir.empty()) return;
+  std::error_code ec;
+  if (fs::exists(cfg.checkpoint_dir, ec) && !fs::is_directory(cfg.checkpoint_dir, ec))
+    throw InputError("runtime.checkpoint.dir: " + cfg.checkpoint_dir + " exists and is not a folder");
+}
+
 struct Listed {
   std::vector<std::string> source;
   std::set<std::string> target;
@@ -62,6 +89,9 @@ struct Listed {
 
 // The stores listed, the domains chosen, every shard paired by relative path (held-out shards apart).
 Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
+  if (same_place(cfg.source_store, cfg.target_store))
+    throw InputError("source.store and target.store: the two stores are one (" + cfg.source_store + " and " +
+                     cfg.target_store + "); the source and target models' shards need a store each");
   StoreListing src_list = list_store(cfg.source_store, "source.store");
   StoreListing tgt_list = list_store(cfg.target_store, "target.store");
   const std::vector<std::string>& src = src_list.shards;
@@ -77,6 +107,15 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
       if (!eval_set.count(r)) found_domains.insert(shard_domain(r));
   std::vector<std::string> domains = cfg.domains;
   if (domains.empty()) domains.assign(found_domains.begin(), found_domains.end());
+  auto held_out_domain = [&](const std::string& d) {
+    return std::any_of(src.begin(), src.end(), [&](const std::string& r) { return shard_domain(r) == d; });
+  };
+  for (const auto& d : domains)
+    if (!found_domains.count(d) && !eval_set.empty() && held_out_domain(d))
+      throw InputError("eval.shards: holds out every shard of domain \"" + d + "\"; it left nothing of it to fit on");
+  if (found_domains.empty() && !eval_set.empty() && !src.empty())
+    throw InputError("eval.shards: holds out every shard of " + cfg.source_store + " (" +
+                     std::to_string(eval_set.size()) + "); it left nothing to fit on");
   for (const auto& d : domains)
     if (!found_domains.count(d))
       throw InputError("calibration.domains: domain \"" + d + "\" has no shards in " + cfg.source_store + " or " +
@@ -145,6 +184,8 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
     ShardReader s(p.source_path), t(p.target_path);
     const auto& hs = s.header();
     const auto& ht = t.header();
+    cal.shard_files += 2;
+    cal.unchecked_files += !hs.checksummed + !ht.checksummed;
     if (first) {
       cal.source = hs.spec;
       cal.target = ht.spec;
@@ -253,6 +294,8 @@ Calibration validate(const FitConfig& cfg) {
   cal.cfg = cfg;
   check_output_writable(cfg.output_dir);
   check_artifact_names(cfg);
+  check_checkpoint_dir(cfg);
+  check_output_outside_stores(cfg);
   const Listed listed = pair_shards(cfg, cal);
   read_pairs(cfg, cal);
   choose_shift_shard(cfg, listed, cal);

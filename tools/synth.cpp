@@ -252,9 +252,9 @@ int64_t write_shard_pair(const SynthOptions& o, const std::string& domain, const
   std::uniform_int_distribution<int> token(0, 150000), offset(0, 4000), step(1, 3);
   const int64_t Tn = int64_t{o.sequences_per_shard} * o.seq_len;
   ShardWriter ws_(((fs::path(o.out) / "source" / domain) / name).string(), o.source_model, domain, o.source, Tn,
-                  o.dtype, o.with_queries, o.chunk_tokens);
+                  o.dtype, o.with_queries, o.chunk_tokens, o.checksum);
   ShardWriter wt_(((fs::path(o.out) / "target" / domain) / name).string(), o.target_model, domain, o.target, Tn,
-                  o.dtype, o.with_queries, o.chunk_tokens);
+                  o.dtype, o.with_queries, o.chunk_tokens, o.checksum);
   std::vector<int32_t> ids(Tn), pos_s(Tn), pos_t(Tn);
   std::vector<int64_t> offs = {0};
   for (int s = 0; s < o.sequences_per_shard; ++s) {

@@ -34,6 +34,7 @@ struct SynthOptions {
   bool gapped_positions = true;   // random start offsets and steps of 1-3 (non-contiguous positions)
   bool with_queries = false;
   int64_t chunk_tokens = 256;
+  bool checksum = true;  // Fletcher-32 on every dataset (false: shards as older writers made them)
 };
 
 // Defaults: source 8 layers x 4 heads x 32 (default rope, theta 1e4), target 12 layers x 4 x 32 (llama3 rope).

@@ -524,12 +524,19 @@ class CrossKVConnector(KVConnectorBase_V1):
         self._layers = {n: ctx[n] for n in names}
         if self.side == "target" and not self.unusable:
             if len(names) != self.engine["n_layers"]:
-                self.unusable = f"the engine has {len(names)} attention layers, the mapper's target {self.engine['n_layers']}"
+                self.unusable = (f"the engine caches {len(names)} attention layers, its model config says "
+                                 f"{self.engine['n_layers']}")
             elif not all(hasattr(l.impl, "do_kv_cache_update") for l in self._layers.values()):
                 self.unusable = "this attention backend has no cache writer (do_kv_cache_update)"
             else:
-                device = self.settings.mapper_device or ("cuda" if next(iter(kv_caches.values())).is_cuda else "cpu")
-                self._mapper = Mapper(self.settings.mapper, device=device)
+                cache = next(iter(kv_caches.values()))
+                device = self.settings.mapper_device or (str(cache.device) if cache.is_cuda else "cpu")
+                try:
+                    self._mapper = Mapper(self.settings.mapper, device=device)
+                except MapperError as e:  # a damaged mapper, or a device this package cannot use
+                    self.unusable = f"the mapper cannot be loaded: {e}"
+            if self.unusable:
+                logger.warning("crosskv: every request re-prefills: %s", self.unusable)
 
     def _layout(self, name):
         if name not in self._layouts:

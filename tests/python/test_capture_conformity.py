@@ -71,12 +71,14 @@ for name, (cls, cfg) in MODELS.items():
             pos = f["positions"][()]
             content_k, content_q = s["content_keys"][()], s["content_queries"][()]
             raw = f["keys"][()]
+            checksummed = all(f[d].fletcher32 for d in ("keys", "values", "queries", "token_ids", "positions"))
             if f["keys"].attrs.get("dtype") == "bfloat16":
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
         # The hook inside HF attention, on the same tokens (full sequences; the shard keeps every stride-th).
         seqs = cap.pack(byte_tokenizer(), cap.read_documents("text.txt"), 96, 3)
         _, _, _, calls = cap.capture_sequences(model, seqs, True, 1, "cpu")
         keep = np.arange(0, 96, stride)
+        check(checksummed, f"{name} {dtype}: every dataset carries a Fletcher-32 checksum")
         check(np.array_equal(seqs[:, keep].reshape(-1), ids), f"{name} {dtype}: token_ids as packed")
         check(np.array_equal(np.tile(keep, 3), pos), f"{name} {dtype}: positions are the kept tokens' own")
         k_pre = torch.stack([c[1] for c in calls], 2).permute(0, 3, 2, 1, 4)[:, keep].reshape(content_k.shape)

@@ -185,14 +185,15 @@ def write_shard(path, model_name, domain, spec, token_ids, positions, seq_offset
         f.attrs["model"] = model_name
         f.attrs["domain"] = domain
         f.attrs["kv_spec"] = json.dumps(spec)
-        f.create_dataset("token_ids", data=token_ids.astype(np.int32))
-        f.create_dataset("positions", data=positions.astype(np.int32))
-        f.create_dataset("seq_offsets", data=seq_offsets.astype(np.int64))
+        # Every dataset checksummed (HDF5's Fletcher-32 per chunk): damage to the data fails its read.
+        f.create_dataset("token_ids", data=token_ids.astype(np.int32), fletcher32=True)
+        f.create_dataset("positions", data=positions.astype(np.int32), fletcher32=True)
+        f.create_dataset("seq_offsets", data=seq_offsets.astype(np.int64), fletcher32=True)
         for name, a in (("keys", keys), ("values", values), ("queries", queries)):
             if a is None:
                 continue
             stored, tag = to_stored(a, dtype)
-            d = f.create_dataset(name, data=stored, chunks=(chunk,) + stored.shape[1:])
+            d = f.create_dataset(name, data=stored, chunks=(chunk,) + stored.shape[1:], fletcher32=True)
             if tag:
                 d.attrs["dtype"] = tag
     os.replace(tmp, path)
