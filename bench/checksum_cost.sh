@@ -23,7 +23,7 @@ done | tee write.txt
 for r in $(seq "$ROUNDS"); do
   for kind in checked unchecked; do
     sync; echo 3 > /proc/sys/vm/drop_caches 2> /dev/null || true
-    echo "$kind $("$BUILD/crosskv-bench-stream" "$kind.yaml" 2> blas.txt)"
+    echo "$kind $("$BUILD/bench/crosskv-bench-stream" "$kind.yaml" 2> blas.txt)"
   done
 done | tee rates.txt
 python3 - "$OUT" <<'PY'

@@ -8,7 +8,8 @@ shapes   family: the small family of docs/RESULTS.md (Qwen3-style, 4 layers of w
          --source-depth, mapper k = --k: each target layer costs what it costs in the full models on both sides
          (its prefill; its mapping from k source layers), so the ratio at a depth is near the full model's.
 Mapper: random weights of the real shape (bench/synthetic_mapper.py); the weights do not change its cost.
-The source engine saves each context's KV first; then, per context, the median of --repeats requests each way.
+The source engine saves each context's KV first; then, per context, the median of --repeats requests each way,
+the two kinds in turn.
 
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --source-depth 4 --k 4 \
@@ -117,21 +118,20 @@ def main():
     store = {"store": os.path.join(work, "store")}
     run({"model": os.path.join(work, "model-source"), "connector": store, "role": "kv_producer",
          "prompts": prefixes}, "source", work)
-    mapped, own = [], []
-    for n, p in zip(contexts, prefixes):  # the stored prefix + one token; a fresh context of the same length
-        mapped += [p + [int(rng.integers(1, vocab))] for _ in range(a.repeats)]
-        own += [rng.integers(1, vocab, n + 1).tolist() for _ in range(a.repeats)]
-    res = run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": mapped + own,
+    prompts = []  # per context and repeat, in turn: the stored prefix + one token; a fresh context as long
+    for n, p in zip(contexts, prefixes):
+        for _ in range(a.repeats):
+            prompts += [p + [int(rng.integers(1, vocab))], rng.integers(1, vocab, n + 1).tolist()]
+    res = run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": prompts,
                "connector": {**store, "mapper": os.path.join(work, "mapper", "kall")}}, "target", work)
-    half = len(mapped)
     rows = []
     print(f"CPU: {crosskv.blas}")
     cut = f", target {a.depth} / source {a.source_depth} layers, k = {a.k or 'all'}" if a.depth else ""
     print(f"{a.shape}{cut}: time to the first token, median of "
           f"{a.repeats} (ms)\n  context   crosskv   own prefill   speed-up")
     for i, n in enumerate(contexts):
-        m = res[i * a.repeats:(i + 1) * a.repeats]
-        o = res[half + i * a.repeats:half + (i + 1) * a.repeats]
+        mine = res[2 * i * a.repeats:2 * (i + 1) * a.repeats]
+        m, o = mine[0::2], mine[1::2]
         assert all(x["kv"]["crosskv"]["status"] == "applied" for x in m), m[0]["kv"]
         tm, to = statistics.median(x["s"] for x in m), statistics.median(x["s"] for x in o)
         rows.append({"context": n, "crosskv_s": tm, "own_prefill_s": to, "speedup": to / tm})

@@ -75,6 +75,8 @@ def main():
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--prompt", default="ROMEO. ")
     ap.add_argument("--store", help="where the source's KV is kept (default: a temporary folder)")
+    ap.add_argument("--allow-not-ready", action="store_true",
+                    help="serve the mapper even if its held-out verdict is NOT READY (otherwise the target re-prefills)")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -94,7 +96,8 @@ def main():
                    **common}, "source", work)
         history = src[0]["prompt"] + src[0]["answer"]
         print(f"turn 1 (source {a.source}): {tok.decode(src[0]['answer'])!r}")
-        mapped = run({"model": a.target, "connector": {"store": store, "mapper": a.mapper}, "role": "kv_consumer",
+        connector = {"store": store, "mapper": a.mapper, "allow_not_ready": a.allow_not_ready}
+        mapped = run({"model": a.target, "connector": connector, "role": "kv_consumer",
                       "users": [history + users[1]] + users[2:], **common}, "target", work)
         # The target without the connector, on the same conversation (the connector run's prompts).
         own = run({"model": a.target, "users": [[] for _ in mapped], "histories": [t["prompt"] for t in mapped],
