@@ -423,7 +423,8 @@ class CrossKVConnector(KVConnectorBase_V1):
                     logger.warning("crosskv: the mapper's held-out verdict is %s; served anyway (allow_not_ready)",
                                    verdict)
                 else:
-                    self.unusable = (f"the mapper's held-out verdict is NOT READY ({verdict}); set {_EXTRA}."
+                    detail = verdict[len("NOT READY"):].lstrip(" :")
+                    self.unusable = (f"the mapper's held-out verdict is NOT READY ({detail}); set {_EXTRA}."
                                      "allow_not_ready to serve it anyway")
             if self.unusable:
                 logger.warning("crosskv: every request re-prefills: %s", self.unusable)
