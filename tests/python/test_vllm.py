@@ -95,6 +95,41 @@ def engine(name, spec, expect_fail=False):
     return json.load(open(f"{name}.out.json"))
 
 
+# ---- PagedLayout on writers of known layouts (no engine): K transposed per block, bf16; a quantizing writer refused.
+class _Impl:
+    def __init__(self, write):
+        self.do_kv_cache_update = write
+
+
+def _transposed_writer(layer, key, value, cache, slots):  # cache [blocks, H, 2, D, bs]: K and V dim-major
+    for i, s in enumerate(slots.tolist()):
+        cache[s // BLOCK, :, 0, :, s % BLOCK] = key[i]
+        cache[s // BLOCK, :, 1, :, s % BLOCK] = value[i]
+
+
+def _rounding_writer(layer, key, value, cache, slots):  # stores values as a quantized cache would: not as given
+    _transposed_writer(layer, (key / 4).round() * 4, value, cache, slots)
+
+
+H, D, NB = 2, 32, 7
+for dtype in (torch.float32, torch.bfloat16):
+    layer = type("L", (), {})()
+    layer.impl = _Impl(_transposed_writer)
+    cache = torch.zeros(NB, H, 2, D, BLOCK, dtype=dtype)
+    layout = cv.PagedLayout(layer, cache, NB, BLOCK, H, D)
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(40, H, D, generator=gen).to(dtype), torch.randn(40, H, D, generator=gen).to(dtype)
+    slots = cv.slots_of([4, 1], BLOCK, 3, 43)  # a prefix from token 3 across two blocks, mid-block at both ends
+    _transposed_writer(layer, k, v, cache, slots)
+    rk, rv = layout.read(cache, slots)
+    check(torch.equal(rk, k) and torch.equal(rv, v), f"PagedLayout reads back a block-transposed {dtype} cache exactly")
+layer.impl = _Impl(_rounding_writer)
+try:
+    cv.PagedLayout(layer, torch.zeros(NB, H, 2, D, BLOCK), NB, BLOCK, H, D)
+    check(False, "PagedLayout refuses a writer that does not store values as given")
+except ValueError as e:
+    check("does not store values as given" in str(e) or "wrote" in str(e), f"PagedLayout refuses a quantizing writer: {e}")
+
 # ---- the family: made, captured and fitted in the capture environment (transformers 4.x writes what both read).
 r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
 print(r.stdout[-2000:], r.stderr[-2000:] if r.returncode else "")
