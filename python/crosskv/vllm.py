@@ -211,6 +211,9 @@ class DirectoryStore(KVStore):
     def _path(self, key):
         return os.path.join(self.root, key + ".safetensors")
 
+    def contains(self, key):  # the file's presence: its header is read once, by the caller
+        return os.path.exists(self._path(key))
+
     def put(self, key, p):
         from safetensors.numpy import save_file
 
