@@ -1,4 +1,4 @@
-// The device policy every program shares, over whichever CUDA backend is built in (cuda/, its emulation, the stub).
+// The device policy every program shares, over whichever CUDA backend is built in (backends/cuda/, its emulation, the stub).
 #include "backends/backends.hpp"
 
 namespace crosskv {

@@ -1,7 +1,7 @@
 #pragma once
-// The backends layer: the CPU backend (backends/), and the CUDA backend and NCCL collectives (cuda/, or a stub that
-// refuses them by name when compiled out). Only programs and tests choose a backend; the stages see the interfaces
-// (core/backend.hpp, core/comm.hpp).
+// The backends layer: the host backend (host/, the reference), and the CUDA backend and NCCL collectives (cuda/,
+// or a stub that refuses them by name when compiled out). Only programs and tests choose a backend; the stages see
+// the interfaces (core/backend.hpp, core/comm.hpp).
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -1,5 +1,6 @@
 #pragma once
-// Compute backend: the few dense kernels the fit needs. CPU (BLAS/LAPACK) is the reference; CUDA lives in cuda/.
+// Compute backend: the interfaces of the few dense kernels the fit and the serving apply need. Pure: every host
+// implementation (the reference) is backends/host/host_backend.cpp; CUDA's is backends/cuda/.
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -38,7 +39,7 @@ class DenseMaths {
     float* C;
   };
   virtual void cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms, int64_t lda,
-                               int64_t ldb, int64_t ldc);
+                               int64_t ldb, int64_t ldc) = 0;
   // A batch of products of one shape: C_i = alpha op(A_i) op(B_i) + beta C_i for i < batch, X_i = X + i * stride_x
   // (a stride may be 0: one operand for the whole batch). fp32 row-major host arrays; op(A) [m x k], op(B) [k x n].
   // The held-out diagnostics' attention scores and outputs (strided-batched GEMM on a device).
@@ -57,7 +58,7 @@ class DenseMaths {
   virtual void gemm_batched(const BatchedGemm& g) = 0;
   // True when gemm_batched and symmetric_eigen may be called from several threads at once (a host backend, under
   // SingleThreadedBlas); a device backend takes its calls one at a time and fills the device with each.
-  virtual bool concurrent_calls() const { return false; }
+  virtual bool concurrent_calls() const = 0;
   // Eigenvalues (ascending, into w[n]) and eigenvectors (the columns of A on return) of a symmetric row-major fp64
   // matrix A[n x n], upper triangle read (LAPACK dsyev / cuSOLVER syevd).
   virtual void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) = 0;
@@ -107,13 +108,13 @@ class DenseMaths {
   // Cxx + lambda*I assembled where this backend factors it, and factored; diag[n] receives the system's diagonal. A
   // device backend uploads the fp32 blocks (half the bytes of the fp64 system) and keeps the factor there. `reuse`,
   // a factor of this backend no longer needed, lends its memory.
-  virtual FactorPtr factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr reuse = nullptr);
+  virtual FactorPtr factor_cov(const CovTerms& t, double lambda, double* diag, FactorPtr reuse = nullptr) = 0;
   // A host system [n x n] (lower triangle read; A is left as it is) factored where this backend works.
-  virtual FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse = nullptr);
+  virtual FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse = nullptr) = 0;
   // With the leading n x n block of a factor: (L L^T) X = B, or L X = B (transpose: L^T X = B). B row-major, host.
-  virtual void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb);
+  virtual void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) = 0;
   virtual void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
-                                int64_t ldb);
+                                int64_t ldb) = 0;
 
   // The kernels on host arrays, the reference the factors above are tested against: in-place lower Cholesky of a
   // symmetric row-major fp64 matrix (lower triangle read), returning 0 or the first leading minor that is not
@@ -124,12 +125,12 @@ class DenseMaths {
                                 int64_t ldb) = 0;
 };
 
-// Input preparation: stored values of a block to the moments' operands. The host implementations are the defaults.
+// Input preparation: stored values of a block to the moments' operands.
 class InputPreparation {
  public:
   virtual ~InputPreparation() = default;
   // True when prepare() and gather_heads() make their results on the device (the host vectors are then left alone).
-  virtual bool prepares_on_device() const { return false; }
+  virtual bool prepares_on_device() const = 0;
 
   // Stored values of one block as read from a shard, staged: [rows x cols] of bf16 / fp16 bits or fp32.
   struct StoredBlock {
@@ -144,18 +145,19 @@ class InputPreparation {
   };
   // The moments' inputs from stored values in one pass (SPEC §2-3): fp32, RoPE stripped (strip may be null), minus
   // shift[cols]. Returns the operand: `host` (resized, filled) on a host backend, device memory on a device one.
-  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, std::vector<float>& host);
+  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+                               std::vector<float>& host) = 0;
   // Head-major copy of X [rows x L*H*D]: out[t, (h*L + a)*D + j] = X[t, a*H*D + h*D + j]. Returns the operand.
-  virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host);
+  virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) = 0;
   // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 held sums, like C).
-  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq);
+  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) = 0;
   // Copies `count` values of an operand (or a staged host array) of the current round to `host` (tests, diagnostics).
-  virtual void download(const float* operand, int64_t count, float* host);
+  virtual void download(const float* operand, int64_t count, float* host) = 0;
   // fp32 -> bf16 or fp16 bits (round to nearest even, NaN kept), for export.
-  virtual void to_half(const float* in, int64_t n, bool bf16, uint16_t* out);
+  virtual void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) = 0;
 };
 
-// Residency: where sums and operands live. A host backend's defaults keep everything on the host.
+// Residency: where sums and operands live (a host backend keeps everything on the host).
 class Residency {
  public:
   virtual ~Residency() = default;
@@ -191,9 +193,9 @@ class Residency {
     int64_t count() const { return count_; }
     bool on_device() const { return held_ != host_; }
     // The held copy to the host array; returns when it is there.
-    virtual void to_host() {}
+    virtual void to_host() = 0;
     // Zero where the sums are current (the held copy; a device's host array is left as it is).
-    virtual void zero();
+    virtual void zero() = 0;
 
    protected:
     HeldSums(T* host, T* held, int64_t count) : host_(host), held_(held), count_(count) {}
@@ -207,8 +209,8 @@ class Residency {
   using HeldSumsPtr = std::unique_ptr<HeldSums<T>>;
   // Holds host sums [p, p + count): a device backend copies them up (or zeroes its copy when `host_is_zero`, the
   // caller's promise); a host backend's handle is the host array.
-  virtual HeldSumsPtr<float> hold_sums(float* p, int64_t count, bool host_is_zero);
-  virtual HeldSumsPtr<double> hold_sums(double* p, int64_t count, bool host_is_zero);
+  virtual HeldSumsPtr<float> hold_sums(float* p, int64_t count, bool host_is_zero) = 0;
+  virtual HeldSumsPtr<double> hold_sums(double* p, int64_t count, bool host_is_zero) = 0;
   // A round's reduction reads the sums where they are current (no write-back, no packed host copy): a SumPiece is a
   // [rows x cols] part of host sums `host` (leading dim ld) at `at` in a flat order of the pieces, current in
   // `held` (a HeldSums' copy laid out like the host part; null: current on the host). copy_sums copies flat values
@@ -222,31 +224,30 @@ class Residency {
     const T* current() const { return held ? held : host; }
   };
   virtual void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
-                         bool dst_on_device);
+                         bool dst_on_device) = 0;
   virtual void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
-                         bool dst_on_device);
-  virtual void begin_inputs() {}
-  virtual void stage_inputs(std::initializer_list<HostSpan> spans) {}
+                         bool dst_on_device) = 0;
+  virtual void begin_inputs() = 0;
+  virtual void stage_inputs(std::initializer_list<HostSpan> spans) = 0;
   // Waits until the device has finished every call made so far (for timing; host backends return at once).
-  virtual void synchronize() {}
+  virtual void synchronize() = 0;
   // Free memory of the device, in bytes, or -1 for a host backend (no limit beyond the host's).
-  virtual int64_t device_memory_free() const { return -1; }
+  virtual int64_t device_memory_free() const = 0;
   // Read-only host arrays used as B by matmul_acc again and again (a mapper's weights kept for serving): a device
   // backend keeps a copy until forget_constant(), so that B crosses PCIe once. The caller leaves the array unchanged
   // while it is kept.
-  virtual void keep_constant(const float* p, int64_t count) {}
-  virtual void forget_constant(const float* p) {}
+  virtual void keep_constant(const float* p, int64_t count) = 0;
+  virtual void forget_constant(const float* p) = 0;
 };
 
 // Kernels on the backend's own memory, for serving (serve/serving_mapper): weights, caches and scratch all stay where the
 // backend computes (host memory for a host backend, device memory for a device one), and calls are ordered on the
-// backend's stream (asynchronous on a device until copy_to_host or synchronize). The host implementations are the
-// defaults and the reference for device ones.
+// backend's stream (asynchronous on a device until copy_to_host or synchronize).
 class ServingKernels {
  public:
   virtual ~ServingKernels() = default;
   // True when the memory below is device memory (a host array must be copied in, not named).
-  virtual bool memory_on_device() const { return false; }
+  virtual bool memory_on_device() const = 0;
   // Memory of this backend, owned by its handle (released with it; a device backend first waits for its stream).
   struct Memory {
     virtual ~Memory() = default;
@@ -258,43 +259,41 @@ class ServingKernels {
     }
   };
   using MemoryPtr = std::unique_ptr<Memory>;
-  virtual MemoryPtr allocate(int64_t bytes);
+  virtual MemoryPtr allocate(int64_t bytes) = 0;
   // Host -> backend memory (the host array may change once the call returns), and back (returns when it is there).
-  virtual void copy_from_host(const void* host, int64_t bytes, void* dst);
-  virtual void copy_to_host(const void* src, int64_t bytes, void* host);
+  virtual void copy_from_host(const void* host, int64_t bytes, void* dst) = 0;
+  virtual void copy_to_host(const void* src, int64_t bytes, void* host) = 0;
   // Within this backend's memory.
-  virtual void copy_within(const void* src, int64_t bytes, void* dst);
+  virtual void copy_within(const void* src, int64_t bytes, void* dst) = 0;
   // Y[t*ldy + c] = b[c] for t < rows, c < n.
-  virtual void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy);
+  virtual void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) = 0;
   // The selected layers' columns side by side, for several selections of k layers each (one per target layer):
   // out[(s*rows + t)*k*F + j*F + i] = X[t*ldx + lists[s][j]*F + i].
   virtual void gather_layers(const float* X, int64_t ldx, const std::vector<std::vector<int>>& lists, int64_t F,
-                             int64_t rows, float* out);
+                             int64_t rows, float* out) = 0;
   // X[i] = max(X[i], 0) for i < n.
-  virtual void relu(float* X, int64_t n);
+  virtual void relu(float* X, int64_t n) = 0;
   // Y[t*ldy + c] += Z[t*n + c].
-  virtual void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy);
+  virtual void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) = 0;
   // RoPE applied to (strip: stripped from) X [rows, heads, head_dim] in place, row t at positions[t] (int32,
   // this backend's memory); bit-for-bit the host's Rope::apply_block / strip_block.
   virtual void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
-                         const int32_t* positions);
+                         const int32_t* positions) = 0;
   // C = alpha op(A) op(B) + beta C on this backend's memory (gemm_batched's operands, but resident).
   virtual void serving_gemm(const DenseMaths::BatchedGemm& g) = 0;
   // Ordering with a caller's device stream (a cudaStream_t as void*, 0 for the legacy default one): work issued
   // after begin_after(s) starts once what s holds now is done; end_before(s) makes s wait for the work so far.
   // Host backends: no-ops (their calls return when done).
-  virtual void begin_after(void* stream) {}
-  virtual void end_before(void* stream) {}
+  virtual void begin_after(void* stream) = 0;
+  virtual void end_before(void* stream) = 0;
 };
 
-// A compute backend: the concerns together. CPU (BLAS/LAPACK, backends/) is the reference; CUDA lives in cuda/.
-// A new backend implements DenseMaths first and inherits the host's input preparation, residency and kernels.
+// A compute backend: the concerns together. The host backend (backends/host/) is the reference; CUDA's is
+// backends/cuda/. A test backend that changes one concern derives from the host one.
 class ComputeBackend : public DenseMaths, public InputPreparation, public Residency, public ServingKernels {
  public:
   ~ComputeBackend() override = default;
   virtual std::string name() const = 0;
-  // Host memory is this backend's memory: the batched products are the resident ones.
-  void serving_gemm(const BatchedGemm& g) override { gemm_batched(g); }
 };
 
 // The flat size of pieces laid back to back: the end of the last one.
@@ -343,21 +342,5 @@ void place_sums(const std::vector<ComputeBackend::SumPiece<T>>& pieces, int64_t 
                        std::copy_n(src + (flat - off) + r * cols, cols, q.host + e + r * q.ld);
                    });
 }
-
-// Cxx + lambda*I on the host (all of A): host factors' (factor_cov) and Moments::cov_xx's.
-void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, double* A, int64_t lda, double* diag);
-
-// prepare() on the host: the CPU backend's, the reference for device backends, and what a reader thread runs when
-// the backend prepares on the host (it is thread-safe).
-const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
-                             const float* shift, std::vector<float>& host);
-
-// fp32 -> bf16 or fp16 bits on the host, in parallel (the CPU backend's to_half, and export's: the bits of the
-// device's conversion).
-void to_half_on_host(const float* in, int64_t n, bool bf16, uint16_t* out);
-// The selected layers' columns of X [rows x ldx] side by side: out [rows x layers*F] (Transfer's gather, and the
-// host's gather_layers).
-void gather_layers_on_host(const float* X, int64_t ldx, const std::vector<int>& layers, int64_t F, int64_t rows,
-                           float* out);
 
 }  // namespace crosskv

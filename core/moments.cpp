@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/backend.hpp"
+#include "core/host_kernels.hpp"
 #include "core/comm.hpp"
 #include "core/memory.hpp"
 #include "core/error.hpp"

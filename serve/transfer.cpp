@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.hpp"
+#include "core/host_kernels.hpp"
 #include "core/rope.hpp"
 
 namespace crosskv {

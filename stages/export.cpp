@@ -10,6 +10,7 @@
 #include <set>
 
 #include "core/backend.hpp"
+#include "core/host_kernels.hpp"
 #include "core/error.hpp"
 #include "runtime/fault.hpp"
 #include "core/half.hpp"

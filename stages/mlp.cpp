@@ -12,6 +12,7 @@
 #include "serve/transfer.hpp"
 #include "core/bytes.hpp"
 #include "core/comm.hpp"
+#include "core/host_kernels.hpp"
 #include "runtime/fault.hpp"
 #include "runtime/log.hpp"
 #include "core/mlp.hpp"

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/backend.hpp"
+#include "core/host_kernels.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "runtime/log.hpp"

@@ -3,9 +3,10 @@
 # headers). The programs (apps/) sit on top; the Python extension (python/src) on the serving layers alone.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-SERVING="core backends cuda artifact serve"
+SERVING="core backends backends/host backends/cuda artifact serve"
 declare -A allowed=(
-  [core]="core" [backends]="core backends" [cuda]="core backends cuda" [artifact]="core artifact"
+  [core]="core" [backends]="core backends" [backends/host]="core backends" [backends/cuda]="core backends"
+  [backends/cuda/emulation]="core backends cuda_runtime.h cuda_fp16.h cublas_v2.h cusolverDn.h nccl.h" [artifact]="core artifact"
   [serve]="core artifact serve" [runtime]="core runtime" [io]="core runtime io"
   [eval]="core runtime io artifact serve eval" [stages]="core runtime io artifact serve eval stages"
   [pipeline]="core runtime io artifact serve eval stages pipeline" [tools]="core runtime io tools"

@@ -1,6 +1,6 @@
 """planted_bugs.py BUILD_DIR WORK_DIR: proves that the host emulation of CUDA catches bugs in the CUDA backend.
 
-Each mutant plants one bug in a copy of cuda/ (one change), rebuilds only the emulated object it touches, relinks
+Each mutant plants one bug in a copy of backends/cuda/ (one change), rebuilds only the emulated object it touches, relinks
 test_cuda_emulated with it, and runs the test named for it, which must fail. The build's own commands are reused
 (compile_commands.json, ninja -t commands), so a mutant costs one compile and one link. Exit 0 when every mutant
 is caught; the table of mutants and the tests that caught them is printed either way.
@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-# (name, file under cuda/, text, replacement, test that must fail[, the emulated object to rebuild when the file is
+# (name, file under backends/cuda/, text, replacement, test that must fail[, the emulated object to rebuild when the file is
 # a header])
 MUTANTS = [
     ("wrong transpose in one cuBLAS call (cross_acc)", "dense_maths.cu",
@@ -76,8 +76,8 @@ def main():
     rows = []
     for i, (name, file, old, new, test, *rebuild) in enumerate(MUTANTS):
         m = os.path.join(work, f"mutant-{i}")
-        shutil.copytree(os.path.join(root, "cuda"), os.path.join(m, "src", "cuda"))
-        path = os.path.join(m, "src", "cuda", file)
+        shutil.copytree(os.path.join(root, "backends", "cuda"), os.path.join(m, "src", "backends", "cuda"))
+        path = os.path.join(m, "src", "backends", "cuda", file)
         text = open(path).read()
         assert text.count(old) == 1, f"mutant {i} ({name}): the text to change occurs {text.count(old)} times in {file}"
         open(path, "w").write(text.replace(old, new))
@@ -86,7 +86,7 @@ def main():
         obj = os.path.join(m, wrapper + ".o")
         cmd = entry["command"]
         cmd = re.sub(r" -o \S+", " -o " + obj, cmd)
-        cmd = cmd.replace(entry["file"], os.path.join(m, "src", "cuda", "emulation", wrapper))
+        cmd = cmd.replace(entry["file"], os.path.join(m, "src", "backends", "cuda", "emulation", wrapper))
         compiler, rest = cmd.split(" ", 1)
         cmd = f"{compiler} -I{os.path.join(m, 'src')} {rest}"
         subprocess.run(cmd, shell=True, check=True, cwd=entry["directory"], capture_output=True)

@@ -1,0 +1,2 @@
+// cuda/dense_maths.cu built as C++ against the host emulation of CUDA: the same source, not a copy.
+#include "backends/cuda/dense_maths.cu"

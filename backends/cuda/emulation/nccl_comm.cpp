@@ -1,0 +1,2 @@
+// cuda/nccl_comm.cu built as C++ against the host emulation of CUDA: the same source, not a copy.
+#include "backends/cuda/nccl_comm.cu"

@@ -1,0 +1,69 @@
+// The CUDA backend's input preparation: stored values to the moments' operands, on the device (one fused kernel
+// for conversion, RoPE strip and shift), in the current round's memory.
+#include "core/rope.hpp"
+#include "backends/cuda/cuda_backend.hpp"
+#include "backends/cuda/kernels.hpp"
+
+namespace crosskv::cuda {
+
+#define CK(expr, ops) CROSSKV_CUDA_CHECK(expr, res_.where(), ops)
+
+const float* CudaBackend::prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+                                  std::vector<float>& host) {
+  const size_t elt = dtype_bytes(in.dtype), n = static_cast<size_t>(in.rows * in.cols);
+  const std::string ops = dims({{"rows", in.rows}, {"cols", in.cols}, {"bytes per value", static_cast<int64_t>(elt)}});
+  const void* d_in = res_.operand(in.data, n * elt);
+  float* out = static_cast<float*>(res_.round_memory(n * 4));
+  cuda::StripArgs sa;
+  if (strip && !strip->rope->identity()) {
+    const Rope& r = *strip->rope;
+    CROSSKV_ASSERT(in.cols % r.head_dim() == 0, "prepare: row width is not a multiple of head_dim");
+    sa.inv_freq = static_cast<const double*>(res_.upload(r.inv_freq().data(), r.inv_freq().size() * sizeof(double)));
+    sa.positions = static_cast<const int32_t*>(res_.operand(strip->positions, static_cast<size_t>(in.rows) * 4));
+    sa.head_dim = r.head_dim();
+    sa.rotary_dim = r.rotary_dim();
+    sa.interleaved = r.convention() == RopeConvention::interleaved;
+    sa.inv_attention = static_cast<float>(1.0 / r.attention_factor());
+  }
+  const float* d_shift =
+      shift ? static_cast<const float*>(res_.upload(shift, static_cast<size_t>(in.cols) * 4)) : nullptr;
+  CK(cuda::launch_prepare(d_in, in.dtype, in.rows, in.cols, sa, d_shift, out, res_.compute()),
+     "prepare kernel, " + ops);
+  return out;
+}
+
+const float* CudaBackend::gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) {
+  const size_t n = static_cast<size_t>(rows * L * H * D);
+  const float* d_x = static_cast<const float*>(res_.operand(X, n * 4));
+  float* out = static_cast<float*>(res_.round_memory(n * 4));
+  CK(cuda::launch_gather_heads(d_x, rows, L, H, D, out, res_.compute()),
+     "gather_heads kernel, " + dims({{"rows", rows}, {"L", L}, {"H", H}, {"D", D}}));
+  return out;
+}
+
+void CudaBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) {
+  if (rows == 0 || cols == 0) return;
+  const float* d_x = static_cast<const float*>(res_.operand(X, static_cast<size_t>((rows - 1) * ldx + cols) * 4));
+  CK(cuda::launch_column_stats(d_x, rows, cols, ldx, sum, sumsq, res_.compute()),
+     "column_stats kernel, " + dims({{"rows", rows}, {"cols", cols}, {"ldx", ldx}}));
+}
+
+void CudaBackend::download(const float* p, int64_t count, float* host) {
+  const void* d = res_.operand(p, static_cast<size_t>(count) * 4);
+  CK(cudaMemcpyAsync(host, d, static_cast<size_t>(count) * 4, cudaMemcpyDeviceToHost, res_.compute()),
+     dims({{"elements", count}}));
+  CK(cudaStreamSynchronize(res_.compute()), dims({{"elements", count}}));
+}
+
+void CudaBackend::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) {
+  if (n == 0) return;
+  const std::string ops = dims({{"n", n}});
+  float* d = res_.apply.get(static_cast<size_t>(n) + static_cast<size_t>(n + 1) / 2, res_.where());
+  uint16_t* d_out = reinterpret_cast<uint16_t*>(d + n);
+  CK(cudaMemcpyAsync(d, in, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, res_.compute()), ops);
+  CK(cuda::launch_to_half(d, n, bf16, d_out, res_.compute()), "to_half kernel, " + ops);
+  CK(cudaMemcpyAsync(out, d_out, static_cast<size_t>(n) * 2, cudaMemcpyDeviceToHost, res_.compute()), ops);
+  CK(cudaStreamSynchronize(res_.compute()), ops);
+}
+
+}  // namespace crosskv::cuda

@@ -1,2 +1,0 @@
-// cuda/device_resources.cu built as C++ against the host emulation of CUDA: the same source, not a copy.
-#include "cuda/device_resources.cu"

@@ -1,2 +1,0 @@
-// cuda/nccl_comm.cu built as C++ against the host emulation of CUDA: the same source, not a copy.
-#include "cuda/nccl_comm.cu"

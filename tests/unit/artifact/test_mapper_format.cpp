@@ -1,0 +1,364 @@
+// Applying and diagnosing mappers: the transfer library, the diagnostics on cases with known answers, the
+// baselines, hardened manifests.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <set>
+#include <tuple>
+
+#include "eval/diagnose.hpp"
+#include "eval/report.hpp"
+#include "serve/serving_mapper.hpp"
+#include "serve/transfer.hpp"
+#include "backends/backends.hpp"
+#include "core/half.hpp"
+#include "core/rope.hpp"
+#include "core/sha256.hpp"
+#include "helpers.hpp"
+#include "reference_mapper.hpp"
+#include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
+#include "artifact/safetensors.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+// ---- Hardened manifests.
+namespace {
+
+struct Artifact {
+  TempDir tmp;
+  std::string dir;
+  nlohmann::json manifest;
+  explicit Artifact(const std::string& k = "2") {
+    synthesize(small_synth(tmp.str()));
+    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
+    dir = tmp.str("out/k" + k);
+    std::ifstream in(dir + "/manifest.json");
+    in >> manifest;
+  }
+  void write(const nlohmann::json& m) const { std::ofstream(dir + "/manifest.json") << m.dump(); }
+};
+
+}  // namespace
+
+TEST(HardenedManifest, EveryBadFieldIsNamed) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  auto expect_bad = [&](const std::function<void(nlohmann::json&)>& edit, const std::vector<std::string>& parts) {
+    nlohmann::json m = a.manifest;
+    edit(m);
+    a.write(m);
+    expect_error<InputError>([&] { Transfer tr(a.dir, *be); }, parts);
+  };
+  expect_bad([](auto& m) { m.erase("layers"); }, {"manifest.json", "missing field 'layers'"});
+  expect_bad([](auto& m) { m["format_version"] = 7; }, {"unknown format_version 7"});
+  expect_bad([](auto& m) { m["format"] = "other"; }, {"format is 'other'"});
+  expect_bad([](auto& m) { m["source"].erase("kv_spec"); }, {"missing field 'source.kv_spec'"});
+  expect_bad([](auto& m) { m["fit"].erase("k_count"); }, {"missing field 'fit.k_count'"});
+  expect_bad([](auto& m) { m["layers"][1]["source_layers"] = {0, 99}; }, {"layers[1].source_layers", "ascending"});
+  expect_bad([](auto& m) { m["layers"][1]["source_layers"] = {3, 1}; }, {"layers[1].source_layers"});
+  expect_bad([](auto& m) { m["layers"][2]["target_layer"] = 1; }, {"layers[2].target_layer 1", "repeated"});
+  expect_bad([](auto& m) { m["layers"][0]["file"] = "../../etc/passwd"; }, {"layers[0].file", "not a layer-NNN"});
+  expect_bad([](auto& m) { m["layers"][0]["sha256"] = "xyz"; }, {"layers[0].sha256"});
+  expect_bad([](auto& m) { m["layers"].erase(m["layers"].begin()); }, {"each of the target's"});
+  expect_bad([](auto& m) { m["source"]["kv_spec"]["n_layers"] = 100000; }, {"implausibly large"});
+  // Invalid JSON.
+  std::ofstream(a.dir + "/manifest.json") << "{ not json";
+  expect_error<InputError>([&] { Transfer tr(a.dir, *be); }, {"manifest.json", "not valid JSON"});
+  // A layer file that does not match its SHA-256 is refused when it is read.
+  a.write(a.manifest);
+  {
+    std::fstream f(a.dir + "/layer-003.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  Transfer tr(a.dir, *be);
+  std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
+      Y(10 * tr.target().n_layers * tr.target().features_per_layer());
+  expect_error<InputError>([&] { tr.map_content(true, X.data(), 10, Y.data()); },
+                           {"layer-003.safetensors", "SHA-256 does not match"});
+}
+
+TEST(HardenedManifest, ACacheOfAnotherModelIsRefusedWithWhatDiffers) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  Transfer tr(a.dir, *be);
+  Cache wrong = read_cache(a.tmp.str("target/web/shard-000.h5"), true);  // the target's cache as the source
+  Cache t = wrong;
+  expect_error<InputError>([&] { evaluate(tr, wrong, t); },
+                           {a.tmp.str("target/web/shard-000.h5"), "kv_spec does not match the mapper's source",
+                            "n_layers"});
+  Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+  Cache other = read_cache(a.tmp.str("source/web/shard-001.h5"), true);  // the target side named by its file too
+  expect_error<InputError>([&] { evaluate(tr, s, other); },
+                           {a.tmp.str("source/web/shard-001.h5"), "kv_spec does not match the mapper's target"});
+}
+
+// A manifest edited by hand is validated like a shard: rope parameters that give no frequencies are refused.
+TEST(HardenedManifest, RopeParametersAreValidatedLikeAShards) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  for (const double theta : {0.0, -1.0, 1e-300}) {
+    nlohmann::json m = a.manifest;
+    m["target"]["kv_spec"]["rope"]["theta"] = theta;
+    a.write(m);
+    expect_error<InputError>([&] { Transfer tr(a.dir, *be); },
+                             {"manifest.json", "target.kv_spec", "kv_spec.rope.theta", "finite number > 1"});
+  }
+  nlohmann::json m = a.manifest;
+  m["target"]["kv_spec"]["rope"]["factor"] = 0;
+  a.write(m);
+  expect_error<InputError>([&] { Transfer tr(a.dir, *be); }, {"target.kv_spec", "kv_spec.rope.factor"});
+}
+
+// Weights that are not finite are refused by layer and tensor, even when the manifest's SHA-256 was updated.
+TEST(HardenedManifest, NonFiniteWeightsAreRefusedByLayerAndTensor) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  const std::string file = a.dir + "/layer-004.safetensors";
+  std::ifstream in(file, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto t = parse_safetensors(bytes, file);
+  t["v.bias"].values[3] = NAN;
+  std::vector<TensorOut> out;
+  for (const char* name : {"k.weight", "k.bias", "v.weight", "v.bias"})
+    out.push_back({name, "F32", t[name].shape, t[name].values.data(), t[name].values.size() * 4});
+  write_safetensors(file, out, {});
+  nlohmann::json m = a.manifest;
+  m["layers"][4]["sha256"] = sha256_file(file);
+  a.write(m);
+  Transfer tr(a.dir, *be);
+  std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
+      Y(10 * tr.target().n_layers * tr.target().features_per_layer());
+  expect_error<InputError>([&] { tr.map_content(false, X.data(), 10, Y.data()); },
+                           {file, "target layer 4", "tensor 'v.bias'", "NaN", "element 3"});
+}
+
+// A layer file that is a symlink out of the mapper folder is refused; one inside it is fine.
+TEST(HardenedManifest, ALayerFileLinkedFromOutsideTheFolderIsRefused) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  const std::string file = a.dir + "/layer-002.safetensors", outside = a.tmp.str("elsewhere.safetensors");
+  fs::rename(file, outside);
+  fs::create_symlink(outside, file);
+  Transfer tr(a.dir, *be);
+  std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
+      Y(10 * tr.target().n_layers * tr.target().features_per_layer());
+  expect_error<InputError>([&] { tr.map_content(true, X.data(), 10, Y.data()); },
+                           {file, "symlink leaving the mapper folder", "elsewhere.safetensors"});
+  fs::remove(file);
+  fs::rename(outside, a.dir + "/moved.safetensors");
+  fs::create_symlink("moved.safetensors", file);
+  Transfer again(a.dir, *be);
+  EXPECT_NO_THROW(again.map_content(true, X.data(), 10, Y.data()));
+}
+
+// ---- Residual MLPs in artifacts (issue 15): optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
+namespace {
+
+// Adds residual MLPs (hidden width h, random, non-zero last layer) for keys and values to layer `l` of an artifact,
+// or the tensors `only` alone when given; re-hashes the file in the manifest.
+void add_mlp_tensors(Artifact& a, int l, int64_t h, const std::vector<std::string>& only = {}, float poison = 0) {
+  const std::string file = a.dir + "/" + a.manifest["layers"][l]["file"].get<std::string>();
+  auto t = read_safetensors(file);
+  const int64_t in = t.at("k.weight").shape[0], G = t.at("k.weight").shape[1];
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> n(0, 0.3f);
+  for (const char* kind : {"k", "v"})
+    for (auto [name, shape] : {std::pair<const char*, std::vector<int64_t>>{"w1", {in, h}}, {"b1", {h}},
+                               {"w2", {h, h}}, {"b2", {h}}, {"w3", {h, G}}, {"b3", {G}}}) {
+      const std::string full = std::string(kind) + ".mlp." + name;
+      if (!only.empty() && std::find(only.begin(), only.end(), full) == only.end()) continue;
+      TensorIn& x = t[full];
+      x.dtype = "F32", x.shape = shape;
+      int64_t count = 1;
+      for (auto d : shape) count *= d;
+      x.values.resize(count);
+      for (auto& v : x.values) v = n(rng);
+      if (poison != 0) x.values[1] = poison;
+    }
+  std::vector<TensorOut> out;
+  for (const auto& [name, x] : t)
+    out.push_back({name, "F32", x.shape, x.values.data(), x.values.size() * sizeof(float)});
+  write_safetensors(file, out, {});
+  a.manifest["layers"][l]["sha256"] = sha256_file(file);
+  a.write(a.manifest);
+}
+
+}  // namespace
+
+TEST(ResidualMlpArtifact, ApplyAddsTheMlpToRidgeLikeTheLoopReference) {
+  Artifact a;
+  add_mlp_tensors(a, 2, 8);
+  auto be = make_cpu_backend();
+  const MapperManifest m = read_mapper_manifest(a.dir);
+  const MapperLayer l2 = load_mapper_layer(m, 2);
+  ASSERT_EQ(l2.mlp_k.shape.hidden, 8);
+  ASSERT_EQ(l2.mlp_v.shape.in, int64_t(l2.source_layers.size()) * m.source.features_per_layer());
+  EXPECT_TRUE(load_mapper_layer(m, 1).mlp_k.flat.empty());  // other layers: ridge alone
+  const int64_t rows = 12, XW = m.source.n_layers * m.source.features_per_layer(),
+                YW = m.target.n_layers * m.target.features_per_layer(), G = m.target.features_per_layer();
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> n(0, 1);
+  std::vector<float> X(rows * XW);
+  for (auto& x : X) x = n(rng);
+  for (bool keys : {true, false}) {
+    std::vector<float> got(rows * YW), want(rows * YW), ridge(rows * YW);
+    Transfer tr(a.dir, *be);
+    tr.map_content(keys, X.data(), rows, got.data());
+    map_content(load_mapper(a.dir), keys, X.data(), rows, want.data());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-4f * (1 + std::fabs(want[i]))) << i;
+    // Layer 2 differs from ridge alone by f(x), the other layers not at all.
+    MapperWeights plain = load_mapper(a.dir);
+    plain.layers[2].mlp_k = plain.layers[2].mlp_v = MlpParams();
+    map_content(plain, keys, X.data(), rows, ridge.data());
+    double diff2 = 0, diff_other = 0;  // the largest difference in layer 2, and elsewhere (fp32 rounding only)
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t c = 0; c < YW; ++c) {
+        double& d = c / G == 2 ? diff2 : diff_other;
+        d = std::max(d, std::fabs(double(got[t * YW + c]) - ridge[t * YW + c]));
+      }
+    EXPECT_GT(diff2, 0.1);
+    EXPECT_LT(diff_other, 1e-4);
+  }
+}
+
+// The layer file's one writer and its reader agree on every field: weights as F32, BF16 and F16 bits, biases, the
+// residual MLPs of keys, values, both or neither, and the source layers of the manifest; the file holds exactly the
+// tensors the format names.
+TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
+  Artifact a;
+  const MapperManifest m0 = read_mapper_manifest(a.dir);
+  const int l = 1;
+  const int64_t F = m0.source.features_per_layer(), G = m0.target.features_per_layer();
+  const std::vector<int> layers = m0.layers[l].source_layers;
+  const int64_t rows = static_cast<int64_t>(layers.size()) * F;
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> n(0, 0.5f);
+  auto random = [&](int64_t count) {
+    std::vector<float> v(count);
+    for (auto& x : v) x = n(rng);
+    return v;
+  };
+  const std::vector<float> wk = random(rows * G), wv = random(rows * G), bk = random(G), bv = random(G);
+  MlpParams mk(MlpShape{rows, 6, G}), mv(MlpShape{rows, 3, G});
+  mk.flat = random(mk.shape.parameters()), mv.flat = random(mv.shape.parameters());
+  for (const std::string dtype : {"F32", "BF16", "F16"})
+    for (int mlps = 0; mlps < 4; ++mlps) {
+      const std::string what = dtype + ", MLPs " + std::to_string(mlps);
+      std::vector<uint16_t> hk(wk.size()), hv(wv.size());
+      for (size_t i = 0; i < wk.size(); ++i) {
+        hk[i] = dtype == "BF16" ? float_to_bf16(wk[i]) : float_to_fp16(wk[i]);
+        hv[i] = dtype == "BF16" ? float_to_bf16(wv[i]) : float_to_fp16(wv[i]);
+      }
+      const bool f32 = dtype == "F32";
+      LayerFileContent c{l, layers, rows, G,
+                         {dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data(), mlps & 1 ? &mk : nullptr},
+                         {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data(), mlps & 2 ? &mv : nullptr}};
+      const std::string file = a.dir + "/" + layer_file_name(l);
+      write_layer_file(file, c);
+      nlohmann::json m = a.manifest;
+      m["layers"][l]["sha256"] = sha256_file(file);
+      a.write(m);
+      const MapperLayer got = load_mapper_layer(read_mapper_manifest(a.dir), l);
+      EXPECT_EQ(got.source_layers, layers) << what;
+      auto stored = [&](const std::vector<float>& w, const std::vector<uint16_t>& h) {
+        std::vector<float> v(w.size());
+        for (size_t i = 0; i < w.size(); ++i) v[i] = f32 ? w[i] : dtype == "BF16" ? bf16_to_float(h[i]) : fp16_to_float(h[i]);
+        return v;
+      };
+      EXPECT_EQ(got.wk, stored(wk, hk)) << what;
+      EXPECT_EQ(got.wv, stored(wv, hv)) << what;
+      EXPECT_EQ(got.bk, bk) << what;
+      EXPECT_EQ(got.bv, bv) << what;
+      EXPECT_EQ(got.mlp_k.flat, mlps & 1 ? mk.flat : std::vector<float>()) << what;
+      EXPECT_EQ(got.mlp_v.flat, mlps & 2 ? mv.flat : std::vector<float>()) << what;
+      if (mlps & 1) {
+        EXPECT_EQ(got.mlp_k.shape.hidden, 6) << what;
+      }
+      std::set<std::string> names, want = {"k.weight", "k.bias", "v.weight", "v.bias"};
+      for (const auto& [name, x] : read_safetensors(file)) names.insert(name);
+      for (auto [kind, on, p] : {std::tuple{'k', mlps & 1, &mk}, std::tuple{'v', mlps & 2, &mv}})
+        if (on)
+          for (const MlpTensor& x : mlp_tensors(p->shape)) want.insert(layer_tensor_name(kind, std::string("mlp.") + x.name));
+      EXPECT_EQ(names, want) << what;
+    }
+}
+
+// The manifest's one writer and the reader agree: a manifest made by make_manifest (and given the MLP stage's
+// additions) reads back with every field the reader takes, and its layer entries as written.
+TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
+  Artifact a;
+  const MapperManifest m0 = read_mapper_manifest(a.dir);
+  nlohmann::json layers = nlohmann::json::array();
+  for (const MapperLayerEntry& e : m0.layers)
+    layers.push_back(manifest_layer_entry(e.target_layer, e.source_layers, e.file, e.sha256,
+                                          {0.5, std::numeric_limits<double>::quiet_NaN()}, {0.25}));
+  const ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, 0.01, "same_head", "bf16"};
+  nlohmann::json m = make_manifest("src-model", m0.source, "tgt-model", m0.target, fit, layers, {{"domains", {"web"}}});
+  m["timings_s"] = {{"total", 1.0}};
+  add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {{"k", {{"kept", false}}}});
+  add_fit_mlp(m, "auto", {{"hidden", 8}}, 2.5);
+  write_manifest(a.dir, m);
+  const MapperManifest got = read_mapper_manifest(a.dir);
+  EXPECT_EQ(got.source_model, "src-model");
+  EXPECT_EQ(got.target_model, "tgt-model");
+  EXPECT_EQ(got.source, m0.source);
+  EXPECT_EQ(got.target, m0.target);
+  EXPECT_EQ(got.k_count, 2);
+  EXPECT_EQ(got.dtype, "bf16");
+  ASSERT_EQ(got.layers.size(), m0.layers.size());
+  for (size_t l = 0; l < got.layers.size(); ++l) {
+    EXPECT_EQ(got.layers[l].target_layer, m0.layers[l].target_layer);
+    EXPECT_EQ(got.layers[l].source_layers, m0.layers[l].source_layers);
+    EXPECT_EQ(got.layers[l].file, m0.layers[l].file);
+    EXPECT_EQ(got.layers[l].sha256, m0.layers[l].sha256);
+  }
+  const nlohmann::json& j = got.json;
+  EXPECT_EQ(j["format"], kMapperFormat);
+  EXPECT_EQ(j["format_version"], kManifestVersion);
+  EXPECT_EQ(j["fit"]["k"], 2);
+  EXPECT_EQ(j["fit"]["features"], fit.features);
+  EXPECT_EQ(j["fit"]["params"], 1234);
+  EXPECT_EQ(j["fit"]["bias_params"], 56);
+  EXPECT_EQ(j["fit"]["probe"], "same_head");
+  EXPECT_EQ(j["fit"]["mapper"], "auto");
+  EXPECT_EQ(j["fit"]["mlp"]["hidden"], 8);
+  EXPECT_EQ(j["timings_s"]["mlp"], 2.5);
+  EXPECT_EQ(j["timings_s"]["total"], 3.5);
+  EXPECT_TRUE(j["layers"][0]["r2_k"][1].is_null()) << "NaN is written as null";
+  EXPECT_EQ(j["layers"][0]["r2_v"][0], 0.25);
+  EXPECT_EQ(j["layers"][1]["mlp"]["k"]["kept"], false);
+  EXPECT_EQ(j["calibration"]["domains"][0], "web");
+  // A transfer through it maps as the export's own manifest does (the same weights).
+  auto be = make_cpu_backend();
+  Transfer tr(a.dir, *be);
+  EXPECT_EQ(tr.manifest().k_count, 2);
+}
+
+TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {
+  {
+    Artifact a;
+    add_mlp_tensors(a, 1, 4, {"k.mlp.b1", "k.mlp.w2"});
+    expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 1); },
+                             {"layer-001.safetensors", "tensor 'k.mlp.b1' without 'k.mlp.w1'"});
+  }
+  {
+    Artifact a;
+    add_mlp_tensors(a, 1, 4, {"v.mlp.w1", "v.mlp.b1"});
+    expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 1); },
+                             {"layer-001.safetensors", "tensor 'v.mlp.w2' is missing"});
+  }
+  {
+    Artifact a;
+    add_mlp_tensors(a, 0, 4, {}, std::numeric_limits<float>::quiet_NaN());
+    expect_error<InputError>([&] { load_mapper_layer(read_mapper_manifest(a.dir), 0); },
+                             {"layer-000.safetensors", "tensor 'k.mlp.w1' holds NaN at element 1"});
+  }
+}

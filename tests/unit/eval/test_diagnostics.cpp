@@ -1,0 +1,189 @@
+// Applying and diagnosing mappers: the transfer library, the diagnostics on cases with known answers, the
+// baselines, hardened manifests.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <set>
+#include <tuple>
+
+#include "eval/diagnose.hpp"
+#include "eval/report.hpp"
+#include "serve/serving_mapper.hpp"
+#include "serve/transfer.hpp"
+#include "backends/backends.hpp"
+#include "core/half.hpp"
+#include "core/rope.hpp"
+#include "core/sha256.hpp"
+#include "helpers.hpp"
+#include "reference_mapper.hpp"
+#include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
+#include "artifact/safetensors.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+// ---- Diagnostics on hand-made caches with known answers.
+namespace {
+
+Cache toy_cache(int L, int H, int Hq, int D, int T, uint64_t seed) {
+  Cache c;
+  c.spec.n_layers = L;
+  c.spec.n_kv_heads = H;
+  c.spec.n_q_heads = Hq;
+  c.spec.head_dim = D;
+  c.spec.rope.type = "none";
+  c.spec.rope.rotary_dim = D;
+  c.tokens = T;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> n(0, 1);
+  c.keys.resize(int64_t{T} * L * H * D);
+  c.values.resize(c.keys.size());
+  c.queries.resize(int64_t{T} * L * Hq * D);
+  for (auto& x : c.keys) x = n(rng);
+  for (auto& x : c.values) x = n(rng);
+  for (auto& x : c.queries) x = n(rng);
+  c.positions.resize(T);
+  for (int t = 0; t < T; ++t) c.positions[t] = t % (T / 2);
+  c.seq_offsets = {0, T / 2, T};
+  return c;
+}
+
+}  // namespace
+
+TEST(Diagnostics, IdenticalCachesGiveCosineOneAndDefinedConcentrations) {
+  Cache c = toy_cache(2, 2, 4, 8, 64, 1);
+  Diagnostics d = diagnose(c, c.keys, c.values);
+  EXPECT_DOUBLE_EQ(d.r2_k, 1.0);
+  EXPECT_DOUBLE_EQ(d.r2_v, 1.0);
+  ASSERT_TRUE(d.attention_cosine && d.k_concentration && d.v_concentration);
+  EXPECT_NEAR(*d.attention_cosine, 1.0, 1e-12);
+  EXPECT_TRUE(std::isfinite(*d.k_concentration));
+  EXPECT_TRUE(std::isfinite(*d.v_concentration));
+  EXPECT_EQ(d.layers.size(), 2u);
+  EXPECT_EQ(d.layers[0].cosine.size(), 4u);  // per query head
+}
+
+TEST(Diagnostics, IsotropicErrorHasConcentrationNearOne) {
+  Cache c = toy_cache(1, 1, 2, 16, 4000, 2);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> n(0, 0.1f);
+  auto k = c.keys, v = c.values;
+  for (auto& x : k) x += n(rng);
+  for (auto& x : v) x += n(rng);
+  Diagnostics d = diagnose(c, k, v);
+  EXPECT_NEAR(*d.k_concentration, 1.0, 0.1);
+  EXPECT_NEAR(*d.v_concentration, 1.0, 0.1);
+  EXPECT_LT(*d.attention_cosine, 1.0);
+}
+
+TEST(Diagnostics, ErrorAlongTheQueriesTopDirectionRaisesKConcentration) {
+  const int D = 8;
+  Cache c = toy_cache(1, 1, 1, D, 2000, 4);
+  // Queries with most of their energy along dim 0.
+  for (int64_t t = 0; t < c.tokens; ++t) c.queries[t * D + 0] *= 10.0f;
+  auto along = c.keys, across = c.keys;
+  for (int64_t t = 0; t < c.tokens; ++t) {
+    along[t * D + 0] += 0.3f;   // error where the queries look
+    across[t * D + 5] += 0.3f;  // error where they do not
+  }
+  const double k_along = *diagnose(c, along, c.values).k_concentration;
+  const double k_across = *diagnose(c, across, c.values).k_concentration;
+  EXPECT_GT(k_along, 3.0);
+  EXPECT_LT(k_across, 0.5);
+}
+
+TEST(Diagnostics, ValueErrorWhereAttentionReadsRaisesVConcentration) {
+  const int D = 8;
+  Cache c = toy_cache(1, 1, 1, D, 400, 5);
+  // Every query looks at the first token of its sequence: huge key there along the queries' mean direction.
+  for (int64_t t = 0; t < c.tokens; ++t) c.queries[t * D + 1] = 4.0f;
+  for (int64_t a : {int64_t{0}, c.tokens / 2}) c.keys[a * D + 1] = 10.0f;
+  auto read = c.values, unread = c.values;
+  read[0 * D + 2] += 1.0f;                     // error on a token every query attends to
+  unread[(c.tokens / 2 - 1) * D + 2] += 1.0f;  // error on the last token of a sequence: one query sees it
+  EXPECT_GT(*diagnose(c, c.keys, read).v_concentration, 10.0);
+  EXPECT_LT(*diagnose(c, c.keys, unread).v_concentration, 1.0);
+}
+
+TEST(Diagnostics, ReportIsOneSelfContainedHtmlFile) {
+  Cache c = toy_cache(2, 2, 2, 8, 64, 6);
+  Evaluation ev;
+  ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, c.keys, c.values);
+  ev.verdict = "LIKELY TO TRANSFER: test";
+  ev.ok = true;
+  ReportInput in;
+  in.title = "a -> b";
+  in.manifests.push_back({{"fit", {{"k", 2}}}, {"layers", nlohmann::json::array()}});
+  in.evaluations.push_back(ev);
+  const std::string html = render_report(in);
+  EXPECT_NE(html.find("<!DOCTYPE html>"), std::string::npos);
+  EXPECT_NE(html.find("LIKELY TO TRANSFER: test"), std::string::npos);
+  EXPECT_NE(html.find("<svg"), std::string::npos);
+  EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));  // no links but the SVG namespace
+  EXPECT_EQ(html.find("<script"), std::string::npos);
+}
+
+TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
+  Cache c = toy_cache(2, 2, 2, 8, 64, 6);
+  ReportInput in;
+  in.title = "a -> b";
+  in.heatmap_svg = "<?xml version='1.0'?><svg id='heatmap'></svg>";
+  // k = 1 fails, k = 2 passes, k = all passes with the best cosine.
+  for (auto [k, sigma, ok] : {std::tuple<nlohmann::json, float, bool>{1, 0.9f, false}, {2, 0.3f, true},
+                              {"all", 0.05f, true}}) {
+    std::mt19937_64 rng(7);
+    std::normal_distribution<float> n(0, sigma);
+    auto keys = c.keys;
+    for (auto& x : keys) x += n(rng);
+    Evaluation ev;
+    ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, keys, c.values);
+    ev.ok = ok;
+    ev.verdict = std::string(ok ? "LIKELY TO TRANSFER" : "NOT READY") + ": attention-output cosine ...";
+    in.manifests.push_back({{"fit", {{"k", k}, {"params", 1000}, {"bias_params", 24}, {"features", 16}}},
+                            {"target", {{"kv_spec", {{"n_kv_heads", 2}, {"head_dim", 8}}}}}});
+    if (k == 2)  // k = 2 keeps a residual MLP of 4 hidden for its keys: 16*4 + 4 + 4*4 + 4 + 4*16 + 16 = 168
+      in.manifests.back()["layers"] = {{{"target_layer", 0}, {"mlp", {{"k", {{"kept", true}, {"hidden", 4}}},
+                                                                      {"v", {{"kept", false}}}}}}};
+    in.evaluations.push_back(ev);
+  }
+  const std::string html = render_report(in);
+  const size_t summary = html.find("The k sweep at a glance");
+  ASSERT_NE(summary, std::string::npos);
+  EXPECT_LT(summary, html.find("<h2>k = 1</h2>"));          // before the details per k
+  EXPECT_LT(html.find("id='heatmap'"), html.find("<h2>k = 1</h2>"));  // the heatmap embedded near the top
+  EXPECT_EQ(html.find("<?xml"), std::string::npos);
+  EXPECT_NE(html.find("<th>all &#9733;</th>"), std::string::npos) << "the best cosine is starred";
+  EXPECT_NE(html.find("smallest k that passes the verdict: <b>k = 2</b>"), std::string::npos);
+  EXPECT_NE(html.find("<td>1.02 K</td><td>4.00 KiB</td><td>2.05 KiB</td>"), std::string::npos)
+      << "parameters and bytes per dtype (biases stay fp32)";
+  EXPECT_NE(html.find("<td>1.19 K</td><td>4.66 KiB</td><td>2.70 KiB</td>"), std::string::npos)
+      << "with a kept residual MLP: its parameters counted, fp32 in every dtype";
+  EXPECT_NE(html.find("<td>1 / 0 of 1</td>"), std::string::npos) << "MLPs kept per kind";
+  EXPECT_NE(html.find("count the kept residual MLPs"), std::string::npos);
+  EXPECT_NE(html.find("NOT READY</td>"), std::string::npos);
+}
+
+// ---- Hardened manifests.
+namespace {
+
+struct Artifact {
+  TempDir tmp;
+  std::string dir;
+  nlohmann::json manifest;
+  explicit Artifact(const std::string& k = "2") {
+    synthesize(small_synth(tmp.str()));
+    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
+    dir = tmp.str("out/k" + k);
+    std::ifstream in(dir + "/manifest.json");
+    in >> manifest;
+  }
+  void write(const nlohmann::json& m) const { std::ofstream(dir + "/manifest.json") << m.dump(); }
+};
+
+}  // namespace

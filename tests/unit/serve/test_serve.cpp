@@ -1,0 +1,297 @@
+// Applying and diagnosing mappers: the transfer library, the diagnostics on cases with known answers, the
+// baselines, hardened manifests.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <set>
+#include <tuple>
+
+#include "eval/diagnose.hpp"
+#include "eval/report.hpp"
+#include "serve/serving_mapper.hpp"
+#include "serve/transfer.hpp"
+#include "backends/backends.hpp"
+#include "core/half.hpp"
+#include "core/rope.hpp"
+#include "core/sha256.hpp"
+#include "helpers.hpp"
+#include "reference_mapper.hpp"
+#include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
+#include "artifact/safetensors.hpp"
+#include "io/shard.hpp"
+
+using namespace crosskv;
+using namespace crosskv::test;
+
+namespace {
+
+SynthOptions linear_pair(const std::string& out, uint64_t data_seed = 0) {
+  SynthOptions o = small_synth(out, 31);
+  o.relation = SynthRelation::linear;
+  o.source.rope = RopeSpec{};
+  o.source.rope.type = "default";
+  o.source.rope.rotary_dim = 16;
+  o.target.rope = default_synth_options().target.rope;
+  o.target.rope.type = "llama3";
+  o.target.rope.rotary_dim = 16;
+  o.with_queries = true;
+  o.data_seed = data_seed;
+  return o;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
+  return m;
+}
+
+double max_abs(const std::vector<float>& a) {
+  double m = 0;
+  for (float x : a) m = std::max(m, std::fabs(double(x)));
+  return m;
+}
+
+}  // namespace
+
+TEST(Transfer, PlantedMapIsRecoveredOnHeldOutTokensThroughTheLibrary) {
+  TempDir tmp;
+  synthesize(linear_pair(tmp.str("cal")));
+  SynthOptions h = linear_pair(tmp.str("held"), 999);
+  h.domains = {"eval"};
+  h.shards_per_domain = 1;
+  synthesize(h);
+  fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0}"));
+  auto be = make_cpu_backend();
+  Transfer tr(tmp.str("cal/out/k1"), *be);
+  Cache s = read_cache(tmp.str("held/source/eval/shard-000.h5"), false);
+  Cache t = read_cache(tmp.str("held/target/eval/shard-000.h5"));
+  std::vector<float> k(t.keys.size()), v(t.values.size());
+  tr.apply(s.keys.data(), s.values.data(), s.positions.data(), t.positions.data(), s.tokens, k.data(), v.data());
+  // Keys come out post target-RoPE, exactly as the target caches them.
+  EXPECT_LT(max_abs_diff(k, t.keys), 2e-5 * max_abs(t.keys) * 16);
+  EXPECT_LT(max_abs_diff(v, t.values), 1e-3);
+  // Peak memory is one layer: each layer file was read once for this call.
+  EXPECT_EQ(tr.layer_loads(), h.target.n_layers);
+  // And the diagnostics say so: R² ~ 1, cosine ~ 1.
+  Evaluation ev = evaluate(tr, s, t);
+  EXPECT_GT(ev.mapper.r2_k, 0.9999);
+  EXPECT_GT(ev.mapper.r2_v, 0.9999);
+  ASSERT_TRUE(ev.mapper.attention_cosine.has_value());
+  EXPECT_GT(*ev.mapper.attention_cosine, 0.9999);
+  EXPECT_TRUE(ev.ok) << ev.verdict;
+  // The "- inference RoPE" bug is caught by every figure.
+  EXPECT_LT(ev.no_target_rope.r2_k, 0.5);
+  EXPECT_LT(*ev.no_target_rope.attention_cosine, *ev.mapper.attention_cosine - 0.05);
+  // The mean-only baseline explains nothing held out.
+  EXPECT_LT(std::fabs(ev.mean_only.r2_k), 0.05);
+  EXPECT_LT(*ev.mean_only.attention_cosine, *ev.mapper.attention_cosine);
+}
+
+TEST(Transfer, ApplyEqualsTheFitsOwnPredictionOnTheCalibrationTokens) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2], lambda: 0.01}"));
+  auto be = make_cpu_backend();
+  Transfer tr(tmp.str("out/k2"), *be, TransferOptions{true});
+  // In-sample R² per head from the moments (the manifest) vs the R² of the applied mapper on every calibration token.
+  std::vector<double> sse_k(tr.target().n_layers * tr.target().n_kv_heads, 0.0), sse_v = sse_k, sst_k = sse_k,
+                      sst_v = sse_k, sum_k = sse_k;
+  std::vector<Cache> sources, targets;
+  for (const char* sh : {"web/shard-000.h5", "web/shard-001.h5"}) {
+    sources.push_back(read_cache(tmp.str(std::string("source/") + sh), false));
+    targets.push_back(read_cache(tmp.str(std::string("target/") + sh), false));
+  }
+  const KvSpec& Tg = tr.target();
+  const int L = Tg.n_layers, H = Tg.n_kv_heads, D = Tg.head_dim;
+  const int64_t W = int64_t{L} * H * D;
+  // Column means over all calibration tokens, content space.
+  std::vector<double> mk(W, 0.0), mv(W, 0.0);
+  int64_t N = 0;
+  std::vector<std::vector<float>> ck, pk, pv;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const Cache &s = sources[i], &t = targets[i];
+    std::vector<float> k(t.keys.size()), v(t.values.size()), tk = t.keys;
+    tr.apply(s.keys.data(), s.values.data(), s.positions.data(), t.positions.data(), s.tokens, k.data(), v.data());
+    Rope(Tg).strip_block(k.data(), s.tokens, int64_t{L} * H, t.positions.data());
+    Rope(Tg).strip_block(tk.data(), s.tokens, int64_t{L} * H, t.positions.data());
+    for (int64_t r = 0; r < t.tokens; ++r)
+      for (int64_t c = 0; c < W; ++c) {
+        mk[c] += tk[r * W + c];
+        mv[c] += t.values[r * W + c];
+      }
+    N += t.tokens;
+    ck.push_back(std::move(tk));
+    pk.push_back(std::move(k));
+    pv.push_back(std::move(v));
+  }
+  for (int64_t c = 0; c < W; ++c) {
+    mk[c] /= N;
+    mv[c] /= N;
+  }
+  for (size_t i = 0; i < sources.size(); ++i)
+    for (int64_t r = 0; r < targets[i].tokens; ++r)
+      for (int64_t c = 0; c < W; ++c) {
+        const int64_t head = c / D;
+        const double yk = ck[i][r * W + c], yv = targets[i].values[r * W + c];
+        sse_k[head] += (pk[i][r * W + c] - yk) * (pk[i][r * W + c] - yk);
+        sse_v[head] += (pv[i][r * W + c] - yv) * (pv[i][r * W + c] - yv);
+        sst_k[head] += (yk - mk[c]) * (yk - mk[c]);
+        sst_v[head] += (yv - mv[c]) * (yv - mv[c]);
+      }
+  const auto& layers = tr.manifest().json["layers"];
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h) {
+      const int i = l * H + h;
+      EXPECT_NEAR(1 - sse_k[i] / sst_k[i], layers[l]["r2_k"][h].get<double>(), 2e-4) << "layer " << l << " head " << h;
+      EXPECT_NEAR(1 - sse_v[i] / sst_v[i], layers[l]["r2_v"][h].get<double>(), 2e-4) << "layer " << l << " head " << h;
+    }
+}
+
+TEST(Transfer, ResidentOptionReadsEachLayerOnce) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1], lambda: 0.01}"));
+  auto be = make_cpu_backend();
+  Cache s = read_cache(tmp.str("source/web/shard-000.h5"), false);
+  for (bool resident : {false, true}) {
+    Transfer tr(tmp.str("out/k1"), *be, TransferOptions{resident});
+    const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+    std::vector<float> k(s.tokens * W), v(s.tokens * W);
+    for (int rep = 0; rep < 3; ++rep)
+      tr.apply(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), s.tokens, k.data(), v.data());
+    EXPECT_EQ(tr.layer_loads(), tr.target().n_layers * (resident ? 1 : 3));
+  }
+}
+
+// ---- Hardened manifests.
+namespace {
+
+struct Artifact {
+  TempDir tmp;
+  std::string dir;
+  nlohmann::json manifest;
+  explicit Artifact(const std::string& k = "2") {
+    synthesize(small_synth(tmp.str()));
+    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
+    dir = tmp.str("out/k" + k);
+    std::ifstream in(dir + "/manifest.json");
+    in >> manifest;
+  }
+  void write(const nlohmann::json& m) const { std::ofstream(dir + "/manifest.json") << m.dump(); }
+};
+
+}  // namespace
+
+// ---- Residual MLPs in artifacts (issue 15): optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
+namespace {
+
+// Adds residual MLPs (hidden width h, random, non-zero last layer) for keys and values to layer `l` of an artifact,
+// or the tensors `only` alone when given; re-hashes the file in the manifest.
+void add_mlp_tensors(Artifact& a, int l, int64_t h, const std::vector<std::string>& only = {}, float poison = 0) {
+  const std::string file = a.dir + "/" + a.manifest["layers"][l]["file"].get<std::string>();
+  auto t = read_safetensors(file);
+  const int64_t in = t.at("k.weight").shape[0], G = t.at("k.weight").shape[1];
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> n(0, 0.3f);
+  for (const char* kind : {"k", "v"})
+    for (auto [name, shape] : {std::pair<const char*, std::vector<int64_t>>{"w1", {in, h}}, {"b1", {h}},
+                               {"w2", {h, h}}, {"b2", {h}}, {"w3", {h, G}}, {"b3", {G}}}) {
+      const std::string full = std::string(kind) + ".mlp." + name;
+      if (!only.empty() && std::find(only.begin(), only.end(), full) == only.end()) continue;
+      TensorIn& x = t[full];
+      x.dtype = "F32", x.shape = shape;
+      int64_t count = 1;
+      for (auto d : shape) count *= d;
+      x.values.resize(count);
+      for (auto& v : x.values) v = n(rng);
+      if (poison != 0) x.values[1] = poison;
+    }
+  std::vector<TensorOut> out;
+  for (const auto& [name, x] : t)
+    out.push_back({name, "F32", x.shape, x.values.data(), x.values.size() * sizeof(float)});
+  write_safetensors(file, out, {});
+  a.manifest["layers"][l]["sha256"] = sha256_file(file);
+  a.write(a.manifest);
+}
+
+}  // namespace
+
+// ---- The serving apply (issue 16): weights resident, every layer in one call, the caches in the backend's memory.
+namespace {
+
+// Transfer::apply and ServingMapper (one call, and host arrays) on the same caches: the same bits on the CPU.
+void expect_resident_equals_transfer(const std::string& dir, const Cache& s, int64_t rows) {
+  auto be = make_cpu_backend();
+  Transfer tr(dir, *be);
+  ServingMapper rt(dir, *be);
+  const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+  std::vector<int32_t> tgt(s.positions.begin(), s.positions.begin() + rows);
+  for (auto& p : tgt) p += 3;  // the target's positions need not be the source's
+  std::vector<float> k(rows * W), v(rows * W), rk(rows * W, -1), rv(rows * W, -1), hk(rows * W), hv(rows * W);
+  tr.apply(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, k.data(), v.data());
+  rt.apply({s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, rk.data(), rv.data()});
+  rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, hk.data(), hv.data());
+  EXPECT_EQ(std::memcmp(k.data(), rk.data(), k.size() * 4), 0) << dir << ": keys";
+  EXPECT_EQ(std::memcmp(v.data(), rv.data(), v.size() * 4), 0) << dir << ": values";
+  EXPECT_EQ(std::memcmp(k.data(), hk.data(), k.size() * 4), 0) << dir << ": keys (host arrays)";
+  EXPECT_EQ(std::memcmp(v.data(), hv.data(), v.size() * 4), 0) << dir << ": values (host arrays)";
+  EXPECT_GT(max_abs(rk), 0.1);
+}
+
+}  // namespace
+
+TEST(ServingMapper, EqualsTransferBitForBitOnTheCpuForEveryK) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [1, 2, all], lambda: 0.01}"));
+  const Cache s = read_cache(tmp.str("source/web/shard-000.h5"), false);
+  ASSERT_GT(s.seq_offsets.size(), 2u);  // a batch of several sequences, back to back
+  for (const char* k : {"k1", "k2", "kall"}) expect_resident_equals_transfer(tmp.str("out/") + k, s, s.tokens);
+  // A batch of one token, and of none; target layers in chunks of one and of three (a cap on the gather).
+  expect_resident_equals_transfer(tmp.str("out/k2"), s, 1);
+  for (int64_t per_chunk : {1, 3}) {
+    auto cpu = make_cpu_backend();
+    Transfer tr(tmp.str("out/k2"), *cpu);
+    ServingMapper rt(tmp.str("out/k2"), *cpu);
+    rt.set_gather_bytes(per_chunk * s.tokens * 2 * rt.source().features_per_layer() * 4);
+    const int64_t W = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+    std::vector<float> k(s.tokens * W), v(s.tokens * W), rk(s.tokens * W), rv(s.tokens * W);
+    tr.apply(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), s.tokens, k.data(), v.data());
+    rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), s.tokens, rk.data(),
+                  rv.data());
+    EXPECT_EQ(k, rk) << per_chunk << " layer(s) per product";
+    EXPECT_EQ(v, rv) << per_chunk << " layer(s) per product";
+  }
+  auto be = make_cpu_backend();
+  ServingMapper rt(tmp.str("out/k1"), *be);
+  rt.apply(ServingBatch{});
+  const int64_t F = rt.source().features_per_layer(), G = rt.target().features_per_layer();
+  EXPECT_EQ(rt.weight_bytes(), int64_t{rt.target().n_layers} * 2 * (F * G + G) * 4);
+}
+
+TEST(ServingMapper, EqualsTransferBitForBitWithResidualMlps) {
+  for (const char* k : {"1", "2", "all"}) {  // the MLP's input read in place, gathered for it, or the chunk's gather
+    Artifact a(k);
+    add_mlp_tensors(a, 2, 8);
+    add_mlp_tensors(a, 3, 4);
+    const Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+    expect_resident_equals_transfer(a.dir, s, s.tokens);
+  }
+}
+
+TEST(ServingMapper, RefusesWhatTransferRefusesByName) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  nlohmann::json m = a.manifest;
+  m["target"]["kv_spec"]["rope"]["type"] = "dynamic";
+  a.write(m);
+  expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, {"target.kv_spec", "dynamic"});
+  a.write(a.manifest);
+  std::ofstream(a.dir + "/" + a.manifest["layers"][1]["file"].get<std::string>(), std::ios::app) << "x";
+  expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, {"SHA-256"});
+}
