@@ -136,7 +136,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     be->copy_from_host(Xv.data(), T * XW * 4, dv->data);
     be->copy_from_host(pos.data(), T * 4, dp->data);
     const ServingBatch b{dk->as<float>(), dv->as<float>(), dp->as<int32_t>(), dp->as<int32_t>(), T, ok->as<float>(),
-                          ov->as<float>()};
+                          ov->as<float>(), {}};
     const double resident = time_call([&] { rt.apply(b), be->synchronize(); });
     const double host = time_call([&] {
       rt.apply_host(Xk.data(), Xv.data(), pos.data(), pos.data(), T, Yk.data(), Yv.data());

@@ -10,7 +10,7 @@ VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 # The package is built from the sources git knows (tracked and untracked, not ignored): installed again only when
 # their contents changed since the last install into this environment.
 stamp="$VENV/.crosskv-sources.sha256"
-sources=$(cd "$ROOT" && git ls-files -co --exclude-standard 2> /dev/null | grep -E '^(core|artifact|serve|backends|cuda|python|cmake)/|^(CMakeLists.txt|pyproject.toml)$' \
+sources=$(cd "$ROOT" && git ls-files -co --exclude-standard 2> /dev/null | grep -E '^(core|artifact|serve|backends|python|cmake)/|^(CMakeLists.txt|pyproject.toml)$' \
           | sort | xargs -r sha256sum 2> /dev/null | sha256sum | cut -c1-64)
 if [ -n "$sources" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sources" ] && "$VENV/bin/python" -c "import crosskv" 2> /dev/null; then
   echo "[setup] crosskv Python package up to date in $VENV"

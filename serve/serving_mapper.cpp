@@ -76,9 +76,8 @@ void ServingMapper::upload(std::vector<MapperLayer> layers) {
   all_layers_ = std::all_of(selected_.begin(), selected_.end(), [&](const auto& s) { return s == every; });
 }
 
-void ServingMapper::add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y) {
+void ServingMapper::add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y, int64_t ldy) {
   // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the gathered features X [rows x s.in] (core/mlp's forward).
-  const int64_t YW = m_.target.n_layers * m_.target.features_per_layer();
   const std::vector<MlpTensor> t = mlp_tensors(s);  // w1 b1 w2 b2 w3 b3
   float* h1 = scratch<float>(h1_, rows * s.hidden);
   float* h2 = scratch<float>(h2_, rows * s.hidden);
@@ -95,30 +94,30 @@ void ServingMapper::add_mlp(const MlpShape& s, const float* p, const float* X, i
   affine(X, s.in, t[0], t[1], s.hidden, true, h1);
   affine(h1, s.hidden, t[2], t[3], s.hidden, true, h2);
   affine(h2, s.hidden, t[4], t[5], s.out, false, out);
-  be_.add_rows(out, s.out, rows, Y, YW);
+  be_.add_rows(out, s.out, rows, Y, ldy);
 }
 
-void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, float* Y) {
-  const int Lt = m_.target.n_layers;
+void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, int l0, int l1, float* Y) {
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
-  const int64_t XW = m_.source.n_layers * F, YW = Lt * G, K = k_ * F;
-  be_.broadcast_rows(kd.b->as<float>(), YW, rows, Y, YW);  // every layer's bias in one call
+  const int64_t XW = m_.source.n_layers * F, YW = (l1 - l0) * G, K = k_ * F;
+  float* const Y0 = Y - l0 * G;  // layer l's columns are Y0 + l * G (row stride YW)
+  be_.broadcast_rows(kd.b->as<float>() + l0 * G, YW, rows, Y, YW);  // every layer's bias in one call
   // Layer l's residual MLP (if any) on its gathered input Xl [rows x K], after its product.
   auto mlp = [&](int l, const float* Xl) {
-    if (kd.mlp[l]) add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), Xl, rows, Y + l * G);
+    if (kd.mlp[l]) add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), Xl, rows, Y0 + l * G, YW);
   };
   DenseMaths::BatchedGemm g;  // Y[:, l*G..] += X[:, selected(l)] W_l for a run of layers (map_one_layer's product)
   g.m = rows, g.n = G, g.k = K, g.beta = 1.0f;
   g.ldb = G, g.stride_b = K * G, g.ldc = YW, g.stride_c = G;
-  if (all_layers_) {  // every layer's input is X itself (XW == K): one product for the whole mapper
+  if (all_layers_) {  // every layer's input is X itself (XW == K): one product for the whole range
     g.A = X, g.lda = XW, g.stride_a = 0;
-    g.B = kd.w->as<float>(), g.C = Y, g.batch = Lt;
+    g.B = kd.w->as<float>() + l0 * K * G, g.C = Y, g.batch = l1 - l0;
     be_.serving_gemm(g);
-    for (int l = 0; l < Lt; ++l) mlp(l, X);
+    for (int l = l0; l < l1; ++l) mlp(l, X);
   } else if (k_ == 1) {  // X's columns of the one selected layer, read in place
-    for (int l = 0; l < Lt; ++l) {
+    for (int l = l0; l < l1; ++l) {
       g.A = X + int64_t{selected_[l][0]} * F, g.lda = XW;
-      g.B = kd.w->as<float>() + l * K * G, g.C = Y + l * G, g.batch = 1;
+      g.B = kd.w->as<float>() + l * K * G, g.C = Y0 + l * G, g.batch = 1;
       be_.serving_gemm(g);
       if (!kd.mlp[l]) continue;
       float* in = scratch<float>(gathered_, rows * K);  // the MLP reads its input contiguous
@@ -127,20 +126,21 @@ void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, float
     }
   } else {  // chunks of layers: their selections gathered side by side in one call, then one batched product
     const int64_t chunk = std::max<int64_t>(
-        1, std::min<int64_t>({Lt, 256 / k_, gather_bytes_ / std::max<int64_t>(1, rows * K * 4)}));
+        1, std::min<int64_t>({l1 - l0, 256 / k_, gather_bytes_ / std::max<int64_t>(1, rows * K * 4)}));
     float* gathered = scratch<float>(gathered_, chunk * rows * K);
-    for (int l0 = 0; l0 < Lt; l0 += static_cast<int>(chunk)) {
-      const int l1 = static_cast<int>(std::min<int64_t>(Lt, l0 + chunk));
-      be_.gather_layers(X, XW, {selected_.begin() + l0, selected_.begin() + l1}, F, rows, gathered);
+    for (int a = l0; a < l1; a += static_cast<int>(chunk)) {
+      const int b = static_cast<int>(std::min<int64_t>(l1, a + chunk));
+      be_.gather_layers(X, XW, {selected_.begin() + a, selected_.begin() + b}, F, rows, gathered);
       g.A = gathered, g.lda = K, g.stride_a = rows * K;
-      g.B = kd.w->as<float>() + l0 * K * G, g.C = Y + l0 * G, g.batch = l1 - l0;
+      g.B = kd.w->as<float>() + a * K * G, g.C = Y0 + a * G, g.batch = b - a;
       be_.serving_gemm(g);
-      for (int l = l0; l < l1; ++l) mlp(l, gathered + (l - l0) * rows * K);  // the gather the product read
+      for (int l = a; l < b; ++l) mlp(l, gathered + (l - a) * rows * K);  // the gather the product read
     }
   }
 }
 
 void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
+  check_target_layers(b.layers, m_.target.n_layers);
   if (b.rows == 0) return;
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
   if (stream) be_.begin_after(*stream);
@@ -148,29 +148,31 @@ void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
   be_.copy_within(b.keys, b.rows * XW * static_cast<int64_t>(sizeof(float)), content);
   be_.rope_rows(src_rope_, true, content, b.rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads,
                 b.source_positions);
-  map_kind(keys_, content, b.rows, b.out_keys);
-  map_kind(values_, b.values, b.rows, b.out_values);
-  be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{m_.target.n_layers} * m_.target.n_kv_heads,
-                b.target_positions);
+  const int l0 = b.layers.first, l1 = b.layers.end(m_.target.n_layers);
+  map_kind(keys_, content, b.rows, l0, l1, b.out_keys);
+  map_kind(values_, b.values, b.rows, l0, l1, b.out_values);
+  be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{l1 - l0} * m_.target.n_kv_heads, b.target_positions);
   if (stream) be_.end_before(*stream);
 }
 
 void ServingMapper::apply_host(const float* keys, const float* values, const int32_t* src_pos,
-                                  const int32_t* tgt_pos, int64_t rows, float* out_keys, float* out_values) {
+                                  const int32_t* tgt_pos, int64_t rows, float* out_keys, float* out_values,
+                                  TargetLayers layers) {
+  check_target_layers(layers, m_.target.n_layers);
   if (rows == 0) return;
   if (!be_.memory_on_device()) {
-    apply({keys, values, src_pos, tgt_pos, rows, out_keys, out_values});
+    apply({keys, values, src_pos, tgt_pos, rows, out_keys, out_values, layers});
     return;
   }
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
-  const int64_t YW = m_.target.n_layers * m_.target.features_per_layer();
+  const int64_t YW = layers.size(m_.target.n_layers) * m_.target.features_per_layer();
   // One device array for the call: keys, values, out keys, out values (floats), then both positions (int32).
   float* d = scratch<float>(io_, rows * (2 * XW + 2 * YW + 2));
   ServingBatch b;
   float *k = d, *v = k + rows * XW, *ok = v + rows * XW, *ov = ok + rows * YW;
   auto* pos = reinterpret_cast<int32_t*>(ov + rows * YW);
   b.keys = k, b.values = v, b.out_keys = ok, b.out_values = ov, b.rows = rows;
-  b.source_positions = pos, b.target_positions = pos + rows;
+  b.source_positions = pos, b.target_positions = pos + rows, b.layers = layers;
   const int64_t in = rows * XW * 4, out = rows * YW * 4, np = rows * 4;
   be_.copy_from_host(keys, in, k);
   be_.copy_from_host(values, in, v);

@@ -16,6 +16,7 @@
 #include "core/backend.hpp"
 #include "core/rope.hpp"
 #include "artifact/mapper.hpp"
+#include "serve/transfer.hpp"
 
 namespace crosskv {
 
@@ -28,6 +29,7 @@ struct ServingBatch {
   int64_t rows = 0;
   float* out_keys = nullptr;    // [rows, Lt, Ht, Dt]: post-RoPE at target_positions
   float* out_values = nullptr;  // [rows, Lt, Ht, Dt]
+  TargetLayers layers;          // only these target layers: the outputs are then [rows, layers.count, Ht, Dt]
 };
 
 class ServingMapper {
@@ -54,7 +56,7 @@ class ServingMapper {
   void apply(const ServingBatch& b, std::optional<void*> stream = std::nullopt);
   // Host arrays (Transfer::apply's contract); copied to and from a device backend's memory, waited for.
   void apply_host(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos,
-                  int64_t rows, float* out_keys, float* out_values);
+                  int64_t rows, float* out_keys, float* out_values, TargetLayers layers = {});
 
  private:
   struct Kind {  // keys or values of every target layer, in backend memory
@@ -67,8 +69,9 @@ class ServingMapper {
   template <class T>
   T* scratch(ServingKernels::MemoryPtr& m, int64_t count);
   void upload(std::vector<MapperLayer> layers);
-  void map_kind(const Kind& kd, const float* X, int64_t rows, float* Y);
-  void add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y);
+  // Target layers [l0, l1) of one kind into Y [rows x (l1 - l0) * G].
+  void map_kind(const Kind& kd, const float* X, int64_t rows, int l0, int l1, float* Y);
+  void add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y, int64_t ldy);
 
   MapperManifest m_;
   ServingKernels& be_;

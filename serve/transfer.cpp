@@ -98,42 +98,55 @@ void Transfer::release(int l) {
   if (!opts_.resident) loaded_.erase(l);
 }
 
-void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out) {
+void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out, int64_t at,
+                         int64_t YW) {
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
-  const int64_t XW = m_.source.n_layers * F, YW = m_.target.n_layers * G;
+  const int64_t XW = m_.source.n_layers * F;
   map_one_layer(be_, X, XW, w.source_layers, F, (keys ? w.wk : w.wv).data(), (keys ? w.bk : w.bv).data(), G, rows,
-                out + int64_t{w.target_layer} * G, YW, scratch_);
+                out + at, YW, scratch_);
   const MlpParams& mlp = keys ? w.mlp_k : w.mlp_v;
   if (mlp.flat.empty()) return;
   gathered_.resize(rows * static_cast<int64_t>(w.source_layers.size()) * F);
   gather_layers_on_host(X, XW, w.source_layers, F, rows, gathered_.data());
-  add_residual_mlp(be_, mlp, gathered_.data(), rows, out + int64_t{w.target_layer} * G, YW, mlp_ws_);
+  add_residual_mlp(be_, mlp, gathered_.data(), rows, out + at, YW, mlp_ws_);
 }
 
 void Transfer::map_content(bool keys, const float* X, int64_t rows, float* out) {
+  const int64_t G = m_.target.features_per_layer(), YW = m_.target.n_layers * G;
   for (int l = 0; l < m_.target.n_layers; ++l) {
-    map_layer(layer(l), keys, X, rows, out);
+    map_layer(layer(l), keys, X, rows, out, l * G, YW);
     release(l);
   }
 }
 
-void Transfer::map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v) {
-  for (int l = 0; l < m_.target.n_layers; ++l) {
+void Transfer::map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v,
+                           TargetLayers layers) {
+  check_target_layers(layers, m_.target.n_layers);
+  const int64_t G = m_.target.features_per_layer(), YW = layers.size(m_.target.n_layers) * G;
+  for (int l = layers.first; l < layers.end(m_.target.n_layers); ++l) {
     const MapperLayer& w = layer(l);
-    map_layer(w, true, Xk, rows, out_k);
-    map_layer(w, false, Xv, rows, out_v);
+    map_layer(w, true, Xk, rows, out_k, (l - layers.first) * G, YW);
+    map_layer(w, false, Xv, rows, out_v, (l - layers.first) * G, YW);
     release(l);
   }
 }
 
 void Transfer::apply(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos,
-                     int64_t rows, float* out_keys, float* out_values) {
+                     int64_t rows, float* out_keys, float* out_values, TargetLayers layers) {
+  check_target_layers(layers, m_.target.n_layers);
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
   std::vector<float> content(keys, keys + rows * XW);
   Rope(m_.source).strip_block(content.data(), rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads, src_pos);
-  map_content(content.data(), values, rows, out_keys, out_values);
+  map_content(content.data(), values, rows, out_keys, out_values, layers);
   if (opts_.target_rope)
-    Rope(m_.target).apply_block(out_keys, rows, int64_t{m_.target.n_layers} * m_.target.n_kv_heads, tgt_pos);
+    Rope(m_.target).apply_block(out_keys, rows, int64_t{layers.size(m_.target.n_layers)} * m_.target.n_kv_heads,
+                                tgt_pos);
+}
+
+void check_target_layers(const TargetLayers& r, int n_layers) {
+  if (r.first < 0 || r.first >= n_layers || (r.count >= 0 && (r.count == 0 || r.end(n_layers) > n_layers)))
+    throw InputError("layers: expected a non-empty range of the target's layers [0, " + std::to_string(n_layers) +
+                     "), got first " + std::to_string(r.first) + ", count " + std::to_string(r.count));
 }
 
 }  // namespace crosskv

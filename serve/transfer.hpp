@@ -12,6 +12,17 @@
 
 namespace crosskv {
 
+// Target layers [first, first + count) of a mapper (count -1: to the last). A call given a range writes outputs
+// that hold those layers alone: [rows, count, Ht, Dt]. Layer by layer, a serving stack maps layer l while the model
+// computes the layers before it.
+struct TargetLayers {
+  int first = 0, count = -1;
+  int end(int n_layers) const { return count < 0 ? n_layers : first + count; }
+  int size(int n_layers) const { return end(n_layers) - first; }
+};
+// InputError naming `layers` unless the range is a non-empty part of [0, n_layers).
+void check_target_layers(const TargetLayers& r, int n_layers);
+
 struct TransferOptions {
   bool resident = false;     // keep every layer's weights in memory (on a GPU backend, in device memory too);
                              // else one layer at a time (peak: one layer)
@@ -56,19 +67,22 @@ class Transfer {
   // keys, values: [rows, Ls, Hs, Ds] as the source model caches them (keys post-RoPE at src_pos). One call at a
   // time per object (its scratch and layer cache are shared).
   // out_keys, out_values: [rows, Lt, Ht, Dt] as the target model would cache them (keys post-RoPE at tgt_pos).
+  // With `layers`, only those target layers, and the outputs hold them alone ([rows, count, Ht, Dt]).
   void apply(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos, int64_t rows,
-             float* out_keys, float* out_values);
+             float* out_keys, float* out_values, TargetLayers layers = {});
   // Content space: X [rows, Ls*F] (RoPE-stripped keys, or values) -> out [rows, Lt*G]; no RoPE on either side.
   void map_content(bool keys, const float* X, int64_t rows, float* out);
   // Both kinds at once (one read of each layer's weights).
-  void map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v);
+  void map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v,
+                   TargetLayers layers = {});
 
   int64_t layer_loads() const { return loads_; }  // layer files read so far
 
  private:
   const MapperLayer& layer(int l);
   void release(int l);
-  void map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out);
+  // Layer w of one kind into out [rows x YW] at column `at`.
+  void map_layer(const MapperLayer& w, bool keys, const float* X, int64_t rows, float* out, int64_t at, int64_t YW);
 
   MapperManifest m_;
   ComputeBackend& be_;

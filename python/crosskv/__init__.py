@@ -55,6 +55,17 @@ def _check_positions(name, p):
             raise MapperError(f"{name}: position {hi} does not fit in 32 bits; positions must be < 2^31")
 
 
+def _layer_range(layers):
+    """(first, count) of a `layers` argument: None (every layer), a target layer, or a range with step 1."""
+    if layers is None:
+        return 0, -1
+    if isinstance(layers, (int, np.integer)) and not isinstance(layers, bool):
+        return int(layers), 1
+    if isinstance(layers, range) and layers.step == 1 and len(layers) > 0:
+        return layers.start, len(layers)
+    raise MapperError(f"layers: expected a target layer or a non-empty range of them with step 1, got {layers!r}")
+
+
 class Mapper:
     """A mapper folder (`k<K>/`) on `device` ("cpu", "cuda", "cuda:N"). resident=True (the default) keeps every layer's
     weights in the device's memory for the object's lifetime and maps all target layers in one call; resident=False
@@ -75,12 +86,15 @@ class Mapper:
     backend = property(lambda self: self._m.backend)
     weight_bytes = property(lambda self: self._m.weight_bytes, doc="bytes of weights resident on the device")
 
-    def transfer(self, keys, values, positions, target_positions=None):
+    def transfer(self, keys, values, positions, target_positions=None, layers=None):
         """keys, values: [tokens, Ls, Hs, Ds] or [batch, seq, Ls, Hs, Ds] as the source model caches them (keys
         post-RoPE at `positions`: [tokens], or [seq] or [batch, seq] for a batch). Returns the target's (keys, values)
         of the same leading shape with [Lt, Ht, Dt] last, keys post-RoPE at `target_positions` (default: the same
-        positions). Tokens are independent: each is mapped at its own position."""
+        positions). Tokens are independent: each is mapped at its own position. `layers` (a target layer, or a
+        range of them with step 1) maps only those: the outputs then hold them alone, [..., len(layers), Ht, Dt],
+        equal to those layers of a whole call (a serving stack maps layer by layer while the model computes)."""
         s = self.source
+        first, count = _layer_range(layers)
         _check_cache_type("keys", keys)
         _check_cache_type("values", values)
         if keys.ndim not in (4, 5):
@@ -117,15 +131,15 @@ class Mapper:
         k4 = keys.reshape(rows, *keys.shape[-3:])
         v4 = values.reshape(rows, *values.shape[-3:])
         if _is_torch(keys):
-            out_k, out_v = self._transfer_torch(k4, v4, src_pos, tgt_pos)
+            out_k, out_v = self._transfer_torch(k4, v4, src_pos, tgt_pos, first, count)
         else:
             out_k, out_v = self._m.transfer(np.ascontiguousarray(k4, dtype=np.float32),
                                             np.ascontiguousarray(v4, dtype=np.float32),
                                             np.ascontiguousarray(src_pos, dtype=np.int32),
-                                            np.ascontiguousarray(tgt_pos, dtype=np.int32))
+                                            np.ascontiguousarray(tgt_pos, dtype=np.int32), first, count)
         return out_k.reshape(*lead, *out_k.shape[1:]), out_v.reshape(*lead, *out_v.shape[1:])
 
-    def _transfer_torch(self, keys, values, src_pos, tgt_pos):
+    def _transfer_torch(self, keys, values, src_pos, tgt_pos, first=0, count=-1):
         import torch
 
         if keys.is_cuda and self._m.resident and self._m.backend.startswith("cuda"):
@@ -141,10 +155,11 @@ class Mapper:
                                       "(the request should re-prefill)")
             tp = p if tgt_pos is src_pos else i32(tgt_pos)
             t = self.target
-            shape = (k.shape[0], t["n_layers"], t["n_kv_heads"], t["head_dim"])
+            n = t["n_layers"] - first if count < 0 else count
+            shape = (k.shape[0], n, t["n_kv_heads"], t["head_dim"])
             out_k = torch.empty(shape, dtype=torch.float32, device=dev)
             out_v = torch.empty(shape, dtype=torch.float32, device=dev)
-            self._m.transfer_into(k, v, p, tp, out_k, out_v, torch.cuda.current_stream(dev).cuda_stream)
+            self._m.transfer_into(k, v, p, tp, out_k, out_v, torch.cuda.current_stream(dev).cuda_stream, first, count)
             return out_k, out_v
         # Host arrays: CPU float32 tensors without a copy; others through the host and back to their device.
         device = keys.device
@@ -152,7 +167,7 @@ class Mapper:
         v = values.detach().to("cpu", torch.float32).contiguous()
         p = torch.as_tensor(src_pos).to("cpu", torch.int32).contiguous()
         tp = p if tgt_pos is src_pos else torch.as_tensor(tgt_pos).to("cpu", torch.int32).contiguous()
-        out_k, out_v = self._m.transfer(k, v, p, tp)
+        out_k, out_v = self._m.transfer(k, v, p, tp, first, count)
         return torch.from_numpy(out_k).to(device), torch.from_numpy(out_v).to(device)
 
     def __repr__(self):

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class Settings:
     allow_not_ready: bool = False
     mapper_device: Optional[str] = None
     min_prefix_tokens: int = 1
+    layerwise: bool = True
 
 
 def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
@@ -70,7 +72,8 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
         raise CrossKVConfigError(f"kv_transfer_config.kv_role: expected kv_producer (the source model's engine) or "
                                  f"kv_consumer (the target's), got {kv_transfer_config.kv_role!r}")
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-    known = {"store": str, "mapper": str, "allow_not_ready": bool, "mapper_device": str, "min_prefix_tokens": int}
+    known = {"store": str, "mapper": str, "allow_not_ready": bool, "mapper_device": str, "min_prefix_tokens": int,
+             "layerwise": bool}
     for key, value in extra.items():
         if key not in known:
             raise CrossKVConfigError(f"{_EXTRA}.{key}: unknown key; expected one of {', '.join(known)}")
@@ -394,6 +397,80 @@ def fallback(reason: str) -> dict:
     return {"status": FALLBACK, "reason": reason}
 
 
+@dataclass
+class SourcePrefix:
+    """A load's stored prefix, read and checked, on the mapper's side: source keys and values [tokens, Ls, Hs, Ds]
+    and their positions."""
+    plan: LoadPlan
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    read_s: float  # seconds to read, check and place it
+
+
+class LayerByLayer:
+    """Maps the step's prefixes one target layer at a time on a thread of its own, so that mapping layer l overlaps
+    the model's compute of the layers before it; wait(l) returns layer l's (plan, keys, values) for each prefix whose
+    mapping has not failed. On a GPU the mapping runs on a side stream, and wait(l) orders the caller's stream after
+    it. A prefix whose mapping fails at any layer is reported through `failed` (its blocks are then recomputed, so
+    the layers written before the failure are overwritten)."""
+
+    def __init__(self, mapper: Mapper, prefixes: list[SourcePrefix], n_layers: int, device: torch.device):
+        self.mapper, self.prefixes, self.n_layers = mapper, prefixes, n_layers
+        self.failed: dict[str, str] = {}  # req_id -> reason
+        self.map_s: dict[str, float] = {}  # req_id -> seconds of mapping
+        self._done = [threading.Event() for _ in range(n_layers)]
+        self._out: list[list] = [[] for _ in range(n_layers)]
+        self._cuda_events: list[Optional[torch.cuda.Event]] = [None] * n_layers
+        self._side = None
+        if device.type == "cuda":
+            self._side = torch.cuda.Stream(device)
+            self._side.wait_stream(torch.cuda.current_stream(device))  # the prefixes were uploaded on it
+        self._thread = threading.Thread(target=self._run, name="crosskv-map", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        ctx = torch.cuda.stream(self._side) if self._side is not None else _no_context()
+        with ctx:
+            for li in range(self.n_layers):
+                for p in self.prefixes:
+                    rid = p.plan.req_id
+                    if rid in self.failed:
+                        continue
+                    t0 = time.perf_counter()
+                    try:
+                        k, v = self.mapper.transfer(p.keys, p.values, p.positions, layers=li)
+                        self._out[li].append((p.plan, k[:, 0], v[:, 0]))
+                    except (ValueError, MapperError, RuntimeError) as e:
+                        self.failed[rid] = str(e)
+                    self.map_s[rid] = self.map_s.get(rid, 0.0) + time.perf_counter() - t0
+                if self._side is not None:
+                    self._cuda_events[li] = torch.cuda.Event()
+                    self._cuda_events[li].record(self._side)
+                self._done[li].set()
+
+    def wait(self, li: int):
+        self._done[li].wait()
+        if self._cuda_events[li] is not None:
+            main = torch.cuda.current_stream()
+            main.wait_event(self._cuda_events[li])
+            for _, k, v in self._out[li]:  # freed once the caller's stream is done with them
+                k.record_stream(main)
+                v.record_stream(main)
+        return [(plan, k, v) for plan, k, v in self._out[li] if plan.req_id not in self.failed]
+
+    def join(self):
+        self._thread.join()
+
+
+class _no_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 # ----------------------------------------------------------------------------------------------------- connector
 class CrossKVConnector(KVConnectorBase_V1):
     """kv_producer: the source model's engine, saving finished requests' KV. kv_consumer: the target's, mapping
@@ -442,6 +519,7 @@ class CrossKVConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layouts: dict[str, PagedLayout] = {}
         self._mapped: list[tuple[LoadPlan, torch.Tensor, torch.Tensor]] = []
+        self._by_layer: Optional[LayerByLayer] = None
         self._worker_outcomes: dict[str, dict] = {}
         self._invalid_blocks: set[int] = set()
         self._saved: set[str] = set()
@@ -553,29 +631,44 @@ class CrossKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, CrossKVMetadata) or not meta.loads:
             return
+        prefixes = []
         for plan in meta.loads:
             try:
-                k, v = self._map(plan)
-                self._mapped.append((plan, k, v))
+                prefixes.append(self._read(plan))
             except (ValueError, MapperError, RuntimeError) as e:
                 self._fail(plan, str(e))
+        if not prefixes:
+            return
+        if self.settings.layerwise:  # mapped on a thread, layer l while the model computes the layers before it
+            self._by_layer = LayerByLayer(self._mapper, prefixes, len(self._layers), prefixes[0].keys.device)
+            return
+        for p in prefixes:
+            t0 = time.perf_counter()
+            try:
+                k, v = self._mapper.transfer(p.keys, p.values, p.positions)
+                self._mapped.append((p.plan, k, v))
+                self._applied(p.plan, p.read_s + time.perf_counter() - t0)
+            except (ValueError, MapperError, RuntimeError) as e:
+                self._fail(p.plan, str(e))
 
-    def _map(self, plan: LoadPlan):
+    def _read(self, plan: LoadPlan) -> SourcePrefix:
+        """The plan's stored prefix, checked against its tokens, on the mapper's device."""
         if self._mapper is None:
             raise ValueError(self.unusable or "no mapper on this worker")
         t0 = time.perf_counter()
         p = self.store.get(plan.key)
         if p.token_ids.tolist() != plan.token_ids:
             raise ValueError("the stored prefix holds other tokens than its key says")
-        pos = np.arange(plan.first, plan.end, dtype=np.int32)
         dev = next(iter(self._kv_caches.values())).device
         keys = torch.from_numpy(p.keys[plan.first:plan.end]).to(dev)
         values = torch.from_numpy(p.values[plan.first:plan.end]).to(dev)
-        tk, tv = self._mapper.transfer(keys, values, torch.from_numpy(pos).to(dev))
+        pos = torch.arange(plan.first, plan.end, dtype=torch.int32, device=dev)
+        return SourcePrefix(plan, keys, values, pos, time.perf_counter() - t0)
+
+    def _applied(self, plan: LoadPlan, seconds: float):
         self._worker_outcomes[plan.req_id] = {"status": APPLIED, "tokens": plan.end - plan.first,
                                               "prefix_tokens": plan.end, "mapper": self.settings.mapper,
-                                              "map_ms": round((time.perf_counter() - t0) * 1e3, 3)}
-        return tk, tv
+                                              "map_ms": round(seconds * 1e3, 3)}
 
     def _fail(self, plan: LoadPlan, reason: str):
         logger.warning("crosskv: request %s re-prefills its prefix: %s", plan.req_id, reason)
@@ -583,21 +676,37 @@ class CrossKVConnector(KVConnectorBase_V1):
         self._invalid_blocks.update(s // self.block_size for s in plan.slots)
 
     def wait_for_layer_load(self, layer_name):
-        if not self._mapped or layer_name not in self._layers:
+        if (not self._mapped and self._by_layer is None) or layer_name not in self._layers:
             return
         layer, cache = self._layers[layer_name], self._kv_caches[layer_name]
         li = list(self._layers).index(layer_name)
-        for plan, k, v in self._mapped:
-            if plan.req_id in self._worker_outcomes and self._worker_outcomes[plan.req_id]["status"] == FALLBACK:
-                continue
+        if self._by_layer is not None:
+            ready = self._by_layer.wait(li)
+        else:
+            ready = [(plan, k[:, li], v[:, li]) for plan, k, v in self._mapped]
+        for plan, k, v in ready:
             slots = torch.as_tensor(plan.slots, dtype=torch.int64, device=cache.device)
-            layer.impl.do_kv_cache_update(layer, k[:, li].to(cache.dtype).contiguous(),
-                                          v[:, li].to(cache.dtype).contiguous(), cache, slots)
+            layer.impl.do_kv_cache_update(layer, k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(),
+                                          cache, slots)
+
+    def _finish_layer_by_layer(self):
+        """The step's layer-by-layer mapping joined, and each prefix's outcome recorded."""
+        by, self._by_layer = self._by_layer, None
+        if by is None:
+            return
+        by.join()
+        for p in by.prefixes:
+            rid = p.plan.req_id
+            if rid in by.failed:
+                self._fail(p.plan, by.failed[rid])
+            else:
+                self._applied(p.plan, p.read_s + by.map_s.get(rid, 0.0))
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         return
 
     def wait_for_save(self):
+        self._finish_layer_by_layer()
         self._mapped = []
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, CrossKVMetadata):

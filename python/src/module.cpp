@@ -40,11 +40,11 @@ std::string shape_of(size_t n, const size_t* shape) {
   return s + "]";
 }
 
-// InputError unless `a` is [rows, L, H, D] of spec `s`.
+// InputError unless `a` is [rows, L, H, D] of spec `s` (L: `layers` when given, else the spec's).
 template <class A>
-void check_cache(const char* name, const A& a, size_t rows, const KvSpec& s, const char* side) {
-  const size_t want[4] = {rows, static_cast<size_t>(s.n_layers), static_cast<size_t>(s.n_kv_heads),
-                          static_cast<size_t>(s.head_dim)};
+void check_cache(const char* name, const A& a, size_t rows, const KvSpec& s, const char* side, int layers = -1) {
+  const size_t want[4] = {rows, static_cast<size_t>(layers < 0 ? s.n_layers : layers),
+                          static_cast<size_t>(s.n_kv_heads), static_cast<size_t>(s.head_dim)};
   const size_t got[4] = {a.shape(0), a.shape(1), a.shape(2), a.shape(3)};
   if (!std::equal(want, want + 4, got)) {
     std::string w = shape_of(4, want);
@@ -54,8 +54,8 @@ void check_cache(const char* name, const A& a, size_t rows, const KvSpec& s, con
   }
 }
 
-Out owned(size_t rows, const KvSpec& s) {
-  const size_t shape[4] = {rows, static_cast<size_t>(s.n_layers), static_cast<size_t>(s.n_kv_heads),
+Out owned(size_t rows, const KvSpec& s, int layers) {
+  const size_t shape[4] = {rows, static_cast<size_t>(layers), static_cast<size_t>(s.n_kv_heads),
                            static_cast<size_t>(s.head_dim)};
   float* data = new float[rows * shape[1] * shape[2] * shape[3]];
   nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
@@ -108,13 +108,17 @@ class PyMapper {
 
   const MapperManifest& manifest() const { return resident_ ? resident_->manifest() : streamed_->manifest(); }
 
-  nb::tuple transfer(const Cache& keys, const Cache& values, const Positions& src_pos, const Positions& tgt_pos) {
+  // Target layers [first_layer, first_layer + layer_count) (-1: to the last); the outputs hold those alone.
+  nb::tuple transfer(const Cache& keys, const Cache& values, const Positions& src_pos, const Positions& tgt_pos,
+                     int first_layer, int layer_count) {
     const KvSpec &s = manifest().source, &t = manifest().target;
+    const TargetLayers layers{first_layer, layer_count};
+    check_target_layers(layers, t.n_layers);
     const size_t rows = keys.shape(0);
     check_cache("keys", keys, rows, s, "source");
     check_cache("values", values, rows, s, "source");
     check_positions(src_pos.shape(0), tgt_pos.shape(0), rows);
-    Out k = owned(rows, t), v = owned(rows, t);
+    Out k = owned(rows, t, layers.size(t.n_layers)), v = owned(rows, t, layers.size(t.n_layers));
     {
       nb::gil_scoped_release unlocked;
       check_finite_caches(keys.data(), values.data(), int64_t{s.n_layers} * s.n_kv_heads * s.head_dim,
@@ -122,10 +126,10 @@ class PyMapper {
       std::lock_guard<std::mutex> one_at_a_time(busy_);
       if (resident_)
         resident_->apply_host(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
-                              k.data(), v.data());
+                              k.data(), v.data(), layers);
       else
         streamed_->apply(keys.data(), values.data(), src_pos.data(), tgt_pos.data(), static_cast<int64_t>(rows),
-                         k.data(), v.data());
+                         k.data(), v.data(), layers);
     }
     return nb::make_tuple(k, v);
   }
@@ -133,7 +137,8 @@ class PyMapper {
   // CUDA arrays on this mapper's GPU, read and written in place; ordered after the work `stream` (a cudaStream_t
   // as an integer: torch.cuda.current_stream().cuda_stream) holds now, and the stream's later work after it.
   void transfer_into(const DeviceCache& keys, const DeviceCache& values, const DevicePositions& src_pos,
-                     const DevicePositions& tgt_pos, DeviceOut& out_keys, DeviceOut& out_values, uintptr_t stream) {
+                     const DevicePositions& tgt_pos, DeviceOut& out_keys, DeviceOut& out_values, uintptr_t stream,
+                     int first_layer, int layer_count) {
     if (device_ < 0 || !resident_)
       throw InputError(std::string("keys: CUDA arrays need a resident mapper on their GPU (Mapper(path, "
                                    "device='cuda:N')); this one is ") +
@@ -147,16 +152,18 @@ class PyMapper {
         throw InputError(std::string(name) + ": on cuda:" + std::to_string(id) + ", the mapper is on cuda:" +
                          std::to_string(device_));
     const KvSpec &s = manifest().source, &t = manifest().target;
+    const TargetLayers layers{first_layer, layer_count};
+    check_target_layers(layers, t.n_layers);
     const size_t rows = keys.shape(0);
     check_cache("keys", keys, rows, s, "source");
     check_cache("values", values, rows, s, "source");
-    check_cache("out_keys", out_keys, rows, t, "target");
-    check_cache("out_values", out_values, rows, t, "target");
+    check_cache("out_keys", out_keys, rows, t, "target", layers.size(t.n_layers));
+    check_cache("out_values", out_values, rows, t, "target", layers.size(t.n_layers));
     check_positions(src_pos.shape(0), tgt_pos.shape(0), rows);
     ServingBatch b;
     b.keys = keys.data(), b.values = values.data(), b.rows = static_cast<int64_t>(rows);
     b.source_positions = src_pos.data(), b.target_positions = tgt_pos.data();
-    b.out_keys = out_keys.data(), b.out_values = out_values.data();
+    b.out_keys = out_keys.data(), b.out_values = out_values.data(), b.layers = layers;
     nb::gil_scoped_release unlocked;
     std::lock_guard<std::mutex> one_at_a_time(busy_);
     resident_->apply(b, reinterpret_cast<void*>(stream));
@@ -207,11 +214,13 @@ NB_MODULE(_crosskv, m) {
       .def(nb::init<const std::string&, const std::string&, bool, bool, bool>(), "path"_a, "device"_a = "cpu",
            "resident"_a = true, "verify"_a = true, "tf32"_a = false)
       .def("transfer", &PyMapper::transfer, "keys"_a, "values"_a, "source_positions"_a, "target_positions"_a,
+           "first_layer"_a = 0, "layer_count"_a = -1,
            "keys, values: float32 [tokens, Ls, Hs, Ds] as the source caches them (keys post-RoPE at "
            "source_positions); returns the target's (keys, values) [tokens, Lt, Ht, Dt], keys post-RoPE at "
            "target_positions")
       .def("transfer_into", &PyMapper::transfer_into, "keys"_a, "values"_a, "source_positions"_a,
-           "target_positions"_a, "out_keys"_a, "out_values"_a, "stream"_a = 0,
+           "target_positions"_a, "out_keys"_a, "out_values"_a, "stream"_a = 0, "first_layer"_a = 0,
+           "layer_count"_a = -1,
            "CUDA arrays on the mapper's GPU: transfer() in place, ordered on `stream` (a cudaStream_t as an int)")
       .def_prop_ro("source", &PyMapper::source)
       .def_prop_ro("target", &PyMapper::target)

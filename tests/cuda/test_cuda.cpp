@@ -1,6 +1,7 @@
 // The CUDA backend against the CPU backend (the oracle). Without CUDA or a GPU every test is SKIPPED with the
 // reason (ctest reports it as skipped, never as passed).
 #include <algorithm>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -852,7 +853,7 @@ TEST(DeviceContract, ServingApplyKeepsEveryOperandOnTheDeviceAndMatchesTheCpu) {
       int user_stream = 0;
       const int gemms = shadow.gemm_calls, gathers = shadow.gathers, Lt = rt.target().n_layers;
       rt.apply({keys->as<float>(), values->as<float>(), pos->as<int32_t>(), pos->as<int32_t>() + rows, rows,
-                ok->as<float>(), ov->as<float>()},
+                ok->as<float>(), ov->as<float>(), {}},
                &user_stream);
       // Per kind: k = all is one batched product over every layer, k = 2 one gather and one batched product for
       // the chunk of all layers, k = 1 a product per layer reading the cache in place.
@@ -1044,7 +1045,7 @@ TEST_F(Cuda, ServingApplyMatchesTheCpu) {
     gpu_->copy_from_host(c.cache.positions.data(), rows * 4, pos->data);
     gpu_->copy_from_host(c.target_positions.data(), rows * 4, pos->as<int32_t>() + rows);
     rt.apply({keys->as<float>(), values->as<float>(), pos->as<int32_t>(), pos->as<int32_t>() + rows, rows,
-              ok->as<float>(), ov->as<float>()},
+              ok->as<float>(), ov->as<float>(), {}},
              static_cast<void*>(nullptr));  // the legacy default stream
     gpu_->copy_to_host(ok->data, rows * YW * 4, dk.data());
     gpu_->copy_to_host(ov->data, rows * YW * 4, dv.data());
@@ -1055,6 +1056,18 @@ TEST_F(Cuda, ServingApplyMatchesTheCpu) {
     }
     EXPECT_EQ(hk, dk) << "k=" << k << ": host arrays and device memory give the same bits";
     EXPECT_EQ(hv, dv) << "k=" << k;
+    // Layer by layer on the device: each layer's outputs are that layer of the whole call, bit for bit.
+    const int Lt = rt.target().n_layers;
+    const int64_t G = rt.target().features_per_layer();
+    for (int l = 0; l < Lt; ++l) {
+      std::vector<float> lk(rows * G), lv(rows * G);
+      rt.apply_host(c.cache.keys.data(), c.cache.values.data(), c.cache.positions.data(), c.target_positions.data(),
+                    rows, lk.data(), lv.data(), TargetLayers{l, 1});
+      for (int64_t t = 0; t < rows; ++t) {
+        ASSERT_EQ(std::memcmp(lk.data() + t * G, hk.data() + t * YW + l * G, G * 4), 0) << "k=" << k << " layer " << l;
+        ASSERT_EQ(std::memcmp(lv.data() + t * G, hv.data() + t * YW + l * G, G * 4), 0) << "k=" << k << " layer " << l;
+      }
+    }
   }
   // RoPE (strip and apply, both conventions, an attention factor) on the device: the host's bits.
   for (const char* type : {"default", "yarn"})

@@ -86,6 +86,18 @@ for mapper in ("ridge", "mlp"):
     sk, sv = crosskv.Mapper(f"out-{mapper}/k2", resident=False).transfer(keys, values, pos)
     check(np.array_equal(sk, got_k) and np.array_equal(sv, got_v) and m.weight_bytes > 0,
           f"{mapper}: resident ({m.weight_bytes} bytes of weights) and streamed mappers give the same bits")
+    # Layer by layer and in runs (what a serving stack maps while the model computes): those layers of the whole
+    # call, bit for bit, resident and streamed, numpy and torch.
+    streamed = crosskv.Mapper(f"out-{mapper}/k2", resident=False)
+    for layers in (0, 3, range(1, 3), range(0, 4)):
+        sel = [layers] if isinstance(layers, int) else list(layers)
+        for which, mm in (("resident", m), ("streamed", streamed)):
+            lk, lv = mm.transfer(keys, values, pos, pos + 7, layers=layers)
+            wk, wv = m.transfer(keys, values, pos, pos + 7)
+            check(lk.shape == (keys.shape[0], len(sel), 2, 16) and np.array_equal(lk, wk[:, sel])
+                  and np.array_equal(lv, wv[:, sel]), f"{mapper}: layers={layers!r} ({which}): those layers, the same bits")
+        tk1, _ = m.transfer(torch.from_numpy(keys), torch.from_numpy(values), torch.from_numpy(pos), layers=layers)
+        check(np.array_equal(tk1.numpy(), got_k[:, sel]), f"{mapper}: layers={layers!r} with torch tensors")
     # A batch of sequences [batch, seq, L, H, D], positions [batch, seq] or [seq]: the stacked tokens' results.
     B = 4
     T = keys.shape[0] // B
@@ -155,7 +167,21 @@ for mapper in (m, resident):
                        (lambda: mapper.transfer(keys.tolist(), values, pos),
                         "keys: expected a numpy array or a torch tensor, got list"),
                        (lambda: mapper.transfer(keys, values.tolist(), pos),
-                        "values: expected a numpy array or a torch tensor, got list")):
+                        "values: expected a numpy array or a torch tensor, got list"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=4),
+                        "layers: expected a non-empty range of the target's layers [0, 4), got first 4, count 1"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=-1),
+                        "layers: expected a non-empty range of the target's layers [0, 4), got first -1"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=range(2, 6)),
+                        "layers: expected a non-empty range of the target's layers [0, 4), got first 2, count 4"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=range(0, 4, 2)),
+                        "layers: expected a target layer or a non-empty range of them with step 1, got range(0, 4, 2)"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=range(2, 2)),
+                        "layers: expected a target layer or a non-empty range of them with step 1, got range(2, 2)"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=[0, 1]),
+                        "layers: expected a target layer or a non-empty range of them with step 1, got [0, 1]"),
+                       (lambda: mapper.transfer(keys, values, pos, layers=1.0),
+                        "layers: expected a target layer or a non-empty range of them with step 1, got 1.0")):
         expect_refused(call, want)
 for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expected shape [tokens, 3, 2, 16]"),
                    (lambda: m.transfer(keys, values, pos[:5]), "positions: expected"),

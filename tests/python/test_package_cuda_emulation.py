@@ -68,6 +68,11 @@ for mapper in ("out-ridge/k2", "out-ridge/kall", "out-mlp/k1"):
         check(isinstance(tk, torch.Tensor) and np.array_equal(tk.numpy(), gk), f"{mapper}: torch CPU tensors in and out")
         bk, bv = gpu.transfer(keys.reshape(3, 100, 4, 2, 16), values.reshape(3, 100, 4, 2, 16), positions[:100])
         check(bk.shape == (3, 100, 6, 2, 16), f"{mapper}: a batch [3, 100, ...] keeps its shape")
+        for layers in (0, 5, range(2, 5)):  # layer by layer on the device: those layers of the whole call
+            sel = [layers] if isinstance(layers, int) else list(layers)
+            lk, lv = gpu.transfer(keys, values, positions, layers=layers)
+            check(np.array_equal(lk, gk[:, sel]) and np.array_equal(lv, gv[:, sel]),
+                  f"{mapper} (resident={resident}): layers={layers!r}, the same bits as the whole call")
         del gpu
     del cpu
 

@@ -195,6 +195,15 @@ for name, reason in want_reason.items():
           and abs(got[name]["first_logprob"] - own[name]["first_logprob"]) < 1e-4,
           f"{name}: exactly the target's own tokens {own[name]['tokens']}")
 
+# ---- all layers mapped before the forward (layerwise: false) against layer by layer (the default): the same KV.
+whole = engine("whole", {"model": "model-target", "role": "kv_consumer", "prompts": all_prompts,
+                         "connector": {"store": "store", "mapper": MAPPER, "layerwise": False}})
+for name, o in zip(names, whole):
+    check(o["tokens"] == got[name]["tokens"] and o["first_logprob"] == got[name]["first_logprob"]
+          and o["kv"]["crosskv"]["status"] == got[name]["kv"]["crosskv"]["status"],
+          f"{name}: layer by layer and all layers at once give the same tokens, logprob and outcome "
+          f"({o['kv']['crosskv']['status']})")
+
 # ---- agreement with the Hugging Face path: the same stored source KV, mapped, into generate.
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -257,6 +266,8 @@ for role, extra, policy, want in (
         ("kv_producer", {"store": "s", "stor": 1}, "recompute", "kv_connector_extra_config.stor: unknown key"),
         ("kv_consumer", {"store": "s", "mapper": MAPPER, "allow_not_ready": "yes"}, "recompute",
          "kv_connector_extra_config.allow_not_ready: expected bool, got 'yes'"),
+        ("kv_consumer", {"store": "s", "mapper": MAPPER, "layerwise": 1}, "recompute",
+         "kv_connector_extra_config.layerwise: expected bool, got 1"),
         ("kv_consumer", {"store": "s", "mapper": "nowhere"}, "recompute",
          "kv_connector_extra_config.mapper: nowhere/manifest.json not found"),
         ("kv_consumer", {"store": "s", "mapper": MAPPER}, "fail", 'kv_load_failure_policy: expected "recompute"'),

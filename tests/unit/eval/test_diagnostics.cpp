@@ -169,21 +169,3 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   EXPECT_NE(html.find("NOT READY</td>"), std::string::npos);
 }
 
-// ---- Hardened manifests.
-namespace {
-
-struct Artifact {
-  TempDir tmp;
-  std::string dir;
-  nlohmann::json manifest;
-  explicit Artifact(const std::string& k = "2") {
-    synthesize(small_synth(tmp.str()));
-    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
-    dir = tmp.str("out/k" + k);
-    std::ifstream in(dir + "/manifest.json");
-    in >> manifest;
-  }
-  void write(const nlohmann::json& m) const { std::ofstream(dir + "/manifest.json") << m.dump(); }
-};
-
-}  // namespace

@@ -19,6 +19,7 @@
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "helpers.hpp"
+#include "unit/mapper_fixture.hpp"
 #include "reference_mapper.hpp"
 #include "artifact/layer_file.hpp"
 #include "artifact/manifest.hpp"
@@ -168,59 +169,6 @@ TEST(Transfer, ResidentOptionReadsEachLayerOnce) {
   }
 }
 
-// ---- Hardened manifests.
-namespace {
-
-struct Artifact {
-  TempDir tmp;
-  std::string dir;
-  nlohmann::json manifest;
-  explicit Artifact(const std::string& k = "2") {
-    synthesize(small_synth(tmp.str()));
-    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
-    dir = tmp.str("out/k" + k);
-    std::ifstream in(dir + "/manifest.json");
-    in >> manifest;
-  }
-  void write(const nlohmann::json& m) const { std::ofstream(dir + "/manifest.json") << m.dump(); }
-};
-
-}  // namespace
-
-// ---- Residual MLPs in artifacts (issue 15): optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
-namespace {
-
-// Adds residual MLPs (hidden width h, random, non-zero last layer) for keys and values to layer `l` of an artifact,
-// or the tensors `only` alone when given; re-hashes the file in the manifest.
-void add_mlp_tensors(Artifact& a, int l, int64_t h, const std::vector<std::string>& only = {}, float poison = 0) {
-  const std::string file = a.dir + "/" + a.manifest["layers"][l]["file"].get<std::string>();
-  auto t = read_safetensors(file);
-  const int64_t in = t.at("k.weight").shape[0], G = t.at("k.weight").shape[1];
-  std::mt19937_64 rng(11);
-  std::normal_distribution<float> n(0, 0.3f);
-  for (const char* kind : {"k", "v"})
-    for (auto [name, shape] : {std::pair<const char*, std::vector<int64_t>>{"w1", {in, h}}, {"b1", {h}},
-                               {"w2", {h, h}}, {"b2", {h}}, {"w3", {h, G}}, {"b3", {G}}}) {
-      const std::string full = std::string(kind) + ".mlp." + name;
-      if (!only.empty() && std::find(only.begin(), only.end(), full) == only.end()) continue;
-      TensorIn& x = t[full];
-      x.dtype = "F32", x.shape = shape;
-      int64_t count = 1;
-      for (auto d : shape) count *= d;
-      x.values.resize(count);
-      for (auto& v : x.values) v = n(rng);
-      if (poison != 0) x.values[1] = poison;
-    }
-  std::vector<TensorOut> out;
-  for (const auto& [name, x] : t)
-    out.push_back({name, "F32", x.shape, x.values.data(), x.values.size() * sizeof(float)});
-  write_safetensors(file, out, {});
-  a.manifest["layers"][l]["sha256"] = sha256_file(file);
-  a.write(a.manifest);
-}
-
-}  // namespace
-
 // ---- The serving apply (issue 16): weights resident, every layer in one call, the caches in the backend's memory.
 namespace {
 
@@ -234,13 +182,37 @@ void expect_resident_equals_transfer(const std::string& dir, const Cache& s, int
   for (auto& p : tgt) p += 3;  // the target's positions need not be the source's
   std::vector<float> k(rows * W), v(rows * W), rk(rows * W, -1), rv(rows * W, -1), hk(rows * W), hv(rows * W);
   tr.apply(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, k.data(), v.data());
-  rt.apply({s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, rk.data(), rv.data()});
+  rt.apply({s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, rk.data(), rv.data(), {}});
   rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, hk.data(), hv.data());
   EXPECT_EQ(std::memcmp(k.data(), rk.data(), k.size() * 4), 0) << dir << ": keys";
   EXPECT_EQ(std::memcmp(v.data(), rv.data(), v.size() * 4), 0) << dir << ": values";
   EXPECT_EQ(std::memcmp(k.data(), hk.data(), k.size() * 4), 0) << dir << ": keys (host arrays)";
   EXPECT_EQ(std::memcmp(v.data(), hv.data(), v.size() * 4), 0) << dir << ": values (host arrays)";
   EXPECT_GT(max_abs(rk), 0.1);
+  // Layer by layer, and in runs: each call's outputs are those layers of the whole call, bit for bit.
+  const int Lt = tr.target().n_layers;
+  const int64_t G = tr.target().features_per_layer();
+  for (TargetLayers r : {TargetLayers{0, 1}, TargetLayers{Lt - 1, 1}, TargetLayers{1, Lt - 1}, TargetLayers{1, -1}}) {
+    const int n = r.size(Lt);
+    std::vector<float> want_k(rows * n * G), want_v(rows * n * G);
+    for (int64_t t = 0; t < rows; ++t) {
+      std::copy_n(k.data() + t * W + r.first * G, n * G, want_k.data() + t * n * G);
+      std::copy_n(v.data() + t * W + r.first * G, n * G, want_v.data() + t * n * G);
+    }
+    std::vector<float> tk(want_k.size()), tv(want_k.size()), sk(want_k.size()), sv(want_k.size());
+    std::vector<float> hk1(want_k.size()), hv1(want_k.size());
+    tr.apply(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, tk.data(), tv.data(), r);
+    ServingBatch b{s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, sk.data(), sv.data(), r};
+    rt.apply(b);
+    rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(), tgt.data(), rows, hk1.data(), hv1.data(), r);
+    const std::string what = dir + ": layers [" + std::to_string(r.first) + ", " + std::to_string(r.first + n) + ")";
+    EXPECT_EQ(tk, want_k) << what << ", Transfer keys";
+    EXPECT_EQ(tv, want_v) << what << ", Transfer values";
+    EXPECT_EQ(sk, want_k) << what << ", ServingMapper keys";
+    EXPECT_EQ(sv, want_v) << what << ", ServingMapper values";
+    EXPECT_EQ(hk1, want_k) << what << ", ServingMapper keys (host arrays)";
+    EXPECT_EQ(hv1, want_v) << what << ", ServingMapper values (host arrays)";
+  }
 }
 
 }  // namespace
@@ -294,4 +266,22 @@ TEST(ServingMapper, RefusesWhatTransferRefusesByName) {
   a.write(a.manifest);
   std::ofstream(a.dir + "/" + a.manifest["layers"][1]["file"].get<std::string>(), std::ios::app) << "x";
   expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, {"SHA-256"});
+}
+
+TEST(ServingMapper, ARangeOfTargetLayersOutsideTheMapperIsRefusedByName) {
+  Artifact a;
+  auto be = make_cpu_backend();
+  ServingMapper rt(a.dir, *be);
+  Transfer tr(a.dir, *be);
+  const int Lt = rt.target().n_layers;
+  const Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+  std::vector<float> out(s.tokens * Lt * rt.target().features_per_layer());
+  for (TargetLayers r : {TargetLayers{-1, 1}, TargetLayers{Lt, -1}, TargetLayers{0, 0}, TargetLayers{1, Lt}}) {
+    const std::vector<std::string> parts = {"layers", "[0, " + std::to_string(Lt) + ")",
+                                            "first " + std::to_string(r.first), "count " + std::to_string(r.count)};
+    expect_error<InputError>([&] { rt.apply_host(s.keys.data(), s.values.data(), s.positions.data(),
+                                                 s.positions.data(), s.tokens, out.data(), out.data(), r); }, parts);
+    expect_error<InputError>([&] { tr.apply(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(),
+                                            s.tokens, out.data(), out.data(), r); }, parts);
+  }
 }
