@@ -9,11 +9,14 @@ shapes   family: the small family of docs/RESULTS.md (Qwen3-style, 4 layers of w
          (its prefill; its mapping from k source layers), so the ratio at a depth is near the full model's.
 Mapper: random weights of the real shape (bench/synthetic_mapper.py); the weights do not change its cost.
 The source engine saves each context's KV first; then, per context, the median of --repeats requests each way,
-the two kinds in turn.
+the kinds in turn. A request is the stored context plus --suffix new tokens (the next turn, which the target
+computes either way). --layerwise both also times the connector with every layer mapped before the forward
+(layerwise: false) beside its default, layer l mapped on a thread while the model computes the layers before it.
 
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --source-depth 4 --k 4 \
         --contexts 512,1024,2048
+    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 1024,4096 --suffix 256 --layerwise both
 """
 import argparse
 import json
@@ -99,6 +102,9 @@ def main():
     ap.add_argument("--k", type=int, default=0, help="source layers per target layer (0: all)")
     ap.add_argument("--contexts", default="512,1024,2048,4096,8192")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--suffix", type=int, default=1, help="new tokens after the stored context")
+    ap.add_argument("--layerwise", choices=["on", "off", "both"], default="on",
+                    help="the connector's layerwise setting (both: time each)")
     ap.add_argument("--json")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -118,27 +124,38 @@ def main():
     store = {"store": os.path.join(work, "store")}
     run({"model": os.path.join(work, "model-source"), "connector": store, "role": "kv_producer",
          "prompts": prefixes}, "source", work)
-    prompts = []  # per context and repeat, in turn: the stored prefix + one token; a fresh context as long
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.layerwise]
+    prompts = []  # per context and repeat, in turn: the stored context + the suffix; a fresh context as long
     for n, p in zip(contexts, prefixes):
         for _ in range(a.repeats):
-            prompts += [p + [int(rng.integers(1, vocab))], rng.integers(1, vocab, n + 1).tolist()]
-    res = run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": prompts,
-               "connector": {**store, "mapper": os.path.join(work, "mapper", "kall")}}, "target", work)
+            prompts += [p + rng.integers(1, vocab, a.suffix).tolist(), rng.integers(1, vocab, n + a.suffix).tolist()]
+    mapper = os.path.join(work, "mapper", "kall")
+    res = {lw: run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": prompts,
+                    "connector": {**store, "mapper": mapper, "layerwise": lw}}, f"target-layerwise-{lw}", work)
+           for lw in modes}  # one engine per setting, each timing its own prefill too (the same engine, in turn)
+    kinds = [("layer by layer" if lw else "all layers first") for lw in modes]
     rows = []
     print(f"CPU: {crosskv.blas}")
     cut = f", target {a.depth} / source {a.source_depth} layers, k = {a.k or 'all'}" if a.depth else ""
-    print(f"{a.shape}{cut}: time to the first token, median of "
-          f"{a.repeats} (ms)\n  context   crosskv   own prefill   speed-up")
+    print(f"{a.shape}{cut}, {a.suffix} new token(s) after the context: time to the first token, median of "
+          f"{a.repeats} (ms)\n  context" + "".join(f"  {k:>16}" for k in kinds) + "   own prefill   speed-up")
     for i, n in enumerate(contexts):
-        mine = res[2 * i * a.repeats:2 * (i + 1) * a.repeats]
-        m, o = mine[0::2], mine[1::2]
-        assert all(x["kv"]["crosskv"]["status"] == "applied" for x in m), m[0]["kv"]
-        tm, to = statistics.median(x["s"] for x in m), statistics.median(x["s"] for x in o)
-        rows.append({"context": n, "crosskv_s": tm, "own_prefill_s": to, "speedup": to / tm})
-        print(f"  {n:7d}  {tm * 1e3:8.1f}   {to * 1e3:11.1f}   {to / tm:7.2f}x")
+        t, own = {}, []
+        for lw, k in zip(modes, kinds):
+            mine = res[lw][2 * i * a.repeats:2 * (i + 1) * a.repeats]
+            m, o = mine[0::2], mine[1::2]
+            assert all(x["kv"]["crosskv"]["status"] == "applied" for x in m), m[0]["kv"]
+            t[k] = statistics.median(x["s"] for x in m)
+            own += [x["s"] for x in o]
+        to = statistics.median(own)
+        row = {"context": n, "suffix": a.suffix, "own_prefill_s": to, "speedup": to / t[kinds[0]]}
+        row.update({("crosskv_s" if lw else "crosskv_all_layers_first_s"): t[k] for lw, k in zip(modes, kinds)})
+        rows.append(row)
+        print(f"  {n:7d}" + "".join(f"  {t[k] * 1e3:16.1f}" for k in kinds) + f"   {to * 1e3:11.1f}"
+              f"   {row['speedup']:7.2f}x")
     if a.json:
-        json.dump({"shape": a.shape, "depth": a.depth, "source_depth": a.source_depth, "k": a.k, "blas": crosskv.blas,
-                   "rows": rows}, open(a.json, "w"), indent=2)
+        json.dump({"shape": a.shape, "depth": a.depth, "source_depth": a.source_depth, "k": a.k, "suffix": a.suffix,
+                   "blas": crosskv.blas, "rows": rows}, open(a.json, "w"), indent=2)
 
 
 if __name__ == "__main__":

@@ -267,7 +267,7 @@ PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& 
 FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, const std::string& ckpt_dir,
                      bool fresh) {
   const PairDims d = cal.dims();
-  const Shifts sh = compute_shifts(cal);
+  const Shifts sh = provisional_shifts(cal, ckpt_dir, ctx.comm.rank() == 0, fresh);  // kept: a refit reads nothing
   const MomentPlan pp = probe_plan(d, cal.cfg.probe), full = MomentPlan::full(d, false);
   const MomentPlan& blocks = plan.single_pass ? full : pp;
   FirstPass p1{pass1_moments(sh, d, *ctx.grid, blocks, pp), {}, nullptr, {}};

@@ -3,17 +3,23 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <exception>
 #include <mutex>
 #include <optional>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
+#include "core/atomic_file.hpp"
 #include "core/backend.hpp"
 #include "core/host_kernels.hpp"
 #include "core/comm.hpp"
 #include "core/error.hpp"
 #include "runtime/log.hpp"
 #include "core/rope.hpp"
+#include "core/sha256.hpp"
 #include "io/shard.hpp"
 #include "stages/checkpoint.hpp"
 #include "stages/grid.hpp"
@@ -215,6 +221,79 @@ Shifts compute_shifts(const Calibration& cal) {
   const PairDims d = cal.dims();
   return {column_means(b.xk, rows, d.X()),     column_means(b.yk, rows, d.Y()), column_means(b.xk_raw, rows, d.X()),
           column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+nlohmann::json shift_identity(const Calibration& cal) {
+  const ShardPair& p = cal.shift_shard;
+  auto stamp = [](const std::string& path) {
+    std::error_code ec;
+    return nlohmann::json{fs::file_size(path, ec), fs::last_write_time(path, ec).time_since_epoch().count()};
+  };
+  return {{"format", "crosskv-shifts"}, {"version", 1}, {"shard", p.rel}, {"source", p.source_path},
+          {"target", p.target_path}, {"used", p.used},
+          {"stamps", {stamp(p.source_path), stamp(p.target_path)}}, {"block_tokens", cal.cfg.block_tokens},
+          {"token_stride", cal.cfg.token_stride}};
+}
+
+std::vector<std::vector<float>*> parts_of(Shifts& s) { return {&s.xk, &s.yk, &s.xk_raw, &s.yk_raw, &s.xv, &s.yv}; }
+
+// The shifts in `path` when it holds those of `id`, whole; nullopt otherwise (missing, another shard, damaged).
+std::optional<Shifts> read_kept_shifts(const std::string& path, const nlohmann::json& id, const PairDims& d) {
+  std::ifstream in(path, std::ios::binary);
+  std::string head;
+  if (!in || !std::getline(in, head)) return std::nullopt;
+  const nlohmann::json h = nlohmann::json::parse(head, nullptr, false);
+  if (h.is_discarded() || !h.is_object() || h.value("identity", nlohmann::json()) != id) return std::nullopt;
+  Shifts s;
+  const int64_t sizes[6] = {d.X(), d.Y(), d.X(), d.Y(), d.X(), d.Y()};
+  Sha256 sha;
+  int i = 0;
+  for (auto* v : parts_of(s)) {
+    v->resize(static_cast<size_t>(sizes[i++]));
+    in.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
+    if (!in) return std::nullopt;
+    sha.update(v->data(), v->size() * sizeof(float));
+  }
+  if (in.peek() != std::char_traits<char>::eof() || sha.hex() != h.value("sha256", "")) return std::nullopt;
+  return s;
+}
+
+void keep_shifts(const std::string& path, const nlohmann::json& id, Shifts s) {
+  Sha256 sha;
+  for (auto* v : parts_of(s)) sha.update(v->data(), v->size() * sizeof(float));
+  const std::string head = nlohmann::json{{"identity", id}, {"sha256", sha.hex()}}.dump() + "\n";
+  AtomicFile f(path);
+  f.write(head.data(), head.size());
+  for (auto* v : parts_of(s)) f.write(v->data(), v->size() * sizeof(float));
+  f.commit();
+}
+
+}  // namespace
+
+Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh,
+                          bool* read_data) {
+  const std::string path = (fs::path(ckpt_dir) / "shifts.bin").string();
+  const nlohmann::json id = shift_identity(cal);
+  if (auto kept = fresh ? std::nullopt : read_kept_shifts(path, id, cal.dims())) {
+    if (read_data) *read_data = false;
+    return *kept;
+  }
+  Shifts s = compute_shifts(cal);
+  if (read_data) *read_data = true;
+  if (writer) {
+    std::error_code ec;
+    fs::create_directories(ckpt_dir, ec);
+    try {
+      keep_shifts(path, id, s);
+    } catch (const std::exception& e) {  // the fit goes on; a refit then reads the shift shard again
+      spdlog::warn("could not keep the provisional shifts in {}: {}", path, e.what());
+    }
+  }
+  return s;
 }
 
 Comm& Context::readers() const { return grid ? *grid->readers : comm; }

@@ -17,6 +17,7 @@
 #include "core/comm.hpp"
 #include "runtime/config.hpp"
 #include "core/error.hpp"
+#include "io/h5.hpp"
 #include "pipeline/fit_pipeline.hpp"
 #include "tools/synth.hpp"
 
@@ -67,6 +68,34 @@ inline SynthOptions small_synth(const std::string& out, uint64_t seed = 7) {
   o.seed = seed;
   o.chunk_tokens = 64;
   return o;
+}
+
+// Flips one bit of byte `at` in the first stored chunk of `dataset` in the HDF5 file `path` (its Fletcher-32 then
+// fails when that chunk is read); with `keep_time` the file's modification time is put back, so that only a read
+// of the chunk can tell.
+inline void flip_chunk_byte(const std::string& path, const char* dataset, int64_t at, bool keep_time = false) {
+  const auto when = fs::last_write_time(path);
+  haddr_t addr = 0;
+  {
+    h5::quiet();
+    h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    h5::Handle d(H5Dopen2(f, dataset, H5P_DEFAULT), H5Dclose);
+    h5::Handle space(H5Dget_space(d), H5Sclose);
+    hsize_t offset[4];
+    unsigned mask = 0;
+    hsize_t size = 0;
+    ASSERT_GE(H5Dget_chunk_info(d, space, 0, offset, &mask, &addr, &size), 0) << path << ": " << dataset;
+    ASSERT_GT(static_cast<int64_t>(size), at);
+  }
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(addr) + at);
+  char b = 0;
+  io.read(&b, 1);
+  b ^= 0x04;  // a low mantissa bit: the value stays finite and plausible
+  io.seekp(static_cast<std::streamoff>(addr) + at);
+  io.write(&b, 1);
+  io.close();
+  if (keep_time) fs::last_write_time(path, when);
 }
 
 inline void write_text(const std::string& path, const std::string& text) {

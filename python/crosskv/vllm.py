@@ -62,7 +62,7 @@ class Settings:
     allow_not_ready: bool = False
     mapper_device: Optional[str] = None
     min_prefix_tokens: int = 1
-    layerwise: bool = True
+    layerwise: Optional[bool] = None  # None: layer by layer when the mapper runs on a GPU
 
 
 def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
@@ -91,6 +91,8 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
         if not os.path.isfile(os.path.join(s.mapper, "manifest.json")):
             raise CrossKVConfigError(f"{_EXTRA}.mapper: {s.mapper}/manifest.json not found; expected a crosskv-fit "
                                      "mapper folder (k<K>/)")
+        read_mapper_manifest(s.mapper)
+        mapper_verdict(s.mapper)
         if kv_transfer_config.kv_load_failure_policy != "recompute":
             raise CrossKVConfigError('kv_transfer_config.kv_load_failure_policy: expected "recompute" so that a '
                                      "prefix that fails to map is re-prefilled, got "
@@ -138,14 +140,37 @@ def spec_mismatch(mapper_spec: dict, engine: dict, side: str) -> Optional[str]:
     return None
 
 
+def _json_file(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CrossKVConfigError(f"{_EXTRA}.mapper: {path}: {what} does not read as JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CrossKVConfigError(f"{_EXTRA}.mapper: {path}: {what} is not a JSON object")
+    return d
+
+
+def read_mapper_manifest(mapper_dir: str) -> dict:
+    """The mapper's manifest.json, with the two kv_specs the connector checks; CrossKVConfigError otherwise."""
+    path = os.path.join(mapper_dir, "manifest.json")
+    m = _json_file(path, "the mapper's manifest")
+    for side in ("source", "target"):
+        spec = m.get(side, {}).get("kv_spec") if isinstance(m.get(side), dict) else None
+        if not isinstance(spec, dict) or not all(k in spec for k in ("n_layers", "n_kv_heads", "head_dim")):
+            raise CrossKVConfigError(f"{_EXTRA}.mapper: {path}: no {side}.kv_spec with n_layers, n_kv_heads and "
+                                     "head_dim; expected a crosskv-fit manifest")
+    return m
+
+
 def mapper_verdict(mapper_dir: str) -> Optional[str]:
-    """The held-out verdict crosskv-fit wrote beside the mapper (eval-<k>.json), or None where it ran no eval."""
+    """The held-out verdict crosskv-fit wrote beside the mapper (eval-<k>.json), or None where it ran no eval. One
+    that cannot be read stops the engine (CrossKVConfigError): a NOT READY mapper must not be served by accident."""
     folder = os.path.normpath(os.path.abspath(mapper_dir))
     path = os.path.join(os.path.dirname(folder), f"eval-{os.path.basename(folder)}.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return str(json.load(f).get("verdict", ""))
+    return str(_json_file(path, "the held-out verdict").get("verdict", ""))
 
 
 # ------------------------------------------------------------------------------------------------------ the store
@@ -491,8 +516,7 @@ class CrossKVConnector(KVConnectorBase_V1):
             raise CrossKVConfigError(f"cache_config.cache_dtype: the source engine's KV is saved as computed; "
                                      f"expected an unquantized cache, got {vllm_config.cache_config.cache_dtype!r}")
         if self.side == "target":
-            with open(os.path.join(self.settings.mapper, "manifest.json")) as f:
-                self.manifest = json.load(f)
+            self.manifest = read_mapper_manifest(self.settings.mapper)
             self.source_spec = self.manifest["source"]["kv_spec"]
             self.unusable = spec_mismatch(self.manifest["target"]["kv_spec"], self.engine, "target")
             if self.unusable:
@@ -639,7 +663,10 @@ class CrossKVConnector(KVConnectorBase_V1):
                 self._fail(plan, str(e))
         if not prefixes:
             return
-        if self.settings.layerwise:  # mapped on a thread, layer l while the model computes the layers before it
+        layerwise = self.settings.layerwise
+        if layerwise is None:  # on 2 CPU cores the thread only competes with the model's (docs/PERFORMANCE.md)
+            layerwise = prefixes[0].keys.device.type == "cuda"
+        if layerwise:  # mapped on a thread, layer l while the model computes the layers before it
             self._by_layer = LayerByLayer(self._mapper, prefixes, len(self._layers), prefixes[0].keys.device)
             return
         for p in prefixes:

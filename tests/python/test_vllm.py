@@ -195,10 +195,10 @@ for name, reason in want_reason.items():
           and abs(got[name]["first_logprob"] - own[name]["first_logprob"]) < 1e-4,
           f"{name}: exactly the target's own tokens {own[name]['tokens']}")
 
-# ---- all layers mapped before the forward (layerwise: false) against layer by layer (the default): the same KV.
-whole = engine("whole", {"model": "model-target", "role": "kv_consumer", "prompts": all_prompts,
-                         "connector": {"store": "store", "mapper": MAPPER, "layerwise": False}})
-for name, o in zip(names, whole):
+# ---- layer by layer on a thread (layerwise: true; on the CPU the default maps all layers first): the same KV.
+by_layer = engine("layerwise", {"model": "model-target", "role": "kv_consumer", "prompts": all_prompts,
+                                "connector": {"store": "store", "mapper": MAPPER, "layerwise": True}})
+for name, o in zip(names, by_layer):
     check(o["tokens"] == got[name]["tokens"] and o["first_logprob"] == got[name]["first_logprob"]
           and o["kv"]["crosskv"]["status"] == got[name]["kv"]["crosskv"]["status"],
           f"{name}: layer by layer and all layers at once give the same tokens, logprob and outcome "
@@ -260,6 +260,16 @@ check(r.returncode != 0 and line and "kv_connector_extra_config.mapper: missing"
 # ---- every config error names its key (parse_settings, as the engine's start runs it).
 from types import SimpleNamespace  # noqa: E402
 
+for name in ("notjson", "nospec", "verdict"):  # mapper folders whose files do not read
+    os.makedirs(f"bad/{name}", exist_ok=True)
+good_manifest = open(os.path.join(MAPPER, "manifest.json")).read()
+open("bad/notjson/manifest.json", "w").write(good_manifest[:-20])
+m = json.loads(good_manifest)
+del m["target"]["kv_spec"]
+open("bad/nospec/manifest.json", "w").write(json.dumps(m))
+open("bad/verdict/manifest.json", "w").write(good_manifest)
+open("bad/eval-verdict.json", "w").write('{"verdict": "NOT READY')
+
 for role, extra, policy, want in (
         ("kv_both", {"store": "s"}, "recompute", "kv_transfer_config.kv_role: expected kv_producer"),
         ("kv_producer", {}, "recompute", "kv_connector_extra_config.store: missing"),
@@ -274,7 +284,13 @@ for role, extra, policy, want in (
         ("kv_consumer", {"store": "s", "mapper": MAPPER, "min_prefix_tokens": 0}, "recompute",
          "kv_connector_extra_config.min_prefix_tokens: expected >= 1, got 0"),
         ("kv_producer", {"store": "s", "mapper": MAPPER}, "recompute",
-         "kv_connector_extra_config.mapper: only the target engine (kv_consumer) maps")):
+         "kv_connector_extra_config.mapper: only the target engine (kv_consumer) maps"),
+        ("kv_consumer", {"store": "s", "mapper": "bad/notjson"}, "recompute",
+         "kv_connector_extra_config.mapper: bad/notjson/manifest.json: the mapper's manifest does not read as JSON"),
+        ("kv_consumer", {"store": "s", "mapper": "bad/nospec"}, "recompute",
+         "kv_connector_extra_config.mapper: bad/nospec/manifest.json: no target.kv_spec with n_layers"),
+        ("kv_consumer", {"store": "s", "mapper": "bad/verdict"}, "recompute",
+         "bad/eval-verdict.json: the held-out verdict does not read as JSON")):
     try:
         cv.parse_settings(SimpleNamespace(kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy=policy))
         check(False, f"refused: {want}")

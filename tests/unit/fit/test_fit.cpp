@@ -1,5 +1,7 @@
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -480,3 +482,31 @@ TEST(ShareLayout, FilledReduceScatterEqualsThePackedOne) {
       3, [](size_t off, size_t len, double* dst, bool) { for (size_t i = 0; i < len; ++i) dst[i] = off + i + 0.5; }, d);
   EXPECT_EQ(d, (std::vector<double>{0.5, 1.5, 2.5}));
 }
+
+// Issue 25: a refit from stored moments (another lambda or k) reads no keys or values. The shards' keys and values
+// are damaged in their first chunks with their modification times kept: any read of them fails its Fletcher-32
+// check, and the refit must give the bytes it gave before the damage.
+TEST(Fit, ARefitFromStoredMomentsReadsNoKeysOrValues) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  ASSERT_GT(fit_yaml(config_yaml(tmp.str(), "{k: [1, 2], lambda: 0.01}")).tokens_read, 0);
+  ASSERT_TRUE(fs::exists(tmp.str("out/checkpoint/shifts.bin"))) << "the provisional shifts are kept";
+  const std::string refit = config_yaml(tmp.str(), "{k: [1, 3], lambda: 0.5}");
+  ASSERT_EQ(fit_yaml(refit).tokens_read, 0);
+  std::map<std::string, std::string> before;
+  for (const char* k : {"k1", "k3"})
+    for (const auto& e : fs::directory_iterator(tmp.str(std::string("out/") + k)))
+      if (e.path().extension() == ".safetensors") before[e.path().string()] = file_bytes(e.path().string());
+  ASSERT_FALSE(before.empty());
+  for (const char* side : {"source", "target"})
+    for (const auto& e : fs::recursive_directory_iterator(tmp.str(side)))
+      if (e.path().extension() == ".h5")
+        for (const char* ds : {"keys", "values"}) flip_chunk_byte(e.path().string(), ds, 301, /*keep_time=*/true);
+  const FitResult r = fit_yaml(refit);  // throws (a failed Fletcher-32 check) if it reads a damaged chunk
+  EXPECT_EQ(r.tokens_read, 0);
+  for (const auto& [path, bytes] : before) EXPECT_EQ(file_bytes(path), bytes) << path;
+  // Without the kept shifts the refit must read the shift shard's first block, and the damage shows.
+  fs::remove(tmp.str("out/checkpoint/shifts.bin"));
+  EXPECT_THROW(fit_yaml(refit), InputError);
+}
+
