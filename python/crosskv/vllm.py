@@ -18,6 +18,7 @@ where the target's own prefix cache already held as much as the store.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -455,24 +456,33 @@ class LayerByLayer:
         self._thread.start()
 
     def _run(self):
-        ctx = torch.cuda.stream(self._side) if self._side is not None else _no_context()
-        with ctx:
-            for li in range(self.n_layers):
-                for p in self.prefixes:
-                    rid = p.plan.req_id
-                    if rid in self.failed:
-                        continue
-                    t0 = time.perf_counter()
-                    try:
-                        k, v = self.mapper.transfer(p.keys, p.values, p.positions, layers=li)
-                        self._out[li].append((p.plan, k[:, 0], v[:, 0]))
-                    except (ValueError, MapperError, RuntimeError) as e:
-                        self.failed[rid] = str(e)
-                    self.map_s[rid] = self.map_s.get(rid, 0.0) + time.perf_counter() - t0
-                if self._side is not None:
-                    self._cuda_events[li] = torch.cuda.Event()
-                    self._cuda_events[li].record(self._side)
-                self._done[li].set()
+        try:
+            with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+                for li in range(self.n_layers):
+                    self._map_layer(li)
+        except BaseException as e:  # anything unforeseen fails every prefix still mapping, never the engine
+            for p in self.prefixes:
+                self.failed.setdefault(p.plan.req_id, f"the mapping thread stopped: {type(e).__name__}: {e}")
+        finally:
+            for done in self._done:  # no layer waits forever
+                done.set()
+
+    def _map_layer(self, li: int):
+        for p in self.prefixes:
+            rid = p.plan.req_id
+            if rid in self.failed:
+                continue
+            t0 = time.perf_counter()
+            try:
+                k, v = self.mapper.transfer(p.keys, p.values, p.positions, layers=li)
+                self._out[li].append((p.plan, k[:, 0], v[:, 0]))
+            except (ValueError, MapperError, RuntimeError) as e:
+                self.failed[rid] = str(e)
+            self.map_s[rid] = self.map_s.get(rid, 0.0) + time.perf_counter() - t0
+        if self._side is not None:
+            self._cuda_events[li] = torch.cuda.Event()
+            self._cuda_events[li].record(self._side)
+        self._done[li].set()
 
     def wait(self, li: int):
         self._done[li].wait()
@@ -486,14 +496,6 @@ class LayerByLayer:
 
     def join(self):
         self._thread.join()
-
-
-class _no_context:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------------------------------- connector

@@ -130,6 +130,27 @@ try:
 except ValueError as e:
     check("does not store values as given" in str(e) or "wrote" in str(e), f"PagedLayout refuses a quantizing writer: {e}")
 
+# ---- LayerByLayer (no engine): a failure at any layer, foreseen or not, fails that prefix and hangs no layer.
+class _FlakyMapper:  # layer l's keys are all l; a layer's results reach wait() unless the prefix has failed by then
+    def __init__(self, fail_at, error):
+        self.fail_at, self.error = fail_at, error
+
+    def transfer(self, keys, values, positions, layers):
+        if layers == self.fail_at:
+            raise self.error
+        return torch.full((keys.shape[0], 1, 2, 4), float(layers)), torch.zeros(keys.shape[0], 1, 2, 4)
+
+
+for fail_at, error, want in ((1, crosskv.MapperError("keys: element 3 is NaN"), "keys: element 3 is NaN"),
+                             (2, KeyError("unforeseen"), "the mapping thread stopped: KeyError")):
+    plan = cv.LoadPlan("r1", "key", 0, 5, list(range(5)), list(range(5)))
+    prefix = cv.SourcePrefix(plan, torch.zeros(5, 2, 2, 4), torch.zeros(5, 2, 2, 4), torch.arange(5), 0.0)
+    by = cv.LayerByLayer(_FlakyMapper(fail_at, error), [prefix], 4, torch.device("cpu"))
+    got_layers = [by.wait(li) for li in range(4)]  # returns for every layer (a hang would time the test out)
+    by.join()
+    check(all(not g for g in got_layers[fail_at:]) and want in by.failed.get("r1", ""), f"LayerByLayer: a {type(error).__name__} at layer {fail_at} fails the "
+          f"prefix ({by.failed.get('r1')}) and no layer waits forever")
+
 # ---- the family: made, captured and fitted in the capture environment (transformers 4.x writes what both read).
 r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
 print(r.stdout[-2000:], r.stderr[-2000:] if r.returncode else "")
