@@ -225,15 +225,16 @@ std::vector<double> read_deferred(const PassState::Deferred& d,
 }
 
 
+nlohmann::json file_stamp(const std::string& path) {
+  std::error_code ec;
+  return nlohmann::json{fs::file_size(path, ec), fs::last_write_time(path, ec).time_since_epoch().count()};
+}
+
 nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, int ranks) {
   nlohmann::json shards = nlohmann::json::array();
   // Sizes and modification times catch shards re-captured in place (the fingerprint covers ids and positions).
-  auto stamp = [](const std::string& path) {
-    std::error_code ec;
-    return nlohmann::json{fs::file_size(path, ec), fs::last_write_time(path, ec).time_since_epoch().count()};
-  };
   for (const auto& s : cal.shards)
-    shards.push_back({s.rel, s.used, s.fingerprint, stamp(s.source_path), stamp(s.target_path)});
+    shards.push_back({s.rel, s.used, s.fingerprint, file_stamp(s.source_path), file_stamp(s.target_path)});
   const auto& c = cal.cfg;
   return {{"source_store", c.source_store}, {"target_store", c.target_store}, {"domains", cal.domains},
           {"token_stride", c.token_stride}, {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json()},

@@ -17,6 +17,10 @@
 
 namespace crosskv {
 
+// A file's size and modification time, as identities record them ([size, time]):
+// they catch a file re-written in place.
+nlohmann::json file_stamp(const std::string& path);
+
 // What must match for a checkpoint to be resumed: everything that changes the moments (not λ, k or dtype).
 nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, int ranks);
 

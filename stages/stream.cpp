@@ -1,5 +1,6 @@
 #include "stages/stream.hpp"
 
+#include <array>
 #include <cmath>
 #include <condition_variable>
 #include <deque>
@@ -229,17 +230,17 @@ namespace fs = std::filesystem;
 
 nlohmann::json shift_identity(const Calibration& cal) {
   const ShardPair& p = cal.shift_shard;
-  auto stamp = [](const std::string& path) {
-    std::error_code ec;
-    return nlohmann::json{fs::file_size(path, ec), fs::last_write_time(path, ec).time_since_epoch().count()};
-  };
   return {{"format", "crosskv-shifts"}, {"version", 1}, {"shard", p.rel}, {"source", p.source_path},
           {"target", p.target_path}, {"used", p.used},
-          {"stamps", {stamp(p.source_path), stamp(p.target_path)}}, {"block_tokens", cal.cfg.block_tokens},
+          {"stamps", {file_stamp(p.source_path), file_stamp(p.target_path)}}, {"block_tokens", cal.cfg.block_tokens},
           {"token_stride", cal.cfg.token_stride}};
 }
 
-std::vector<std::vector<float>*> parts_of(Shifts& s) { return {&s.xk, &s.yk, &s.xk_raw, &s.yk_raw, &s.xv, &s.yv}; }
+// The six arrays in their file order.
+template <class S>
+auto parts_of(S& s) {
+  return std::array{&s.xk, &s.yk, &s.xk_raw, &s.yk_raw, &s.xv, &s.yv};
+}
 
 // The shifts in `path` when it holds those of `id`, whole; nullopt otherwise (missing, another shard, damaged).
 std::optional<Shifts> read_kept_shifts(const std::string& path, const nlohmann::json& id, const PairDims& d) {
@@ -262,7 +263,7 @@ std::optional<Shifts> read_kept_shifts(const std::string& path, const nlohmann::
   return s;
 }
 
-void keep_shifts(const std::string& path, const nlohmann::json& id, Shifts s) {
+void keep_shifts(const std::string& path, const nlohmann::json& id, const Shifts& s) {
   Sha256 sha;
   for (auto* v : parts_of(s)) sha.update(v->data(), v->size() * sizeof(float));
   const std::string head = nlohmann::json{{"identity", id}, {"sha256", sha.hex()}}.dump() + "\n";
@@ -274,16 +275,11 @@ void keep_shifts(const std::string& path, const nlohmann::json& id, Shifts s) {
 
 }  // namespace
 
-Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh,
-                          bool* read_data) {
+Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh) {
   const std::string path = (fs::path(ckpt_dir) / "shifts.bin").string();
   const nlohmann::json id = shift_identity(cal);
-  if (auto kept = fresh ? std::nullopt : read_kept_shifts(path, id, cal.dims())) {
-    if (read_data) *read_data = false;
-    return *kept;
-  }
+  if (auto kept = fresh ? std::nullopt : read_kept_shifts(path, id, cal.dims())) return *kept;
   Shifts s = compute_shifts(cal);
-  if (read_data) *read_data = true;
   if (writer) {
     std::error_code ec;
     fs::create_directories(ckpt_dir, ec);

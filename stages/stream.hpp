@@ -24,10 +24,9 @@ Shifts compute_shifts(const Calibration& cal);
 // The provisional shifts kept beside the moments made about them, in <ckpt_dir>/shifts.bin, so that a refit from
 // stored moments reads no calibration data: read there when the file is of this shift shard (its paths, tokens,
 // the files' sizes and times, block_tokens and token_stride) and its values' SHA-256 holds; else computed from
-// the shard (compute_shifts) and written by rank 0 (`writer`). `read_data` says which happened.
-// With `fresh` (crosskv-fit --fresh) the kept file is not read, and is rewritten.
-Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh,
-                          bool* read_data = nullptr);
+// the shard (compute_shifts) and written by rank 0 (`writer`). With `fresh` (crosskv-fit --fresh) the kept file
+// is not read, and is rewritten.
+Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh);
 
 // Stage 3/5: one streaming pass, in rounds. With T = ctx.readers().size(), round r covers the shards
 // [r*T*E, (r+1)*T*E) (E = runtime.checkpoint.every_shards); reader p reads those with index % T == p. After each round `on_round` runs on

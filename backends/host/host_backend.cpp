@@ -151,16 +151,15 @@ void HostBackend::to_half(const float* in, int64_t n, bool bf16, uint16_t* out) 
 
 // ---- Residency.
 
+namespace {
+
+// Zeroes [p, p + count) in parallel parts.
 template <class T>
 void zero_host_sums(T* p, int64_t count) {
   constexpr int64_t kPart = int64_t{1} << 22;  // a parallel region pays off from a few MB on
 #pragma omp parallel for schedule(static) if (count > 2 * kPart)
   for (int64_t at = 0; at < count; at += kPart) std::fill_n(p + at, std::min(kPart, count - at), T{0});
 }
-template void zero_host_sums<float>(float*, int64_t);
-template void zero_host_sums<double>(double*, int64_t);
-
-namespace {
 
 // A host backend's held sums: the host array itself.
 template <class T>

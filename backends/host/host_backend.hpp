@@ -76,8 +76,4 @@ class HostBackend : public ComputeBackend {
   void end_before(void* stream) override {}
 };
 
-// Zeroes [p, p + count) in parallel parts (a held copy on the host).
-template <class T>
-void zero_host_sums(T* p, int64_t count);
-
 }  // namespace crosskv
