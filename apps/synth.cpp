@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "random seed of the planted relation")->capture_default_str();
   app.add_option("--data-seed", o.data_seed, "random seed of the tokens (0: from --seed); vary for held-out data")
       ->capture_default_str();
-  app.add_option("--relation", relation, "family (realistic), linear (exact, for tests) or nonlinear (linear plus a planted ReLU layer: ridge falls short)")->capture_default_str();
+  app.add_option("--relation", relation, "family (realistic), linear (exact, for tests), per_head (linear and head-matched) or nonlinear (linear plus a planted ReLU layer: ridge falls short)")->capture_default_str();
   app.add_option("--noise", o.noise, "family: layer-private noise level")->capture_default_str();
   app.add_option("--large-mean", o.large_mean, "offset of the large-mean key channels")->capture_default_str();
   app.add_flag("--with-queries", o.with_queries, "also write queries");
@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
     if (relation == "family") o.relation = SynthRelation::family;
     else if (relation == "linear") o.relation = SynthRelation::linear;
     else if (relation == "nonlinear") o.relation = SynthRelation::nonlinear;
-    else throw UserError("--relation: expected family, linear or nonlinear, got \"" + relation + "\"");
+    else if (relation == "per_head") o.relation = SynthRelation::per_head;
+    else throw UserError("--relation: expected family, linear, per_head or nonlinear, got \"" + relation + "\"");
     const int64_t n = synthesize(o);
     std::printf("wrote %lld tokens per store: %s/source and %s/target\n", static_cast<long long>(n), o.out.c_str(),
                 o.out.c_str());

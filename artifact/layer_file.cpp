@@ -23,7 +23,10 @@ std::string layer_tensor_name(char kind, const std::string& part) {
 void write_layer_file(const std::string& path, const LayerFileContent& c) {
   CROSSKV_ASSERT(c.features > 0 && c.G > 0, "a layer file of no features");
   std::vector<TensorOut> out;
-  const std::vector<int64_t> wshape = {c.features, c.G}, bshape = {c.G};
+  CROSSKV_ASSERT(c.heads >= 0 && (c.heads == 0 || c.G % c.heads == 0), "per-head weights of a width the heads split");
+  const std::vector<int64_t> wshape = c.heads ? std::vector<int64_t>{c.heads, c.features, c.G / c.heads}
+                                              : std::vector<int64_t>{c.features, c.G};
+  const std::vector<int64_t> bshape = {c.G};
   for (auto [name, kind] : {std::pair{'k', &c.k}, std::pair{'v', &c.v}}) {
     const size_t elem = kind->weight_dtype == "F32" ? 4 : 2;
     CROSSKV_ASSERT(kind->weight_dtype == "F32" || kind->weight_dtype == "BF16" || kind->weight_dtype == "F16",
@@ -46,8 +49,10 @@ void write_layer_file(const std::string& path, const LayerFileContent& c) {
   }
   std::string csv;
   for (int a : c.source_layers) csv += (csv.empty() ? "" : ",") + std::to_string(a);
-  write_safetensors(path, out,
-                    {{"format", kMapperFormat}, {"target_layer", std::to_string(c.target_layer)}, {"source_layers", csv}});
+  std::map<std::string, std::string> meta = {
+      {"format", kMapperFormat}, {"target_layer", std::to_string(c.target_layer)}, {"source_layers", csv}};
+  if (c.heads) meta["structure"] = "per_head";  // cross_head files stay as they were
+  write_safetensors(path, out, meta);
 }
 
 }  // namespace crosskv

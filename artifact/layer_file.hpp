@@ -24,8 +24,9 @@ struct LayerFileKind {
 struct LayerFileContent {
   int target_layer = 0;
   std::vector<int> source_layers;  // ascending
-  int64_t features = 0, G = 0;     // features = source_layers.size() * F
+  int64_t features = 0, G = 0;     // cross_head: features = source_layers.size() * F, weights [features x G]
   LayerFileKind k, v;
+  int heads = 0;                   // per_head: Ht, features = source_layers.size() * Ds, weights [Ht, features, Dt]
 };
 // Writes the layer file at `path`, whole or not at all.
 void write_layer_file(const std::string& path, const LayerFileContent& c);

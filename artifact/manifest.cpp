@@ -41,6 +41,7 @@ nlohmann::json make_manifest(const std::string& source_model, const KvSpec& sour
             {"lambda", fit.lambda},
             {"lambda_scale", "covariance"},
             {"probe", fit.probe},
+            {"structure", fit.structure},
             {"dtype", fit.dtype},
             {"content_space", true},
             {"params", fit.params},

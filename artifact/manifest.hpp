@@ -22,6 +22,7 @@ struct ManifestFit {
   int64_t features = 0, params = 0, bias_params = 0;
   double lambda = 0;
   std::string probe, dtype;
+  std::string structure = "cross_head";  // or "per_head" (core/structure.hpp)
 };
 
 // A target layer's entry: its source layers, its layer file and that file's SHA-256, and the fit's per-output R²

@@ -81,6 +81,16 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   m.dtype = str_field(fit, "dtype", path, "fit.");
   if (m.dtype != "fp32" && m.dtype != "bf16" && m.dtype != "fp16")
     throw InputError(path + ": fit.dtype is '" + m.dtype + "', expected fp32, bf16 or fp16");
+  if (fit.contains("structure")) {
+    const std::string st = str_field(fit, "structure", path, "fit.");
+    const auto parsed = parse_structure(st);
+    if (!parsed) throw InputError(path + ": fit.structure is '" + st + "', expected cross_head or per_head");
+    m.structure = *parsed;
+    if (m.structure == Structure::per_head && m.source.n_kv_heads != m.target.n_kv_heads)
+      throw InputError(path + ": fit.structure is per_head but the source has " +
+                       std::to_string(m.source.n_kv_heads) + " KV heads and the target " +
+                       std::to_string(m.target.n_kv_heads) + " (head matching needs equal counts)");
+  }
   const auto& layers = field(m.json, "layers", path);
   if (!layers.is_array() || layers.size() != static_cast<size_t>(m.target.n_layers))
     throw InputError(path + ": layers must list each of the target's " + std::to_string(m.target.n_layers) +
@@ -119,6 +129,10 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   return m;
 }
 
+int64_t MapperManifest::weight_rows() const {
+  return int64_t{k_count} * (structure == Structure::per_head ? source.head_dim : source.features_per_layer());
+}
+
 MapperManifest read_mapper_manifest(const std::string& dir) {
   const std::string path = (fs::path(dir) / kManifestFile).string();
   std::ifstream in(path);
@@ -147,8 +161,11 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   if (verify && h.hex() != e.sha256)
     throw InputError(file + ": SHA-256 does not match the manifest (corrupt or modified file)");
   auto t = parse_safetensors(bytes, file);
-  const int64_t F = m.source.features_per_layer(), G = m.target.features_per_layer();
-  const int64_t rows = static_cast<int64_t>(e.source_layers.size()) * F;
+  const int64_t G = m.target.features_per_layer();
+  const int64_t rows = m.weight_rows();
+  const bool per_head = m.structure == Structure::per_head;
+  const std::vector<int64_t> wshape = per_head ? std::vector<int64_t>{m.target.n_kv_heads, rows, m.target.head_dim}
+                                               : std::vector<int64_t>{rows, G};
   auto take = [&](const std::string& name, std::vector<int64_t> shape, bool weight) {
     auto it = t.find(name);
     if (it == t.end()) throw InputError(file + ": tensor '" + name + "' is missing");
@@ -170,14 +187,17 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   MapperLayer l;
   l.target_layer = target_layer;
   l.source_layers = e.source_layers;
-  l.wk = take(layer_tensor_name('k', "weight"), {rows, G}, true);
+  l.structure = m.structure;
+  l.wk = take(layer_tensor_name('k', "weight"), wshape, true);
   l.bk = take(layer_tensor_name('k', "bias"), {G}, false);
-  l.wv = take(layer_tensor_name('v', "weight"), {rows, G}, true);
+  l.wv = take(layer_tensor_name('v', "weight"), wshape, true);
   l.bv = take(layer_tensor_name('v', "bias"), {G}, false);
   // Optional residual MLPs: <kind>.mlp.{w1, b1, w2, b2, w3, b3}, F32, hidden width from w1.
   for (auto [kind, mlp] : {std::pair{'k', &l.mlp_k}, std::pair{'v', &l.mlp_v}}) {
     const std::string p = layer_tensor_name(kind, "mlp.");
     const auto w1 = t.find(p + "w1");
+    if (w1 != t.end() && per_head)
+      throw InputError(file + ": tensor '" + p + "w1' in a per_head mapper (residual MLPs are cross_head only)");
     if (w1 == t.end()) {
       for (const auto& [name, tensor] : t)
         if (name.rfind(p, 0) == 0)
@@ -193,6 +213,25 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
       std::copy(v.begin(), v.end(), mlp->flat.begin() + x.offset);
     }
   }
+  return l;
+}
+
+MapperLayer as_cross_head(const MapperManifest& m, MapperLayer l) {
+  if (l.structure == Structure::cross_head) return l;
+  const int64_t H = m.target.n_kv_heads, Ds = m.source.head_dim, Dt = m.target.head_dim;
+  const int64_t F = m.source.features_per_layer(), G = m.target.features_per_layer();
+  const int64_t k = static_cast<int64_t>(l.source_layers.size());
+  for (std::vector<float>* w : {&l.wk, &l.wv}) {
+    std::vector<float> dense(k * F * G, 0.0f);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t p = 0; p < Ds; ++p) {
+          const float* src = w->data() + ((h * k + j) * Ds + p) * Dt;
+          std::copy(src, src + Dt, dense.data() + (j * F + h * Ds + p) * G + h * Dt);
+        }
+    *w = std::move(dense);
+  }
+  l.structure = Structure::cross_head;
   return l;
 }
 

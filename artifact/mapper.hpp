@@ -9,6 +9,7 @@
 
 #include "core/kv_spec.hpp"
 #include "core/mlp.hpp"
+#include "core/structure.hpp"
 
 namespace crosskv {
 
@@ -25,13 +26,19 @@ struct MapperManifest {
   KvSpec source, target;
   int k_count = 0;
   std::string dtype;
+  Structure structure = Structure::cross_head;  // fit.structure (absent: cross_head, as before the field)
+  // Rows of a layer's weight: k*F (cross_head) or k*Ds per head (per_head).
+  int64_t weight_rows() const;
   std::vector<MapperLayerEntry> layers;  // one per target layer, in target-layer order
 };
 
 struct MapperLayer {
   int target_layer = 0;
   std::vector<int> source_layers;
-  std::vector<float> wk, bk, wv, bv;  // [k*F x G], [G]
+  Structure structure = Structure::cross_head;
+  // cross_head: [k*F x G]; per_head: [Ht][k*Ds x Dt] (head h's rows: source head h of the layers, ascending).
+  // Biases [G].
+  std::vector<float> wk, bk, wv, bv;
   // The residual MLPs kept for keys and values (issue 15: target = ridge + f(x) on the same features); empty
   // (no parameters) where the layer keeps ridge alone.
   MlpParams mlp_k, mlp_v;
@@ -42,6 +49,9 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
 MapperManifest read_mapper_manifest(const std::string& dir);
 // Loads one target layer's tensors (checking the file's SHA-256 when `verify`) and their shapes.
 MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool verify = true);
+// A per_head layer as the cross_head layer it equals: weights [k*F x G], zero where a target head would read another
+// source head. For diagnostics that want one form (crosskv-eval); serving applies per_head weights as they are.
+MapperLayer as_cross_head(const MapperManifest& m, MapperLayer layer);
 // InputError naming `where` unless `spec` is the mapper's source (or target) kv_spec, saying what differs.
 void check_kv_spec(const MapperManifest& m, bool source_side, const KvSpec& spec, const std::string& where);
 

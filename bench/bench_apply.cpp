@@ -7,13 +7,16 @@
 // same mapper applied as before (Transfer's per-layer loop on host arrays, weights kept) and through host arrays,
 // in the same run; the roofline from the backend's own copy bandwidth and GEMM peak, measured in the same run; and the
 // serving caches' finiteness check (check_finite_caches) against the host-array call.
-//   crosskv-bench-apply [cpu|cuda] serving [Lt=8] [k=4] [tf32]
+//   crosskv-bench-apply [cpu|cuda] serving [Lt=8] [k=4] [tf32] [per_head | structures]
+// per_head: the head-matched mapper of the same shapes (Ht times fewer weights); structures: both, cross_head then
+// per_head, in one run (one JSON object per line).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/blas_kernels.hpp"
@@ -67,10 +70,11 @@ double time_call(Fn fn, double budget = 1.0) {
   return best;
 }
 
-int serving(const std::string& device, int Lt, int k, bool tf32) {
+int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) {
   auto be = device == "cuda" ? make_cuda_backend(0, 0, tf32) : make_cpu_backend();
   const int Ls = 40, H = 8, D = 128;
   const int64_t F = int64_t{H} * D, G = F, XW = Ls * F, YW = Lt * G, K = k * F;
+  const int64_t KW = per_head ? K / H : K;  // rows of a layer's weight (per head for per_head)
   MapperManifest m;
   m.dir = m.path = "(in memory)";
   m.source_model = "Qwen3-14B-shaped", m.target_model = "Qwen3-32B-shaped";
@@ -80,15 +84,17 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
   }
   m.source.n_layers = Ls, m.target.n_layers = Lt, m.target.n_q_heads = 64;
   m.k_count = k, m.dtype = "fp32";
+  m.structure = per_head ? Structure::per_head : Structure::cross_head;
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.0f, 0.02f);
   std::vector<MapperLayer> layers(Lt);
   for (int l = 0; l < Lt; ++l) {
     MapperLayer& w = layers[l];
     w.target_layer = l;
+    w.structure = m.structure;
     for (int j = 0; j < k; ++j) w.source_layers.push_back((j * Ls) / k + (l % std::max(1, Ls / k)));
     for (auto* v : {&w.wk, &w.wv}) {
-      v->resize(K * G);
+      v->resize(KW * G);
       for (auto& x : *v) x = nd(rng);
     }
     w.bk.assign(G, 0.1f), w.bv.assign(G, -0.1f);
@@ -120,9 +126,9 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     peak = 2.0 * q * q * q / t;
   }
   const double weight_bytes = static_cast<double>(rt.weight_bytes());
-  std::printf("{\"backend\": \"%s\", \"mapper\": \"40x8x128 -> %dx8x128, k=%d, fp32 weights %.0f MiB\", "
+  std::printf("{\"backend\": \"%s\", \"mapper\": \"40x8x128 -> %dx8x128, k=%d, %s, fp32 weights %.0f MiB\", "
               "\"copy_bandwidth_GBps\": %.1f, \"gemm_peak_gflops\": %.1f, \"batches\": [",
-              be->name().c_str(), Lt, k, weight_bytes / (1 << 20), bw / 1e9, peak / 1e9);
+              be->name().c_str(), Lt, k, to_string(m.structure), weight_bytes / (1 << 20), bw / 1e9, peak / 1e9);
   bool first = true;
   for (int64_t T : {1, 64, 512, 4096}) {
     std::vector<float> Xk(T * XW), Xv(T * XW), Yk(T * YW), Yv(T * YW);
@@ -148,6 +154,15 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
       content.assign(Xk.begin(), Xk.end());
       src_rope.strip_block(content.data(), T, int64_t{Ls} * H, pos.data());
       for (const auto& w : kept) {
+        if (per_head) {  // Transfer's per_head product: bias, then k GEMMs batched over heads
+          for (auto [X, W, b, Y] : {std::tuple{content.data(), &w.wk, &w.bk, Yk.data()}, {Xv.data(), &w.wv, &w.bv, Yv.data()}}) {
+            for (int64_t t = 0; t < T; ++t) std::copy(b->begin(), b->end(), Y + t * YW + w.target_layer * G);
+            for (int j = 0; j < k; ++j)
+              be->gemm_batched(per_head_slot(X, XW, w.source_layers[j], j, k, H, D, D, W->data(), T,
+                                             Y + w.target_layer * G, YW));
+          }
+          continue;
+        }
         map_one_layer(*be, content.data(), XW, w.source_layers, F, w.wk.data(), w.bk.data(), G, T,
                       Yk.data() + w.target_layer * G, YW, scratch);
         map_one_layer(*be, Xv.data(), XW, w.source_layers, F, w.wv.data(), w.bv.data(), G, T,
@@ -157,8 +172,9 @@ int serving(const std::string& device, int Lt, int k, bool tf32) {
     });
     // Bytes the resident call must move at least: the weights once, the caches in (keys twice: the RoPE-stripped
     // copy), the gathered columns written and read per kind and layer (k > 1), the outputs written and RoPE'd.
-    const double cache_bytes = 4.0 * T * (3.0 * XW + 2.0 * YW + YW + (k > 1 ? 2.0 * 2 * K * Lt : 0.0));
-    const double flops = 2.0 * 2.0 * K * G * Lt * T;
+    const bool gathers = k > 1 && !per_head;  // per_head reads the cache in place
+    const double cache_bytes = 4.0 * T * (3.0 * XW + 2.0 * YW + YW + (gathers ? 2.0 * 2 * K * Lt : 0.0));
+    const double flops = 2.0 * 2.0 * KW * G * Lt * T;
     const double roof = std::max((weight_bytes + cache_bytes) / bw, flops / peak);
     std::printf("%s{\"tokens\": %lld, \"resident_ms\": %.3f, \"host_arrays_ms\": %.3f, \"before_ms\": %.3f, "
                 "\"resident_tokens_per_s\": %.0f, \"speedup_vs_before\": %.2f, \"speedup_vs_host_arrays\": %.2f, "
@@ -186,8 +202,17 @@ int main(int argc, char** argv) {
       std::printf("SKIPPED: no CUDA device\n");
       return 77;
     }
-    return serving(device, argc > 3 ? std::atoi(argv[3]) : 8, argc > 4 ? std::atoi(argv[4]) : 4,
-                   argc > 5 && std::string(argv[5]) == "tf32");
+    bool tf32 = false, per_head = false, structures = false;
+    for (int i = 5; i < argc; ++i) {
+      const std::string a = argv[i];
+      tf32 = tf32 || a == "tf32", per_head = per_head || a == "per_head", structures = structures || a == "structures";
+    }
+    const int Lt = argc > 3 ? std::atoi(argv[3]) : 8, k = argc > 4 ? std::atoi(argv[4]) : 4;
+    if (structures) {
+      const int rc = serving(device, Lt, k, tf32, false);
+      return rc ? rc : serving(device, Lt, k, tf32, true);
+    }
+    return serving(device, Lt, k, tf32, per_head);
   }
   const int k = argc > 2 ? std::atoi(argv[2]) : 8;
   // "resident": the weights are kept on the backend (keep_constant, as a resident Transfer does for serving).

@@ -199,6 +199,36 @@ void Moments::cov_xy(const std::vector<int>& layers, int l, double* B, int64_t l
   }
 }
 
+ComputeBackend::CovTerms Moments::head_cov_xx_terms(const std::vector<int>& layers, int h) const {
+  ComputeBackend::CovTerms t = cov_xx_terms(layers);
+  const int64_t F = t.F, Ds = d_.Ds, at = int64_t{h} * Ds;
+  CROSSKV_ASSERT(h >= 0 && at + Ds <= F, "head out of range");
+  // Head h's rows and columns of block (a, b) are its [Ds x Ds] sub-block at (h*Ds, h*Ds), in place with the
+  // block's leading dimension; a diagonal block's sub-block is stored upper like the block.
+  for (auto& b : t.blocks) b.p += at * b.ld + at;
+  std::vector<double> mean;
+  for (int64_t i = 0; i < t.nl; ++i)
+    for (int64_t p = 0; p < Ds; ++p) mean.push_back(t.mean[i * F + at + p]);
+  t.mean = std::move(mean);
+  t.F = Ds;
+  return t;
+}
+
+void Moments::head_cov_xy(const std::vector<int>& layers, int l, int h, double* B, int64_t ldb) const {
+  const int64_t F = d_.F(), G = d_.G(), Ds = d_.Ds, Dt = d_.Dt;
+  const int64_t xat = int64_t{h} * Ds, yat = int64_t{h} * Dt;
+  const double inv_n = 1.0 / n_;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const BlockRef& c = blocks_.cross(layers[i], l);
+    for (int64_t p = 0; p < Ds; ++p) {
+      const float* row = c.row(xat + p) + yat;
+      double* out = B + (static_cast<int64_t>(i) * Ds + p) * ldb;
+      const double mp = mx(layers[i] * F + xat + p);
+      for (int64_t q = 0; q < Dt; ++q) out[q] = row[q] * inv_n - mp * my(l * G + yat + q);
+    }
+  }
+}
+
 void Moments::head_cov_xx(int a, int h, double* A) const {
   const int Ds = d_.Ds;
   const auto& g = blocks_.head_gram(a, h);

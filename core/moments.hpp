@@ -80,6 +80,11 @@ class Moments {
   ComputeBackend::CovTerms cov_xx_terms(const std::vector<int>& layers) const;
   // Cxy for the listed source layers and target layer l: [n*F x G] (ldb).
   void cov_xy(const std::vector<int>& layers, int l, double* B, int64_t ldb) const;
+  // Head-matched (per_head) systems: source head h of the listed layers, in that order. The terms of Cxx
+  // [n*Ds x n*Ds] (sub-blocks of the Gram blocks, read in place), and Cxy against head h of target layer l:
+  // [n*Ds x Dt] (ldb).
+  ComputeBackend::CovTerms head_cov_xx_terms(const std::vector<int>& layers, int h) const;
+  void head_cov_xy(const std::vector<int>& layers, int l, int h, double* B, int64_t ldb) const;
   // Same-head probe: Cxx of (a, h) [Ds x Ds] into A, and Cxy of (a, h) against head h of every target layer:
   // [Ds x Lt*Dt] into B.
   void head_cov_xx(int a, int h, double* A) const;

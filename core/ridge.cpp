@@ -247,6 +247,143 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
   return out;
 }
 
+namespace {
+
+// Head h's share of a per-head fit: W_h [nk x Dt] over layers `top` (factor order) goes to f.W's head block in
+// ascending layer order; its columns' SSE/N (in `sse`) and biases b = ȳ - x̄ W (in `b`, fp64) are of the layer's
+// width G, so the heads fill them in turn.
+void finish_head(const Moments& m, int h, const std::vector<int>& top, const double* W, const double* Cxy,
+                 double lambda, LayerFit& f, std::vector<double>& sse, std::vector<double>& b) {
+  const PairDims& d = m.dims();
+  const int64_t Ds = d.Ds, Dt = d.Dt;
+  const int k = static_cast<int>(top.size());
+  const int64_t nk = k * Ds;
+  std::vector<int> order(k), place(k);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return top[x] < top[y]; });
+  for (int j = 0; j < k; ++j) place[order[j]] = j;
+  float* out = f.W.data() + h * nk * Dt;
+  for (int i = 0; i < k; ++i) {
+    const std::vector<double> mx = m.mean_x(top[i]);
+    for (int64_t p = 0; p < Ds; ++p) {
+      const int64_t r = i * Ds + p;
+      const double xm = mx[h * Ds + p];
+      const double* w = W + r * Dt;
+      const double* x = Cxy + r * Dt;
+      float* dst = out + (place[i] * Ds + p) * Dt;
+      for (int64_t c = 0; c < Dt; ++c) {
+        sse[h * Dt + c] -= w[c] * x[c] + lambda * w[c] * w[c];
+        b[h * Dt + c] -= xm * w[c];
+        dst[c] = static_cast<float>(w[c]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<LayerFit> fit_sweep_per_head(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
+                                         const std::vector<int>& ks, double lambda, const std::string& what,
+                                         std::vector<Factor>* all_layers, SolveWorkspace* workspace) {
+  const PairDims& d = m.dims();
+  CROSSKV_ASSERT(d.Hs == d.Ht, "per_head needs equal KV head counts");
+  const int H = d.Ht;
+  const int64_t Ds = d.Ds, Dt = d.Dt;
+  CROSSKV_ASSERT(!ks.empty() && std::is_sorted(ks.begin(), ks.end()), "ks must be ascending");
+  CROSSKV_ASSERT(ks.back() <= static_cast<int>(ranking.size()), "k exceeds the ranking");
+  SolveWorkspace local_ws;
+  SolveWorkspace& ws = workspace ? *workspace : local_ws;
+  const std::vector<double> var_y = m.var_y(l), mean_y = m.mean_y(l);
+  std::vector<int> asc(d.Ls);
+  std::iota(asc.begin(), asc.end(), 0);
+  // Per k: the fit, its columns' SSE/N and biases, filled head by head.
+  std::vector<LayerFit> out(ks.size());
+  std::vector<std::vector<double>> sse(ks.size(), var_y), bias(ks.size(), mean_y);
+  std::vector<std::vector<int>> tops(ks.size());
+  for (size_t i = 0; i < ks.size(); ++i) {
+    tops[i] = ks[i] < d.Ls ? std::vector<int>(ranking.begin(), ranking.begin() + ks[i]) : asc;
+    out[i].k = ks[i];
+    out[i].structure = Structure::per_head;
+    out[i].layers = tops[i];
+    std::sort(out[i].layers.begin(), out[i].layers.end());
+    out[i].W.resize(int64_t{H} * ks[i] * Ds * Dt);
+  }
+  int kmax_nested = 0;
+  for (int k : ks)
+    if (k < d.Ls) kmax_nested = k;
+  if (all_layers && all_layers->size() != static_cast<size_t>(H)) {
+    all_layers->clear();
+    all_layers->resize(H);
+  }
+  std::vector<double> diag;
+  for (int h = 0; h < H; ++h) {
+    const std::string head = what + ", head " + std::to_string(h);
+    auto factor_heads = [&](const std::vector<int>& order, Factor& f) {
+      Lap lap(&ws.times);
+      f.order = order;
+      f.n = static_cast<int64_t>(order.size()) * Ds;
+      diag.assign(f.n, 0.0);
+      const ComputeBackend::CovTerms terms = m.head_cov_xx_terms(order, h);
+      lap.to(&SolveTimes::assemble);
+      f.system = be.factor_cov(terms, lambda, diag.data(), std::move(f.system));
+      f.bad_minor = first_bad_minor(*f.system, diag);
+      lap.to(&SolveTimes::factor);
+    };
+    auto finish = [&](size_t i, const std::vector<int>& top, const double* W, const double* Cxy) {
+      finish_head(m, h, top, W, Cxy, lambda, out[i], sse[i], bias[i]);
+    };
+    if (kmax_nested > 0) {
+      const std::vector<int> top(ranking.begin(), ranking.begin() + kmax_nested);
+      Factor& f = ws.nested;
+      factor_heads(top, f);
+      Lap lap(&ws.times);
+      BigVector<double>& Cxy = ws.cxy;
+      Cxy.resize(f.n * Dt);
+      m.head_cov_xy(top, l, h, Cxy.data(), Dt);
+      int64_t n_ok = 0;
+      for (int k : ks)
+        if (k < d.Ls && (f.bad_minor == 0 || k * Ds < f.bad_minor)) n_ok = k * Ds;
+      BigVector<double>& Z = ws.z;
+      Z.assign(Cxy.begin(), Cxy.end());
+      lap.to(&SolveTimes::assemble);
+      be.solve_triangular(*f.system, n_ok, false, Dt, Z.data(), Dt);
+      lap.to(&SolveTimes::substitute);
+      for (size_t i = 0; i < ks.size() && ks[i] < d.Ls; ++i) {
+        const int64_t nk = ks[i] * Ds;
+        if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(head, ks[i], f, nk, Ds, lambda);
+        BigVector<double>& W = ws.w;
+        W.assign(Z.begin(), Z.begin() + nk * Dt);
+        be.solve_triangular(*f.system, nk, true, Dt, W.data(), Dt);
+        lap.to(&SolveTimes::substitute);
+        finish(i, tops[i], W.data(), Cxy.data());
+        lap.to(&SolveTimes::finish);
+      }
+    }
+    if (ks.back() == d.Ls) {
+      Factor local;
+      Factor& f = all_layers ? (*all_layers)[h] : local;
+      if (!f.system) factor_heads(asc, f);
+      if (f.bad_minor > 0) throw_singular(head, d.Ls, f, f.n, Ds, lambda);
+      Lap lap(&ws.times);
+      BigVector<double>& Cxy = ws.cxy;
+      Cxy.resize(f.n * Dt);
+      m.head_cov_xy(asc, l, h, Cxy.data(), Dt);
+      BigVector<double>& W = ws.w;
+      W.assign(Cxy.begin(), Cxy.end());
+      lap.to(&SolveTimes::assemble);
+      be.solve(*f.system, f.n, Dt, W.data(), Dt);
+      lap.to(&SolveTimes::substitute);
+      finish(ks.size() - 1, asc, W.data(), Cxy.data());
+      lap.to(&SolveTimes::finish);
+    }
+  }
+  for (size_t i = 0; i < ks.size(); ++i) {
+    out[i].r2 = r2_from_sse(sse[i], var_y, H);
+    out[i].b.assign(bias[i].begin(), bias[i].end());
+  }
+  return out;
+}
+
 void probe_means(ProbeR2& r) {
   const int64_t H = r.H;
   for (int64_t i = 0; i < int64_t{r.Ls} * r.Lt; ++i)

@@ -7,6 +7,7 @@
 
 #include "core/backend.hpp"
 #include "core/memory.hpp"
+#include "core/structure.hpp"
 
 namespace crosskv {
 
@@ -15,7 +16,9 @@ class Moments;
 struct LayerFit {
   int k = 0;                 // number of source layers used
   std::vector<int> layers;   // ascending: the column order of X
-  BigVector<float> W;        // [k*F x G] row-major, rows in `layers` order
+  Structure structure = Structure::cross_head;
+  BigVector<float> W;        // cross_head: [k*F x G] row-major, rows in `layers` order;
+                             // per_head: [H][k*Ds x Dt], head h's rows in `layers` order
   std::vector<float> b;      // [G]
   std::vector<double> r2;    // in-sample R² per target head (NaN where every column has SST = 0)
 };
@@ -61,6 +64,14 @@ struct SolveWorkspace {
 std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
                                 const std::vector<int>& ks, double lambda, const std::string& what,
                                 const Factor* all_layers = nullptr, SolveWorkspace* workspace = nullptr);
+
+// The same for the head-matched structure (SPEC §3): per target head h, a system of width k*Ds over source head h of
+// the selected layers, nested over k as above. k = Ls uses `all_layers` (one Factor per head over every source layer
+// in ascending order, filled here on first use and reused for the next target layer of the same kind) when given.
+std::vector<LayerFit> fit_sweep_per_head(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
+                                         const std::vector<int>& ks, double lambda, const std::string& what,
+                                         std::vector<Factor>* all_layers = nullptr,
+                                         SolveWorkspace* workspace = nullptr);
 
 struct ProbeR2 {
   int Ls = 0, Lt = 0, H = 0;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "runtime/log.hpp"
@@ -107,28 +108,44 @@ std::string k_label(const nlohmann::json& fit) {
   if (!fit.contains("k")) return "?";
   return fit["k"].is_string() ? fit["k"].get<std::string>() : fit["k"].dump();
 }
+std::string structure_of(const nlohmann::json& fit) {
+  return fit.contains("structure") && fit["structure"].is_string() ? fit["structure"].get<std::string>()
+                                                                    : "cross_head";
+}
+// "4", or "4, per_head" for a head-matched mapper.
+std::string mapper_label(const nlohmann::json& fit) {
+  const std::string s = structure_of(fit);
+  return k_label(fit) + (s == "cross_head" ? "" : ", " + s);
+}
 
 // The k sweep on one screen: per k its size and held-out figures, the k with the best attention cosine (or R²
 // without queries) starred, and the smallest k that passes named.
 std::string sweep_summary(const ReportInput& in) {
   std::ostringstream o;
-  auto k_of = [&](size_t i) {
-    const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
-                                             : nlohmann::json::object();
-    return k_label(fit);
+  auto fit_of = [&](size_t i) {
+    return i < in.manifests.size() && in.manifests[i].is_object()
+               ? in.manifests[i].value("fit", nlohmann::json::object())
+               : nlohmann::json::object();
   };
+  auto k_of = [&](size_t i) { return mapper_label(fit_of(i)); };
+  const bool both = [&] {
+    std::set<std::string> s;
+    for (size_t i = 0; i < in.evaluations.size(); ++i) s.insert(structure_of(fit_of(i)));
+    return s.size() > 1;
+  }();
   auto score = [](const Evaluation& ev) {
     return ev.mapper.attention_cosine ? *ev.mapper.attention_cosine : 0.5 * (ev.mapper.r2_k + ev.mapper.r2_v);
   };
   size_t best = 0;
   for (size_t i = 1; i < in.evaluations.size(); ++i)
     if (score(in.evaluations[i]) > score(in.evaluations[best])) best = i;
-  std::optional<size_t> smallest_ok;
-  for (size_t i = 0; i < in.evaluations.size(); ++i)
-    if (in.evaluations[i].ok) {
-      smallest_ok = i;
-      break;
-    }
+  // Rows by k, each k's structures side by side.
+  std::vector<size_t> rows(in.evaluations.size());
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = i;
+  std::stable_sort(rows.begin(), rows.end(), [&](size_t a, size_t b) {
+    const auto fa = fit_of(a), fb = fit_of(b);
+    return std::pair{fa.value("k_count", 0), structure_of(fa)} < std::pair{fb.value("k_count", 0), structure_of(fb)};
+  });
   // With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one per kind, and the kept ones'
   // parameters (always fp32 in the files).
   struct MlpSummary {
@@ -160,19 +177,28 @@ std::string sweep_summary(const ReportInput& in) {
     if (n) mlps[i].kept = std::to_string(kept[0]) + " / " + std::to_string(kept[1]) + " of " + std::to_string(n);
     any_mlps = any_mlps || n > 0;
   }
-  o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th><th>parameters</th><th>bytes fp32</th>"
+  // Every parameter of mapper i (biases and kept MLPs included), and the smallest mapper that passes.
+  auto params_of = [&](size_t i) {
+    const auto fit = fit_of(i);
+    return fit.value("params", 0.0) + fit.value("bias_params", 0.0) + mlps[i].params;
+  };
+  std::optional<size_t> smallest_ok;
+  for (size_t i : rows)
+    if (in.evaluations[i].ok && (!smallest_ok || params_of(i) < params_of(*smallest_ok))) smallest_ok = i;
+  o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th>" << (both ? "<th>structure</th>" : "")
+    << "<th>parameters</th><th>bytes fp32</th>"
        "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
        "<th>K-concentration</th><th>V-concentration</th>"
     << (any_mlps ? "<th>residual MLPs kept (keys / values)</th>" : "") << "<th>verdict</th></tr>";
-  for (size_t i = 0; i < in.evaluations.size(); ++i) {
+  for (size_t i : rows) {
     const Evaluation& ev = in.evaluations[i];
-    const auto fit = i < in.manifests.size() ? in.manifests[i].value("fit", nlohmann::json::object())
-                                             : nlohmann::json::object();
+    const auto fit = fit_of(i);
     const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps[i].params;
     const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
     const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
-    o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(k_of(i)) << (i == best ? " &#9733;" : "")
-      << "</th><td>" << (params > 0 ? human_count(params) : "?") << "</td><td>"
+    o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(both ? k_label(fit) : k_of(i))
+      << (i == best ? " &#9733;" : "") << "</th>"
+      << (both ? "<td style='text-align:left'>" + esc(structure_of(fit)) + "</td>" : "") << "<td>" << (params > 0 ? human_count(params) : "?") << "</td><td>"
       << (params > 0 ? human_bytes(4 * params) : "?") << "</td><td>"
       << (params > 0 ? human_bytes(2 * ridge + 4 * (bias + mlp)) : "?")
       << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
@@ -185,9 +211,13 @@ std::string sweep_summary(const ReportInput& in) {
                                                                                                : "R² (no queries)")
     << ": k = " << esc(k_of(best)) << ". ";
   if (smallest_ok)
-    o << "The smallest k that passes the verdict: <b>k = " << esc(k_of(*smallest_ok)) << "</b>.";
+    o << "The smallest mapper that passes the verdict: <b>k = " << esc(k_of(*smallest_ok)) << "</b> ("
+      << human_count(params_of(*smallest_ok)) << " parameters).";
   else
-    o << "No k passes the verdict.";
+    o << "No mapper passes the verdict.";
+  if (both)
+    o << " per_head: target head h reads source head h alone (Ht&times; fewer parameters); cross_head: every head "
+         "of the selected layers.";
   if (any_mlps) o << " Parameters and bytes count the kept residual MLPs (stored fp32) with the ridge.";
   o << " Details per k below.</p>";
   return o.str();
@@ -216,7 +246,7 @@ std::string render_report(const ReportInput& in) {
     const Evaluation& ev = in.evaluations[i];
     const nlohmann::json& m = i < in.manifests.size() ? in.manifests[i] : nlohmann::json::object();
     const auto fit = m.value("fit", nlohmann::json::object());
-    const std::string k = k_label(fit);
+    const std::string k = mapper_label(fit);
     o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
       << esc(ev.verdict) << "</p>";
     o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"

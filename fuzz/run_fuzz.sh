@@ -30,12 +30,19 @@ link fuzz_layer.o mapper.o layer_file.o manifest.o safetensors.o -o fuzz_layer
 mkdir -p seeds-st seeds-mf seeds-ly
 if [ -n "${CROSSKV_FIT:-}" ] && [ -n "${CROSSKV_SYNTH:-}" ]; then
   "$CROSSKV_SYNTH" --out data --shards 1 --sequences 1 --seq-len 64 --source-layers 3 --target-layers 2 \
-    --source-heads 1 --target-heads 1 --source-head-dim 8 --target-head-dim 8 > /dev/null
+    --source-heads 2 --target-heads 2 --source-head-dim 8 --target-head-dim 8 > /dev/null
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1]}\noutput: {dir: out}\n' > f.yaml
   "$CROSSKV_FIT" f.yaml > /dev/null 2>&1
   # and with residual MLPs in every layer file (fit.mapper: mlp)
   printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1], mapper: mlp, mlp: {hidden: 4, epochs: 1}}\noutput: {dir: mlp}\n' > m.yaml
   "$CROSSKV_FIT" m.yaml > /dev/null 2>&1
+  # and head-matched (fit.structure: per_head: weights [Ht, k*Ds, Dt])
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1], structure: per_head}\noutput: {dir: ph}\n' > p.yaml
+  "$CROSSKV_FIT" p.yaml > /dev/null 2>&1
+  cp ph/k1-per_head/layer-000.safetensors seeds-st/layer-000-per_head.safetensors
+  cp ph/k1-per_head/manifest.json seeds-mf/manifest-per_head.json
+  cp ph/k1-per_head/layer-000.safetensors seeds-ly/per_head.safetensors
+  export CROSSKV_FUZZ_MANIFEST_PER_HEAD=$PWD/ph/k1-per_head/manifest.json
   cp out/k1/layer-000.safetensors seeds-st/
   cp mlp/k1/layer-000.safetensors seeds-st/layer-000-mlp.safetensors
   cp out/k1/manifest.json seeds-mf/

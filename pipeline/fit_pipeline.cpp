@@ -193,7 +193,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   if (!cal.eval_shards.empty())
     res.plan_text += "  held-out eval (every k): " +
                      agreed(world.comm, [&] {
-                       return held_out_cost(held_out, cal.source, cal.target, static_cast<int>(plan.ks.size()),
+                       return held_out_cost(held_out, cal.source, cal.target, static_cast<int>(plan.slots()),
                                             planned);
                      }).text() +
                      "\n";
@@ -249,7 +249,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     fit_residual_mlps(ctx, cal, on_every_rank(ctx.comm, res.artifacts), ckpt_dir, export_identity(cal, plan, P));
     if (root) {
       res.artifacts.clear();
-      for (const KPlan& k : plan.ks) res.artifacts.push_back(publish_artifact(cfg.output_dir, k.label));
+      for (size_t i = 0; i < plan.slots(); ++i) res.artifacts.push_back(publish_artifact(cfg.output_dir, plan.slot_folder(i)));
     }
   }
   if (!cal.eval_shards.empty()) artifacts = on_every_rank(ctx.comm, res.artifacts);

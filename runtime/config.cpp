@@ -1,5 +1,6 @@
 #include "runtime/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -150,7 +151,7 @@ void parse_mlp(Reader& r, const YAML::Node& m, MlpConfig& mlp) {
 }
 
 void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
-  r.only_keys(fit, "fit", {"k", "lambda", "probe", "dtype", "mapper", "mlp"});
+  r.only_keys(fit, "fit", {"k", "lambda", "probe", "structure", "dtype", "mapper", "mlp"});
   if (auto k = fit["k"]) {
     c.ks.clear();
     if (k.IsSequence()) {
@@ -169,11 +170,32 @@ void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
   }
   if (auto p = fit["probe"])
     c.probe = choice<ProbeMode>(r, p, "fit.probe", {"same_head", "all_heads"}, {ProbeMode::same_head, ProbeMode::all_heads});
+  if (auto s = fit["structure"]) {
+    c.structures.clear();
+    const std::vector<std::string> names = {"cross_head", "per_head"};
+    const std::vector<Structure> values = {Structure::cross_head, Structure::per_head};
+    if (s.IsSequence()) {
+      if (s.size() == 0) r.fail(s, "fit.structure", "expected cross_head, per_head or a non-empty list of them");
+      for (const auto& e : s) {
+        const Structure v = choice<Structure>(r, e, "fit.structure", names, values);
+        if (std::find(c.structures.begin(), c.structures.end(), v) != c.structures.end())
+          r.fail(e, "fit.structure", std::string(to_string(v)) + " listed twice");
+        c.structures.push_back(v);
+      }
+    } else {
+      c.structures.push_back(choice<Structure>(r, s, "fit.structure", names, values));
+    }
+  }
   if (auto d = fit["dtype"])
     c.dtype = choice<Dtype>(r, d, "fit.dtype", {"fp32", "bf16", "fp16"}, {Dtype::f32, Dtype::bf16, Dtype::f16});
   if (auto m = fit["mapper"])
     c.mapper = choice<MapperKind>(r, m, "fit.mapper", {"ridge", "mlp", "auto"}, {MapperKind::ridge, MapperKind::mlp, MapperKind::auto_});
   if (auto m = fit["mlp"]) parse_mlp(r, m, c.mlp);
+  if (c.mapper != MapperKind::ridge &&
+      std::find(c.structures.begin(), c.structures.end(), Structure::per_head) != c.structures.end())
+    r.fail(fit["mapper"], "fit.mapper",
+           "the residual MLP reads every head of the selected layers, so it is fitted for structure: cross_head "
+           "only; use mapper: ridge with per_head, or structure: cross_head");
 }
 
 void parse_runtime(Reader& r, const YAML::Node& rt, FitConfig& c) {

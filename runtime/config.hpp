@@ -9,6 +9,7 @@
 
 #include "core/backend.hpp"
 #include "core/dtype.hpp"
+#include "core/structure.hpp"
 
 namespace crosskv {
 
@@ -49,6 +50,7 @@ struct FitConfig {
   std::vector<KChoice> ks = {{1}, {2}, {4}, {8}, {0}};
   double lambda = 0.01;
   ProbeMode probe = ProbeMode::same_head;
+  std::vector<Structure> structures = {Structure::cross_head};  // distinct; one artifact folder per k and structure
   Dtype dtype = Dtype::f32;
   MapperKind mapper = MapperKind::ridge;
   MlpConfig mlp;

@@ -42,7 +42,9 @@ void ServingMapper::upload(std::vector<MapperLayer> layers) {
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
   CROSSKV_ASSERT(static_cast<int>(layers.size()) == Lt && Lt > 0, "resident transfer: one entry per layer");
   k_ = static_cast<int64_t>(layers[0].source_layers.size());
-  const int64_t K = k_ * F;
+  per_head_ = m_.structure == Structure::per_head;
+  const int64_t K = m_.weight_rows();  // rows of a layer's weight (per head, for per_head)
+  (void)F;
   auto put = [&](const void* host, int64_t bytes, ServingKernels::MemoryPtr& into, int64_t at) {
     be_.copy_from_host(host, bytes, static_cast<char*>(into->data) + at);
   };
@@ -102,6 +104,15 @@ void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, int l
   const int64_t XW = m_.source.n_layers * F, YW = (l1 - l0) * G, K = k_ * F;
   float* const Y0 = Y - l0 * G;  // layer l's columns are Y0 + l * G (row stride YW)
   be_.broadcast_rows(kd.b->as<float>() + l0 * G, YW, rows, Y, YW);  // every layer's bias in one call
+  if (per_head_) {  // per layer, k GEMMs batched over heads (Transfer's), reading the cache in place
+    const int64_t per_layer = m_.weight_rows() * G;
+    for (int l = l0; l < l1; ++l)
+      for (int j = 0; j < static_cast<int>(k_); ++j)
+        be_.serving_gemm(per_head_slot(X, XW, selected_[l][j], j, static_cast<int>(k_), m_.target.n_kv_heads,
+                                       m_.source.head_dim, m_.target.head_dim, kd.w->as<float>() + l * per_layer,
+                                       rows, Y0 + l * G, YW));
+    return;
+  }
   // Layer l's residual MLP (if any) on its gathered input Xl [rows x K], after its product.
   auto mlp = [&](int l, const float* Xl) {
     if (kd.mlp[l]) add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), Xl, rows, Y0 + l * G, YW);

@@ -79,6 +79,7 @@ class ServingMapper {
   std::vector<std::vector<int>> selected_;  // per target layer, its source layers
   int64_t k_ = 0;                           // source layers per target layer (the same for every one)
   bool all_layers_ = false;                 // every target layer reads every source layer: X is its input as is
+  bool per_head_ = false;                   // head-matched weights: [Ht][k*Ds x Dt] per layer
   Kind keys_, values_;
   int64_t weight_bytes_ = 0;
   int64_t gather_bytes_ = int64_t{256} << 20;

@@ -57,6 +57,16 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
   map_gathered(be, scratch.data(), K, W, b, G, rows, Y, YW);
 }
 
+DenseMaths::BatchedGemm per_head_slot(const float* X, int64_t XW, int a, int j, int k, int heads, int64_t Ds,
+                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW) {
+  DenseMaths::BatchedGemm g;
+  g.m = rows, g.n = Dt, g.k = Ds, g.beta = 1.0f, g.batch = heads;
+  g.A = X + int64_t{a} * heads * Ds, g.lda = XW, g.stride_a = Ds;
+  g.B = W + int64_t{j} * Ds * Dt, g.ldb = Dt, g.stride_b = int64_t{k} * Ds * Dt;
+  g.C = Y, g.ldc = YW, g.stride_c = Dt;
+  return g;
+}
+
 void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, int64_t rows, float* Y, int64_t YW,
                       MlpWorkspace& ws) {
   if (mlp.flat.empty() || rows == 0) return;
@@ -102,6 +112,15 @@ void Transfer::map_layer(const MapperLayer& w, bool keys, const float* X, int64_
                          int64_t YW) {
   const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
   const int64_t XW = m_.source.n_layers * F;
+  if (w.structure == Structure::per_head) {
+    const float* b = (keys ? w.bk : w.bv).data();
+    for (int64_t t = 0; t < rows; ++t) std::copy(b, b + G, out + at + t * YW);
+    const int k = static_cast<int>(w.source_layers.size());
+    for (int j = 0; j < k; ++j)
+      be_.gemm_batched(per_head_slot(X, XW, w.source_layers[j], j, k, m_.target.n_kv_heads, m_.source.head_dim,
+                                     m_.target.head_dim, (keys ? w.wk : w.wv).data(), rows, out + at, YW));
+    return;  // per_head layers keep no residual MLP (artifact/mapper refuses one)
+  }
   map_one_layer(be_, X, XW, w.source_layers, F, (keys ? w.wk : w.wv).data(), (keys ? w.bk : w.bv).data(), G, rows,
                 out + at, YW, scratch_);
   const MlpParams& mlp = keys ? w.mlp_k : w.mlp_v;

@@ -47,6 +47,12 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
                    const float* W, const float* b, int64_t G, int64_t rows, float* Y, int64_t YW,
                    std::vector<float>& scratch);
 
+// One source slot j of a per_head layer's product, as one GEMM batched over the Ht heads: for every head h,
+// Y[:, h*Dt..] += X[:, a*F + h*Ds..] W[h][j*Ds.., :] (a the slot's source layer; X row stride XW, Y row stride YW;
+// W [Ht][k*Ds x Dt]). The k slots in turn, after the bias, are the layer's product: nothing is gathered.
+DenseMaths::BatchedGemm per_head_slot(const float* X, int64_t XW, int a, int j, int k, int heads, int64_t Ds,
+                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW);
+
 // Adds a residual MLP's f(X) (when it has parameters) to Y [rows x G] (row stride YW): X [rows x K] is X's selected
 // source layers, gathered side by side (leading dim K).
 void add_residual_mlp(ComputeBackend& be, const MlpParams& mlp, const float* X, int64_t rows, float* Y, int64_t YW,

@@ -246,7 +246,7 @@ class LayerEvaluator {
 
   // One mapper's target layer l: the mapper, without the target RoPE, mean-only, and ridge alone (with MLPs).
   void diagnose(const MapperManifest& m, int l, LayerDiagnoser& dg) {
-    const MapperLayer w = load_mapper_layer(m, l, verify_);
+    const MapperLayer w = as_cross_head(m, load_mapper_layer(m, l, verify_));
     load_sources(w);
     map_layer(be_, w, resident_, T_, F_, G_, xk_, xv_, ck_, cv_, mk_, mv_);
     const int32_t* pos = in_.tgt.positions.data();

@@ -52,20 +52,22 @@ void keep_only(const std::string& dir, const std::set<std::string>& keep) {
 }  // namespace
 
 ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
-    : cal_(cal), plan_(plan), layers_(plan.ks.size(), nlohmann::json::array()), rank_(rank) {}
+    : cal_(cal), plan_(plan), layers_(plan.slots(), nlohmann::json::array()), rank_(rank) {}
 
-std::string ArtifactWriter::final_dir(const KPlan& k) const { return (fs::path(cal_.cfg.output_dir) / ("k" + k.label)).string(); }
-std::string ArtifactWriter::partial_dir(const KPlan& k) const { return final_dir(k) + ".partial"; }
+std::string ArtifactWriter::final_dir(size_t slot) const {
+  return (fs::path(cal_.cfg.output_dir) / plan_.slot_folder(slot)).string();
+}
+std::string ArtifactWriter::partial_dir(size_t slot) const { return final_dir(slot) + ".partial"; }
 
 void ArtifactWriter::written() {
   fault_point("kill_in_export", ++files_, rank_);
 }
 
-std::string ArtifactWriter::record_dir(const KPlan& k) const { return records_in(partial_dir(k)).string(); }
+std::string ArtifactWriter::record_dir(size_t slot) const { return records_in(partial_dir(slot)).string(); }
 
 void ArtifactWriter::begin(const nlohmann::json& identity) {
   const std::string id = identity.dump();
-  for (const auto& k : plan_.ks) {
+  for (size_t k = 0; k < plan_.slots(); ++k) {
     const std::string idfile = (fs::path(record_dir(k)) / "identity.json").string();
     std::ifstream in(idfile);
     const std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -84,7 +86,7 @@ void ArtifactWriter::begin(const nlohmann::json& identity) {
 
 bool ArtifactWriter::resume_layer(int l) {
   std::vector<nlohmann::json> entries;
-  for (const auto& k : plan_.ks) {
+  for (size_t k = 0; k < plan_.slots(); ++k) {
     const std::string rec = (fs::path(record_dir(k)) / (layer_file_name(l) + ".json")).string();
     std::ifstream in(rec);
     if (!in) return false;
@@ -112,11 +114,13 @@ ArtifactWriter::~ArtifactWriter() {
 }
 
 void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv) {
-  CROSSKV_ASSERT(fk.size() == plan_.ks.size() && fv.size() == plan_.ks.size(), "fit/plan mismatch");
+  CROSSKV_ASSERT(fk.size() == plan_.slots() && fv.size() == plan_.slots(), "fit/plan mismatch");
   Job job;
   job.l = l;
-  for (size_t i = 0; i < plan_.ks.size(); ++i)
-    CROSSKV_ASSERT(fk[i].k == plan_.ks[i].count && fv[i].k == plan_.ks[i].count && fk[i].layers == fv[i].layers,
+  for (size_t i = 0; i < plan_.slots(); ++i)
+    CROSSKV_ASSERT(fk[i].k == plan_.slot_k(i).count && fv[i].k == plan_.slot_k(i).count &&
+                       fk[i].structure == plan_.slot_structure(i) && fv[i].structure == plan_.slot_structure(i) &&
+                       fk[i].layers == fv[i].layers,
                    "fit/plan mismatch");
   job.fk = std::move(fk);
   job.fv = std::move(fv);
@@ -185,8 +189,8 @@ void ArtifactWriter::write_job(const Job& job) {
   const int l = job.l;
   const bool half = cal_.cfg.dtype != Dtype::f32;
   const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == Dtype::bf16 ? "BF16" : "F16";
-  for (size_t i = 0; i < plan_.ks.size(); ++i) {
-    const KPlan& k = plan_.ks[i];
+  for (size_t i = 0; i < plan_.slots(); ++i) {
+    const size_t k = i;
     const LayerFit &fk = job.fk[i], &fv = job.fv[i];
     if (half) {
       const auto c0 = std::chrono::steady_clock::now();
@@ -209,7 +213,10 @@ void ArtifactWriter::write_job(const Job& job) {
       partial.write(wk, wbytes / 2);
       fault_kill();
     }
-    write_layer_file(path, {l, fk.layers, k.features, d.G(), {wdtype, wk, fk.b.data()}, {wdtype, wv, fv.b.data()}});
+    LayerFileContent content{l, fk.layers, plan_.slot_k(i).features_of(fk.structure), d.G(), {wdtype, wk, fk.b.data()},
+                             {wdtype, wv, fv.b.data()}};
+    if (fk.structure == Structure::per_head) content.heads = d.Ht;
+    write_layer_file(path, content);
     written();
     nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
     // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
@@ -236,10 +243,12 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, boo
   for (const auto& s : cal_.shards)
     shards.push_back({{"path", s.rel}, {"domain", s.domain}, {"tokens", s.rows}, {"tokens_used", s.used},
                       {"fingerprint_sha256", s.fingerprint}});
-  for (size_t i = 0; i < plan_.ks.size(); ++i) {
-    const KPlan& k = plan_.ks[i];
-    const ManifestFit fit{k.label, k.count, k.features, k.params, k.bias_params, c.lambda, to_string(c.probe),
-                          weight_dtype_name(c.dtype)};
+  for (size_t i = 0; i < plan_.slots(); ++i) {
+    const KPlan& kp = plan_.slot_k(i);
+    const Structure st = plan_.slot_structure(i);
+    const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.lambda,
+                          to_string(c.probe), weight_dtype_name(c.dtype), to_string(st)};
+    const size_t k = i;
     nlohmann::json m = make_manifest(cal_.source_model, cal_.source, cal_.target_model, cal_.target, fit, layers_[i],
                                      {{"domains", cal_.domains},
                                       {"weights", c.weights},
@@ -253,7 +262,7 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, boo
       out.push_back(partial_dir(k));
       continue;
     }
-    out.push_back(publish_artifact(c.output_dir, k.label));
+    out.push_back(publish_artifact(c.output_dir, plan_.slot_folder(i)));
     written();
   }
   return out;
@@ -269,8 +278,8 @@ nlohmann::json mlp_settings_json(const MlpConfig& m) {
           {"seed", m.seed}};
 }
 
-std::string publish_artifact(const std::string& output_dir, const std::string& label) {
-  const std::string final_dir = (fs::path(output_dir) / ("k" + label)).string(), partial = final_dir + ".partial";
+std::string publish_artifact(const std::string& output_dir, const std::string& folder) {
+  const std::string final_dir = (fs::path(output_dir) / folder).string(), partial = final_dir + ".partial";
   const nlohmann::json m = read_manifest_json(partial);
   CROSSKV_ASSERT(m.is_object() && m.contains("layers"), "publishing " + partial + " without its manifest");
   std::set<std::string> files = {kManifestFile};

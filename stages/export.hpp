@@ -1,5 +1,5 @@
 #pragma once
-// Stage 7: mapper artifacts (SPEC §6). Each k is written into "<out>/k<K>.partial" layer by layer as the solves
+// Stage 7: mapper artifacts (SPEC §6). Each k (and structure: "k<K>-per_head") is written into "<out>/k<K>.partial" layer by layer as the solves
 // finish; the manifest is written last and the folder renamed to "<out>/k<K>", so a folder named k<K> with a
 // manifest is always complete.
 #include <condition_variable>
@@ -34,7 +34,7 @@ class ArtifactWriter {
   // still match their recorded SHA-256: its manifest entries are taken over and it need not be solved. Any rank, for
   // its own layers, after begin() on rank 0.
   bool resume_layer(int l);
-  // fits_k[i] / fits_v[i] belong to plan.ks[i]. A writer thread converts the weights to bf16/fp16 (on the host, in
+  // fits_k[i] / fits_v[i] belong to the plan's slot i (FitPlan::slot_k, slot_structure). A writer thread converts the weights to bf16/fp16 (on the host, in
   // parallel: they are there already), writes, syncs and hashes the files while the caller solves the next layer.
   // One layer waits at most (the call blocks until the one before it is being written); a write's error is thrown by
   // the next call.
@@ -62,9 +62,9 @@ class ArtifactWriter {
   void write_job(const Job& job);
   BigVector<uint16_t> half_k_, half_v_;  // the writer thread's conversions, reused from layer to layer
   void run_writer();
-  std::string final_dir(const KPlan& k) const;
-  std::string partial_dir(const KPlan& k) const;
-  std::string record_dir(const KPlan& k) const;  // inside partial_dir: per-layer records, removed by finish()
+  std::string final_dir(size_t slot) const;  // the artifact of plan slot `slot` (FitPlan::slot_folder)
+  std::string partial_dir(size_t slot) const;
+  std::string record_dir(size_t slot) const;  // inside partial_dir: per-layer records, removed by finish()
   const Calibration& cal_;
   const FitPlan& plan_;
   std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
@@ -84,9 +84,9 @@ nlohmann::json nan_to_null(const std::vector<double>& v);
 // fit.mlp as the manifests and identities record it.
 nlohmann::json mlp_settings_json(const MlpConfig& m);
 
-// Moves "<output_dir>/k<label>.partial" (its manifest written) into place as k<label>, holding exactly the
-// manifest's files. Returns the folder.
-std::string publish_artifact(const std::string& output_dir, const std::string& label);
+// Moves "<output_dir>/<folder>.partial" (its manifest written) into place as <folder> ("k4", "k4-per_head"), holding
+// exactly the manifest's files. Returns the folder.
+std::string publish_artifact(const std::string& output_dir, const std::string& folder);
 // After a stage between finish(publish = false) and publish_artifact rewrote a layer file of `partial_dir`: its
 // record takes the new manifest entry (file and SHA-256), so that a resumed export takes the layer over as written.
 void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry);

@@ -16,9 +16,11 @@ namespace crosskv {
 double weight_bytes(Dtype d) { return d == Dtype::f32 ? 4.0 : 2.0; }
 
 FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
-                  double max_moment_gib, double read_bytes_per_token, int ranks, int layer_groups) {
+                  double max_moment_gib, double read_bytes_per_token, int ranks, int layer_groups,
+                  const std::vector<Structure>& structures) {
   FitPlan p;
   p.dims = d;
+  p.structures = structures;
   p.tokens = tokens;
   p.read_bytes_per_token = read_bytes_per_token;
   for (const auto& k : ks) {
@@ -28,6 +30,8 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
     kp.features = kp.count * d.F();
     kp.params = 2 * int64_t{d.Lt} * d.Ht * kp.features * d.Dt;
     kp.bias_params = 2 * int64_t{d.Lt} * d.Ht * d.Dt;
+    kp.head_features = int64_t{kp.count} * d.Ds;
+    kp.head_params = 2 * int64_t{d.Lt} * d.Ht * kp.head_features * d.Dt;
     p.ks.push_back(kp);
   }
   std::sort(p.ks.begin(), p.ks.end(), [](const KPlan& a, const KPlan& b) { return a.count < b.count; });
@@ -91,7 +95,14 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   }
   const double per_layer = nested_max * nested_max * nested_max / 3.0 + nested_max * nested_max * d.G() + back +
                            (all > 0 ? 2.0 * all * all * d.G() : 0.0);
-  p.solve_flops = 2.0 * (d.Lt * per_layer + all * all * all / 3.0);
+  const bool cross = std::find(structures.begin(), structures.end(), Structure::cross_head) != structures.end();
+  p.solve_flops = cross ? 2.0 * (d.Lt * per_layer + all * all * all / 3.0) : 0.0;
+  if (std::find(structures.begin(), structures.end(), Structure::per_head) != structures.end()) {
+    // Ht systems of width count*Ds per target layer (Dt right-hand sides); k = Ls: one factor per head for all.
+    const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (double{d.Hs} * d.Hs * d.Ht);
+    const double head_layer = nm * nm * nm / 3.0 + nm * nm * d.Dt + bk + (a > 0 ? 2.0 * a * a * d.Dt : 0.0);
+    p.solve_flops += 2.0 * h * (d.Lt * head_layer + a * a * a / 3.0);
+  }
   return p;
 }
 
@@ -158,13 +169,15 @@ std::string format_plan(const FitPlan& p) {
     << human_bytes(p.rank_moment_bytes) << "\n";
   std::snprintf(buf, sizeof buf, "  flops: accumulate %.3g, solve %.3g (fp64)\n", p.accumulate_flops, p.solve_flops);
   o << buf;
-  o << "  k      features  mapper params        fp32          bf16/fp16\n";
-  for (const auto& k : p.ks) {
-    const double all = static_cast<double>(k.params + k.bias_params);
-    std::snprintf(buf, sizeof buf, "  %-6s %8lld  %-12s (%lld)  %-12s  %-12s\n", k.label.c_str(),
-                  static_cast<long long>(k.features), human_count(static_cast<double>(k.params)).c_str(),
-                  static_cast<long long>(k.params), human_bytes(4.0 * all).c_str(),
-                  human_bytes(2.0 * k.params + 4.0 * k.bias_params).c_str());
+  o << "  artifact        features  mapper params        fp32          bf16/fp16\n";
+  for (size_t i = 0; i < p.slots(); ++i) {
+    const KPlan& k = p.slot_k(i);
+    const Structure s = p.slot_structure(i);
+    const double params = static_cast<double>(k.params_of(s)), all = params + static_cast<double>(k.bias_params);
+    std::snprintf(buf, sizeof buf, "  %-14s %8lld  %-12s (%lld)  %-12s  %-12s\n", p.slot_folder(i).c_str(),
+                  static_cast<long long>(k.features_of(s)), human_count(params).c_str(),
+                  static_cast<long long>(k.params_of(s)), human_bytes(4.0 * all).c_str(),
+                  human_bytes(2.0 * params + 4.0 * static_cast<double>(k.bias_params)).c_str());
     o << buf;
   }
   return o.str();
@@ -204,7 +217,7 @@ FitPlan plan_job(const Calibration& cal, Context& ctx, int ranks, bool plan_only
       }
     }
     FitPlan p = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, max_gib, cal.stored_bytes_per_token, ranks,
-                          cfg.layer_groups);
+                          cfg.layer_groups, cfg.structures);
     if (device_gib >= 0 && p.rank_moment_bytes > device_gib * (1ull << 30))
       throw ConfigError(cfg.config_path + ": runtime.layer_groups: a rank's moments need " +
                         human_bytes(static_cast<double>(p.rank_moment_bytes)) + " but the device has room for " +

@@ -16,6 +16,10 @@ struct KPlan {
   int64_t features = 0;
   int64_t params = 0;  // 2 * Lt * Ht * ds * Dt (+ biases, counted separately)
   int64_t bias_params = 0;
+  int64_t head_features = 0;  // per_head: count * Ds features per system
+  int64_t head_params = 0;    // per_head: 2 * Lt * Ht * count * Ds * Dt
+  int64_t features_of(Structure s) const { return s == Structure::per_head ? head_features : features; }
+  int64_t params_of(Structure s) const { return s == Structure::per_head ? head_params : params; }
 };
 
 // Host memory of one rank, estimated from its plan (the program and its libraries not included): the peak of a pass
@@ -35,6 +39,12 @@ struct FitPlan {
   PairDims dims;
   int64_t tokens = 0;
   std::vector<KPlan> ks;  // ascending by count
+  std::vector<Structure> structures = {Structure::cross_head};
+  // The artifacts: one per structure and k, structure-major (slot i is ks[i % ks.size()] of structures[i / ...]).
+  size_t slots() const { return ks.size() * structures.size(); }
+  const KPlan& slot_k(size_t i) const { return ks[i % ks.size()]; }
+  Structure slot_structure(size_t i) const { return structures[i / ks.size()]; }
+  std::string slot_folder(size_t i) const { return mapper_folder_name(slot_k(i).label, slot_structure(i)); }
   bool single_pass = true;
   int ranks = 1, layer_groups = 1;  // the grid (stages/grid.hpp)
   bool layer_groups_auto = false;
@@ -53,7 +63,8 @@ std::string format_host_memory(const HostMemory& m);
 // blocks the selections need). `layer_groups` 0 (auto): the fewest layer groups dividing `ranks` for which one pass
 // fits, else two passes fit, else as many as ranks (fewer layer groups read the calibration data fewer times).
 FitPlan make_plan(const PairDims& dims, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
-                  double max_moment_gib, double read_bytes_per_token, int ranks = 1, int layer_groups = 1);
+                  double max_moment_gib, double read_bytes_per_token, int ranks = 1, int layer_groups = 1,
+                  const std::vector<Structure>& structures = {Structure::cross_head});
 std::string format_plan(const FitPlan& plan);
 // Stage 2 for a job of `ranks` ranks: make_plan with runtime.max_moment_gib capped by the smallest free device memory
 // over the job's ranks (asked collectively, unless `plan_only`: a plan needs no device), and the host memory

@@ -1,6 +1,7 @@
 #include "stages/solve.hpp"
 
 #include <chrono>
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -46,6 +47,7 @@ void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
     w.put(&count, 8);
     for (const LayerFit& f : fits) {
       w.put(&f.k, sizeof f.k);
+      w.put(&f.structure, sizeof f.structure);
       w.put_vec(f.layers);
       w.put_vec(f.W);
       w.put_vec(f.b);
@@ -60,6 +62,7 @@ void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
   fits.assign(count, LayerFit{});
   for (LayerFit& f : fits) {
     r.get(&f.k, sizeof f.k);
+    r.get(&f.structure, sizeof f.structure);
     r.get_vec(f.layers);
     r.get_vec(f.W);
     r.get_vec(f.b);
@@ -99,9 +102,12 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
                  unit_layers.size() - todo.size(), todo.size());
   // A pair member solves one kind: the other kind's moments are not needed here any more.
   if (unit.paired) (unit.solves_keys() ? mv : mk) = Moments{};
-  // k = all is the same system for every target layer: factor it once per kind solved here.
+  const auto& ss = plan.structures;
+  const bool cross = std::find(ss.begin(), ss.end(), Structure::cross_head) != ss.end();
+  // k = all is the same system for every target layer: factor it once per kind solved here (per head: on first use).
   std::unique_ptr<Factor> all_k, all_v;
-  if (counts.back() == d.Ls && todo.size() > 1) {
+  std::vector<Factor> head_all_k, head_all_v;
+  if (cross && counts.back() == d.Ls && todo.size() > 1) {
     const auto t_factor = std::chrono::steady_clock::now();
     std::vector<int> asc(d.Ls);
     std::iota(asc.begin(), asc.end(), 0);
@@ -119,10 +125,20 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
       throw Interrupted("stopped by a signal while solving; the moments are committed in " + ckpt_dir);
     const std::string what = "target layer " + std::to_string(l);
     std::vector<LayerFit> fk, fv;
-    if (unit.solves_keys())
-      fk = fit_sweep(mk, ctx.backend, l, rankings[l], counts, lambda, what + ", keys", all_k.get(), &workspace);
-    if (unit.solves_values())
-      fv = fit_sweep(mv, ctx.backend, l, rankings[l], counts, lambda, what + ", values", all_v.get(), &workspace);
+    // Every structure's fits, in the plan's slot order (structure-major).
+    auto sweep = [&](const Moments& m, const std::string& kind, const Factor* all, std::vector<Factor>& head_all,
+                     std::vector<LayerFit>& into) {
+      for (const Structure s : ss) {
+        std::vector<LayerFit> f =
+            s == Structure::cross_head
+                ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind, all, &workspace)
+                : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind + ", per_head",
+                                     &head_all, &workspace);
+        for (auto& x : f) into.push_back(std::move(x));
+      }
+    };
+    if (unit.solves_keys()) sweep(mk, "keys", all_k.get(), head_all_k, fk);
+    if (unit.solves_values()) sweep(mv, "values", all_v.get(), head_all_v, fv);
     if (unit.paired) {  // the member that does not write this layer sends its kind to the one that does
       const int from = writes ? 1 - unit.member : unit.member;
       send_fits(*unit.pair, from, from == 0 ? fk : fv);
@@ -148,6 +164,12 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
   nlohmann::json id = checkpoint_identity(cal, plan, ranks);
   id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", weight_dtype_name(cfg.dtype)},
                {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
+  // Recorded only when it differs from the paper's, so that an export interrupted before this field resumes.
+  if (plan.structures != std::vector<Structure>{Structure::cross_head}) {
+    nlohmann::json s = nlohmann::json::array();
+    for (const Structure x : plan.structures) s.push_back(to_string(x));
+    id["fit"]["structure"] = s;
+  }
   // The residual-MLP stage rewrites layer files before they are published: an interrupted export of another
   // mapper setting is another job's (its rewritten layers carry MLPs).
   if (cfg.mapper != MapperKind::ridge) {

@@ -44,14 +44,15 @@ void check_output_writable(const std::string& dir) {
 // The export replaces "<out>/k<K>" and "<out>/k<K>.partial" folders; anything else under those names is the user's.
 void check_artifact_names(const FitConfig& cfg) {
   for (const auto& k : cfg.ks)
-    for (const std::string suffix : {"", ".partial"}) {
-      const fs::path p = fs::path(cfg.output_dir) / ("k" + k.label() + suffix);
-      std::error_code ec;
-      const auto st = fs::symlink_status(p, ec);
-      if (!fs::exists(st) || fs::is_directory(st)) continue;
-      throw InputError("output.dir: " + p.string() + " exists and is not a folder (the k = " + k.label() +
-                       " mapper goes there); move it away");
-    }
+    for (const Structure s : cfg.structures)
+      for (const std::string suffix : {"", ".partial"}) {
+        const fs::path p = fs::path(cfg.output_dir) / (mapper_folder_name(k.label(), s) + suffix);
+        std::error_code ec;
+        const auto st = fs::symlink_status(p, ec);
+        if (!fs::exists(st) || fs::is_directory(st)) continue;
+        throw InputError("output.dir: " + p.string() + " exists and is not a folder (the k = " + k.label() + " " +
+                         to_string(s) + " mapper goes there); move it away");
+      }
 }
 
 // Both stores' shards (relative paths).
@@ -270,6 +271,12 @@ void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration&
 // What the config asks of the shapes the shards have.
 void check_fit_against_shapes(const FitConfig& cfg, const Calibration& cal) {
   if (cal.tokens_used < 2) throw InputError("calibration: fewer than 2 tokens selected (check max_tokens and the shards)");
+  const bool per_head =
+      std::find(cfg.structures.begin(), cfg.structures.end(), Structure::per_head) != cfg.structures.end();
+  if (per_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
+    throw ConfigError(cfg.config_path + ": fit.structure: per_head needs equal KV head counts (source " +
+                      std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
+                      "): head matching is undefined between them; use structure: cross_head with probe: all_heads");
   if (cfg.probe == ProbeMode::same_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
     throw ConfigError(cfg.config_path + ": fit.probe: same_head needs equal KV head counts (source " +
                       std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +

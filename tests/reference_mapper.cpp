@@ -24,6 +24,20 @@ void map_content(const MapperWeights& m, bool keys, const float* X, int64_t rows
     const auto& W = keys ? l.wk : l.wv;
     const auto& b = keys ? l.bk : l.bv;
     float* Y = out + l.target_layer * G;
+    if (l.structure == Structure::per_head) {  // by loops: target head h from source head h of the layers
+      const int64_t H = m.target.n_kv_heads, Ds = m.source.head_dim, Dt = m.target.head_dim;
+      const int64_t k = static_cast<int64_t>(l.source_layers.size());
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t c = 0; c < Dt; ++c) {
+            double a = b[h * Dt + c];
+            for (int64_t j = 0; j < k; ++j)
+              for (int64_t p = 0; p < Ds; ++p)
+                a += double(X[t * XW + l.source_layers[j] * F + h * Ds + p]) * W[((h * k + j) * Ds + p) * Dt + c];
+            Y[t * YW + h * Dt + c] = static_cast<float>(a);
+          }
+      continue;
+    }
     for (int64_t t = 0; t < rows; ++t) std::copy(b.begin(), b.end(), Y + t * YW);
     for (size_t j = 0; j < l.source_layers.size(); ++j)
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, G, F, 1.0f, X + l.source_layers[j] * F, XW,

@@ -1,6 +1,6 @@
 #pragma once
 // A mapper's every layer in host memory, and applying it the plain way (one BLAS product per selected source layer,
-// the residual MLP by loops): the tests' reference for Transfer, the serving mapper and the device backends.
+// the residual MLP and per_head layers by loops): the tests' reference for Transfer, the serving mapper and the device backends.
 #include <string>
 #include <vector>
 

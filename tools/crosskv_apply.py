@@ -152,7 +152,17 @@ def apply_arrays(manifest, layers, keys, values, positions, target_positions=Non
     Lt, Ht, Dt = tgt_spec["n_layers"], tgt_spec["n_kv_heads"], tgt_spec["head_dim"]
     out_k = np.zeros((T, Lt, Ht * Dt))
     out_v = np.zeros((T, Lt, Ht * Dt))
+    per_head = manifest["fit"].get("structure", "cross_head") == "per_head"
+    Ds = src_spec["head_dim"]
     for l, (src, t) in layers.items():
+        if per_head:  # target head h from source head h of the selected layers: weight [Ht, k*Ds, Dt]
+            for h in range(Ht):
+                xk = X[:, src, h * Ds:(h + 1) * Ds].reshape(T, -1)
+                xv = V[:, src, h * Ds:(h + 1) * Ds].reshape(T, -1)
+                cols = slice(h * Dt, (h + 1) * Dt)
+                out_k[:, l, cols] = xk @ t["k.weight"][h].astype(np.float64) + t["k.bias"][cols]
+                out_v[:, l, cols] = xv @ t["v.weight"][h].astype(np.float64) + t["v.bias"][cols]
+            continue
         xk, xv = X[:, src, :].reshape(T, -1), V[:, src, :].reshape(T, -1)
         out_k[:, l] = xk @ t["k.weight"].astype(np.float64) + t["k.bias"] + residual_mlp(t, "k", xk)
         out_v[:, l] = xv @ t["v.weight"].astype(np.float64) + t["v.bias"] + residual_mlp(t, "v", xv)

@@ -110,6 +110,13 @@ Planted plant(const SynthOptions& o, int64_t F, int64_t G, std::mt19937_64& rng)
       p.Ml_k[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
       p.Ml_v[l] = random_matrix(rng, static_cast<int>(F), static_cast<int>(G), 1.0 / std::sqrt(double(F)));
     }
+    if (o.relation == SynthRelation::per_head) {  // only the head-diagonal blocks of M_l stay
+      const int Ds = o.source.head_dim, Dt = o.target.head_dim;
+      for (Mat* m : {&p.Ml_k[l], &p.Ml_v[l]})
+        for (int64_t r = 0; r < F; ++r)
+          for (int64_t c = 0; c < G; ++c)
+            if (r / Ds != c / Dt) (*m)[r * G + c] = 0.0f;
+    }
     if (o.relation == SynthRelation::nonlinear) {
       for (auto* n1 : {&p.N1_k[l], &p.N1_v[l]})
         *n1 = random_matrix(rng, static_cast<int>(F), kPlantedHidden, 1.0 / std::sqrt(double(F)));
@@ -326,6 +333,9 @@ int64_t synthesize(const SynthOptions& o) {
   // Both kv_specs checked before anything is written.
   Rope check_source(o.source, "source");
   Rope check_target(o.target, "target");
+  if (o.relation == SynthRelation::per_head && o.source.n_kv_heads != o.target.n_kv_heads)
+    throw UserError("--relation per_head: needs equal KV head counts (source " + std::to_string(o.source.n_kv_heads) +
+                    ", target " + std::to_string(o.target.n_kv_heads) + ")");
   std::mt19937_64 rng(o.seed);
   const Planted planted = plant(o, Side{&o.source}.per_layer(), Side{&o.target}.per_layer(), rng);
   rng.seed(o.data_seed ? o.data_seed : o.seed * 0x9E3779B97F4A7C15ull + 1);

@@ -12,6 +12,7 @@ namespace crosskv {
 enum class SynthRelation {
   family,  // target layer l ~ source layers of similar relative depth, mildly non-linear, with noise
   linear,    // target layer l = source layer (l mod Ls) (content space) x M_l + c_l exactly; no noise
+  per_head,  // linear with M_l head-matched: target head h from source head h alone (needs equal head counts)
   nonlinear  // linear, plus relu(x N1_l) N2_l of the same source layer (no large-mean channels): a planted
              // non-linearity that ridge explains only in part (held-out R² about 0.85) and an MLP can learn
 };

@@ -82,6 +82,8 @@ class Mapper:
     source_model = property(lambda self: self._m.source_model)
     target_model = property(lambda self: self._m.target_model)
     k = property(lambda self: self._m.k, doc="source layers per target layer")
+    structure = property(lambda self: self._m.structure,
+                         doc="cross_head (each target head reads every source head) or per_head (head-matched)")
     source_layers = property(lambda self: self._m.source_layers, doc="per target layer, the source layers it reads")
     backend = property(lambda self: self._m.backend)
     weight_bytes = property(lambda self: self._m.weight_bytes, doc="bytes of weights resident on the device")
@@ -174,4 +176,4 @@ class Mapper:
         s, t = self.source, self.target
         return (f"crosskv.Mapper({self._m.path!r}: {self.source_model} [{s['n_layers']}x{s['n_kv_heads']}x"
                 f"{s['head_dim']}] -> {self.target_model} [{t['n_layers']}x{t['n_kv_heads']}x{t['head_dim']}], "
-                f"k={self.k}, {self.backend})")
+                f"k={self.k}, {self.structure}, {self.backend})")

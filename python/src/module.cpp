@@ -174,6 +174,7 @@ class PyMapper {
   std::string source_model() const { return manifest().source_model; }
   std::string target_model() const { return manifest().target_model; }
   int k() const { return manifest().k_count; }
+  std::string structure() const { return to_string(manifest().structure); }
   std::string path() const { return manifest().dir; }
   std::string backend() const { return be_->name(); }
   bool resident() const { return resident_ != nullptr; }
@@ -227,6 +228,7 @@ NB_MODULE(_crosskv, m) {
       .def_prop_ro("source_model", &PyMapper::source_model)
       .def_prop_ro("target_model", &PyMapper::target_model)
       .def_prop_ro("k", &PyMapper::k)
+      .def_prop_ro("structure", &PyMapper::structure)
       .def_prop_ro("path", &PyMapper::path)
       .def_prop_ro("backend", &PyMapper::backend)
       .def_prop_ro("resident", &PyMapper::resident)

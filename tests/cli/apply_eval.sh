@@ -8,14 +8,14 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SYN=(--shards 2 --sequences 2 --seq-len 128 --with-queries --target-rope yarn --target-rope-convention interleaved)
 "$SYNTH" --out cal "${SYN[@]}" > /dev/null
 "$SYNTH" --out held "${SYN[@]:2}" --shards 1 --domains heldout --data-seed 77 > /dev/null
-printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [2, all], dtype: %s}\noutput: {dir: out-%s}\n' fp32 fp32 > f32.yaml
+printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [2, all], dtype: %s, structure: [cross_head, per_head]}\noutput: {dir: out-%s}\n' fp32 fp32 > f32.yaml
 printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [2], dtype: %s}\noutput: {dir: out-%s}\n' bf16 bf16 > b16.yaml
 "$FIT" f32.yaml > fit.log 2>&1 || { cat fit.log; die "fit failed"; }
 "$FIT" b16.yaml > fit.log 2>&1 || { cat fit.log; die "bf16 fit failed"; }
 SRC=held/source/heldout/shard-000.h5 TGT=held/target/heldout/shard-000.h5
 
 # Apply, and the numpy reference of apply on the same artifact: the same keys (post target-RoPE) and values.
-for a in out-fp32/k2 out-bf16/k2; do
+for a in out-fp32/k2 out-fp32/k2-per_head out-bf16/k2; do
   "$APPLY" --mapper $a --source $SRC --out mapped.h5 > apply.log 2>&1 || { cat apply.log; die "crosskv-apply $a failed"; }
   "$PYTHON" "$ROOT/tools/crosskv_apply.py" --mapper $a --source $SRC --out ref.npz || die "the numpy reference failed"
   "$PYTHON" - <<'PY' || die "crosskv-apply and the numpy reference disagree on $a"
@@ -100,7 +100,7 @@ bad "--nope" "$APPLY" --mapper out-fp32/k2 --source $SRC --out x.h5 --nope
 bad "--device" "$APPLY" --mapper out-fp32/k2 --source $SRC --out x.h5 --device tpu
 bad "--json" "$EVAL" --mapper out-fp32/k2 --source $SRC --target $TGT
 bad "--out" "$SYNTH"
-bad "--relation: expected family, linear or nonlinear, got \"quadratic\"" "$SYNTH" --out x-synth --relation quadratic
+bad "--relation: expected family, linear, per_head or nonlinear, got \"quadratic\"" "$SYNTH" --out x-synth --relation quadratic
 bad "--bogus" "$(dirname "$APPLY")/crosskv-strip" --shard $SRC --out y.h5 --bogus
 [ -z "$(ls x.h5* x.json* 2> /dev/null)" ] || die "a failed command must not leave an output behind: $(ls x.h5* x.json*)"
 # A fit that names held-out shards leaves them out and diagnoses every k on them: eval-k<K>.json, report.html.

@@ -229,7 +229,8 @@ TEST_F(Cuda, FitMatchesTheCpuFit) {
   TempDir dir;
   synthesize(small_synth(dir.str()));
   auto fit = [&](ComputeBackend& be, const std::string& out) {
-    FitConfig cfg = parse_fit_config(config_yaml(dir.str(), "{k: [1, 3, all], lambda: 0.01}", out), "cfg.yaml");
+    FitConfig cfg = parse_fit_config(
+        config_yaml(dir.str(), "{k: [1, 3, all], lambda: 0.01, structure: [cross_head, per_head]}", out), "cfg.yaml");
     auto comm = make_single_comm();
     Context ctx{*comm, be};
     return run_fit(cfg, FitOptions{}, ctx);
@@ -238,14 +239,15 @@ TEST_F(Cuda, FitMatchesTheCpuFit) {
   fit(*gpu_, "gpu");
   fit(*gpu_, "gpu2");
   // Same device, same config: byte-identical artifacts (fixed kernels and reduction order, no atomics).
-  for (const std::string k : {"k1", "k3", "kall"})
+  const std::vector<std::string> folders = {"k1", "k3", "kall", "k1-per_head", "k3-per_head", "kall-per_head"};
+  for (const std::string& k : folders)
     for (const auto& e : std::filesystem::directory_iterator(dir.str("gpu/" + k))) {
       if (e.path().extension() != ".safetensors") continue;
       std::ifstream a(e.path(), std::ios::binary), b(dir.str("gpu2/" + k + "/" + e.path().filename().string()), std::ios::binary);
       const std::string sa((std::istreambuf_iterator<char>(a)), {}), sb((std::istreambuf_iterator<char>(b)), {});
       EXPECT_TRUE(!sa.empty() && sa == sb) << e.path() << " differs between two GPU fits";
     }
-  for (const std::string k : {"k1", "k3", "kall"}) {
+  for (const std::string& k : folders) {
     MapperWeights c = load_mapper(dir.str("cpu/" + k)), g = load_mapper(dir.str("gpu/" + k));
     ASSERT_EQ(c.layers.size(), g.layers.size());
     for (size_t l = 0; l < c.layers.size(); ++l) {
@@ -769,14 +771,15 @@ TEST(DeviceContract, AFitThroughAShadowDeviceEqualsTheCpuFit) {
 // A mapper fitted on the CPU (small_synth, one k), and held-out caches with target positions of their own.
 namespace {
 
-std::string fitted_mapper(TempDir& dir, const std::string& k) {
+std::string fitted_mapper(TempDir& dir, const std::string& k, const std::string& structure = "cross_head") {
   synthesize(small_synth(dir.str()));
   auto comm = make_single_comm();
   auto cpu = make_cpu_backend();
   Context ctx{*comm, *cpu};
   spdlog::set_level(spdlog::level::warn);
-  run_fit(parse_fit_config(config_yaml(dir.str(), "{k: [" + k + "]}", "out"), "cfg.yaml"), FitOptions{}, ctx);
-  return dir.str("out/k" + k);
+  run_fit(parse_fit_config(config_yaml(dir.str(), "{k: [" + k + "], structure: " + structure + "}", "out"), "cfg.yaml"),
+          FitOptions{}, ctx);
+  return dir.str(std::string("out/") + mapper_folder_name(k, *parse_structure(structure)));
 }
 
 struct ServingCase {
@@ -1024,9 +1027,10 @@ TEST_F(Cuda, LayerDiagnosticsMatchTheCpu) {
 // the output's scale), for every k and with residual MLPs, from host arrays and from device memory on a caller's
 // stream; RoPE on the device equals the host's bit for bit.
 TEST_F(Cuda, ServingApplyMatchesTheCpu) {
+  for (const std::string structure : {"cross_head", "per_head"})
   for (const std::string k : {"1", "2", "all"}) {
     TempDir dir;
-    const std::string mapper = fitted_mapper(dir, k);
+    const std::string mapper = fitted_mapper(dir, k, structure);
     const ServingCase c = serving_case(dir.str());
     const int64_t rows = c.cache.tokens;
     Transfer want_tr(mapper, *cpu_);

@@ -285,3 +285,29 @@ TEST_F(BadInput, StoreEntriesThatAreSkippedAreLogged) {
   EXPECT_THAT(log, ::testing::HasSubstr(tmp.str("source/web/folder.h5") + ": skipped (a folder, not a shard)"));
   EXPECT_THAT(log, ::testing::HasSubstr(tmp.str("target/web/dangling.h5") + ": skipped (a dangling symlink)"));
 }
+
+TEST_F(BadInput, StructureIsCheckedByKey) {
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1], structure: head_matched}"),
+                   {"cfg.yaml", "fit.structure", "expected cross_head or per_head", "head_matched"});
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1], structure: [per_head, per_head]}"),
+                   {"fit.structure", "per_head listed twice"});
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1], structure: []}"), {"fit.structure", "non-empty list"});
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1], structure: per_head, mapper: mlp}"),
+                   {"fit.mapper", "cross_head only", "mapper: ridge with per_head"});
+}
+
+TEST_F(BadInput, PerHeadWithDifferentHeadCountsPointsToCrossHeadWithTheAllHeadsProbe) {
+  SynthOptions o = small_synth(tmp.str("heads"));
+  o.target.n_kv_heads = 4, o.target.n_q_heads = 8;
+  synthesize(o);
+  // Named for per_head even with the probe's own objection pending: per_head is what cannot be done.
+  for (const char* probe : {"same_head", "all_heads"})
+    expect_fit_error(config_yaml(tmp.str("heads"), std::string("{k: [1], structure: per_head, probe: ") + probe + "}"),
+                     {"fit.structure: per_head needs equal KV head counts", "source 2, target 4",
+                      "structure: cross_head with probe: all_heads"});
+  EXPECT_NO_THROW(fit_yaml(config_yaml(tmp.str("heads"), "{k: [1], structure: cross_head, probe: all_heads}")));
+  // crosskv-synth plants a head-matched pair only where heads match.
+  o.relation = SynthRelation::per_head;
+  o.out = tmp.str("heads2");
+  expect_error<UserError>([&] { synthesize(o); }, {"--relation per_head", "equal KV head counts", "source 2, target 4"});
+}

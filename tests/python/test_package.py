@@ -56,20 +56,23 @@ def run(*cmd):
         raise SystemExit(f"{cmd[0]} failed")
 
 
-# ---- Mapper.transfer against the numpy reference, ridge and ridge + MLP.
+# ---- Mapper.transfer against the numpy reference: ridge, ridge + MLP, and head-matched ridge.
 run(synth, "--out", "syn", "--relation", "nonlinear", "--shards", "1", "--sequences", "4", "--seq-len", "128",
     "--source-layers", "3", "--target-layers", "4", "--source-heads", "2", "--target-heads", "2",
     "--source-head-dim", "16", "--target-head-dim", "16", "--source-rotary-dim", "16", "--target-rotary-dim", "16")
-for mapper in ("ridge", "mlp"):
+for mapper in ("ridge", "mlp", "per_head"):  # per_head: head-matched ridge, weights [Ht, k*Ds, Dt]
+    kind, structure = ("ridge", "per_head") if mapper == "per_head" else (mapper, "cross_head")
     with open(f"{mapper}.yaml", "w") as f:
-        f.write(f"source: {{store: syn/source}}\ntarget: {{store: syn/target}}\nfit: {{k: [2], mapper: {mapper}, "
-                f"mlp: {{hidden: 16, epochs: 2}}}}\noutput: {{dir: out-{mapper}}}\n")
+        f.write(f"source: {{store: syn/source}}\ntarget: {{store: syn/target}}\nfit: {{k: [2], mapper: {kind}, "
+                f"structure: {structure}, mlp: {{hidden: 16, epochs: 2}}}}\noutput: {{dir: out-{mapper}}}\n")
+    art = f"out-{mapper}/k2" + ("-per_head" if mapper == "per_head" else "")
     run(fit, f"{mapper}.yaml")
     shard = "syn/source/web/shard-000.h5"
-    want_k, want_v, _ = crosskv_apply.apply(f"out-{mapper}/k2", shard)
+    want_k, want_v, _ = crosskv_apply.apply(art, shard)
     with h5py.File(shard, "r") as f:
         keys, values, pos = f["keys"][()], f["values"][()], f["positions"][()]
-    m = crosskv.Mapper(f"out-{mapper}/k2")
+    m = crosskv.Mapper(art)
+    check(m.structure == structure, f"{mapper}: Mapper.structure is {m.structure}")
     got_k, got_v = m.transfer(keys, values, pos)
     err = max(np.abs(got_k - want_k).max() / np.abs(want_k).max(), np.abs(got_v - want_v).max() / np.abs(want_v).max())
     check(got_k.shape == (keys.shape[0], 4, 2, 16) and err < 1e-5,
@@ -78,17 +81,17 @@ for mapper in ("ridge", "mlp"):
     check(isinstance(tk, torch.Tensor) and np.array_equal(tk.numpy(), got_k) and np.array_equal(tv.numpy(), got_v),
           f"{mapper}: torch tensors in, the same torch tensors out")
     shifted_k, _ = m.transfer(keys, values, pos, pos + 7)
-    want_shift, _, _ = crosskv_apply.apply_arrays(*crosskv_apply.load_mapper(f"out-{mapper}/k2"), keys, values, pos,
+    want_shift, _, _ = crosskv_apply.apply_arrays(*crosskv_apply.load_mapper(art), keys, values, pos,
                                                   pos + 7)
     check(np.abs(shifted_k - want_shift).max() / np.abs(want_shift).max() < 1e-5,
           f"{mapper}: target positions of their own (keys rotated there)")
     # The streamed mapper (one layer at a time) and the resident one (all layers in one call) agree bit for bit.
-    sk, sv = crosskv.Mapper(f"out-{mapper}/k2", resident=False).transfer(keys, values, pos)
+    sk, sv = crosskv.Mapper(art, resident=False).transfer(keys, values, pos)
     check(np.array_equal(sk, got_k) and np.array_equal(sv, got_v) and m.weight_bytes > 0,
           f"{mapper}: resident ({m.weight_bytes} bytes of weights) and streamed mappers give the same bits")
     # Layer by layer and in runs (what a serving stack maps while the model computes): those layers of the whole
     # call, bit for bit, resident and streamed, numpy and torch.
-    streamed = crosskv.Mapper(f"out-{mapper}/k2", resident=False)
+    streamed = crosskv.Mapper(art, resident=False)
     for layers in (0, 3, range(1, 3), range(0, 4)):
         sel = [layers] if isinstance(layers, int) else list(layers)
         for which, mm in (("resident", m), ("streamed", streamed)):
@@ -118,7 +121,7 @@ for mapper in ("ridge", "mlp"):
     check(all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(alone * 4, shared)),
           f"{mapper}: one mapper called from 4 threads at once gives each call the answer it gets alone")
     if torch.cuda.is_available() and crosskv.cuda_compiled_in:
-        g = crosskv.Mapper(f"out-{mapper}/k2", device="cuda")
+        g = crosskv.Mapper(art, device="cuda")
         ck, cv = torch.from_numpy(keys).cuda(), torch.from_numpy(values).cuda()
         before = ck.clone()
         gk, gv = g.transfer(ck, cv, torch.from_numpy(pos).cuda())
@@ -130,7 +133,7 @@ for mapper in ("ridge", "mlp"):
               f"(max rel. error {err:.1e})")
         hk, _ = g.transfer(keys, values, pos)  # host arrays through the GPU mapper
         check(np.abs(hk - gk.cpu().numpy()).max() == 0, f"{mapper}: host arrays through the GPU mapper, the same bits")
-        t32, _ = crosskv.Mapper(f"out-{mapper}/k2", device="cuda", tf32=True).transfer(ck, cv, torch.from_numpy(pos).cuda())
+        t32, _ = crosskv.Mapper(art, device="cuda", tf32=True).transfer(ck, cv, torch.from_numpy(pos).cuda())
         err = (t32.cpu() - torch.from_numpy(got_k)).abs().max().item() / np.abs(got_k).max()
         check(err < 1e-2, f"{mapper}: tf32 products within TF32's rounding (max rel. error {err:.1e})")
     else:

@@ -20,10 +20,10 @@ struct Artifact {
   TempDir tmp;
   std::string dir;
   nlohmann::json manifest;
-  explicit Artifact(const std::string& k = "2") {
+  explicit Artifact(const std::string& k = "2", const std::string& structure = "cross_head") {
     synthesize(small_synth(tmp.str()));
-    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01}"));
-    dir = tmp.str("out/k" + k);
+    fit_yaml(config_yaml(tmp.str(), "{k: [" + k + "], lambda: 0.01, structure: " + structure + "}"));
+    dir = tmp.str("out/k" + k + (structure == "per_head" ? "-per_head" : ""));
     std::ifstream in(dir + "/manifest.json");
     in >> manifest;
   }

@@ -313,3 +313,80 @@ TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {
                              {"layer-000.safetensors", "tensor 'k.mlp.w1' holds NaN at element 1"});
   }
 }
+
+// ---- Head-matched (per_head) artifacts.
+TEST(PerHeadArtifact, WhatTheWriterStoresTheReaderReadsBackForEveryDtype) {
+  Artifact a("2", "per_head");
+  const MapperManifest m0 = read_mapper_manifest(a.dir);
+  ASSERT_EQ(m0.structure, Structure::per_head);
+  EXPECT_EQ(a.manifest["fit"]["structure"], "per_head");
+  const int l = 1, H = m0.target.n_kv_heads;
+  const int64_t Ds = m0.source.head_dim, Dt = m0.target.head_dim, G = m0.target.features_per_layer();
+  const std::vector<int> layers = m0.layers[l].source_layers;
+  const int64_t rows = static_cast<int64_t>(layers.size()) * Ds;
+  EXPECT_EQ(m0.weight_rows(), rows);
+  std::mt19937_64 rng(23);
+  std::normal_distribution<float> n(0, 0.5f);
+  std::vector<float> wk(H * rows * Dt), wv(wk.size()), bk(G), bv(G);
+  for (auto* v : {&wk, &wv, &bk, &bv})
+    for (auto& x : *v) x = n(rng);
+  for (const std::string dtype : {"F32", "BF16", "F16"}) {
+    std::vector<uint16_t> hk(wk.size()), hv(wv.size());
+    for (size_t i = 0; i < wk.size(); ++i) {
+      hk[i] = dtype == "BF16" ? float_to_bf16(wk[i]) : float_to_fp16(wk[i]);
+      hv[i] = dtype == "BF16" ? float_to_bf16(wv[i]) : float_to_fp16(wv[i]);
+    }
+    const bool f32 = dtype == "F32";
+    LayerFileContent c{l, layers, rows, G, {dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data()},
+                       {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data()}, H};
+    const std::string file = a.dir + "/" + layer_file_name(l);
+    write_layer_file(file, c);
+    EXPECT_EQ(read_safetensors(file).at("k.weight").shape, (std::vector<int64_t>{H, rows, Dt})) << dtype;
+    nlohmann::json m = a.manifest;
+    m["layers"][l]["sha256"] = sha256_file(file);
+    a.write(m);
+    const MapperLayer got = load_mapper_layer(read_mapper_manifest(a.dir), l);
+    EXPECT_EQ(got.structure, Structure::per_head);
+    std::vector<float> want(wk.size());
+    for (size_t i = 0; i < wk.size(); ++i) want[i] = f32 ? wk[i] : dtype == "BF16" ? bf16_to_float(hk[i]) : fp16_to_float(hk[i]);
+    EXPECT_EQ(got.wk, want) << dtype;
+    EXPECT_EQ(got.bv, bv) << dtype;
+  }
+}
+
+TEST(PerHeadArtifact, BadFieldsAndShapesAreNamed) {
+  Artifact a("2", "per_head");
+  auto be = make_cpu_backend();
+  auto expect_bad = [&](const std::function<void(nlohmann::json&)>& edit, const std::vector<std::string>& parts) {
+    nlohmann::json m = a.manifest;
+    edit(m);
+    a.write(m);
+    expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, parts);
+  };
+  expect_bad([](auto& m) { m["fit"]["structure"] = "diagonal"; },
+             {"manifest.json", "fit.structure is 'diagonal'", "cross_head or per_head"});
+  expect_bad([](auto& m) { m["fit"]["structure"] = 3; }, {"fit.structure", "must be a string"});
+  expect_bad([](auto& m) { m["target"]["kv_spec"]["n_kv_heads"] = 4; }, {"fit.structure is per_head", "2 KV heads",
+                                                                          "target 4"});
+  // A cross_head manifest over per_head files (or the reverse): the weights' shapes say so.
+  expect_bad([](auto& m) { m["fit"].erase("structure"); }, {"layer-000.safetensors", "tensor 'k.weight' has shape [2, 32, 16]",
+                                                             "expected [64, 32]"});
+  Artifact c("2");
+  nlohmann::json m = c.manifest;
+  m["fit"]["structure"] = "per_head";
+  c.write(m);
+  expect_error<InputError>([&] { ServingMapper rt(c.dir, *be); }, {"tensor 'k.weight' has shape [64, 32]", "expected [2, 32, 16]"});
+  // A residual MLP has no place in a per_head layer.
+  a.write(a.manifest);
+  const std::string file = a.dir + "/layer-002.safetensors";
+  auto t = read_safetensors(file);
+  TensorIn& w1 = t["k.mlp.w1"];
+  w1.dtype = "F32", w1.shape = {32, 4}, w1.values.assign(32 * 4, 0.1f);
+  std::vector<TensorOut> out;
+  for (const auto& [name, x] : t) out.push_back({name, "F32", x.shape, x.values.data(), x.values.size() * 4});
+  write_safetensors(file, out, {});
+  nlohmann::json mm = a.manifest;
+  mm["layers"][2]["sha256"] = sha256_file(file);
+  a.write(mm);
+  expect_error<InputError>([&] { ServingMapper rt(a.dir, *be); }, {"layer-002.safetensors", "k.mlp.w1", "per_head"});
+}

@@ -8,6 +8,7 @@
 #include "core/memory.hpp"
 #include "core/moments.hpp"
 #include "core/ridge.hpp"
+#include "core/structure.hpp"
 #include "core/select.hpp"
 #include "helpers.hpp"
 
@@ -348,4 +349,157 @@ TEST(Memory, BigBuffersAreZeroedAndReleased) {
   v.assign(v.size(), 2.5);
   v.resize(v.size() + 10);
   EXPECT_EQ(v[100], 2.5);
+}
+
+namespace {
+
+// Head h of every layer alone: source head h of each source layer, target head h of each target layer.
+Data head_slice(const Data& data, int h) {
+  const PairDims& d = data.d;
+  const PairDims s{d.Ls, 1, d.Ds, d.Lt, 1, d.Dt};
+  Data r{s, data.N, std::vector<float>(data.N * s.X()), std::vector<float>(data.N * s.Y())};
+  for (int64_t t = 0; t < data.N; ++t) {
+    for (int a = 0; a < d.Ls; ++a)
+      for (int p = 0; p < d.Ds; ++p)
+        r.X[t * s.X() + a * d.Ds + p] = data.X[t * d.X() + a * d.F() + h * d.Ds + p];
+    for (int l = 0; l < d.Lt; ++l)
+      for (int c = 0; c < d.Dt; ++c)
+        r.Y[t * s.Y() + l * d.Dt + c] = data.Y[t * d.Y() + l * d.G() + h * d.Dt + c];
+  }
+  return r;
+}
+
+// Y = X A + c with A planted head-matched (block-diagonal over heads) or dense (heads mixed).
+Data head_planted_data(PairDims d, int64_t N, uint64_t seed, bool head_matched, double noise = 0.0) {
+  Data r = planted_data(d, N, seed, 0.0);
+  std::mt19937_64 rng(seed + 1);
+  std::normal_distribution<double> n(0, 1);
+  std::vector<double> A(d.X() * d.Y());
+  for (int64_t i = 0; i < d.X(); ++i)
+    for (int64_t j = 0; j < d.Y(); ++j) {
+      const bool same = (i % d.F()) / d.Ds == (j % d.G()) / d.Dt;
+      A[i * d.Y() + j] = head_matched && !same ? 0.0 : n(rng) / std::sqrt(double(d.X()));
+    }
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t j = 0; j < d.Y(); ++j) {
+      double y = 0.25 + noise * n(rng);
+      for (int64_t i = 0; i < d.X(); ++i) y += r.X[t * d.X() + i] * A[i * d.Y() + j];
+      r.Y[t * d.Y() + j] = static_cast<float>(y);
+    }
+  return r;
+}
+
+// The per_head prediction of target layer l from `data` (fit f, weights [H][k*Ds x Dt]), and its in-sample R² per
+// head computed directly.
+std::vector<double> direct_r2(const Data& data, const LayerFit& f, int l) {
+  const PairDims& d = data.d;
+  const int64_t k = static_cast<int64_t>(f.layers.size()), G = d.G();
+  std::vector<double> r2(d.Ht);
+  for (int h = 0; h < d.Ht; ++h) {
+    long double sse = 0, sst = 0;
+    std::vector<long double> mean(d.Dt, 0);
+    for (int64_t t = 0; t < data.N; ++t)
+      for (int c = 0; c < d.Dt; ++c) mean[c] += data.Y[t * d.Y() + l * G + h * d.Dt + c] / (long double)data.N;
+    for (int64_t t = 0; t < data.N; ++t)
+      for (int c = 0; c < d.Dt; ++c) {
+        long double pred = f.b[h * d.Dt + c];
+        for (int64_t j = 0; j < k; ++j)
+          for (int p = 0; p < d.Ds; ++p)
+            pred += data.X[t * d.X() + f.layers[j] * d.F() + h * d.Ds + p] *
+                    (long double)f.W[((h * k + j) * d.Ds + p) * d.Dt + c];
+        const long double y = data.Y[t * d.Y() + l * G + h * d.Dt + c];
+        sse += (y - pred) * (y - pred);
+        sst += (y - mean[c]) * (y - mean[c]);
+      }
+    r2[h] = static_cast<double>(1 - sse / sst);
+  }
+  return r2;
+}
+
+}  // namespace
+
+TEST(PerHead, MatchesAnIndependentSolvePerHead) {
+  Data data = planted_data(kDims, 600, 31, 0.3);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  const std::vector<int> ranking = {2, 0, 1};
+  const int64_t Ds = kDims.Ds, Dt = kDims.Dt;
+  for (double lambda : {0.0, 0.01, 0.5})
+    for (int l = 0; l < kDims.Lt; ++l) {
+      auto fits = fit_sweep_per_head(m, *be, l, ranking, {1, 2, 3}, lambda, "test");
+      ASSERT_EQ(fits.size(), 3u);
+      for (const auto& f : fits) {
+        EXPECT_EQ(f.structure, Structure::per_head);
+        const int64_t k = f.k;
+        ASSERT_EQ(static_cast<int64_t>(f.W.size()), kDims.Ht * k * Ds * Dt);
+        for (int h = 0; h < kDims.Ht; ++h) {
+          RefFit ref = reference_ridge(head_slice(data, h), f.layers, l, lambda);
+          for (int64_t i = 0; i < k * Ds * Dt; ++i)
+            EXPECT_NEAR(f.W[h * k * Ds * Dt + i], static_cast<double>(ref.W[i]), 2e-4) << "k " << k << " head " << h;
+          for (int c = 0; c < Dt; ++c) EXPECT_NEAR(f.b[h * Dt + c], static_cast<double>(ref.b[c]), 2e-4);
+        }
+        const auto r2 = direct_r2(data, f, l);
+        for (int h = 0; h < kDims.Ht; ++h) EXPECT_NEAR(f.r2[h], r2[h], 1e-4) << "head " << h;
+      }
+      EXPECT_EQ(fits[1].layers, (std::vector<int>{0, 2}));
+    }
+}
+
+TEST(PerHead, SweepAndSharedAllLayersFactorsEqualSeparateFits) {
+  Data data = planted_data(kDims, 400, 37);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  std::vector<Factor> shared;
+  for (int l = 0; l < kDims.Lt; ++l) {
+    auto sweep = fit_sweep_per_head(m, *be, l, {1, 2, 0}, {1, 2, 3}, 0.02, "t", &shared);
+    EXPECT_EQ(shared.size(), static_cast<size_t>(kDims.Ht));
+    for (int k : {1, 2, 3}) {
+      auto single = fit_sweep_per_head(m, *be, l, {1, 2, 0}, {k}, 0.02, "t")[0];
+      EXPECT_EQ(single.layers, sweep[k - 1].layers);
+      for (size_t i = 0; i < single.W.size(); ++i) EXPECT_NEAR(single.W[i], sweep[k - 1].W[i], 1e-6);
+      for (size_t i = 0; i < single.b.size(); ++i) EXPECT_NEAR(single.b[i], sweep[k - 1].b[i], 1e-6);
+    }
+  }
+}
+
+TEST(PerHead, RecoversAHeadMatchedPlantedMapExactly) {
+  const Data data = head_planted_data(kDims, 500, 41, /*head_matched=*/true);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  for (int l = 0; l < kDims.Lt; ++l) {
+    auto ph = fit_sweep_per_head(m, *be, l, {0, 1, 2}, {3}, 0.0, "t")[0];
+    auto ch = fit_sweep(m, *be, l, {0, 1, 2}, {3}, 0.0, "t")[0];
+    for (double r : ph.r2) EXPECT_GT(r, 1.0 - 1e-6);
+    for (double r : ch.r2) EXPECT_GT(r, 1.0 - 1e-6);
+    // The cross-head fit finds the heads unmixed: its weights across heads vanish.
+    for (int64_t i = 0; i < 3 * kDims.F(); ++i)
+      for (int64_t c = 0; c < kDims.G(); ++c)
+        if ((i % kDims.F()) / kDims.Ds != c / kDims.Dt) EXPECT_NEAR(ch.W[i * kDims.G() + c], 0.0, 1e-3);
+  }
+}
+
+TEST(PerHead, FallsShortWhereThePlantedMapMixesHeads) {
+  const Data data = head_planted_data(kDims, 500, 43, /*head_matched=*/false);
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  for (int l = 0; l < kDims.Lt; ++l) {
+    auto ph = fit_sweep_per_head(m, *be, l, {0, 1, 2}, {3}, 0.01, "t")[0];
+    auto ch = fit_sweep(m, *be, l, {0, 1, 2}, {3}, 0.01, "t")[0];
+    for (int h = 0; h < kDims.Ht; ++h) {
+      EXPECT_GT(ch.r2[h], 0.999);
+      EXPECT_LT(ph.r2[h], 0.8) << "head " << h;  // about half the planted signal comes from the other head
+    }
+  }
+}
+
+TEST(PerHead, SingularSystemNamesTheHead) {
+  Data data = planted_data(kDims, 200, 47);
+  for (int64_t t = 0; t < data.N; ++t)  // source layer 1's head 1 duplicates layer 0's
+    for (int64_t p = 0; p < kDims.Ds; ++p)
+      data.X[t * kDims.X() + kDims.F() + kDims.Ds + p] = data.X[t * kDims.X() + kDims.Ds + p];
+  Moments m = accumulate(data);
+  auto be = make_cpu_backend();
+  expect_error<SolveError>([&] { fit_sweep_per_head(m, *be, 0, {0, 1, 2}, {3}, 0.0, "target layer 0, keys"); },
+                           {"target layer 0, keys", "head 1", "k = 3", "singular"});
+  EXPECT_NO_THROW(fit_sweep_per_head(m, *be, 0, {0, 1, 2}, {3}, 0.01, "t"));
 }

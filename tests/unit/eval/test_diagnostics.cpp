@@ -145,7 +145,7 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
     ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, keys, c.values);
     ev.ok = ok;
     ev.verdict = std::string(ok ? "LIKELY TO TRANSFER" : "NOT READY") + ": attention-output cosine ...";
-    in.manifests.push_back({{"fit", {{"k", k}, {"params", 1000}, {"bias_params", 24}, {"features", 16}}},
+    in.manifests.push_back({{"fit", {{"k", k}, {"params", k == "all" ? 3000 : 1000}, {"bias_params", 24}, {"features", 16}}},
                             {"target", {{"kv_spec", {{"n_kv_heads", 2}, {"head_dim", 8}}}}}});
     if (k == 2)  // k = 2 keeps a residual MLP of 4 hidden for its keys: 16*4 + 4 + 4*4 + 4 + 4*16 + 16 = 168
       in.manifests.back()["layers"] = {{{"target_layer", 0}, {"mlp", {{"k", {{"kept", true}, {"hidden", 4}}},
@@ -159,7 +159,7 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   EXPECT_LT(html.find("id='heatmap'"), html.find("<h2>k = 1</h2>"));  // the heatmap embedded near the top
   EXPECT_EQ(html.find("<?xml"), std::string::npos);
   EXPECT_NE(html.find("<th>all &#9733;</th>"), std::string::npos) << "the best cosine is starred";
-  EXPECT_NE(html.find("smallest k that passes the verdict: <b>k = 2</b>"), std::string::npos);
+  EXPECT_NE(html.find("smallest mapper that passes the verdict: <b>k = 2</b>"), std::string::npos);
   EXPECT_NE(html.find("<td>1.02 K</td><td>4.00 KiB</td><td>2.05 KiB</td>"), std::string::npos)
       << "parameters and bytes per dtype (biases stay fp32)";
   EXPECT_NE(html.find("<td>1.19 K</td><td>4.66 KiB</td><td>2.70 KiB</td>"), std::string::npos)
@@ -167,5 +167,24 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   EXPECT_NE(html.find("<td>1 / 0 of 1</td>"), std::string::npos) << "MLPs kept per kind";
   EXPECT_NE(html.find("count the kept residual MLPs"), std::string::npos);
   EXPECT_NE(html.find("NOT READY</td>"), std::string::npos);
+  EXPECT_EQ(html.find("<th>structure</th>"), std::string::npos) << "one structure: no structure column";
+  // A head-matched k = 1 that passes with fewer parameters: listed beside k = 1, named as the smallest that passes.
+  Evaluation ph = in.evaluations[1];
+  in.evaluations.push_back(ph);
+  in.manifests.push_back({{"fit", {{"k", 1}, {"k_count", 1}, {"structure", "per_head"}, {"params", 500},
+                                   {"bias_params", 24}, {"features", 8}}}});
+  for (size_t i = 0; i < 3; ++i) in.manifests[i]["fit"]["k_count"] = i == 2 ? 6 : static_cast<int>(i) + 1;
+  const std::string both = render_report(in);
+  EXPECT_NE(both.find("<th>structure</th>"), std::string::npos);
+  EXPECT_NE(both.find("smallest mapper that passes the verdict: <b>k = 1, per_head</b> (524 parameters)"),
+            std::string::npos);
+  const size_t cross1 = both.find("<tr><th>1</th><td style='text-align:left'>cross_head</td>");
+  const size_t head1 = both.find("<th>1</th><td style='text-align:left'>per_head</td>");
+  const size_t cross2 = both.find("<th>2</th><td style='text-align:left'>cross_head</td>");
+  ASSERT_NE(cross1, std::string::npos);
+  ASSERT_NE(head1, std::string::npos);
+  EXPECT_LT(cross1, head1);
+  EXPECT_LT(head1, cross2) << "each k's structures side by side";
+  EXPECT_NE(both.find("<h2>k = 1, per_head</h2>"), std::string::npos);
 }
 

@@ -505,8 +505,96 @@ TEST(Fit, ARefitFromStoredMomentsReadsNoKeysOrValues) {
   const FitResult r = fit_yaml(refit);  // throws (a failed Fletcher-32 check) if it reads a damaged chunk
   EXPECT_EQ(r.tokens_read, 0);
   for (const auto& [path, bytes] : before) EXPECT_EQ(file_bytes(path), bytes) << path;
+  // A change of structure is a refit too: the cross-head job's moments give the head-matched mappers.
+  const FitResult ph = fit_yaml(config_yaml(tmp.str(), "{k: [1, 3], lambda: 0.5, structure: [cross_head, per_head]}"));
+  EXPECT_EQ(ph.tokens_read, 0);
+  EXPECT_EQ(ph.artifacts.size(), 4u);
+  EXPECT_TRUE(fs::exists(tmp.str("out/k3-per_head/manifest.json")));
+  for (const auto& [path, bytes] : before) EXPECT_EQ(file_bytes(path), bytes) << path;
   // Without the kept shifts the refit must read the shift shard's first block, and the damage shows.
   fs::remove(tmp.str("out/checkpoint/shifts.bin"));
   EXPECT_THROW(fit_yaml(refit), InputError);
 }
 
+
+namespace {
+
+// Held-out R² of a mapper on a shard pair, keys and values (over every target column, variance-weighted).
+std::pair<double, double> held_out_r2(const MapperWeights& m, const std::string& src, const std::string& tgt) {
+  ShardReader s(src), t(tgt);
+  const int64_t T = s.header().tokens;
+  const int64_t XW = m.source.n_layers * m.source.features_per_layer(), YW = m.target.n_layers * m.target.features_per_layer();
+  std::vector<float> xk(T * XW), xv(T * XW), yk(T * YW), yv(T * YW), pk(T * YW), pv(T * YW);
+  std::vector<uint16_t> scratch;
+  s.read_rows("keys", 0, T, 1, xk.data(), scratch);
+  s.read_rows("values", 0, T, 1, xv.data(), scratch);
+  t.read_rows("keys", 0, T, 1, yk.data(), scratch);
+  t.read_rows("values", 0, T, 1, yv.data(), scratch);
+  Rope(m.source).strip_block(xk.data(), T, int64_t{m.source.n_layers} * m.source.n_kv_heads, s.positions().data());
+  Rope(m.target).strip_block(yk.data(), T, int64_t{m.target.n_layers} * m.target.n_kv_heads, t.positions().data());
+  map_content(m, true, xk.data(), T, pk.data());
+  map_content(m, false, xv.data(), T, pv.data());
+  auto r2 = [&](const std::vector<float>& y, const std::vector<float>& p) {
+    double sse = 0, sst = 0;
+    for (int64_t c = 0; c < YW; ++c) {
+      double mean = 0;
+      for (int64_t i = 0; i < T; ++i) mean += y[i * YW + c] / T;
+      for (int64_t i = 0; i < T; ++i) {
+        sse += (y[i * YW + c] - p[i * YW + c]) * double(y[i * YW + c] - p[i * YW + c]);
+        sst += (y[i * YW + c] - mean) * (y[i * YW + c] - mean);
+      }
+    }
+    return 1.0 - sse / sst;
+  };
+  return {r2(yk, pk), r2(yv, pv)};
+}
+
+}  // namespace
+
+TEST(Fit, PerHeadMappersRecoverAHeadMatchedMapAndAreHtTimesSmaller) {
+  TempDir tmp;
+  SynthOptions o = linear_synth(tmp.str("cal"), "default", "llama3");
+  o.relation = SynthRelation::per_head;
+  synthesize(o);
+  o.out = tmp.str("held"), o.data_seed = 999, o.domains = {"eval"}, o.shards_per_domain = 1;
+  synthesize(o);
+  fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0, structure: [cross_head, per_head]}"));
+  const auto cross = manifest(tmp.str("cal/out/k1")), head = manifest(tmp.str("cal/out/k1-per_head"));
+  EXPECT_EQ(cross["fit"]["structure"], "cross_head");
+  EXPECT_EQ(head["fit"]["structure"], "per_head");
+  const int H = o.target.n_kv_heads, Ds = o.source.head_dim, Dt = o.target.head_dim;
+  EXPECT_EQ(head["fit"]["params"].get<int64_t>() * H, cross["fit"]["params"].get<int64_t>());
+  EXPECT_EQ(head["fit"]["features"], Ds);
+  for (const auto& l : head["layers"]) {
+    auto t = read_safetensors(tmp.str("cal/out/k1-per_head/" + l["file"].get<std::string>()));
+    EXPECT_EQ(t["k.weight"].shape, (std::vector<int64_t>{H, Ds, Dt}));
+    EXPECT_EQ(t["v.bias"].shape, (std::vector<int64_t>{int64_t{H} * Dt}));
+  }
+  const std::string src = tmp.str("held/source/eval/shard-000.h5"), tgt = tmp.str("held/target/eval/shard-000.h5");
+  MapperWeights m = load_mapper(tmp.str("cal/out/k1-per_head"));
+  for (const auto& l : m.layers) EXPECT_EQ(l.source_layers, std::vector<int>{l.target_layer % o.source.n_layers});
+  MapError e = map_shard(m, src, tgt);
+  EXPECT_LT(e.max_abs_k, 2e-5 * e.scale * 16) << "keys not recovered to fp32 precision";
+  EXPECT_LT(e.max_abs_v, 1e-3);
+}
+
+TEST(Fit, PerHeadFallsShortWhereTheFamilyMixesHeads) {
+  TempDir tmp;
+  SynthOptions o = linear_synth(tmp.str("cal"), "default", "llama3");  // a dense map: every head reads every head
+  synthesize(o);
+  o.out = tmp.str("held"), o.data_seed = 999, o.domains = {"eval"}, o.shards_per_domain = 1;
+  synthesize(o);
+  fit_yaml(config_yaml(tmp.str("cal"), "{k: [1], lambda: 0.001, structure: [cross_head, per_head]}"));
+  const std::string src = tmp.str("held/source/eval/shard-000.h5"), tgt = tmp.str("held/target/eval/shard-000.h5");
+  const auto [ck, cv] = held_out_r2(load_mapper(tmp.str("cal/out/k1")), src, tgt);
+  const auto [hk, hv] = held_out_r2(load_mapper(tmp.str("cal/out/k1-per_head")), src, tgt);
+  EXPECT_GT(ck, 0.999);
+  EXPECT_GT(cv, 0.999);
+  // The head-matched mapper sees 1/H of what each target head is made of.
+  EXPECT_LT(hk, 0.6);
+  EXPECT_LT(hv, 0.6);
+  // Its in-sample R² in the manifest says the same before any held-out data is looked at.
+  const auto head = manifest(tmp.str("cal/out/k1-per_head"));
+  for (const auto& l : head["layers"])
+    for (const auto& r : l["r2_v"]) EXPECT_LT(r.get<double>(), 0.6);
+}

@@ -256,6 +256,50 @@ TEST(ServingMapper, EqualsTransferBitForBitWithResidualMlps) {
   }
 }
 
+TEST(ServingMapper, PerHeadMappersEqualTransferAndTheReferenceForEveryK) {
+  for (const char* k : {"1", "2", "all"}) {
+    Artifact a(k, "per_head");
+    const Cache s = read_cache(a.tmp.str("source/web/shard-000.h5"), false);
+    expect_resident_equals_transfer(a.dir, s, s.tokens);  // bit for bit, whole and layer by layer
+    expect_resident_equals_transfer(a.dir, s, 1);
+    // Against the reference's loops, in content space.
+    auto be = make_cpu_backend();
+    Transfer tr(a.dir, *be);
+    const MapperWeights ref = load_mapper(a.dir);
+    const int64_t XW = int64_t{tr.source().n_layers} * tr.source().features_per_layer();
+    const int64_t YW = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
+    std::vector<float> xk(s.keys.begin(), s.keys.begin() + s.tokens * XW), yk(s.tokens * YW), yv(s.tokens * YW),
+        rk(s.tokens * YW), rv(s.tokens * YW);
+    Rope(tr.source()).strip_block(xk.data(), s.tokens, int64_t{tr.source().n_layers} * tr.source().n_kv_heads,
+                                  s.positions.data());
+    tr.map_content(xk.data(), s.values.data(), s.tokens, yk.data(), yv.data());
+    map_content(ref, true, xk.data(), s.tokens, rk.data());
+    map_content(ref, false, s.values.data(), s.tokens, rv.data());
+    EXPECT_LT(max_abs_diff(yk, rk), 1e-5 * std::max(1.0, max_abs(rk))) << k;
+    EXPECT_LT(max_abs_diff(yv, rv), 1e-5 * std::max(1.0, max_abs(rv))) << k;
+    // The per_head weights as the cross_head mapper they equal (zeros across heads): the same outputs.
+    const MapperManifest m = read_mapper_manifest(a.dir);
+    const double tol = 1e-5 * std::max(1.0, max_abs(rk));
+    for (int l = 0; l < m.target.n_layers; ++l) {
+      const MapperLayer dense = as_cross_head(m, load_mapper_layer(m, l));
+      EXPECT_EQ(dense.wk.size(), dense.source_layers.size() * m.source.features_per_layer() *
+                                     m.target.features_per_layer());
+      const int64_t G = m.target.features_per_layer();
+      std::vector<float> y(s.tokens * G), scratch;
+      map_one_layer(*be, xk.data(), XW, dense.source_layers, m.source.features_per_layer(), dense.wk.data(),
+                    dense.bk.data(), G, s.tokens, y.data(), G, scratch);
+      for (int64_t t = 0; t < s.tokens; ++t)
+        for (int64_t c = 0; c < G; ++c)
+          ASSERT_NEAR(y[t * G + c], yk[t * YW + l * G + c], tol) << k << " layer " << l;
+    }
+    ServingMapper rt(a.dir, *be);
+    const int64_t F = rt.source().features_per_layer(), G = rt.target().features_per_layer();
+    const int64_t kk = static_cast<int64_t>(m.layers[0].source_layers.size());
+    EXPECT_EQ(rt.weight_bytes(), int64_t{rt.target().n_layers} * 2 * (kk * F * G / rt.target().n_kv_heads + G) * 4)
+        << "per_head weights are Ht times smaller in memory too";
+  }
+}
+
 TEST(ServingMapper, RefusesWhatTransferRefusesByName) {
   Artifact a;
   auto be = make_cpu_backend();
