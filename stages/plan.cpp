@@ -101,7 +101,8 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
     // Ht systems of width count*Ds per target layer (Dt right-hand sides); k = Ls: one factor per head for all.
     const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (double{d.Hs} * d.Hs * d.Ht);
     const double head_layer = nm * nm * nm / 3.0 + nm * nm * d.Dt + bk + (a > 0 ? 2.0 * a * a * d.Dt : 0.0);
-    p.solve_flops += 2.0 * h * (d.Lt * head_layer + a * a * a / 3.0);
+    p.head_solve_flops = 2.0 * h * (d.Lt * head_layer + a * a * a / 3.0);
+    p.solve_flops += p.head_solve_flops;
   }
   return p;
 }
@@ -167,8 +168,13 @@ std::string format_plan(const FitPlan& p) {
   o << "  grid: " << p.ranks << " rank(s) = " << p.layer_groups << " layer group(s) x " << p.ranks / p.layer_groups
     << " token group(s)" << (p.layer_groups_auto ? " (auto)" : "") << "; moments per rank at most "
     << human_bytes(p.rank_moment_bytes) << "\n";
-  std::snprintf(buf, sizeof buf, "  flops: accumulate %.3g, solve %.3g (fp64)\n", p.accumulate_flops, p.solve_flops);
+  std::snprintf(buf, sizeof buf, "  flops: accumulate %.3g, solve %.3g (fp64)", p.accumulate_flops, p.solve_flops);
   o << buf;
+  if (p.head_solve_flops > 0) {
+    std::snprintf(buf, sizeof buf, "; per_head's share %.3g", p.head_solve_flops);
+    o << buf;
+  }
+  o << "\n";
   o << "  artifact        features  mapper params        fp32          bf16/fp16\n";
   for (size_t i = 0; i < p.slots(); ++i) {
     const KPlan& k = p.slot_k(i);

@@ -51,6 +51,7 @@ struct FitPlan {
   int64_t full_moment_bytes = 0, probe_moment_bytes = 0;  // the job's
   int64_t rank_moment_bytes = 0;  // most moment memory of a rank (its share of the blocks + exchanged Gram blocks)
   double accumulate_flops = 0, solve_flops = 0;
+  double head_solve_flops = 0;  // of solve_flops: the per_head systems
   double read_bytes_per_token = 0;
   int64_t selected_moment_bytes = 0;  // two passes: the job's blocks of the top-kmax selections (keys and values)
   HostMemory host;  // one rank's host memory (plan_job fills it in)

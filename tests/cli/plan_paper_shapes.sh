@@ -14,6 +14,13 @@ YAML
 expect_in "1.07 B" qwen.log
 expect_in "(1073741824)" qwen.log
 expect_in "4.00 GiB" qwen.log
+# Head-matched from the same plan: 8x fewer parameters and bytes per artifact, one line each.
+sed 's/fit: {k: 8}/fit: {k: 8, structure: [cross_head, per_head]}/' qwen.yaml > qwen-ph.yaml
+"$FIT" qwen-ph.yaml --plan > qwen-ph.log
+expect_in "k8                 8192  1.07 B" qwen-ph.log
+expect_in "k8-per_head        1024  134.22 M     (134217728)" qwen-ph.log
+expect_in "512.50 MiB" qwen-ph.log
+expect_in "; per_head's share " qwen-ph.log
 # Planning an 8-rank job from one process: the grid, and each rank's share of the moments.
 "$FIT" qwen.yaml --plan --ranks 8 > qwen8.log
 expect_in "grid: 8 rank(s) = 4 layer group(s) x 2 token group(s) (auto)" qwen8.log
