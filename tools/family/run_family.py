@@ -148,8 +148,9 @@ def main():
                    help="fit.mapper; with mlp or auto a ridge fit runs too and both are measured side by side")
     p.add_argument("--mlp", default="{hidden: 256, epochs: 20}", help="fit.mlp (YAML flow mapping)")
     p.add_argument("--reuse", action="store_true",
-                   help="reuse WORK's trained models, captures and fits (a run of the same settings): measure only")
+                   help="reuse WORK's trained models, captures and finished fits (a run of the same settings)")
     a = p.parse_args()
+    a.build = os.path.abspath(a.build)  # before the chdir into WORK
     os.makedirs(a.work, exist_ok=True)
     os.chdir(a.work)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -181,7 +182,9 @@ def main():
                                   "--queries"]) == 0
     ks = [k for k in (1, 2, 4) if k < a.source_layers] + ["all"]
     fits = [("out", a.mapper)] + ([("out-ridge", "ridge")] if a.mapper != "ridge" else [])
-    for out, mapper in fits if not a.reuse else ():
+    for out, mapper in fits:
+        if a.reuse and os.path.isfile(f"{out}/kall/manifest.json"):
+            continue
         with open(f"fit-{out}.yaml", "w") as f:
             f.write(f"source: {{store: source}}\ntarget: {{store: target}}\ncalibration: {{domains: [cal]}}\n"
                     f"fit: {{k: {json.dumps(ks)}, lambda: 0.01, mapper: {mapper}, mlp: {a.mlp}}}\n"
