@@ -31,26 +31,42 @@ nlohmann::json manifest(const std::string& dir) {
 struct MapError {
   double max_abs_k = 0, max_abs_v = 0, scale = 0;
 };
-MapError map_shard(const MapperWeights& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
+// A held-out shard pair read for a mapper: the target's keys and values as stored (keys post-RoPE), and the
+// mapper's prediction in content space from the source's (its keys stripped of the source RoPE unless told not to).
+struct Mapped {
+  int64_t T = 0, YW = 0;
+  std::vector<float> yk, yv, pk, pv;
+  std::vector<int32_t> pos;
+};
+Mapped map_pair(const MapperWeights& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
   ShardReader s(src), t(tgt);
-  const int64_t T = s.header().tokens;
-  const int64_t XW = m.source.n_layers * m.source.features_per_layer(), YW = m.target.n_layers * m.target.features_per_layer();
-  std::vector<float> xk(T * XW), xv(T * XW), yk(T * YW), yv(T * YW), pk(T * YW), pv(T * YW);
+  Mapped p;
+  p.T = s.header().tokens;
+  const int64_t XW = m.source.n_layers * m.source.features_per_layer();
+  p.YW = m.target.n_layers * m.target.features_per_layer();
+  std::vector<float> xk(p.T * XW), xv(p.T * XW);
+  p.yk.resize(p.T * p.YW), p.yv.resize(p.T * p.YW), p.pk.resize(p.T * p.YW), p.pv.resize(p.T * p.YW);
   std::vector<uint16_t> scratch;
-  s.read_rows("keys", 0, T, 1, xk.data(), scratch);
-  s.read_rows("values", 0, T, 1, xv.data(), scratch);
-  t.read_rows("keys", 0, T, 1, yk.data(), scratch);
-  t.read_rows("values", 0, T, 1, yv.data(), scratch);
-  auto pos = s.positions();
-  if (strip_at_apply) Rope(m.source).strip_block(xk.data(), T, int64_t{m.source.n_layers} * m.source.n_kv_heads, pos.data());
-  map_content(m, true, xk.data(), T, pk.data());
-  map_content(m, false, xv.data(), T, pv.data());
-  Rope(m.target).apply_block(pk.data(), T, int64_t{m.target.n_layers} * m.target.n_kv_heads, pos.data());
+  s.read_rows("keys", 0, p.T, 1, xk.data(), scratch);
+  s.read_rows("values", 0, p.T, 1, xv.data(), scratch);
+  t.read_rows("keys", 0, p.T, 1, p.yk.data(), scratch);
+  t.read_rows("values", 0, p.T, 1, p.yv.data(), scratch);
+  p.pos = s.positions();
+  if (strip_at_apply)
+    Rope(m.source).strip_block(xk.data(), p.T, int64_t{m.source.n_layers} * m.source.n_kv_heads, p.pos.data());
+  map_content(m, true, xk.data(), p.T, p.pk.data());
+  map_content(m, false, xv.data(), p.T, p.pv.data());
+  return p;
+}
+
+MapError map_shard(const MapperWeights& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
+  Mapped p = map_pair(m, src, tgt, strip_at_apply);
+  Rope(m.target).apply_block(p.pk.data(), p.T, int64_t{m.target.n_layers} * m.target.n_kv_heads, p.pos.data());
   MapError e;
-  for (int64_t i = 0; i < T * YW; ++i) {
-    e.max_abs_k = std::max(e.max_abs_k, std::fabs(double(pk[i]) - yk[i]));
-    e.max_abs_v = std::max(e.max_abs_v, std::fabs(double(pv[i]) - yv[i]));
-    e.scale = std::max(e.scale, std::fabs(double(yk[i])));
+  for (int64_t i = 0; i < p.T * p.YW; ++i) {
+    e.max_abs_k = std::max(e.max_abs_k, std::fabs(double(p.pk[i]) - p.yk[i]));
+    e.max_abs_v = std::max(e.max_abs_v, std::fabs(double(p.pv[i]) - p.yv[i]));
+    e.scale = std::max(e.scale, std::fabs(double(p.yk[i])));
   }
   return e;
 }
@@ -521,19 +537,9 @@ namespace {
 
 // Held-out R² of a mapper on a shard pair, keys and values (over every target column, variance-weighted).
 std::pair<double, double> held_out_r2(const MapperWeights& m, const std::string& src, const std::string& tgt) {
-  ShardReader s(src), t(tgt);
-  const int64_t T = s.header().tokens;
-  const int64_t XW = m.source.n_layers * m.source.features_per_layer(), YW = m.target.n_layers * m.target.features_per_layer();
-  std::vector<float> xk(T * XW), xv(T * XW), yk(T * YW), yv(T * YW), pk(T * YW), pv(T * YW);
-  std::vector<uint16_t> scratch;
-  s.read_rows("keys", 0, T, 1, xk.data(), scratch);
-  s.read_rows("values", 0, T, 1, xv.data(), scratch);
-  t.read_rows("keys", 0, T, 1, yk.data(), scratch);
-  t.read_rows("values", 0, T, 1, yv.data(), scratch);
-  Rope(m.source).strip_block(xk.data(), T, int64_t{m.source.n_layers} * m.source.n_kv_heads, s.positions().data());
-  Rope(m.target).strip_block(yk.data(), T, int64_t{m.target.n_layers} * m.target.n_kv_heads, t.positions().data());
-  map_content(m, true, xk.data(), T, pk.data());
-  map_content(m, false, xv.data(), T, pv.data());
+  Mapped p = map_pair(m, src, tgt);
+  Rope(m.target).strip_block(p.yk.data(), p.T, int64_t{m.target.n_layers} * m.target.n_kv_heads, p.pos.data());
+  const int64_t T = p.T, YW = p.YW;
   auto r2 = [&](const std::vector<float>& y, const std::vector<float>& p) {
     double sse = 0, sst = 0;
     for (int64_t c = 0; c < YW; ++c) {
@@ -546,7 +552,7 @@ std::pair<double, double> held_out_r2(const MapperWeights& m, const std::string&
     }
     return 1.0 - sse / sst;
   };
-  return {r2(yk, pk), r2(yv, pv)};
+  return {r2(p.yk, p.pk), r2(p.yv, p.pv)};
 }
 
 }  // namespace
