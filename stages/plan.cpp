@@ -99,7 +99,7 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   p.solve_flops = cross ? 2.0 * (d.Lt * per_layer + all * all * all / 3.0) : 0.0;
   if (std::find(structures.begin(), structures.end(), Structure::per_head) != structures.end()) {
     // Ht systems of width count*Ds per target layer (Dt right-hand sides); k = Ls: one factor per head for all.
-    const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (double{d.Hs} * d.Hs * d.Ht);
+    const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (static_cast<double>(d.Hs) * d.Hs * d.Ht);
     const double head_layer = nm * nm * nm / 3.0 + nm * nm * d.Dt + bk + (a > 0 ? 2.0 * a * a * d.Dt : 0.0);
     p.head_solve_flops = 2.0 * h * (d.Lt * head_layer + a * a * a / 3.0);
     p.solve_flops += p.head_solve_flops;
