@@ -171,7 +171,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     if (cfg.layer_groups > 0 && planned % cfg.layer_groups != 0)
       throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.layer_groups) +
                         " does not divide the job's " + std::to_string(planned) + " ranks");
-    return validate(cfg);
+    return validate(cfg, opts.fresh);
   });
   if (root)
     for (const auto& line : cal.skipped) spdlog::warn("{}", line);
@@ -206,7 +206,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   OutputLock lock;
   lock_output(ctx, cfg.output_dir, lock);
   const std::string ckpt_dir =
-      cfg.checkpoint_dir.empty() ? (fs::path(cfg.output_dir) / "checkpoint").string() : cfg.checkpoint_dir;
+      checkpoint_path(cfg);
 
   clock.start("probe-pass");
   FirstPass p1 = first_pass(cal, plan, ctx, ckpt_dir, opts.fresh);

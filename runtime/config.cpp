@@ -15,6 +15,11 @@
 namespace crosskv {
 
 const char* to_string(ProbeMode p) { return p == ProbeMode::same_head ? "same_head" : "all_heads"; }
+std::string checkpoint_path(const FitConfig& cfg) {
+  return cfg.checkpoint_dir.empty() ? (std::filesystem::path(cfg.output_dir) / "checkpoint").string()
+                                    : cfg.checkpoint_dir;
+}
+
 std::string KChoice::label() const { return is_all() ? "all" : std::to_string(value); }
 
 namespace {

@@ -62,11 +62,14 @@ struct FitConfig {
   int64_t block_tokens = 4096;
   double max_moment_gib = 8.0;  // per rank; above this the fit moments are gathered in a second, selective pass
   int layer_groups = 0;         // ranks per token group share target layers in this many groups; 0: auto
-  std::string checkpoint_dir;
+  std::string checkpoint_dir;  // empty: <output_dir>/checkpoint (checkpoint_path())
   int64_t checkpoint_every_shards = 8;
   // Residual-MLP training: an epoch's state is checkpointed when this long has passed since the last (0: every epoch).
   int64_t checkpoint_mlp_seconds = 300;
 };
+
+// runtime.checkpoint.dir, or its default under output.dir.
+std::string checkpoint_path(const FitConfig& cfg);
 
 FitConfig load_fit_config(const std::string& path);
 FitConfig parse_fit_config(const std::string& yaml_text, const std::string& path);

@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "core/rope.hpp"
@@ -244,28 +247,51 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
   }
 }
 
-// The pair whose first block gives the provisional shift: the store's first pair over every domain when usable.
-void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration& cal) {
+// The shard the kept provisional shifts (<checkpoint>/shifts.bin, stages/stream) were taken from, or "".
+std::string kept_shift_shard(const FitConfig& cfg) {
+  std::ifstream in((fs::path(checkpoint_path(cfg)) / "shifts.bin").string(), std::ios::binary);
+  std::string head;
+  if (!in || !std::getline(in, head)) return "";
+  const nlohmann::json h = nlohmann::json::parse(head, nullptr, false);
+  if (!h.is_object() || !h.contains("identity") || !h["identity"].is_object()) return "";
+  const auto& s = h["identity"].value("shard", nlohmann::json());
+  return s.is_string() ? s.get<std::string>() : "";
+}
+
+// The pair whose first block gives the provisional shift: the one the checkpoint's stored moments were taken about
+// while it is still in both stores (so that shards added later, in a domain that sorts first, do not change the
+// shift and force every stored domain to be read again), else the store's first pair over every domain, when usable.
+void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration& cal, bool fresh) {
   cal.shift_shard = cal.shards.front();
-  for (const auto& r : listed.source) {
-    if (!listed.target.count(r) || shard_domain(r).empty()) continue;
-    if (r == cal.shift_shard.rel) break;
+  // Takes pair r for the shift when both sides are there and fit the calibration's shapes.
+  auto take = [&](const std::string& r) {
+    if (!listed.target.count(r) || shard_domain(r).empty()) return false;
+    if (r == cal.shift_shard.rel) return true;
     try {
       ShardReader s((fs::path(cfg.source_store) / r).string()), t((fs::path(cfg.target_store) / r).string());
-      if (s.header().spec == cal.source && t.header().spec == cal.target && s.header().tokens > 0 &&
-          s.header().tokens == t.header().tokens) {
-        cal.shift_shard.rel = r;
-        cal.shift_shard.domain = shard_domain(r);
-        cal.shift_shard.source_path = s.header().path;
-        cal.shift_shard.target_path = t.header().path;
-        cal.shift_shard.rows = s.header().tokens;
-        cal.shift_shard.used = (s.header().tokens + cfg.token_stride - 1) / cfg.token_stride;
-      }
+      if (!(s.header().spec == cal.source && t.header().spec == cal.target && s.header().tokens > 0 &&
+            s.header().tokens == t.header().tokens))
+        return false;
+      cal.shift_shard.rel = r;
+      cal.shift_shard.domain = shard_domain(r);
+      cal.shift_shard.source_path = s.header().path;
+      cal.shift_shard.target_path = t.header().path;
+      cal.shift_shard.rows = s.header().tokens;
+      cal.shift_shard.used = (s.header().tokens + cfg.token_stride - 1) / cfg.token_stride;
+      return true;
     } catch (const UserError&) {
-      // Not usable for the shift: the first selected shard serves.
+      return false;  // not usable for the shift
     }
-    break;
-  }
+  };
+  const std::string kept = fresh ? "" : kept_shift_shard(cfg);
+  if (!kept.empty() && std::find(listed.source.begin(), listed.source.end(), kept) != listed.source.end() &&
+      take(kept))
+    return;
+  for (const auto& r : listed.source)  // the store's first pair, else the first selected shard (set above)
+    if (listed.target.count(r) && !shard_domain(r).empty()) {
+      take(r);
+      return;
+    }
 }
 
 // What the config asks of the shapes the shards have.
@@ -296,7 +322,7 @@ void check_fit_against_shapes(const FitConfig& cfg, const Calibration& cal) {
 
 }  // namespace
 
-Calibration validate(const FitConfig& cfg) {
+Calibration validate(const FitConfig& cfg, bool fresh) {
   Calibration cal;
   cal.cfg = cfg;
   check_output_writable(cfg.output_dir);
@@ -305,7 +331,7 @@ Calibration validate(const FitConfig& cfg) {
   check_output_outside_stores(cfg);
   const Listed listed = pair_shards(cfg, cal);
   read_pairs(cfg, cal);
-  choose_shift_shard(cfg, listed, cal);
+  choose_shift_shard(cfg, listed, cal, fresh);
   check_fit_against_shapes(cfg, cal);
   return cal;
 }

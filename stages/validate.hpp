@@ -12,6 +12,8 @@
 namespace crosskv {
 
 // Stage 1: config, stores, shards. Reads only metadata, token ids and positions.
-Calibration validate(const FitConfig& cfg);
+// `fresh` (crosskv-fit --fresh): the checkpoint's kept provisional shift is not preferred (a fresh start chooses
+// as a new job does).
+Calibration validate(const FitConfig& cfg, bool fresh = false);
 
 }  // namespace crosskv

@@ -474,7 +474,9 @@ TEST(PerHead, RecoversAHeadMatchedPlantedMapExactly) {
     // The cross-head fit finds the heads unmixed: its weights across heads vanish.
     for (int64_t i = 0; i < 3 * kDims.F(); ++i)
       for (int64_t c = 0; c < kDims.G(); ++c)
-        if ((i % kDims.F()) / kDims.Ds != c / kDims.Dt) EXPECT_NEAR(ch.W[i * kDims.G() + c], 0.0, 1e-3);
+        if ((i % kDims.F()) / kDims.Ds != c / kDims.Dt) {
+          EXPECT_NEAR(ch.W[i * kDims.G() + c], 0.0, 1e-3);
+        }
   }
 }
 
