@@ -183,7 +183,7 @@ void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
       if (s.size() == 0) r.fail(s, "fit.structure", "expected cross_head, per_head or a non-empty list of them");
       for (const auto& e : s) {
         const Structure v = choice<Structure>(r, e, "fit.structure", names, values);
-        if (std::find(c.structures.begin(), c.structures.end(), v) != c.structures.end())
+        if (has_structure(c.structures, v))
           r.fail(e, "fit.structure", std::string(to_string(v)) + " listed twice");
         c.structures.push_back(v);
       }
@@ -196,8 +196,7 @@ void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
   if (auto m = fit["mapper"])
     c.mapper = choice<MapperKind>(r, m, "fit.mapper", {"ridge", "mlp", "auto"}, {MapperKind::ridge, MapperKind::mlp, MapperKind::auto_});
   if (auto m = fit["mlp"]) parse_mlp(r, m, c.mlp);
-  if (c.mapper != MapperKind::ridge &&
-      std::find(c.structures.begin(), c.structures.end(), Structure::per_head) != c.structures.end())
+  if (c.mapper != MapperKind::ridge && has_structure(c.structures, Structure::per_head))
     r.fail(fit["mapper"], "fit.mapper",
            "the residual MLP reads every head of the selected layers, so it is fitted for structure: cross_head "
            "only; use mapper: ridge with per_head, or structure: cross_head");

@@ -39,12 +39,11 @@ T* ServingMapper::scratch(ServingKernels::MemoryPtr& m, int64_t count) {
 
 void ServingMapper::upload(std::vector<MapperLayer> layers) {
   const int Lt = m_.target.n_layers;
-  const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
+  const int64_t G = m_.target.features_per_layer();
   CROSSKV_ASSERT(static_cast<int>(layers.size()) == Lt && Lt > 0, "resident transfer: one entry per layer");
   k_ = static_cast<int64_t>(layers[0].source_layers.size());
   per_head_ = m_.structure == Structure::per_head;
   const int64_t K = m_.weight_rows();  // rows of a layer's weight (per head, for per_head)
-  (void)F;
   auto put = [&](const void* host, int64_t bytes, ServingKernels::MemoryPtr& into, int64_t at) {
     be_.copy_from_host(host, bytes, static_cast<char*>(into->data) + at);
   };

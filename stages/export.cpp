@@ -67,33 +67,33 @@ std::string ArtifactWriter::record_dir(size_t slot) const { return records_in(pa
 
 void ArtifactWriter::begin(const nlohmann::json& identity) {
   const std::string id = identity.dump();
-  for (size_t k = 0; k < plan_.slots(); ++k) {
-    const std::string idfile = (fs::path(record_dir(k)) / "identity.json").string();
+  for (size_t slot = 0; slot < plan_.slots(); ++slot) {
+    const std::string idfile = (fs::path(record_dir(slot)) / "identity.json").string();
     std::ifstream in(idfile);
     const std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (!old.empty() && old == id) {  // an interrupted export of this job: its layers stand, its temporaries go
-      remove_temporaries(partial_dir(k));
-      remove_temporaries(record_dir(k));
+      remove_temporaries(partial_dir(slot));
+      remove_temporaries(record_dir(slot));
       continue;
     }
     std::error_code ec;
-    fs::remove_all(partial_dir(k), ec);
-    fs::create_directories(record_dir(k), ec);
-    if (ec) throw InputError("output.dir: cannot create " + record_dir(k) + ": " + ec.message());
+    fs::remove_all(partial_dir(slot), ec);
+    fs::create_directories(record_dir(slot), ec);
+    if (ec) throw InputError("output.dir: cannot create " + record_dir(slot) + ": " + ec.message());
     write_file_atomic(idfile, id);
   }
 }
 
 bool ArtifactWriter::resume_layer(int l) {
   std::vector<nlohmann::json> entries;
-  for (size_t k = 0; k < plan_.slots(); ++k) {
-    const std::string rec = (fs::path(record_dir(k)) / (layer_file_name(l) + ".json")).string();
+  for (size_t slot = 0; slot < plan_.slots(); ++slot) {
+    const std::string rec = (fs::path(record_dir(slot)) / (layer_file_name(l) + ".json")).string();
     std::ifstream in(rec);
     if (!in) return false;
     nlohmann::json e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (!e.is_object() || !e.contains("sha256") || !e["sha256"].is_string() || e.value("target_layer", -1) != l)
       return false;
-    const std::string file = (fs::path(partial_dir(k)) / layer_file_name(l)).string();
+    const std::string file = (fs::path(partial_dir(slot)) / layer_file_name(l)).string();
     std::error_code ec;
     if (!fs::is_regular_file(file, ec) || sha256_file(file) != e["sha256"].get<std::string>()) return false;
     entries.push_back(std::move(e));
@@ -190,7 +190,6 @@ void ArtifactWriter::write_job(const Job& job) {
   const bool half = cal_.cfg.dtype != Dtype::f32;
   const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == Dtype::bf16 ? "BF16" : "F16";
   for (size_t i = 0; i < plan_.slots(); ++i) {
-    const size_t k = i;
     const LayerFit &fk = job.fk[i], &fv = job.fv[i];
     if (half) {
       const auto c0 = std::chrono::steady_clock::now();
@@ -207,7 +206,7 @@ void ArtifactWriter::write_job(const Job& job) {
     const void* wv = half ? static_cast<const void*>(half_v_.data()) : fv.W.data();
     const size_t wbytes = fk.W.size() * (half ? 2 : 4);
     const std::string file = layer_file_name(l);
-    const std::string path = (fs::path(partial_dir(k)) / file).string();
+    const std::string path = (fs::path(partial_dir(i)) / file).string();
     if (fault("kill_in_layer_write", files_ + 1, rank_)) {  // a write cut short: its temporary stays behind
       AtomicFile partial(path);
       partial.write(wk, wbytes / 2);
@@ -220,7 +219,7 @@ void ArtifactWriter::write_job(const Job& job) {
     written();
     nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
     // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
-    write_file_atomic((fs::path(record_dir(k)) / (file + ".json")).string(), entry.dump());
+    write_file_atomic((fs::path(record_dir(i)) / (file + ".json")).string(), entry.dump());
     std::lock_guard<std::mutex> lk(m_);
     layers_[i].push_back(std::move(entry));
   }
@@ -248,7 +247,6 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, boo
     const Structure st = plan_.slot_structure(i);
     const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.lambda,
                           to_string(c.probe), weight_dtype_name(c.dtype), to_string(st)};
-    const size_t k = i;
     nlohmann::json m = make_manifest(cal_.source_model, cal_.source, cal_.target_model, cal_.target, fit, layers_[i],
                                      {{"domains", cal_.domains},
                                       {"weights", c.weights},
@@ -257,9 +255,9 @@ std::vector<std::string> ArtifactWriter::finish(const nlohmann::json& extra, boo
                                       {"token_stride", c.token_stride},
                                       {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}});
     for (auto it = extra.begin(); it != extra.end(); ++it) m[it.key()] = it.value();
-    write_manifest(partial_dir(k), m);
+    write_manifest(partial_dir(i), m);
     if (!publish) {
-      out.push_back(partial_dir(k));
+      out.push_back(partial_dir(i));
       continue;
     }
     out.push_back(publish_artifact(c.output_dir, plan_.slot_folder(i)));

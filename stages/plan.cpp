@@ -95,9 +95,8 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   }
   const double per_layer = nested_max * nested_max * nested_max / 3.0 + nested_max * nested_max * d.G() + back +
                            (all > 0 ? 2.0 * all * all * d.G() : 0.0);
-  const bool cross = std::find(structures.begin(), structures.end(), Structure::cross_head) != structures.end();
-  p.solve_flops = cross ? 2.0 * (d.Lt * per_layer + all * all * all / 3.0) : 0.0;
-  if (std::find(structures.begin(), structures.end(), Structure::per_head) != structures.end()) {
+  p.solve_flops = has_structure(structures, Structure::cross_head) ? 2.0 * (d.Lt * per_layer + all * all * all / 3.0) : 0.0;
+  if (has_structure(structures, Structure::per_head)) {
     // Ht systems of width count*Ds per target layer (Dt right-hand sides); k = Ls: one factor per head for all.
     const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (static_cast<double>(d.Hs) * d.Hs * d.Ht);
     const double head_layer = nm * nm * nm / 3.0 + nm * nm * d.Dt + bk + (a > 0 ? 2.0 * a * a * d.Dt : 0.0);

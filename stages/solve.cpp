@@ -103,7 +103,7 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
   // A pair member solves one kind: the other kind's moments are not needed here any more.
   if (unit.paired) (unit.solves_keys() ? mv : mk) = Moments{};
   const auto& ss = plan.structures;
-  const bool cross = std::find(ss.begin(), ss.end(), Structure::cross_head) != ss.end();
+  const bool cross = has_structure(ss, Structure::cross_head);
   // k = all is the same system for every target layer: factor it once per kind solved here (per head: on first use).
   std::unique_ptr<Factor> all_k, all_v;
   std::vector<Factor> head_all_k, head_all_v;

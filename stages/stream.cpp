@@ -243,12 +243,20 @@ auto parts_of(S& s) {
 }
 
 // The shifts in `path` when it holds those of `id`, whole; nullopt otherwise (missing, another shard, damaged).
+std::string shifts_file(const std::string& ckpt_dir) { return (fs::path(ckpt_dir) / "shifts.bin").string(); }
+
+// The file's first line (its identity and SHA-256) as JSON, or null; `in` is left after it.
+nlohmann::json read_shifts_head(std::ifstream& in) {
+  std::string head;
+  if (!in || !std::getline(in, head)) return nullptr;
+  const nlohmann::json h = nlohmann::json::parse(head, nullptr, false);
+  return h.is_object() ? h : nullptr;
+}
+
 std::optional<Shifts> read_kept_shifts(const std::string& path, const nlohmann::json& id, const PairDims& d) {
   std::ifstream in(path, std::ios::binary);
-  std::string head;
-  if (!in || !std::getline(in, head)) return std::nullopt;
-  const nlohmann::json h = nlohmann::json::parse(head, nullptr, false);
-  if (h.is_discarded() || !h.is_object() || h.value("identity", nlohmann::json()) != id) return std::nullopt;
+  const nlohmann::json h = read_shifts_head(in);
+  if (!h.is_object() || h.value("identity", nlohmann::json()) != id) return std::nullopt;
   Shifts s;
   const int64_t sizes[6] = {d.X(), d.Y(), d.X(), d.Y(), d.X(), d.Y()};
   Sha256 sha;
@@ -275,8 +283,15 @@ void keep_shifts(const std::string& path, const nlohmann::json& id, const Shifts
 
 }  // namespace
 
+std::string kept_shift_shard(const std::string& ckpt_dir) {
+  std::ifstream in(shifts_file(ckpt_dir), std::ios::binary);
+  const nlohmann::json h = read_shifts_head(in);
+  const nlohmann::json id = h.is_object() ? h.value("identity", nlohmann::json()) : nlohmann::json();
+  return id.is_object() && id.contains("shard") && id["shard"].is_string() ? id["shard"].get<std::string>() : "";
+}
+
 Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh) {
-  const std::string path = (fs::path(ckpt_dir) / "shifts.bin").string();
+  const std::string path = shifts_file(ckpt_dir);
   const nlohmann::json id = shift_identity(cal);
   if (auto kept = fresh ? std::nullopt : read_kept_shifts(path, id, cal.dims())) return *kept;
   Shifts s = compute_shifts(cal);

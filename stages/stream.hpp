@@ -27,6 +27,8 @@ Shifts compute_shifts(const Calibration& cal);
 // the shard (compute_shifts) and written by rank 0 (`writer`). With `fresh` (crosskv-fit --fresh) the kept file
 // is not read, and is rewritten.
 Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh);
+// The shard (relative path) the shifts kept in <ckpt_dir>/shifts.bin were taken from, or "" when there are none.
+std::string kept_shift_shard(const std::string& ckpt_dir);
 
 // Stage 3/5: one streaming pass, in rounds. With T = ctx.readers().size(), round r covers the shards
 // [r*T*E, (r+1)*T*E) (E = runtime.checkpoint.every_shards); reader p reads those with index % T == p. After each round `on_round` runs on

@@ -4,11 +4,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
-
-#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "core/rope.hpp"
@@ -16,6 +13,7 @@
 #include "io/shard.hpp"
 #include "io/store.hpp"
 #include "stages/calibration.hpp"
+#include "stages/stream.hpp"
 
 namespace fs = std::filesystem;
 
@@ -247,17 +245,6 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
   }
 }
 
-// The shard the kept provisional shifts (<checkpoint>/shifts.bin, stages/stream) were taken from, or "".
-std::string kept_shift_shard(const FitConfig& cfg) {
-  std::ifstream in((fs::path(checkpoint_path(cfg)) / "shifts.bin").string(), std::ios::binary);
-  std::string head;
-  if (!in || !std::getline(in, head)) return "";
-  const nlohmann::json h = nlohmann::json::parse(head, nullptr, false);
-  if (!h.is_object() || !h.contains("identity") || !h["identity"].is_object()) return "";
-  const auto& s = h["identity"].value("shard", nlohmann::json());
-  return s.is_string() ? s.get<std::string>() : "";
-}
-
 // The pair whose first block gives the provisional shift: the one the checkpoint's stored moments were taken about
 // while it is still in both stores (so that shards added later, in a domain that sorts first, do not change the
 // shift and force every stored domain to be read again), else the store's first pair over every domain, when usable.
@@ -283,7 +270,7 @@ void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration&
       return false;  // not usable for the shift
     }
   };
-  const std::string kept = fresh ? "" : kept_shift_shard(cfg);
+  const std::string kept = fresh ? "" : kept_shift_shard(checkpoint_path(cfg));
   if (!kept.empty() && std::find(listed.source.begin(), listed.source.end(), kept) != listed.source.end() &&
       take(kept))
     return;
@@ -297,8 +284,7 @@ void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration&
 // What the config asks of the shapes the shards have.
 void check_fit_against_shapes(const FitConfig& cfg, const Calibration& cal) {
   if (cal.tokens_used < 2) throw InputError("calibration: fewer than 2 tokens selected (check max_tokens and the shards)");
-  const bool per_head =
-      std::find(cfg.structures.begin(), cfg.structures.end(), Structure::per_head) != cfg.structures.end();
+  const bool per_head = has_structure(cfg.structures, Structure::per_head);
   if (per_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
     throw ConfigError(cfg.config_path + ": fit.structure: per_head needs equal KV head counts (source " +
                       std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
