@@ -5,26 +5,65 @@
 #include <utility>
 
 #include "core/error.hpp"
+#include "core/mlp.hpp"
 
 namespace crosskv {
 
-ServingMapper::ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify)
+namespace {
+
+// Columns [c0, c0 + n) of a row-major [rows x cols] matrix.
+std::vector<float> columns(const float* a, int64_t rows, int64_t cols, int64_t c0, int64_t n) {
+  std::vector<float> out(rows * n);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(a + r * cols + c0, n, out.data() + r * n);
+  return out;
+}
+
+// Layer x's weights, biases and residual MLPs cut to the target heads `h` (their output columns; per_head: their
+// weight slabs). Every output column depends on its own weights alone, so the cut maps those heads exactly.
+void keep_heads(const MapperManifest& m, MapperLayer& x, TargetHeads h) {
+  const int64_t Dt = m.target.head_dim, G = m.target.features_per_layer(), c0 = h.first * Dt, n = h.count * Dt;
+  if (n == G) return;
+  const int64_t K = m.weight_rows();
+  for (auto [w, b, mlp] : {std::tuple{&x.wk, &x.bk, &x.mlp_k}, {&x.wv, &x.bv, &x.mlp_v}}) {
+    if (m.structure == Structure::per_head)  // [Ht][K x Dt]: the heads' slabs, contiguous
+      *w = std::vector<float>(w->begin() + h.first * K * Dt, w->begin() + (h.first + h.count) * K * Dt);
+    else
+      *w = columns(w->data(), K, G, c0, n);
+    *b = std::vector<float>(b->begin() + c0, b->begin() + c0 + n);
+    if (mlp->flat.empty()) continue;
+    const MlpShape full = mlp->shape;
+    MlpParams cut(MlpShape{full.in, full.hidden, n});
+    const std::vector<MlpTensor> from = mlp_tensors(full), to = mlp_tensors(cut.shape);  // w1 b1 w2 b2 w3 b3
+    std::copy_n(mlp->flat.data(), from[4].offset, cut.flat.data());  // w1 b1 w2 b2 as they are
+    const std::vector<float> w3 = columns(mlp->flat.data() + from[4].offset, full.hidden, full.out, c0, n);
+    std::copy(w3.begin(), w3.end(), cut.flat.begin() + to[4].offset);
+    std::copy_n(mlp->flat.data() + from[5].offset + c0, n, cut.flat.begin() + to[5].offset);
+    *mlp = std::move(cut);
+  }
+}
+
+}  // namespace
+
+ServingMapper::ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify, TargetHeads heads)
     : m_(read_mapper_manifest(mapper_dir)),
       be_(be),
       src_rope_(m_.source, m_.path + " (source.kv_spec)"),
       tgt_rope_(m_.target, m_.path + " (target.kv_spec)") {
+  check_target_heads(heads, m_.target.n_kv_heads);
   std::vector<MapperLayer> layers;
   layers.reserve(m_.target.n_layers);
   for (int l = 0; l < m_.target.n_layers; ++l) layers.push_back(load_mapper_layer(m_, l, verify));
-  upload(std::move(layers));
+  upload(std::move(layers), heads);
 }
 
-ServingMapper::ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be)
+ServingMapper::ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be,
+                             TargetHeads heads)
     : m_(std::move(m)),
       be_(be),
       src_rope_(m_.source, m_.path + " (source.kv_spec)"),
       tgt_rope_(m_.target, m_.path + " (target.kv_spec)") {
-  upload(std::move(layers));
+  check_target_heads(heads, m_.target.n_kv_heads);
+  upload(std::move(layers), heads);
 }
 
 template <class T>
@@ -37,9 +76,10 @@ T* ServingMapper::scratch(ServingKernels::MemoryPtr& m, int64_t count) {
   return m->as<T>();
 }
 
-void ServingMapper::upload(std::vector<MapperLayer> layers) {
+void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads) {
   const int Lt = m_.target.n_layers;
-  const int64_t G = m_.target.features_per_layer();
+  heads_ = {heads.first, heads.size(m_.target.n_kv_heads)};
+  const int64_t G_full = m_.target.features_per_layer(), G = G_ = int64_t{heads_.count} * m_.target.head_dim;
   CROSSKV_ASSERT(static_cast<int>(layers.size()) == Lt && Lt > 0, "resident transfer: one entry per layer");
   k_ = static_cast<int64_t>(layers[0].source_layers.size());
   per_head_ = m_.structure == Structure::per_head;
@@ -55,9 +95,11 @@ void ServingMapper::upload(std::vector<MapperLayer> layers) {
   for (int l = 0; l < Lt; ++l) {
     MapperLayer& x = layers[l];
     CROSSKV_ASSERT(x.target_layer == l && static_cast<int64_t>(x.source_layers.size()) == k_ &&
-                       static_cast<int64_t>(x.wk.size()) == K * G && static_cast<int64_t>(x.wv.size()) == K * G &&
-                       static_cast<int64_t>(x.bk.size()) == G && static_cast<int64_t>(x.bv.size()) == G,
+                       static_cast<int64_t>(x.wk.size()) == K * G_full &&
+                       static_cast<int64_t>(x.wv.size()) == K * G_full &&
+                       static_cast<int64_t>(x.bk.size()) == G_full && static_cast<int64_t>(x.bv.size()) == G_full,
                    "resident transfer: layer " + std::to_string(l) + " has the wrong shapes");
+    keep_heads(m_, x, heads_);
     selected_.push_back(x.source_layers);
     for (auto [kd, wt, bias, mlp] : {std::tuple{&keys_, &x.wk, &x.bk, &x.mlp_k}, {&values_, &x.wv, &x.bv, &x.mlp_v}}) {
       put(wt->data(), K * G * 4, kd->w, l * K * G * 4);
@@ -99,7 +141,7 @@ void ServingMapper::add_mlp(const MlpShape& s, const float* p, const float* X, i
 }
 
 void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, int l0, int l1, float* Y) {
-  const int64_t F = m_.source.features_per_layer(), G = m_.target.features_per_layer();
+  const int64_t F = m_.source.features_per_layer(), G = G_;
   const int64_t XW = m_.source.n_layers * F, YW = (l1 - l0) * G, K = k_ * F;
   float* const Y0 = Y - l0 * G;  // layer l's columns are Y0 + l * G (row stride YW)
   be_.broadcast_rows(kd.b->as<float>() + l0 * G, YW, rows, Y, YW);  // every layer's bias in one call
@@ -109,7 +151,7 @@ void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, int l
       for (int j = 0; j < static_cast<int>(k_); ++j)
         be_.serving_gemm(per_head_slot(X, XW, selected_[l][j], j, static_cast<int>(k_), m_.target.n_kv_heads,
                                        m_.source.head_dim, m_.target.head_dim, kd.w->as<float>() + l * per_layer,
-                                       rows, Y0 + l * G, YW));
+                                       rows, Y0 + l * G, YW, heads_));
     return;
   }
   // Layer l's residual MLP (if any) on its gathered input Xl [rows x K], after its product.
@@ -161,7 +203,7 @@ void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
   const int l0 = b.layers.first, l1 = b.layers.end(m_.target.n_layers);
   map_kind(keys_, content, b.rows, l0, l1, b.out_keys);
   map_kind(values_, b.values, b.rows, l0, l1, b.out_values);
-  be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{l1 - l0} * m_.target.n_kv_heads, b.target_positions);
+  be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{l1 - l0} * heads_.count, b.target_positions);
   if (stream) be_.end_before(*stream);
 }
 
@@ -175,7 +217,7 @@ void ServingMapper::apply_host(const float* keys, const float* values, const int
     return;
   }
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
-  const int64_t YW = layers.size(m_.target.n_layers) * m_.target.features_per_layer();
+  const int64_t YW = layers.size(m_.target.n_layers) * G_;
   // One device array for the call: keys, values, out keys, out values (floats), then both positions (int32).
   float* d = scratch<float>(io_, rows * (2 * XW + 2 * YW + 2));
   ServingBatch b;

@@ -35,9 +35,11 @@ struct ServingBatch {
 class ServingMapper {
  public:
   // Reads the manifest and every layer file (each SHA-256 checked when `verify`) and moves the weights to `be`.
-  ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify = true);
+  // With `heads`, only those target KV heads' weights are kept and mapped (a tensor-parallel worker's): the outputs
+  // are then [rows, Lt, heads.count, Dt], equal to those heads of the whole mapping.
+  ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify = true, TargetHeads heads = {});
   // A mapper already in memory (benchmarks): `layers` in target-layer order.
-  ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be);
+  ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be, TargetHeads heads = {});
   ServingMapper(const ServingMapper&) = delete;
   ServingMapper& operator=(const ServingMapper&) = delete;
 
@@ -45,6 +47,7 @@ class ServingMapper {
   const KvSpec& source() const { return m_.source; }
   const KvSpec& target() const { return m_.target; }
   ServingKernels& backend() const { return be_; }
+  TargetHeads heads() const { return heads_; }  // the target KV heads mapped: {first, count}, count resolved
   int64_t weight_bytes() const { return weight_bytes_; }  // resident: ridge and MLP parameters, fp32
   // The cap on the gathered source layers of one batched product (default 256 MiB): below it, fewer target layers
   // per product; at least one.
@@ -68,7 +71,7 @@ class ServingMapper {
   // A scratch array of at least `count` Ts (grown, contents not kept).
   template <class T>
   T* scratch(ServingKernels::MemoryPtr& m, int64_t count);
-  void upload(std::vector<MapperLayer> layers);
+  void upload(std::vector<MapperLayer> layers, TargetHeads heads);
   // Target layers [l0, l1) of one kind into Y [rows x (l1 - l0) * G].
   void map_kind(const Kind& kd, const float* X, int64_t rows, int l0, int l1, float* Y);
   void add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y, int64_t ldy);
@@ -80,6 +83,8 @@ class ServingMapper {
   int64_t k_ = 0;                           // source layers per target layer (the same for every one)
   bool all_layers_ = false;                 // every target layer reads every source layer: X is its input as is
   bool per_head_ = false;                   // head-matched weights: [Ht][k*Ds x Dt] per layer
+  TargetHeads heads_;                       // the target heads mapped (all by default)
+  int64_t G_ = 0;                           // output features per layer: heads_.count * Dt
   Kind keys_, values_;
   int64_t weight_bytes_ = 0;
   int64_t gather_bytes_ = int64_t{256} << 20;

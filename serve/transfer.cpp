@@ -58,10 +58,11 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
 }
 
 DenseMaths::BatchedGemm per_head_slot(const float* X, int64_t XW, int a, int j, int k, int heads, int64_t Ds,
-                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW) {
+                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW,
+                                      TargetHeads only) {
   DenseMaths::BatchedGemm g;
-  g.m = rows, g.n = Dt, g.k = Ds, g.beta = 1.0f, g.batch = heads;
-  g.A = X + int64_t{a} * heads * Ds, g.lda = XW, g.stride_a = Ds;
+  g.m = rows, g.n = Dt, g.k = Ds, g.beta = 1.0f, g.batch = only.size(heads);
+  g.A = X + (int64_t{a} * heads + only.first) * Ds, g.lda = XW, g.stride_a = Ds;
   g.B = W + int64_t{j} * Ds * Dt, g.ldb = Dt, g.stride_b = int64_t{k} * Ds * Dt;
   g.C = Y, g.ldc = YW, g.stride_c = Dt;
   return g;
@@ -162,10 +163,20 @@ void Transfer::apply(const float* keys, const float* values, const int32_t* src_
                                 tgt_pos);
 }
 
+namespace {
+void check_range(const char* name, const char* what, int first, int count, int n) {
+  if (first < 0 || first >= n || (count >= 0 && (count == 0 || first + count > n)))
+    throw InputError(std::string(name) + ": expected a non-empty range of the target's " + what + " [0, " +
+                     std::to_string(n) + "), got first " + std::to_string(first) + ", count " + std::to_string(count));
+}
+}  // namespace
+
 void check_target_layers(const TargetLayers& r, int n_layers) {
-  if (r.first < 0 || r.first >= n_layers || (r.count >= 0 && (r.count == 0 || r.end(n_layers) > n_layers)))
-    throw InputError("layers: expected a non-empty range of the target's layers [0, " + std::to_string(n_layers) +
-                     "), got first " + std::to_string(r.first) + ", count " + std::to_string(r.count));
+  check_range("layers", "layers", r.first, r.count, n_layers);
+}
+
+void check_target_heads(const TargetHeads& r, int n_heads) {
+  check_range("target_heads", "KV heads", r.first, r.count, n_heads);
 }
 
 }  // namespace crosskv

@@ -23,6 +23,16 @@ struct TargetLayers {
 // InputError naming `layers` unless the range is a non-empty part of [0, n_layers).
 void check_target_layers(const TargetLayers& r, int n_layers);
 
+// Target KV heads [first, first + count) (count -1: to the last): the heads one tensor-parallel worker of a serving
+// engine holds. A mapper restricted to them computes their output columns alone ([rows, Lt, count, Dt]).
+struct TargetHeads {
+  int first = 0, count = -1;
+  int end(int n_heads) const { return count < 0 ? n_heads : first + count; }
+  int size(int n_heads) const { return end(n_heads) - first; }
+};
+// InputError naming `target_heads` unless the range is a non-empty part of [0, n_heads).
+void check_target_heads(const TargetHeads& r, int n_heads);
+
 struct TransferOptions {
   bool resident = false;     // keep every layer's weights in memory (on a GPU backend, in device memory too);
                              // else one layer at a time (peak: one layer)
@@ -47,11 +57,13 @@ void map_one_layer(ComputeBackend& be, const float* X, int64_t XW, const std::ve
                    const float* W, const float* b, int64_t G, int64_t rows, float* Y, int64_t YW,
                    std::vector<float>& scratch);
 
-// One source slot j of a per_head layer's product, as one GEMM batched over the Ht heads: for every head h,
-// Y[:, h*Dt..] += X[:, a*F + h*Ds..] W[h][j*Ds.., :] (a the slot's source layer; X row stride XW, Y row stride YW;
-// W [Ht][k*Ds x Dt]). The k slots in turn, after the bias, are the layer's product: nothing is gathered.
+// One source slot j of a per_head layer's product, as one GEMM batched over the heads: for every head h of
+// [h0, h0 + n), Y[:, (h-h0)*Dt..] += X[:, a*F + h*Ds..] W[h-h0][j*Ds.., :] (a the slot's source layer, F = heads*Ds;
+// X row stride XW, Y row stride YW; W [n][k*Ds x Dt]). The k slots in turn, after the bias, are the layer's product:
+// nothing is gathered. `only` (default: every head) is a tensor-parallel worker's heads.
 DenseMaths::BatchedGemm per_head_slot(const float* X, int64_t XW, int a, int j, int k, int heads, int64_t Ds,
-                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW);
+                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW,
+                                      TargetHeads only = {});
 
 // Adds a residual MLP's f(X) (when it has parameters) to Y [rows x G] (row stride YW): X [rows x K] is X's selected
 // source layers, gathered side by side (leading dim K).

@@ -71,11 +71,19 @@ class Mapper:
     weights in the device's memory for the object's lifetime and maps all target layers in one call; resident=False
     reads one target layer at a time (for a mapper larger than memory). Every layer file's SHA-256 is checked when
     first read. tf32=True lets cuBLAS run the GPU's products on TF32 tensor cores (about 7x the fp32 rate on an
-    H100, inputs rounded to 10-bit mantissas: relative errors near 1e-3 instead of 1e-6)."""
+    H100, inputs rounded to 10-bit mantissas: relative errors near 1e-3 instead of 1e-6). target_heads (a range of
+    target KV heads, step 1; resident only) keeps and maps those heads alone, as a tensor-parallel worker holds them:
+    the outputs are then [..., Lt, len(target_heads), Dt], equal to those heads of the whole mapping."""
 
-    def __init__(self, path, device="cpu", resident=True, verify=True, tf32=False):
+    def __init__(self, path, device="cpu", resident=True, verify=True, tf32=False, target_heads=None):
         self.device = device
-        self._m = _Mapper(str(path), device, resident, verify, tf32)
+        first, count = 0, -1
+        if target_heads is not None:
+            if not (isinstance(target_heads, range) and target_heads.step == 1 and len(target_heads) > 0):
+                raise MapperError(f"target_heads: expected a non-empty range of target KV heads with step 1, got "
+                                  f"{target_heads!r}")
+            first, count = target_heads.start, len(target_heads)
+        self._m = _Mapper(str(path), device, resident, verify, tf32, first, count)
 
     source = property(lambda self: self._m.source, doc="the source model's kv_spec (layers, heads, dims, rope)")
     target = property(lambda self: self._m.target, doc="the target model's kv_spec")
@@ -86,6 +94,7 @@ class Mapper:
                          doc="cross_head (each target head reads every source head) or per_head (head-matched)")
     source_layers = property(lambda self: self._m.source_layers, doc="per target layer, the source layers it reads")
     backend = property(lambda self: self._m.backend)
+    heads = property(lambda self: range(*self._m.heads), doc="the target KV heads this mapper maps (all by default)")
     weight_bytes = property(lambda self: self._m.weight_bytes, doc="bytes of weights resident on the device")
 
     def transfer(self, keys, values, positions, target_positions=None, layers=None):
@@ -158,7 +167,7 @@ class Mapper:
             tp = p if tgt_pos is src_pos else i32(tgt_pos)
             t = self.target
             n = t["n_layers"] - first if count < 0 else count
-            shape = (k.shape[0], n, t["n_kv_heads"], t["head_dim"])
+            shape = (k.shape[0], n, len(self.heads), t["head_dim"])
             out_k = torch.empty(shape, dtype=torch.float32, device=dev)
             out_v = torch.empty(shape, dtype=torch.float32, device=dev)
             self._m.transfer_into(k, v, p, tp, out_k, out_v, torch.cuda.current_stream(dev).cuda_stream, first, count)

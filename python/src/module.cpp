@@ -95,14 +95,20 @@ nb::dict spec_dict(const KvSpec& s) {
 // Each layer file's SHA-256 is checked when first read.
 class PyMapper {
  public:
-  PyMapper(const std::string& path, const std::string& device, bool resident, bool verify, bool tf32)
+  PyMapper(const std::string& path, const std::string& device, bool resident, bool verify, bool tf32,
+           int first_head, int head_count)
       : device_(device_index(device)), be_(backend_for(device, device_, tf32)) {
     if (resident) {
-      resident_ = std::make_unique<ServingMapper>(path, *be_, verify);
+      resident_ = std::make_unique<ServingMapper>(path, *be_, verify, TargetHeads{first_head, head_count});
+      out_ = resident_->target();
+      out_.n_kv_heads = resident_->heads().count;
     } else {
+      if (first_head != 0 || head_count != -1)
+        throw InputError("target_heads: a subset of the target's heads needs a resident mapper (resident=True)");
       TransferOptions o;
       o.verify = verify;
       streamed_ = std::make_unique<Transfer>(path, *be_, o);
+      out_ = streamed_->target();
     }
   }
 
@@ -111,7 +117,7 @@ class PyMapper {
   // Target layers [first_layer, first_layer + layer_count) (-1: to the last); the outputs hold those alone.
   nb::tuple transfer(const Cache& keys, const Cache& values, const Positions& src_pos, const Positions& tgt_pos,
                      int first_layer, int layer_count) {
-    const KvSpec &s = manifest().source, &t = manifest().target;
+    const KvSpec &s = manifest().source, &t = out_;
     const TargetLayers layers{first_layer, layer_count};
     check_target_layers(layers, t.n_layers);
     const size_t rows = keys.shape(0);
@@ -151,7 +157,7 @@ class PyMapper {
       if (id != device_)
         throw InputError(std::string(name) + ": on cuda:" + std::to_string(id) + ", the mapper is on cuda:" +
                          std::to_string(device_));
-    const KvSpec &s = manifest().source, &t = manifest().target;
+    const KvSpec &s = manifest().source, &t = out_;
     const TargetLayers layers{first_layer, layer_count};
     check_target_layers(layers, t.n_layers);
     const size_t rows = keys.shape(0);
@@ -177,6 +183,10 @@ class PyMapper {
   std::string structure() const { return to_string(manifest().structure); }
   std::string path() const { return manifest().dir; }
   std::string backend() const { return be_->name(); }
+  std::vector<int> heads() const {  // [first, end) of the target heads this mapper maps
+    const int first = resident_ ? resident_->heads().first : 0;
+    return {first, first + out_.n_kv_heads};
+  }
   bool resident() const { return resident_ != nullptr; }
   int64_t weight_bytes() const { return resident_ ? resident_->weight_bytes() : 0; }
   std::vector<std::vector<int>> source_layers() const {
@@ -196,6 +206,7 @@ class PyMapper {
   std::unique_ptr<ComputeBackend> be_;
   std::unique_ptr<ServingMapper> resident_;
   std::unique_ptr<Transfer> streamed_;
+  KvSpec out_;  // the outputs' spec: the target's, with the heads mapped
   std::mutex busy_;  // the transfers share the mapper's scratch: threads take turns (the GIL is released first)
 };
 
@@ -212,8 +223,9 @@ NB_MODULE(_crosskv, m) {
   m.attr("cuda_compiled_in") = crosskv::cuda_compiled_in();
   nb::exception<crosskv::UserError>(m, "MapperError", PyExc_ValueError);
   nb::class_<PyMapper>(m, "_Mapper")
-      .def(nb::init<const std::string&, const std::string&, bool, bool, bool>(), "path"_a, "device"_a = "cpu",
-           "resident"_a = true, "verify"_a = true, "tf32"_a = false)
+      .def(nb::init<const std::string&, const std::string&, bool, bool, bool, int, int>(), "path"_a,
+           "device"_a = "cpu", "resident"_a = true, "verify"_a = true, "tf32"_a = false, "first_head"_a = 0,
+           "head_count"_a = -1)
       .def("transfer", &PyMapper::transfer, "keys"_a, "values"_a, "source_positions"_a, "target_positions"_a,
            "first_layer"_a = 0, "layer_count"_a = -1,
            "keys, values: float32 [tokens, Ls, Hs, Ds] as the source caches them (keys post-RoPE at "
@@ -231,6 +243,7 @@ NB_MODULE(_crosskv, m) {
       .def_prop_ro("structure", &PyMapper::structure)
       .def_prop_ro("path", &PyMapper::path)
       .def_prop_ro("backend", &PyMapper::backend)
+      .def_prop_ro("heads", &PyMapper::heads)
       .def_prop_ro("resident", &PyMapper::resident)
       .def_prop_ro("weight_bytes", &PyMapper::weight_bytes)
       .def_prop_ro("source_layers", &PyMapper::source_layers);

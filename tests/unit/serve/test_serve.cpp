@@ -300,6 +300,60 @@ TEST(ServingMapper, PerHeadMappersEqualTransferAndTheReferenceForEveryK) {
   }
 }
 
+namespace {
+
+// Every range of target heads maps those heads of the whole mapping: a tensor-parallel worker's columns alone.
+void expect_heads_equal_the_whole(const std::string& dir, const Cache& s) {
+  auto be = make_cpu_backend();
+  ServingMapper whole(dir, *be);
+  const KvSpec t = whole.target();
+  const int64_t rows = s.tokens, Dt = t.head_dim, G = t.features_per_layer(), W = t.n_layers * G;
+  std::vector<float> k(rows * W), v(rows * W);
+  whole.apply_host(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), rows, k.data(), v.data());
+  const double tol = 1e-5 * std::max(1.0, std::max(max_abs(k), max_abs(v)));
+  for (int first = 0; first < t.n_kv_heads; ++first)
+    for (int count = 1; first + count <= t.n_kv_heads; ++count) {
+      ServingMapper part(dir, *be, true, TargetHeads{first, count});
+      EXPECT_EQ(part.heads().first, first);
+      EXPECT_EQ(part.heads().count, count);
+      const int64_t g = count * Dt;
+      std::vector<float> pk(rows * t.n_layers * g), pv(pk.size());
+      part.apply_host(s.keys.data(), s.values.data(), s.positions.data(), s.positions.data(), rows, pk.data(),
+                      pv.data());
+      double dk = 0, dv = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int l = 0; l < t.n_layers; ++l)
+          for (int64_t c = 0; c < g; ++c) {
+            const int64_t at = r * W + l * G + first * Dt + c, got = (r * t.n_layers + l) * g + c;
+            dk = std::max(dk, std::fabs(double(pk[got]) - k[at]));
+            dv = std::max(dv, std::fabs(double(pv[got]) - v[at]));
+          }
+      const std::string what = dir + ": heads [" + std::to_string(first) + ", " + std::to_string(first + count) + ")";
+      EXPECT_LT(dk, tol) << what << ", keys";
+      EXPECT_LT(dv, tol) << what << ", values";
+      if (count < t.n_kv_heads) {
+        EXPECT_LT(part.weight_bytes(), whole.weight_bytes()) << what << " keeps fewer weights";
+      }
+    }
+}
+
+}  // namespace
+
+TEST(ServingMapper, ARangeOfTargetHeadsMapsThoseHeadsOfTheWholeMapping) {
+  for (const char* k : {"1", "2", "all"})
+    for (const char* structure : {"cross_head", "per_head"}) {
+      Artifact a(k, structure);
+      expect_heads_equal_the_whole(a.dir, read_cache(a.tmp.str("source/web/shard-000.h5"), false));
+    }
+  Artifact mlp("2");  // residual MLPs: their last layer's columns are the heads' outputs
+  add_mlp_tensors(mlp, 1, 8);
+  expect_heads_equal_the_whole(mlp.dir, read_cache(mlp.tmp.str("source/web/shard-000.h5"), false));
+  auto be = make_cpu_backend();
+  for (TargetHeads h : {TargetHeads{-1, 1}, TargetHeads{2, -1}, TargetHeads{0, 0}, TargetHeads{1, 2}})
+    expect_error<InputError>([&] { ServingMapper rt(mlp.dir, *be, true, h); },
+                             {"target_heads", "[0, 2)", "first " + std::to_string(h.first)});
+}
+
 TEST(ServingMapper, RefusesWhatTransferRefusesByName) {
   Artifact a;
   auto be = make_cpu_backend();
