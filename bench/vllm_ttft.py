@@ -12,11 +12,14 @@ The source engine saves each context's KV first; then, per context, the median o
 the kinds in turn. A request is the stored context plus --suffix new tokens (the next turn, which the target
 computes either way). --layerwise both also times the connector with every layer mapped before the forward
 (layerwise: false) beside its default, layer l mapped on a thread while the model computes the layers before it.
+--tp N runs both engines with tensor parallelism N (each worker maps its own KV heads); the map time per layer is
+the connector's map_ms (one worker's: read, check and map) over the target's layers.
 
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --source-depth 4 --k 4 \
         --contexts 512,1024,2048
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 1024,4096 --suffix 256 --layerwise both
+    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048 --tp 2
 """
 import argparse
 import json
@@ -36,21 +39,22 @@ SHAPES = {  # source, target: layers, hidden, q heads, kv heads, head dim, inter
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def engine(model, connector, role, max_len):
+def engine(model, connector, role, max_len, tp=1):
     from vllm import LLM
 
     kv = {"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm", "kv_role": role,
           "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}
     return LLM(model=model, enforce_eager=True, dtype="float32", block_size=32, max_model_len=max_len + 64,
                kv_cache_memory_bytes=int(os.environ.get("TTFT_KV_BYTES", 2 << 30)), enable_prefix_caching=False,
-               kv_transfer_config=kv, seed=0, skip_tokenizer_init=True)
+               kv_transfer_config=kv, seed=0, skip_tokenizer_init=True,
+               **({"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}))
 
 
 def serve(job_path, out_path):
     from vllm import SamplingParams
 
     job = json.load(open(job_path))
-    llm = engine(job["model"], job["connector"], job["role"], max(len(p) for p in job["prompts"]))
+    llm = engine(job["model"], job["connector"], job["role"], max(len(p) for p in job["prompts"]), job.get("tp", 1))
     one = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
     res = []
     llm.generate([{"prompt_token_ids": job["prompts"][0][:64]}], one, use_tqdm=False)  # warm-up
@@ -58,7 +62,8 @@ def serve(job_path, out_path):
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)[0]
         res.append({"s": time.perf_counter() - t0, "kv": out.kv_transfer_params})
-    llm.llm_engine.step()  # a source engine saves finished requests' KV on the next step
+    for _ in range(2):  # a source engine saves finished requests' KV on the next steps
+        llm.llm_engine.step()
     json.dump(res, open(out_path, "w"))
 
 
@@ -105,6 +110,7 @@ def main():
     ap.add_argument("--suffix", type=int, default=1, help="new tokens after the stored context")
     ap.add_argument("--layerwise", choices=["on", "off", "both"], default="on",
                     help="the connector's layerwise setting (both: time each)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism of both engines")
     ap.add_argument("--json")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -123,7 +129,7 @@ def main():
     prefixes = [rng.integers(1, vocab, n).tolist() for n in contexts]
     store = {"store": os.path.join(work, "store")}
     run({"model": os.path.join(work, "model-source"), "connector": store, "role": "kv_producer",
-         "prompts": prefixes}, "source", work)
+         "prompts": prefixes, "tp": a.tp}, "source", work)
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.layerwise]
     prompts = []  # per context and repeat, in turn: the stored context + the suffix; a fresh context as long
     for n, p in zip(contexts, prefixes):
@@ -131,14 +137,18 @@ def main():
             prompts += [p + rng.integers(1, vocab, a.suffix).tolist(), rng.integers(1, vocab, n + a.suffix).tolist()]
     mapper = os.path.join(work, "mapper", "kall")
     res = {lw: run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": prompts,
-                    "connector": {**store, "mapper": mapper, "layerwise": lw}}, f"target-layerwise-{lw}", work)
+                    "connector": {**store, "mapper": mapper, "layerwise": lw}, "tp": a.tp}, f"target-layerwise-{lw}",
+                   work)
            for lw in modes}  # one engine per setting, each timing its own prefill too (the same engine, in turn)
     kinds = [("layer by layer" if lw else "all layers first") for lw in modes]
     rows = []
     print(f"CPU: {crosskv.blas}")
     cut = f", target {a.depth} / source {a.source_depth} layers, k = {a.k or 'all'}" if a.depth else ""
+    cut += f", tensor parallel {a.tp}" if a.tp > 1 else ""
+    n_layers = a.depth or SHAPES[a.shape][1]["layers"]
     print(f"{a.shape}{cut}, {a.suffix} new token(s) after the context: time to the first token, median of "
-          f"{a.repeats} (ms)\n  context" + "".join(f"  {k:>16}" for k in kinds) + "   own prefill   speed-up")
+          f"{a.repeats} (ms)\n  context" + "".join(f"  {k:>16}" for k in kinds) + "   own prefill   speed-up"
+          "   map/layer")
     for i, n in enumerate(contexts):
         t, own = {}, []
         for lw, k in zip(modes, kinds):
@@ -148,11 +158,14 @@ def main():
             t[k] = statistics.median(x["s"] for x in m)
             own += [x["s"] for x in o]
         to = statistics.median(own)
-        row = {"context": n, "suffix": a.suffix, "own_prefill_s": to, "speedup": to / t[kinds[0]]}
+        map_ms = statistics.median(x["kv"]["crosskv"].get("map_ms", 0.0) for x in res[modes[0]][2 * i * a.repeats:
+                                                                                              2 * (i + 1) * a.repeats:2])
+        row = {"context": n, "suffix": a.suffix, "own_prefill_s": to, "speedup": to / t[kinds[0]], "tp": a.tp,
+               "map_ms_per_layer": map_ms / n_layers}
         row.update({("crosskv_s" if lw else "crosskv_all_layers_first_s"): t[k] for lw, k in zip(modes, kinds)})
         rows.append(row)
         print(f"  {n:7d}" + "".join(f"  {t[k] * 1e3:16.1f}" for k in kinds) + f"   {to * 1e3:11.1f}"
-              f"   {row['speedup']:7.2f}x")
+              f"   {row['speedup']:7.2f}x   {row['map_ms_per_layer']:6.2f} ms")
     if a.json:
         json.dump({"shape": a.shape, "depth": a.depth, "source_depth": a.source_depth, "k": a.k, "suffix": a.suffix,
                    "blas": crosskv.blas, "rows": rows}, open(a.json, "w"), indent=2)

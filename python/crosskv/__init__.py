@@ -14,14 +14,14 @@ import warnings
 
 import numpy as np
 
-from ._crosskv import MapperError, __version__, blas, blas_warning, cuda_compiled_in, _Mapper
+from ._crosskv import MapperError, __version__, blas, blas_warning, cuda_compiled_in, read_manifest, _Mapper
 
 if blas_warning:
     warnings.warn(f"crosskv: {blas_warning}", RuntimeWarning, stacklevel=2)
 
 # `blas`: the BLAS library and the kernels it runs here (chosen at import to match the CPU unless OPENBLAS_CORETYPE is
 # set); `blas_warning`: what is wrong with them and how to fix it, or "".
-__all__ = ["Mapper", "MapperError", "__version__", "blas", "blas_warning", "cuda_compiled_in"]
+__all__ = ["Mapper", "MapperError", "__version__", "blas", "blas_warning", "cuda_compiled_in", "read_manifest"]
 
 
 def _is_torch(x):

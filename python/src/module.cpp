@@ -222,6 +222,19 @@ NB_MODULE(_crosskv, m) {
   m.attr("__version__") = CROSSKV_VERSION;
   m.attr("cuda_compiled_in") = crosskv::cuda_compiled_in();
   nb::exception<crosskv::UserError>(m, "MapperError", PyExc_ValueError);
+  m.def(
+      "read_manifest",
+      [](const std::string& dir) {
+        const crosskv::MapperManifest mm = crosskv::read_mapper_manifest(dir);
+        nb::dict d;
+        d["source"] = crosskv::spec_dict(mm.source), d["target"] = crosskv::spec_dict(mm.target);
+        d["source_model"] = mm.source_model, d["target_model"] = mm.target_model;
+        d["structure"] = crosskv::to_string(mm.structure), d["k"] = mm.k_count;
+        return d;
+      },
+      "mapper_dir"_a,
+      "A mapper folder's manifest, read and validated as crosskv-fit's readers do, without loading a weight: "
+      "{source, target (kv_specs), source_model, target_model, structure, k}");
   nb::class_<PyMapper>(m, "_Mapper")
       .def(nb::init<const std::string&, const std::string&, bool, bool, bool, int, int>(), "path"_a,
            "device"_a = "cpu", "resident"_a = true, "verify"_a = true, "tf32"_a = false, "first_head"_a = 0,

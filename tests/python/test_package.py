@@ -101,6 +101,16 @@ for mapper in ("ridge", "mlp", "per_head"):  # per_head: head-matched ridge, wei
                   and np.array_equal(lv, wv[:, sel]), f"{mapper}: layers={layers!r} ({which}): those layers, the same bits")
         tk1, _ = m.transfer(torch.from_numpy(keys), torch.from_numpy(values), torch.from_numpy(pos), layers=layers)
         check(np.array_equal(tk1.numpy(), got_k[:, sel]), f"{mapper}: layers={layers!r} with torch tensors")
+    # A range of target heads (a tensor-parallel worker's): those heads of the whole mapping, numpy and torch.
+    for heads in (range(0, 1), range(1, 2), range(0, 2)):
+        hm = crosskv.Mapper(art, target_heads=heads)
+        hk, hv = hm.transfer(keys, values, pos, pos + 7)
+        wk, wv = m.transfer(keys, values, pos, pos + 7)
+        err = max(np.abs(hk - wk[:, :, heads.start:heads.stop]).max(), np.abs(hv - wv[:, :, heads.start:heads.stop]).max())
+        tk2, _ = hm.transfer(torch.from_numpy(keys), torch.from_numpy(values), torch.from_numpy(pos), layers=2)
+        check(hm.heads == heads and hk.shape == (keys.shape[0], 4, len(heads), 16) and err < 1e-5 * np.abs(wk).max()
+              and np.array_equal(tk2.numpy()[:, 0], hm.transfer(keys, values, pos)[0][:, 2]),
+              f"{mapper}: target_heads={heads!r}: those heads of the whole mapping (max |diff| {err:.1e})")
     # A batch of sequences [batch, seq, L, H, D], positions [batch, seq] or [seq]: the stacked tokens' results.
     B = 4
     T = keys.shape[0] // B
@@ -198,6 +208,13 @@ for call, want in ((lambda: m.transfer(keys[:, :2], values, pos), "keys: expecte
                     "device: cuda:7: no such CUDA device here" if crosskv.cuda_compiled_in
                     else "device: cuda:7: this crosskv package was built without CUDA"),
                    (lambda: crosskv.Mapper("nonexistent"), "nonexistent/manifest.json"),
+                   (lambda: crosskv.Mapper("out-ridge/k2", target_heads=range(1, 3)),
+                    "target_heads: expected a non-empty range of the target's KV heads [0, 2), got first 1, count 2"),
+                   (lambda: crosskv.Mapper("out-ridge/k2", target_heads=[0]),
+                    "target_heads: expected a non-empty range of target KV heads with step 1, got [0]"),
+                   (lambda: crosskv.Mapper("out-ridge/k2", resident=False, target_heads=range(1)),
+                    "target_heads: a subset of the target's heads needs a resident mapper"),
+                   (lambda: crosskv.read_manifest("nonexistent"), "nonexistent/manifest.json"),
                    (lambda: crosskv.Mapper("out-ridge/k2", device="tpu"), "device: expected cpu, cuda or cuda:N"),
                    (lambda: crosskv.hf.transfer_cache(m, [(torch.zeros(1, 2, 5, 16),) * 2] * 2),
                     "source cache: 2 layers, the mapper's source has 3"),

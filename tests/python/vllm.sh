@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# crosskv.vllm against a real vLLM engine (tests/python/test_vllm.py) in .venv-vllm, with the family made in the
+# crosskv.vllm against real vLLM engines (tests/python/test_vllm.py, or the script named) in .venv-vllm, with the family made in the
 # capture environment; SKIPPED (77) with the reason where either is missing.
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python
 CAP=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/python}
-WORK=${1:?usage: $0 WORKDIR}
+WORK=${1:?usage: $0 WORKDIR [TEST_SCRIPT]}
+TEST=${2:-test_vllm.py}
 [ -x "$PY" ] || { echo "SKIPPED: no vLLM environment at $PY (scripts/setup-vllm.sh installs it)"; exit 77; }
 "$PY" -c "import vllm" 2> /dev/null || { echo "SKIPPED: vLLM does not import in $PY"; exit 77; }
 "$PY" -c "import crosskv.vllm" 2> /dev/null \
   || { echo "SKIPPED: the crosskv package is not installed in $PY (scripts/setup-vllm.sh)"; exit 77; }
 [ -x "$CAP" ] && "$CAP" -c "import torch, transformers" 2> /dev/null \
   || { echo "SKIPPED: no capture environment at $CAP to make the test's models (scripts/setup-capture.sh)"; exit 77; }
-exec "$PY" "$ROOT/tests/python/test_vllm.py" "$WORK" "$CAP" "${CROSSKV_FIT:?}"
+exec "$PY" "$ROOT/tests/python/$TEST" "$WORK" "$CAP" "${CROSSKV_FIT:?}"

@@ -1,5 +1,5 @@
-"""The vLLM test's family, in the capture environment: tiny random Qwen3 models (2 and 3 layers; head dim 32, the
-smallest vLLM's CPU attention takes) with a byte-level tokenizer, captured with crosskv-capture, fitted with
+"""The vLLM test's family, in the capture environment: tiny random Qwen3 models (2 and 3 layers, 2 and 4 KV heads,
+so that tensor parallelism 2 splits each into real ranges; head dim 32, the smallest vLLM's CPU attention takes) with a byte-level tokenizer, captured with crosskv-capture, fitted with
 crosskv-fit (out/kall), a copy of that mapper with noise weights (out-noise/kall) and one whose held-out verdict is
 NOT READY (out-notready/kall).
 
@@ -25,11 +25,12 @@ from tiny_hf import byte_tokenizer  # noqa: E402
 
 work, fit = sys.argv[1:3]
 os.chdir(work)
-COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, max_position_embeddings=4096, rope_theta=1e6)
-for name, layers in (("source", 2), ("target", 3)):
+COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, head_dim=32, max_position_embeddings=4096,
+              rope_theta=1e6)
+for name, layers, kv_heads in (("source", 2, 2), ("target", 3, 4)):
     torch.manual_seed({"source": 1, "target": 2}[name])
-    Qwen3ForCausalLM(Qwen3Config(**COMMON, num_hidden_layers=layers)).eval().save_pretrained(f"model-{name}")
+    Qwen3ForCausalLM(Qwen3Config(**COMMON, num_hidden_layers=layers, num_attention_heads=2 * kv_heads,
+                                 num_key_value_heads=kv_heads)).eval().save_pretrained(f"model-{name}")
     byte_tokenizer().save_pretrained(f"model-{name}")
 with open("text.txt", "w") as f:
     f.write(" ".join(f"turn {i}: the quick brown fox jumps over the lazy dog." for i in range(600)))
@@ -37,7 +38,7 @@ for name in ("source", "target"):
     assert cap.main(["--model", f"model-{name}", "--text", "text.txt", "--seq-len", "128", "--n-seq", "32",
                      "--out", f"kv-{name}/web"]) == 0, f"capture of {name}"
 with open("fit.yaml", "w") as f:
-    f.write("source: {store: kv-source}\ntarget: {store: kv-target}\nfit: {k: [all]}\noutput: {dir: out}\n")
+    f.write("source: {store: kv-source}\ntarget: {store: kv-target}\nfit: {k: [all], probe: all_heads}\noutput: {dir: out}\n")
 subprocess.run([fit, "fit.yaml"], check=True, capture_output=True)
 
 # The control: the same mapper with noise weights (and the manifest's SHA-256s to match).

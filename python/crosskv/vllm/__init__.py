@@ -1,0 +1,35 @@
+"""crosskv.vllm: serve crosskv mappers in vLLM through its V1 KV-connector interface.
+
+The source model's engine saves each finished request's prefix KV into a store (one part per tensor-parallel
+worker's KV heads); the target model's engine finds the longest stored prefix of a new request, maps it with a
+crosskv.Mapper on each worker into exactly the KV heads that worker holds, and writes the mapped K (target RoPE
+applied) and V into the blocks vLLM allocated, through the attention backend's own cache writer (which quantizes
+for an fp8 cache). vLLM then computes only the tokens after the prefix. Anything wrong (mapper and model disagree,
+the stored prefix is missing, incomplete, damaged or of another source model, the mapper's held-out verdict is
+NOT READY, any failure on the worker's path) gives the request its re-prefill, never wrong KV, and never stops the
+engine.
+
+    # the source engine                                  # the target engine
+    --kv-transfer-config '{"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm",
+        "kv_role": "kv_producer",                         "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": "shm:pair"}} "kv_connector_extra_config": {"store": "shm:pair",
+                                                                                       "mapper": "out/k4"}}'
+
+Each target request's outcome is logged and returned in its kv_transfer_params["crosskv"]: {"status": "applied",
+"tokens": N, ...}, {"status": "fallback_reprefill", "reason": "...", "kind": "..."}, {"status":
+"local_prefix_cache", "tokens": N} where the target's own prefix cache already held as much exact KV, or {"status":
+"mapped_prefix_cache", "tokens": N} where it held mapped KV this request reused (mapped_prefix_reuse: namespace).
+
+The modules: config (settings, the model's identity), store (the prefix store), layout (the paged cache, fp8, head
+placement), metadata (the step's plans and outcomes), scheduler and worker (the connector's two sides), metrics.
+"""
+from .config import CrossKVConfigError, Settings, parse_settings
+from .connector import CrossKVConnector
+from .layout import HeadPlacement, PagedLayout, head_placement, slots_of
+from .metadata import APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, LoadPlan
+from .store import DirectoryStore, KVStore, StoredPrefix, prefix_key
+from .worker import LayerByLayer, SourcePrefix
+
+__all__ = ["CrossKVConnector", "CrossKVConfigError", "Settings", "parse_settings", "HeadPlacement", "PagedLayout",
+           "head_placement", "slots_of", "APPLIED", "FALLBACK", "LOCAL", "MAPPED_CACHE", "LoadPlan",
+           "DirectoryStore", "KVStore", "StoredPrefix", "prefix_key", "LayerByLayer", "SourcePrefix"]

@@ -1,0 +1,71 @@
+"""What both sides of the connector know about their engine: the settings, the store, the model, and, on a target,
+the mapper's identity and why no request can be mapped (if so)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from vllm.logger import init_logger
+
+from .config import EXTRA, CrossKVConfigError, Settings, engine_spec, mapper_verdict, parse_settings, \
+    read_mapper_manifest, spec_mismatch, tokenizer_fingerprint
+from .store import KVStore, open_store
+
+logger = init_logger("vllm.crosskv")
+
+UNQUANTIZED = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16")
+FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass
+class EngineContext:
+    side: str  # source | target
+    settings: Settings
+    store: KVStore
+    block_size: int
+    engine: dict  # the model's kv_spec, as config.engine_spec gives it
+    model_name: str
+    model_dtype: object  # torch dtype of the model's activations (what the cache writer takes)
+    cache_dtype: str
+    tokenizer: Optional[str]
+    prefix_caching: bool
+    manifest: Optional[dict] = None  # target: crosskv.read_manifest's
+    unusable: Optional[str] = None  # target: why no request can be mapped
+    unusable_kind: str = "mapper"
+
+    @property
+    def source_spec(self) -> dict:
+        return self.manifest["source"]
+
+
+def engine_context(vllm_config) -> EngineContext:
+    side, settings = parse_settings(vllm_config.kv_transfer_config)
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    cache_dtype = str(cc.cache_dtype)
+    if cache_dtype not in UNQUANTIZED + FP8:
+        raise CrossKVConfigError(f"cache_config.cache_dtype: expected an unquantized cache or one of "
+                                 f"{', '.join(FP8)}, got {cache_dtype!r}")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp != 1:
+        raise CrossKVConfigError(f"parallel_config.pipeline_parallel_size: crosskv maps every layer on each worker; "
+                                 f"expected 1, got {pp} (tensor parallelism is supported)")
+    ctx = EngineContext(side, settings, open_store(settings.store), cc.block_size, engine_spec(mc), str(mc.model),
+                        mc.dtype, cache_dtype, tokenizer_fingerprint(mc), bool(cc.enable_prefix_caching))
+    if side == "target":
+        ctx.manifest = read_mapper_manifest(settings.mapper)
+        why = spec_mismatch(ctx.manifest["target"], ctx.engine, "target")
+        if why:
+            ctx.unusable = f"the mapper does not match this engine's model: {why}"
+        verdict = mapper_verdict(settings.mapper)
+        if not ctx.unusable and verdict and verdict.startswith("NOT READY"):
+            if settings.allow_not_ready:
+                logger.warning("crosskv: the mapper's held-out verdict is %s; served anyway (allow_not_ready)",
+                               verdict)
+            else:
+                detail = verdict[len("NOT READY"):].lstrip(" :")
+                ctx.unusable = (f"the mapper's held-out verdict is NOT READY ({detail}); set {EXTRA}."
+                                "allow_not_ready to serve it anyway")
+                ctx.unusable_kind = "not_ready"
+        if ctx.unusable:
+            logger.warning("crosskv: every request re-prefills: %s", ctx.unusable)
+    return ctx

@@ -1,0 +1,81 @@
+"""What the scheduler side tells the workers each step (loads and saves), what the workers tell it back (each
+request's outcome), and the outcomes themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+# A request's outcome: the stored prefix mapped; re-prefilled (with the reason and its class); the target's own
+# prefix cache held at least as much exact KV; or it held mapped KV that this request reused (mapped_prefix_reuse:
+# namespace).
+APPLIED, FALLBACK, LOCAL, MAPPED_CACHE = "applied", "fallback_reprefill", "local_prefix_cache", "mapped_prefix_cache"
+
+
+def fallback(reason: str, kind: str) -> dict:
+    """A re-prefill outcome; `kind` is the reason's class, for the metrics (no_prefix, missing, damaged, incomplete,
+    other_source, not_finite, mapper, not_ready, prefix_cache, preempted, worker_error)."""
+    return {"status": FALLBACK, "reason": reason, "kind": kind}
+
+
+def failure_kind(e: BaseException) -> str:
+    """The fallback class of an exception on the worker's path."""
+    from .. import MapperError
+
+    kind = getattr(e, "kind", None)  # the store's PrefixError
+    if kind:
+        return kind
+    if isinstance(e, MapperError):
+        return "not_finite" if ("NaN" in str(e) or "infinity" in str(e)) else "mapper"
+    return "worker_error"
+
+
+def outcome_class(o: dict) -> str:
+    return f"{FALLBACK}:{o.get('kind', 'other')}" if o["status"] == FALLBACK else o["status"]
+
+
+def outcome_line(o: dict) -> str:
+    if o["status"] == APPLIED:
+        reused = f" (after {o['mapped_prefix_cache_tokens']} reused from the mapped prefix cache)" \
+            if o.get("mapped_prefix_cache_tokens") else ""
+        return f"applied: {o['tokens']} tokens mapped by {o.get('mapper')}{reused}"
+    if o["status"] == LOCAL:
+        return f"{LOCAL}: the target's own cache holds {o['tokens']} tokens, the store {o['prefix_tokens']}"
+    if o["status"] == MAPPED_CACHE:
+        return f"{MAPPED_CACHE}: {o['tokens']} tokens of mapped KV reused from the target's prefix cache"
+    return f"{o['status']}: {o.get('reason', '')}"
+
+
+@dataclass
+class LoadPlan:
+    req_id: str
+    key: str
+    first: int  # tokens [first, end) are loaded; [0, first) the target's own prefix cache holds
+    end: int
+    token_ids: list[int]  # [0, end), to check the stored prefix against
+    slots: list[int]
+
+
+@dataclass
+class SavePlan:
+    req_id: str
+    token_ids: list[int]
+    slots: list[int]
+
+
+@dataclass
+class CrossKVMetadata(KVConnectorMetadata):
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+
+
+@dataclass
+class CrossKVWorkerMetadata(KVConnectorWorkerMetadata):
+    outcomes: dict[str, dict] = field(default_factory=dict)  # req_id -> outcome
+
+    def aggregate(self, other):
+        merged = dict(self.outcomes)
+        for req, o in other.outcomes.items():  # one worker's failure fails the request
+            if req not in merged or o["status"] == FALLBACK:
+                merged[req] = o
+        return CrossKVWorkerMetadata(merged)

@@ -1,0 +1,183 @@
+"""The connector's scheduler side: finds each new target request's longest stored prefix, decides its outcome, keeps
+mapped KV out of the exact prefix cache (or within its namespace), and counts outcomes for the metrics. On the
+source engine it plans the saves of finished requests."""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from vllm.logger import init_logger
+
+from .context import EngineContext
+from .layout import slots_of
+from .metadata import (APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan,
+                       SavePlan, fallback, outcome_class, outcome_line)
+from .metrics import CrossKVStats
+from .store import PrefixError, header_mismatch
+
+logger = init_logger("vllm.crosskv")
+
+_TAINTED_CAP = 1 << 20  # block hashes remembered as holding mapped KV (namespace policy), least recent dropped
+
+
+class SchedulerSide:
+    def __init__(self, ctx: EngineContext):
+        self.ctx = ctx
+        self._outcomes: dict[str, dict] = {}
+        self._candidates: dict[str, tuple[str, int, int]] = {}  # req_id -> (key, first, end)
+        self._to_load: dict[str, object] = {}
+        self._to_save: list[SavePlan] = []
+        self._mapped_from: dict[str, int] = {}  # req_id -> its first block holding mapped KV (namespace policy)
+        self._tainted: OrderedDict = OrderedDict()  # block hash -> None: blocks holding mapped KV, or KV after it
+        self._stats = CrossKVStats()
+
+    # --------------------------------------------------------------------------------------------------- lookup
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self.ctx.side == "source":
+            return 0, False
+        try:
+            return self._match(request, num_computed_tokens)
+        except Exception as e:  # anything unforeseen re-prefills this request; the engine goes on
+            logger.exception("crosskv: request %s: the prefix lookup failed", request.request_id)
+            self._outcomes[request.request_id] = fallback(f"the prefix lookup failed: {type(e).__name__}: {e}",
+                                                          "worker_error")
+            return 0, False
+
+    def _match(self, request, num_computed_tokens):
+        rid, ctx = request.request_id, self.ctx
+        if ctx.unusable:
+            self._outcomes[rid] = fallback(ctx.unusable, ctx.unusable_kind)
+            return 0, False
+        reused, tainted_from = self._mapped_cache_hit(request, num_computed_tokens)
+        reused_outcome = {"status": MAPPED_CACHE, "tokens": reused, "local_tokens": num_computed_tokens}
+        tokens = list(request.prompt_token_ids or [])
+        # The last prompt token is always computed: it gives the first output token's logits.
+        hit = ctx.store.longest_prefix(tokens, len(tokens) - 1, ctx.settings.min_prefix_tokens)
+        if hit is None:
+            self._outcomes[rid] = reused_outcome if reused else fallback("no stored prefix of this request",
+                                                                         "no_prefix")
+            self._taint_later(rid, tainted_from)
+            return 0, False
+        key, n = hit
+        try:
+            meta = ctx.store.header(key)
+        except PrefixError as e:
+            self._outcomes[rid] = fallback(f"the stored prefix cannot be used: {e}", e.kind)
+            return 0, False
+        why = header_mismatch(meta or {}, ctx.source_spec, ctx.tokenizer)
+        if why:
+            self._outcomes[rid] = fallback(why, "other_source")
+            return 0, False
+        if n <= num_computed_tokens:
+            self._outcomes[rid] = reused_outcome if reused else {"status": LOCAL, "tokens": num_computed_tokens,
+                                                                 "prefix_tokens": n}
+            self._taint_later(rid, tainted_from)
+            return 0, False
+        first_block = num_computed_tokens // ctx.block_size
+        if ctx.prefix_caching:
+            if ctx.settings.mapped_prefix_reuse == "none":
+                why = self._hash_apart(request, first_block)
+                if why:
+                    self._outcomes[rid] = fallback(why, "prefix_cache")
+                    return 0, False
+            else:
+                self._taint(request.block_hashes[first_block:])
+                self._taint_later(rid, first_block if tainted_from is None else tainted_from)
+        self._candidates[rid] = (key, num_computed_tokens, n)
+        self._outcomes[rid] = {"status": APPLIED, "tokens": n - num_computed_tokens, "prefix_tokens": n,
+                               "mapper": ctx.settings.mapper, **({"mapped_prefix_cache_tokens": reused} if reused
+                                                                 else {})}
+        return n - num_computed_tokens, False
+
+    # ------------------------------------------------------------------------------- mapped KV and the prefix cache
+    def _hash_apart(self, request, first_block: int):
+        """mapped_prefix_reuse none: the request's block hashes from its first mapped block on are chained through
+        a marker unique to this request, so the blocks it fills (mapped, and computed after them) are cached where
+        no later lookup finds them. Returns why it cannot, or None."""
+        bh = request.block_hashes
+        if len(bh) != request.num_tokens // self.ctx.block_size:
+            return (f"the engine hashes its prefix cache in blocks of another size than its {self.ctx.block_size}-"
+                    "token blocks; mapped KV could not be kept out of it")
+        marker = f"crosskv-mapped\0{request.request_id}".encode()
+        tokens = request.all_token_ids
+        bs = self.ctx.block_size
+        for i in range(first_block, len(bh)):
+            parent = bytes(bh[i - 1]) if i else b""
+            block = np.asarray(tokens[i * bs:(i + 1) * bs], dtype=np.int64).tobytes()
+            bh[i] = type(bh[i])(hashlib.sha256(marker + parent + block).digest())
+        return None
+
+    def _mapped_cache_hit(self, request, num_computed_tokens):
+        """(tokens, first block) of the request's local prefix-cache hit that holds mapped KV (namespace policy);
+        (0, None) where none does."""
+        if not self._tainted or not num_computed_tokens:
+            return 0, None
+        bs = self.ctx.block_size
+        for i, h in enumerate(request.block_hashes[:num_computed_tokens // bs]):
+            if h in self._tainted:
+                return num_computed_tokens - i * bs, i
+        return 0, None
+
+    def _taint(self, hashes):
+        for h in hashes:
+            self._tainted[h] = None
+            self._tainted.move_to_end(h)
+        while len(self._tainted) > _TAINTED_CAP:
+            self._tainted.popitem(last=False)
+
+    def _taint_later(self, rid, first_block):
+        if first_block is not None:
+            self._mapped_from[rid] = first_block
+
+    # ------------------------------------------------------------------------------------------- the step's plan
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens > 0 and request.request_id in self._candidates:
+            self._to_load[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output):
+        meta = CrossKVMetadata(saves=self._to_save)
+        self._to_save = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self._to_load:
+                continue
+            key, first, end = self._candidates[new.req_id]
+            meta.loads.append(LoadPlan(new.req_id, key, first, end, list(new.prompt_token_ids[:end]),
+                                       slots_of(new.block_ids[0], self.ctx.block_size, first, end).tolist()))
+            del self._to_load[new.req_id]
+        for rid in list(self._to_load):  # resumed after preemption: vLLM recomputes; say so
+            self._outcomes[rid] = fallback("preempted before its prefix was loaded", "preempted")
+            del self._to_load[rid]
+        return meta
+
+    def update_connector_output(self, connector_output):
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, CrossKVWorkerMetadata):
+            # A failed load is known before its request can finish (vLLM recomputes its blocks first); a request
+            # that finished in the step that loaded it already returned its outcome.
+            self._outcomes.update({r: o for r, o in wm.outcomes.items() if r in self._outcomes})
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        self._candidates.pop(rid, None)
+        if self.ctx.side == "source":
+            n = request.num_computed_tokens
+            if n < self.ctx.settings.min_prefix_tokens or not block_ids:
+                return False, None
+            self._to_save.append(SavePlan(rid, list(request.all_token_ids[:n]),
+                                          slots_of(block_ids, self.ctx.block_size, 0, n).tolist()))
+            return True, {"crosskv": {"status": "saved", "tokens": n}}  # blocks kept until the workers saved them
+        outcome = self._outcomes.pop(rid, fallback("never scheduled through the connector", "other"))
+        first_block = self._mapped_from.pop(rid, None)
+        if first_block is not None and outcome["status"] != FALLBACK:  # every block it filled holds mapped KV
+            self._taint(request.block_hashes[first_block:])
+        self._stats.record_outcome(outcome_class(outcome), outcome["tokens"] if outcome["status"] == APPLIED else 0)
+        logger.info("crosskv: request %s: %s", rid, outcome_line(outcome))
+        return False, {"crosskv": outcome}
+
+    def get_kv_connector_stats(self):
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, CrossKVStats()
+        return out

@@ -1,0 +1,349 @@
+"""The connector's worker side, one per tensor-parallel worker. A target worker maps, for each planned load, the
+stored source prefix into exactly the KV heads it holds (crosskv.Mapper with target_heads) and writes them through
+the attention backend's own cache writer in the model's dtype (an fp8 cache's writer quantizes with the layer's
+scales). A source worker saves the KV heads it holds as one part of each finished request's prefix. Nothing on this
+path takes the engine down: any failure makes that request's blocks a load error, recomputed, with the reason."""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+
+from .. import Mapper, MapperError
+from .config import CrossKVConfigError
+from .context import EngineContext
+from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
+from .metadata import APPLIED, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, SavePlan, fallback, failure_kind
+from .metrics import CrossKVStats
+from .store import StoredPrefix, prefix_key
+
+logger = init_logger("vllm.crosskv")
+
+
+# ------------------------------------------------------------------------------------------------- planted faults
+_faults: Optional[dict] = None
+
+
+def fault(name: str) -> bool:
+    """Whether the test-only fault `name` fires here: CROSSKV_VLLM_FAULT="name[:times],..." (without times: every
+    time). Read once per process."""
+    global _faults
+    if _faults is None:
+        _faults = {}
+        for item in filter(None, os.environ.get("CROSSKV_VLLM_FAULT", "").split(",")):
+            name_, _, times = item.partition(":")
+            _faults[name_] = int(times) if times else -1
+    left = _faults.get(name, 0)
+    if left == 0:
+        return False
+    _faults[name] = left - 1 if left > 0 else left
+    return True
+
+
+# --------------------------------------------------------------------------------------------------- the mapping
+@dataclass
+class SourcePrefix:
+    """A load's stored prefix, read and checked, on the mapper's side: source keys and values [tokens, Ls, Hs, Ds]
+    and their positions."""
+    plan: LoadPlan
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    read_s: float  # seconds to read, check and place it
+
+
+class LayerByLayer:
+    """Maps the step's prefixes one target layer at a time on a thread of its own, so that mapping layer l overlaps
+    the model's compute of the layers before it; wait(l) returns layer l's (plan, keys, values) for each prefix whose
+    mapping has not failed. On a GPU the mapping runs on a side stream, and wait(l) orders the caller's stream after
+    it. A prefix whose mapping fails at any layer is reported through `failed` (its blocks are then recomputed, so
+    the layers written before the failure are overwritten)."""
+
+    def __init__(self, mapper: Mapper, prefixes: list[SourcePrefix], n_layers: int, device: torch.device):
+        self.mapper, self.prefixes, self.n_layers = mapper, prefixes, n_layers
+        self.failed: dict[str, str] = {}  # req_id -> reason
+        self.kinds: dict[str, str] = {}  # req_id -> the reason's class
+        self.map_s: dict[str, float] = {}  # req_id -> seconds of mapping
+        self._done = [threading.Event() for _ in range(n_layers)]
+        self._out: list[list] = [[] for _ in range(n_layers)]
+        self._cuda_events: list[Optional[torch.cuda.Event]] = [None] * n_layers
+        self._side = None
+        if device.type == "cuda":
+            self._side = torch.cuda.Stream(device)
+            self._side.wait_stream(torch.cuda.current_stream(device))  # the prefixes were uploaded on it
+        self._thread = threading.Thread(target=self._run, name="crosskv-map", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+                for li in range(self.n_layers):
+                    self._map_layer(li)
+        except BaseException as e:  # anything unforeseen fails every prefix still mapping, never the engine
+            for p in self.prefixes:
+                self.failed.setdefault(p.plan.req_id, f"the mapping thread stopped: {type(e).__name__}: {e}")
+                self.kinds.setdefault(p.plan.req_id, "worker_error")
+        finally:
+            for done in self._done:  # no layer waits forever
+                done.set()
+
+    def _map_layer(self, li: int):
+        for p in self.prefixes:
+            rid = p.plan.req_id
+            if rid in self.failed:
+                continue
+            t0 = time.perf_counter()
+            try:
+                k, v = self.mapper.transfer(p.keys, p.values, p.positions, layers=li)
+                self._out[li].append((p.plan, k[:, 0], v[:, 0]))
+            except (ValueError, MapperError, RuntimeError) as e:
+                self.failed[rid], self.kinds[rid] = str(e), failure_kind(e)
+            self.map_s[rid] = self.map_s.get(rid, 0.0) + time.perf_counter() - t0
+        if self._side is not None:
+            self._cuda_events[li] = torch.cuda.Event()
+            self._cuda_events[li].record(self._side)
+        self._done[li].set()
+
+    def wait(self, li: int):
+        self._done[li].wait()
+        if self._cuda_events[li] is not None:
+            main = torch.cuda.current_stream()
+            main.wait_event(self._cuda_events[li])
+            for _, k, v in self._out[li]:  # freed once the caller's stream is done with them
+                k.record_stream(main)
+                v.record_stream(main)
+        return [(plan, k, v) for plan, k, v in self._out[li] if plan.req_id not in self.failed]
+
+    def join(self):
+        self._thread.join()
+
+
+# ------------------------------------------------------------------------------------------------ the worker side
+class WorkerSide:
+    def __init__(self, ctx: EngineContext, vllm_config, kv_cache_config):
+        self.ctx = ctx
+        self._vllm_config, self._kv_cache_config = vllm_config, kv_cache_config
+        self.unusable = ctx.unusable
+        self.placement: Optional[HeadPlacement] = None
+        self._mapper: Optional[Mapper] = None
+        self._layers: dict[str, object] = {}  # attention layer name -> layer, in model order
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layouts: dict[str, PagedLayout] = {}
+        self._mapped: list[tuple[LoadPlan, torch.Tensor, torch.Tensor]] = []
+        self._by_layer: Optional[LayerByLayer] = None
+        self._outcomes: dict[str, dict] = {}
+        self._failed: set[str] = set()  # this step's loads that failed (no later layer is written)
+        self._invalid_blocks: set[int] = set()
+        self._saved: set[str] = set()
+        self._stats = CrossKVStats()
+
+    # ----------------------------------------------------------------------------------------------- at start
+    def register_kv_caches(self, kv_caches):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ctx = self.ctx
+        forward = self._vllm_config.compilation_config.static_forward_context
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._kv_caches = {n: kv_caches[n] for n in names}
+        self._layers = {n: forward[n] for n in names}
+        first = self._layers[names[0]]
+        try:
+            self.placement = head_placement(ctx.engine["n_kv_heads"], int(first.num_kv_heads),
+                                            get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+        except ValueError as e:
+            raise CrossKVConfigError(f"parallel_config.tensor_parallel_size: {e}") from None
+        if ctx.side == "target" and fault("rank0_heads"):  # a planted bug: every worker maps worker 0's heads
+            self.placement = replace(self.placement, first=0)
+        if len(names) != ctx.engine["n_layers"]:
+            raise CrossKVConfigError(f"the engine caches {len(names)} attention layers, its model config says "
+                                     f"{ctx.engine['n_layers']}; crosskv maps every layer")
+        if not all(hasattr(l.impl, "do_kv_cache_update") for l in self._layers.values()):
+            raise CrossKVConfigError("this attention backend has no cache writer (do_kv_cache_update)")
+        try:  # the layout (and how the writer quantizes) is learnt now, so an unsupported cache stops the start
+            self._layout(names[0])
+        except ValueError as e:
+            raise CrossKVConfigError(f"cache_config.cache_dtype: {ctx.cache_dtype}: the {type(first.impl).__name__} "
+                                     f"cache cannot be read back: {e}") from None
+        logger.info("crosskv: worker %s holds KV heads [%d, %d) of %d (replica %d); %s cache", self.placement,
+                    self.placement.first, self.placement.first + self.placement.count, self.placement.total,
+                    self.placement.replica, ctx.cache_dtype)
+        if ctx.side == "target" and not self.unusable:
+            cache = next(iter(kv_caches.values()))
+            device = ctx.settings.mapper_device or (str(cache.device) if cache.is_cuda else "cpu")
+            try:
+                self._mapper = Mapper(ctx.settings.mapper, device=device, target_heads=self.placement.heads)
+            except MapperError as e:  # a damaged mapper, or a device this package cannot use
+                self.unusable = f"the mapper cannot be loaded: {e}"
+                logger.warning("crosskv: every request re-prefills: %s", self.unusable)
+
+    def _layout(self, name):
+        if name not in self._layouts:
+            self._layouts[name] = PagedLayout(self._layers[name], self._kv_caches[name],
+                                              self._kv_cache_config.num_blocks, self.ctx.block_size,
+                                              self.placement.count, self.ctx.engine["head_dim"],
+                                              input_dtype=self.ctx.model_dtype)
+        return self._layouts[name]
+
+    # --------------------------------------------------------------------------------------------- target: load
+    def start_load_kv(self, forward_context, meta):
+        if not isinstance(meta, CrossKVMetadata) or not meta.loads:
+            return
+        try:
+            self._start(meta)
+        except Exception as e:  # never the engine: every load of the step re-prefills
+            logger.exception("crosskv: starting the step's loads failed")
+            for plan in meta.loads:
+                self._fail(plan, f"starting the load failed: {type(e).__name__}: {e}", "worker_error")
+
+    def _start(self, meta):
+        prefixes = []
+        for plan in meta.loads:
+            try:
+                prefixes.append(self._read(plan))
+            except (ValueError, MapperError, RuntimeError) as e:
+                self._fail(plan, str(e), failure_kind(e))
+        if not prefixes:
+            return
+        layerwise = self.ctx.settings.layerwise
+        if layerwise is None:  # on 2 CPU cores the thread only competes with the model's (docs/PERFORMANCE.md)
+            layerwise = prefixes[0].keys.device.type == "cuda"
+        if layerwise:  # mapped on a thread, layer l while the model computes the layers before it
+            self._by_layer = LayerByLayer(self._mapper, prefixes, len(self._layers), prefixes[0].keys.device)
+            return
+        for p in prefixes:
+            t0 = time.perf_counter()
+            try:
+                k, v = self._mapper.transfer(p.keys, p.values, p.positions)
+                self._mapped.append((p.plan, k, v))
+                self._applied(p.plan, p.read_s + time.perf_counter() - t0)
+            except (ValueError, MapperError, RuntimeError) as e:
+                self._fail(p.plan, str(e), failure_kind(e))
+
+    def _read(self, plan: LoadPlan) -> SourcePrefix:
+        """The plan's stored prefix (every part), checked against its tokens, on the mapper's device."""
+        if self._mapper is None:
+            raise ValueError(self.unusable or "no mapper on this worker")
+        t0 = time.perf_counter()
+        p = self.ctx.store.get(plan.key)
+        if p.token_ids.tolist() != plan.token_ids:
+            raise ValueError("the stored prefix holds other tokens than its key says")
+        dev = next(iter(self._kv_caches.values())).device
+        keys = torch.from_numpy(p.keys[plan.first:plan.end]).to(dev)
+        values = torch.from_numpy(p.values[plan.first:plan.end]).to(dev)
+        pos = torch.arange(plan.first, plan.end, dtype=torch.int32, device=dev)
+        return SourcePrefix(plan, keys, values, pos, time.perf_counter() - t0)
+
+    def _applied(self, plan: LoadPlan, seconds: float):
+        self._stats.record_map(seconds)
+        self._outcomes[plan.req_id] = {"status": APPLIED, "tokens": plan.end - plan.first, "prefix_tokens": plan.end,
+                                       "mapper": self.ctx.settings.mapper, "map_ms": round(seconds * 1e3, 3)}
+
+    def _fail(self, plan: LoadPlan, reason: str, kind: str):
+        logger.warning("crosskv: request %s re-prefills its prefix: %s", plan.req_id, reason)
+        self._outcomes[plan.req_id] = fallback(reason, kind)
+        self._failed.add(plan.req_id)
+        self._invalid_blocks.update(s // self.ctx.block_size for s in plan.slots)
+
+    def wait_for_layer_load(self, layer_name):
+        if (not self._mapped and self._by_layer is None) or layer_name not in self._layers:
+            return
+        layer, cache = self._layers[layer_name], self._kv_caches[layer_name]
+        li = list(self._layers).index(layer_name)
+        try:
+            ready = self._by_layer.wait(li) if self._by_layer is not None else [
+                (plan, k[:, li], v[:, li]) for plan, k, v in self._mapped]
+        except Exception as e:
+            ready = []
+            plans = [p.plan for p in self._by_layer.prefixes] if self._by_layer else [p for p, _, _ in self._mapped]
+            for plan in plans:
+                self._fail(plan, f"layer {li}'s mapped KV could not be taken: {type(e).__name__}: {e}",
+                           "worker_error")
+        dtype = self.ctx.model_dtype
+        for plan, k, v in ready:
+            if plan.req_id in self._failed:
+                continue
+            try:
+                if fault("write"):
+                    raise RuntimeError("a planted fault in the cache write (CROSSKV_VLLM_FAULT=write)")
+                slots = torch.as_tensor(plan.slots, dtype=torch.int64, device=cache.device)
+                layer.impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), cache, slots)
+            except Exception as e:  # this request's blocks are recomputed; the engine goes on
+                self._fail(plan, f"writing its mapped KV into layer {li} failed: {type(e).__name__}: {e}",
+                           "worker_error")
+
+    def _finish_layer_by_layer(self):
+        """The step's layer-by-layer mapping joined, and each prefix's outcome recorded."""
+        by, self._by_layer = self._by_layer, None
+        if by is None:
+            return
+        by.join()
+        for p in by.prefixes:
+            rid = p.plan.req_id
+            if rid in by.failed:
+                self._fail(p.plan, by.failed[rid], by.kinds[rid])
+            elif rid not in self._failed:
+                self._applied(p.plan, p.read_s + by.map_s.get(rid, 0.0))
+
+    # ----------------------------------------------------------------------------------------- source: save
+    def wait_for_save(self, meta):
+        try:
+            self._finish_layer_by_layer()
+        except Exception:
+            logger.exception("crosskv: joining the layer-by-layer mapping failed")
+        self._mapped, self._failed = [], set()
+        if not isinstance(meta, CrossKVMetadata):
+            return
+        for plan in meta.saves:
+            try:
+                if self.placement.replica == 0:  # one replica of each head range saves it
+                    self._save(plan)
+            except Exception as e:  # an unsaved prefix only means a later re-prefill
+                logger.warning("crosskv: request %s: its KV was not saved: %s: %s", plan.req_id, type(e).__name__, e)
+            self._saved.add(plan.req_id)  # every worker reports it, so vLLM frees its blocks
+
+    def _save(self, plan: SavePlan):
+        slots = torch.as_tensor(plan.slots, dtype=torch.int64)
+        ks, vs = [], []
+        for name, cache in self._kv_caches.items():
+            k, v = self._layout(name).read(cache, slots, layer_scales(self._layers[name]))
+            ks.append(k.to("cpu", torch.float32))
+            vs.append(v.to("cpu", torch.float32))
+        e = self.ctx.engine
+        meta = {"source_model": self.ctx.model_name, "n_layers": e["n_layers"], "n_kv_heads": e["n_kv_heads"],
+                "head_dim": e["head_dim"], "rope_type": e["rope_type"], "rope_theta": e["rope_theta"],
+                "tokenizer": self.ctx.tokenizer, "cache_dtype": self.ctx.cache_dtype}
+        ids = np.asarray(plan.token_ids, dtype=np.int32)
+        self.ctx.store.put(prefix_key(ids), StoredPrefix(ids, torch.stack(ks, 1).numpy(), torch.stack(vs, 1).numpy(),
+                                                         meta, first_head=self.placement.first))
+        logger.info("crosskv: saved request %s's %d tokens, KV heads [%d, %d)", plan.req_id, len(ids),
+                    self.placement.first, self.placement.first + self.placement.count)
+
+    # ------------------------------------------------------------------------------------------ to the scheduler
+    def get_finished(self, finished_req_ids):
+        done, self._saved = self._saved, set()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self):
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad
+
+    def build_connector_worker_meta(self):
+        if not self._outcomes:
+            return None
+        out, self._outcomes = CrossKVWorkerMetadata(self._outcomes), {}
+        return out
+
+    def get_kv_connector_stats(self):
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, CrossKVStats()
+        return out

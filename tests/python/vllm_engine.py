@@ -1,0 +1,53 @@
+"""One vLLM engine for the crosskv.vllm tests (vLLM keeps one KV connector per process): the spec's prompts, greedy,
+results to OUT.json. Its own module, with a main guard, since a tensor-parallel engine's workers are spawned and
+import the main module again.
+
+    python vllm_engine.py SPEC.json OUT.json
+"""
+import json
+import sys
+
+BLOCK = 32
+
+
+def engine_args(spec):
+    args = dict(model=spec["model"], enforce_eager=True, dtype="float32", block_size=BLOCK,
+                kv_cache_memory_bytes=64 << 20, max_model_len=2048,
+                enable_prefix_caching=spec.get("prefix_caching", False), seed=0)
+    if spec.get("tp", 1) > 1:
+        args.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
+    if spec.get("kv_cache_dtype"):
+        args["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("connector"):
+        args["kv_transfer_config"] = {"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm",
+                                      "kv_role": spec["role"], "kv_load_failure_policy": "recompute",
+                                      "kv_connector_extra_config": spec["connector"]}
+    return args
+
+
+def run_engine(spec_path, out_path):
+    """One engine (vLLM keeps one KV connector per process): the spec's prompts (or rounds of them, one generate
+    call each, in order), greedy, results to OUT.json. A prompt is token ids, or {"ids": [...], "salt": "..."}."""
+    from vllm import LLM, SamplingParams
+
+    spec = json.load(open(spec_path))
+    llm = LLM(**engine_args(spec))
+    sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
+    rounds = spec["rounds"] if "rounds" in spec else [spec["prompts"]]
+    res = []
+    for prompts in rounds:
+        asked = [{"prompt_token_ids": p} if isinstance(p, list) else
+                 {"prompt_token_ids": p["ids"], **({"cache_salt": p["salt"]} if p.get("salt") else {})}
+                 for p in prompts]
+        outs = llm.generate(asked, sp, use_tqdm=False)
+        for _ in range(2):  # a source engine saves finished requests' KV on the steps after they finish
+            llm.llm_engine.step()
+        for o in outs:
+            c = o.outputs[0]
+            res.append({"tokens": list(c.token_ids), "first_logprob": c.logprobs[0][c.token_ids[0]].logprob,
+                        "kv": o.kv_transfer_params})
+    json.dump(res, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    run_engine(sys.argv[1], sys.argv[2])
