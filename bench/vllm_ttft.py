@@ -12,8 +12,9 @@ The source engine saves each context's KV first; then, per context, the median o
 the kinds in turn. A request is the stored context plus --suffix new tokens (the next turn, which the target
 computes either way). --layerwise both also times the connector with every layer mapped before the forward
 (layerwise: false) beside its default, layer l mapped on a thread while the model computes the layers before it.
---tp N runs both engines with tensor parallelism N (each worker maps its own KV heads); the map time per layer is
-the connector's map_ms (one worker's: read, check and map) over the target's layers.
+--tp N runs both engines with tensor parallelism N (each worker maps its own KV heads). Map time per layer: from the
+target engine's log, each worker's read, check and map of a prefix over the target's layers (median per context;
+the slowest worker's).
 
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --source-depth 4 --k 4 \
@@ -24,6 +25,7 @@ the connector's map_ms (one worker's: read, check and map) over the target's lay
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -145,7 +147,10 @@ def main():
     print(f"CPU: {crosskv.blas}")
     cut = f", target {a.depth} / source {a.source_depth} layers, k = {a.k or 'all'}" if a.depth else ""
     cut += f", tensor parallel {a.tp}" if a.tp > 1 else ""
-    n_layers = a.depth or SHAPES[a.shape][1]["layers"]
+    maps = {}  # (worker, tokens) -> ms per layer, from the connector's log lines
+    for line in open(os.path.join(work, f"target-layerwise-{modes[0]}.log")):
+        if m := re.search(r"crosskv: worker (\d+) mapped request \S+: (\d+) tokens, [\d.]+ ms \(([\d.]+) ms per layer", line):
+            maps.setdefault((int(m.group(1)), int(m.group(2))), []).append(float(m.group(3)))
     print(f"{a.shape}{cut}, {a.suffix} new token(s) after the context: time to the first token, median of "
           f"{a.repeats} (ms)\n  context" + "".join(f"  {k:>16}" for k in kinds) + "   own prefill   speed-up"
           "   map/layer")
@@ -158,10 +163,9 @@ def main():
             t[k] = statistics.median(x["s"] for x in m)
             own += [x["s"] for x in o]
         to = statistics.median(own)
-        map_ms = statistics.median(x["kv"]["crosskv"].get("map_ms", 0.0) for x in res[modes[0]][2 * i * a.repeats:
-                                                                                              2 * (i + 1) * a.repeats:2])
+        map_ms = max((statistics.median(v) for (w, tokens), v in maps.items() if tokens == n), default=float("nan"))
         row = {"context": n, "suffix": a.suffix, "own_prefill_s": to, "speedup": to / t[kinds[0]], "tp": a.tp,
-               "map_ms_per_layer": map_ms / n_layers}
+               "map_ms_per_layer": map_ms}
         row.update({("crosskv_s" if lw else "crosskv_all_layers_first_s"): t[k] for lw, k in zip(modes, kinds)})
         rows.append(row)
         print(f"  {n:7d}" + "".join(f"  {t[k] * 1e3:16.1f}" for k in kinds) + f"   {to * 1e3:11.1f}"

@@ -30,8 +30,6 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-              "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
 
 
 import numpy as np  # noqa: E402
@@ -39,7 +37,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, HERE)
 import crosskv  # noqa: E402
-from vllm_engine import BLOCK, engine_args  # noqa: E402
+from vllm_engine import BLOCK, check, engine, engine_args, finish  # noqa: E402
 import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
 
@@ -47,29 +45,6 @@ work, capture_py, fit = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
 os.chdir(work)
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def engine(name, spec, expect_fail=False, env=None):
-    t0 = time.time()
-    json.dump(spec, open(f"{name}.spec.json", "w"))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), f"{name}.spec.json", f"{name}.out.json"],
-                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV, **(env or {})})
-    open(f"{name}.log", "w").write(r.stdout + r.stderr)
-    print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
-    if expect_fail:
-        return r
-    if r.returncode != 0:
-        print(r.stderr[-3000:])
-        raise SystemExit(f"engine {name} failed (see {work}/{name}.log)")
-    return json.load(open(f"{name}.out.json"))
-
 
 # ---- PagedLayout on writers of known layouts (no engine): K transposed per block, bf16; a quantizing writer refused.
 class _Impl:
@@ -519,7 +494,4 @@ finally:
     except subprocess.TimeoutExpired:
         server.kill()
 
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("vllm OK")
+finish("vllm")

@@ -7,12 +7,10 @@ vLLM's CPU build runs fp8 caches only with AVX-512 or AMX: elsewhere this test r
 
     python test_vllm_fp8.py WORKDIR CAPTURE_PYTHON CROSSKV_FIT        (in the vLLM environment)
 """
-import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import torch
@@ -25,34 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
+from vllm_engine import check, engine, finish  # noqa: E402
 
 work, capture_py, fit = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
 shutil.rmtree(work, ignore_errors=True)
 os.makedirs(work)
 os.chdir(work)
-failures = []
-ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-              "TOKENIZERS_PARALLELISM": "false"}
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def engine(name, spec):
-    t0 = time.time()
-    json.dump(spec, open(f"{name}.spec.json", "w"))
-    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), f"{name}.spec.json", f"{name}.out.json"],
-                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV})
-    open(f"{name}.log", "w").write(r.stdout + r.stderr)
-    print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
-    if r.returncode != 0:
-        print(r.stderr[-3000:])
-        raise SystemExit(f"engine {name} failed (see {work}/{name}.log)")
-    return json.load(open(f"{name}.out.json"))
-
 
 r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
 if r.returncode != 0:
@@ -94,7 +70,4 @@ for p, o in zip(prompts, src8):
 got = engine("target_from_fp8", {"model": "model-target", "role": "kv_consumer", "prompts": targets,
                                  "connector": {"store": "store8", "mapper": MAPPER}})
 check(all(o["kv"]["crosskv"]["status"] == "applied" for o in got), "a target maps the fp8 source's saved prefixes")
-if failures:
-    print(f"{len(failures)} check(s) failed")
-    sys.exit(1)
-print("vllm fp8 OK")
+finish("vllm fp8")

@@ -1,13 +1,49 @@
 """One vLLM engine for the crosskv.vllm tests (vLLM keeps one KV connector per process): the spec's prompts, greedy,
 results to OUT.json. Its own module, with a main guard, since a tensor-parallel engine's workers are spawned and
-import the main module again.
+import the main module again. The tests start engines with engine() and count their checks with check().
 
     python vllm_engine.py SPEC.json OUT.json
 """
 import json
+import os
+import subprocess
 import sys
+import time
 
 BLOCK = 32
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def finish(what):
+    if failures:
+        print(f"{len(failures)} check(s) failed")
+        sys.exit(1)
+    print(f"{what} OK")
+
+
+def engine(name, spec, expect_fail=False, env=None):
+    """Runs one engine on `spec` in the current folder (NAME.spec.json, NAME.out.json, NAME.log); its results, or
+    with expect_fail the finished process."""
+    t0 = time.time()
+    json.dump(spec, open(f"{name}.spec.json", "w"))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), f"{name}.spec.json", f"{name}.out.json"],
+                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV, **(env or {})})
+    open(f"{name}.log", "w").write(r.stdout + r.stderr)
+    print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
+    if expect_fail:
+        return r
+    if r.returncode != 0:
+        print(r.stderr[-3000:])
+        raise SystemExit(f"engine {name} failed (see {os.getcwd()}/{name}.log)")
+    return json.load(open(f"{name}.out.json"))
 
 
 def engine_args(spec):

@@ -25,6 +25,7 @@ class HeadPlacement:
     count: int
     replica: int
     total: int
+    rank: int = 0  # the worker's tensor-parallel rank
 
     @property
     def heads(self) -> range:
@@ -42,7 +43,7 @@ def head_placement(total: int, per_worker: int, tp_rank: int, tp_size: int) -> H
                          "not a placement the connector knows")
     replicas = per_worker * tp_size // total
     first = (tp_rank // replicas) * per_worker
-    return HeadPlacement(first, per_worker, tp_rank % replicas, total)
+    return HeadPlacement(first, per_worker, tp_rank % replicas, total, tp_rank)
 
 
 def layer_scales(layer) -> tuple[float, float]:

@@ -244,6 +244,9 @@ class WorkerSide:
 
     def _applied(self, plan: LoadPlan, seconds: float):
         self._stats.record_map(seconds)
+        logger.info("crosskv: worker %d mapped request %s: %d tokens, %.3f ms (%.3f ms per layer)",
+                    self.placement.rank, plan.req_id, plan.end - plan.first, seconds * 1e3,
+                    seconds * 1e3 / len(self._layers))
         self._outcomes[plan.req_id] = {"status": APPLIED, "tokens": plan.end - plan.first, "prefix_tokens": plan.end,
                                        "mapper": self.ctx.settings.mapper, "map_ms": round(seconds * 1e3, 3)}
 
