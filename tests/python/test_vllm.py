@@ -22,7 +22,6 @@ fp8 KV caches need AVX-512 or AMX in vLLM's CPU build: tests/python/test_vllm_fp
 """
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -31,20 +30,16 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, HERE)
 import crosskv  # noqa: E402
-from vllm_engine import BLOCK, check, engine, engine_args, finish  # noqa: E402
+from vllm_engine import BLOCK, check, engine, engine_args, family_workdir, finish  # noqa: E402
 import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
 
-work, capture_py, fit = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-os.chdir(work)
+work, capture_py, fit = family_workdir(sys.argv)
 
 # ---- PagedLayout on writers of known layouts (no engine): K transposed per block, bf16; a quantizing writer refused.
 class _Impl:
@@ -184,11 +179,7 @@ for fail_at, error, want in ((1, crosskv.MapperError("keys: element 3 is NaN"), 
     check(all(not g for g in got_layers[fail_at:]) and want in by.failed.get("r1", ""), f"LayerByLayer: a {type(error).__name__} at layer {fail_at} fails the "
           f"prefix ({by.failed.get('r1')}) and no layer waits forever")
 
-# ---- the family: made, captured and fitted in the capture environment (transformers 4.x writes what both read).
-r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
-print(r.stdout[-2000:], r.stderr[-2000:] if r.returncode else "")
-if r.returncode != 0:
-    raise SystemExit("the family (models, capture, fit) failed")
+# ---- the family (family_workdir made, captured and fitted it in the capture environment at the start).
 MAPPER = "out/kall"
 
 # ---- the source answers three turns; its engine saves each one's KV (prompt and answer but the last token).

@@ -8,8 +8,6 @@ vLLM's CPU build runs fp8 caches only with AVX-512 or AMX: elsewhere this test r
     python test_vllm_fp8.py WORKDIR CAPTURE_PYTHON CROSSKV_FIT        (in the vLLM environment)
 """
 import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -23,17 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
-from vllm_engine import check, engine, finish  # noqa: E402
+from vllm_engine import check, engine, family_workdir, finish  # noqa: E402
 
-work, capture_py, fit = os.path.abspath(sys.argv[1]), sys.argv[2], sys.argv[3]
-shutil.rmtree(work, ignore_errors=True)
-os.makedirs(work)
-os.chdir(work)
+family_workdir(sys.argv)
 
-r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
-if r.returncode != 0:
-    print(r.stdout[-2000:], r.stderr[-2000:])
-    raise SystemExit("the family (models, capture, fit) failed")
 MAPPER = "out/kall"
 rng = np.random.default_rng(9)
 prompts = [rng.integers(1, 256, n).tolist() for n in (57, 70)]  # 64 and 77 saved

@@ -6,6 +6,7 @@ import the main module again. The tests start engines with engine() and count th
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +28,21 @@ def finish(what):
         print(f"{len(failures)} check(s) failed")
         sys.exit(1)
     print(f"{what} OK")
+
+
+def family_workdir(argv):
+    """(work, capture_py, fit) from a test's arguments WORKDIR CAPTURE_PYTHON CROSSKV_FIT: the folder made afresh and
+    entered, and the test's family made in it (vllm_family.py, in the capture environment)."""
+    work, capture_py, fit = os.path.abspath(argv[1]), argv[2], argv[3]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    os.chdir(work)
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([capture_py, os.path.join(here, "vllm_family.py"), work, fit], capture_output=True, text=True)
+    print(r.stdout[-2000:], r.stderr[-2000:] if r.returncode else "")
+    if r.returncode != 0:
+        raise SystemExit("the family (models, capture, fit) failed")
+    return work, capture_py, fit
 
 
 def engine(name, spec, expect_fail=False, env=None):
