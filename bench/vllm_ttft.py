@@ -15,12 +15,18 @@ computes either way). --layerwise both also times the connector with every layer
 --tp N runs both engines with tensor parallelism N (each worker maps its own KV heads). Map time per layer: from the
 target engine's log, each worker's read, check and map of a prefix over the target's layers (median per context;
 the slowest worker's).
+--scenario system-prompt: the source answers --questions requests that share a system prompt of the first
+--contexts length (its chunks stored once); the target then gets as many other questions after the same system
+prompt. Each maps the system prompt's stored chunks and computes its own question (--suffix tokens): the hit rate,
+and each request's time to the first token against the same engine prefilling a fresh request as long.
 
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048,4096,8192
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape qwen3-32b --depth 1 --source-depth 4 --k 4 \
         --contexts 512,1024,2048
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 1024,4096 --suffix 256 --layerwise both
     .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --contexts 512,1024,2048 --tp 2
+    .venv-vllm/bin/python bench/vllm_ttft.py WORK --shape family --scenario system-prompt --contexts 1024 \
+        --suffix 64 --questions 8
 """
 import argparse
 import json
@@ -113,6 +119,8 @@ def main():
     ap.add_argument("--layerwise", choices=["on", "off", "both"], default="on",
                     help="the connector's layerwise setting (both: time each)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallelism of both engines")
+    ap.add_argument("--scenario", choices=["context", "system-prompt"], default="context")
+    ap.add_argument("--questions", type=int, default=8, help="system-prompt: requests each side")
     ap.add_argument("--json")
     ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -130,6 +138,8 @@ def main():
     vocab = SHAPES[a.shape][0]["vocab"]
     prefixes = [rng.integers(1, vocab, n).tolist() for n in contexts]
     store = {"store": os.path.join(work, "store")}
+    if a.scenario == "system-prompt":
+        return system_prompt(a, work, store, rng, vocab)
     run({"model": os.path.join(work, "model-source"), "connector": store, "role": "kv_producer",
          "prompts": prefixes, "tp": a.tp}, "source", work)
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.layerwise]
@@ -173,6 +183,33 @@ def main():
     if a.json:
         json.dump({"shape": a.shape, "depth": a.depth, "source_depth": a.source_depth, "k": a.k, "suffix": a.suffix,
                    "blas": crosskv.blas, "rows": rows}, open(a.json, "w"), indent=2)
+
+
+def system_prompt(a, work, store, rng, vocab):
+    import crosskv
+
+    system = rng.integers(1, vocab, int(a.contexts.split(",")[0])).tolist()
+    ask = lambda: [system + rng.integers(1, vocab, a.suffix).tolist() for _ in range(a.questions)]  # noqa: E731
+    run({"model": os.path.join(work, "model-source"), "connector": store, "role": "kv_producer", "prompts": ask(),
+         "tp": a.tp}, "source", work)
+    prompts = []
+    for p in ask():  # each request, then a fresh one as long (the same engine's own prefill)
+        prompts += [p, rng.integers(1, vocab, len(p)).tolist()]
+    res = run({"model": os.path.join(work, "model-target"), "role": "kv_consumer", "prompts": prompts, "tp": a.tp,
+               "connector": {**store, "mapper": os.path.join(work, "mapper", "kall")}}, "target", work)
+    mine, own = res[0::2], res[1::2]
+    hits = [x["kv"]["crosskv"] for x in mine if x["kv"]["crosskv"]["status"] == "applied"]
+    t, to = statistics.median(x["s"] for x in mine), statistics.median(x["s"] for x in own)
+    row = {"system_tokens": len(system), "question_tokens": a.suffix, "requests": a.questions, "hits": len(hits),
+           "mapped_tokens": sorted({h["tokens"] for h in hits}), "crosskv_s": t, "own_prefill_s": to,
+           "speedup": to / t}
+    print(f"CPU: {crosskv.blas}")
+    print(f"{a.shape}: a {len(system)}-token system prompt, {a.questions} new questions of {a.suffix} tokens: "
+          f"{len(hits)}/{a.questions} mapped ({row['mapped_tokens']} tokens each); time to the first token, median: "
+          f"{t * 1e3:.1f} ms against {to * 1e3:.1f} ms of own prefill ({row['speedup']:.2f}x)")
+    if a.json:
+        json.dump({"shape": a.shape, "scenario": a.scenario, "blas": crosskv.blas, "rows": [row]}, open(a.json, "w"),
+                  indent=2)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
 
 work, capture_py, fit = family_workdir(sys.argv)
+CHUNK = BLOCK  # the store's chunk: the smallest it may be, so that these short prompts span several
+STORE = {"store": "store", "chunk_tokens": CHUNK}
 
 # ---- PagedLayout on writers of known layouts (no engine): K transposed per block, bf16; a quantizing writer refused.
 class _Impl:
@@ -131,33 +133,6 @@ for total, per, tp in ((4, 3, 2), (4, 2, 4)):
     except ValueError as e:
         check("not a placement" in str(e), f"head_placement refuses: {e}")
 
-# ---- the store's parts (no engine): a TP-2 source's two parts are the whole prefix; one missing, or parts that
-# disagree, are refused by name.
-parts_store = cv.DirectoryStore("parts-store")
-gen = torch.Generator().manual_seed(8)
-ids = np.arange(10, dtype=np.int32)
-whole_k, whole_v = torch.randn(10, 2, 4, 8, generator=gen).numpy(), torch.randn(10, 2, 4, 8, generator=gen).numpy()
-meta = {"source_model": "m", "n_layers": 2, "n_kv_heads": 4, "head_dim": 8, "rope_type": "default",
-        "rope_theta": 1e6, "tokenizer": None}
-key = cv.prefix_key(ids)
-parts_store.put(key, cv.StoredPrefix(ids, whole_k[:, :, 2:], whole_v[:, :, 2:], meta, first_head=2))
-try:
-    parts_store.get(key)
-    check(False, "a prefix missing a part is refused")
-except ValueError as e:
-    check("incomplete: no stored part holds source KV heads [0, 4)" in str(e), f"a prefix missing a part: {e}")
-parts_store.put(key, cv.StoredPrefix(ids, whole_k[:, :, :2], whole_v[:, :, :2], meta, first_head=0))
-got = parts_store.get(key)
-check(np.array_equal(got.keys, whole_k) and np.array_equal(got.values, whole_v) and len(got.meta["parts"]) == 2,
-      "two parts (heads [0, 2) and [2, 4)) read back as the whole prefix")
-parts_store.put(key, cv.StoredPrefix(ids, whole_k[:, :, 2:], whole_v[:, :, 2:], {**meta, "source_model": "other"},
-                                     first_head=2))
-try:
-    parts_store.get(key)
-    check(False, "parts that disagree are refused")
-except ValueError as e:
-    check("disagree on source_model" in str(e), f"parts that disagree: {e}")
-
 # ---- LayerByLayer (no engine): a failure at any layer, foreseen or not, fails that prefix and hangs no layer.
 class _FlakyMapper:  # layer l's keys are all l; a layer's results reach wait() unless the prefix has failed by then
     def __init__(self, fail_at, error):
@@ -182,14 +157,25 @@ for fail_at, error, want in ((1, crosskv.MapperError("keys: element 3 is NaN"), 
 # ---- the family (family_workdir made, captured and fitted it in the capture environment at the start).
 MAPPER = "out/kall"
 
-# ---- the source answers three turns; its engine saves each one's KV (prompt and answer but the last token).
+# ---- the source answers three turns; its engine saves each one's KV (prompt and answer but the last token) as chunks
+# of CHUNK tokens, the last one a tail.
 rng = np.random.default_rng(7)
 prompts = {"on_boundary": 57, "off_boundary": 70, "all_but_last": 43}  # + 8 answered tokens - 1 = 64, 77, 50 saved
 src_prompts = [rng.integers(1, 256, n).tolist() for n in prompts.values()]
-src = engine("source", {"model": "model-source", "role": "kv_producer", "connector": {"store": "store"},
-                        "prompts": src_prompts})
-store = cv.DirectoryStore("store")
-check(store.lengths() == [77, 64, 50], f"the source engine saved its three turns: {store.lengths()} tokens")
+src = engine("source", {"model": "model-source", "role": "kv_producer", "connector": STORE, "prompts": src_prompts})
+store = cv.open_store("store", CHUNK)
+
+
+def stored_run(tokens, salt=None):
+    """The stored chunks' keys of tokens, read back whole: [n, L, H, D] for the run's n tokens."""
+    m = store.match(tokens, len(tokens), salt)
+    return m, (np.concatenate([store.read(r, salt).keys for r in m.chunks])[:m.tokens] if m.chunks else None)
+
+
+saved = [o["kv"]["crosskv"]["tokens"] for o in src]
+check(saved == [64, 77, 50] and all(store.match(p + o["tokens"], n).tokens == n
+                                    for p, o, n in zip(src_prompts, src, saved)),
+      f"the source engine saved its three turns, each a run of stored chunks: {saved} tokens")
 check(all(o["kv"] == {"crosskv": {"status": "saved", "tokens": n}} for o, n in zip(src, (64, 77, 50))),
       "the source's kv_transfer_params say what was saved")
 turns = [p + o["tokens"] for p, o in zip(src_prompts, src)]
@@ -199,58 +185,82 @@ target_prompts = {"on_boundary": turns[0] + user, "off_boundary": turns[1] + use
 # ---- a TP-2 source (each worker holds one of the 2 KV heads) answers two more turns into the same store: each is
 # saved as two parts, one per worker, with no collective.
 tp2_prompts = [rng.integers(1, 256, n).tolist() for n in (60, 45)]  # 67 and 52 saved
-src2 = engine("source_tp2", {"model": "model-source", "role": "kv_producer", "connector": {"store": "store"},
+src2 = engine("source_tp2", {"model": "model-source", "role": "kv_producer", "connector": STORE,
                              "prompts": tp2_prompts, "tp": 2})
 tp2_turns = [p + o["tokens"] for p, o in zip(tp2_prompts, src2)]
 for t, n in zip(tp2_turns, (67, 52)):
-    parts = store.part_headers(cv.prefix_key(t[:n]))
-    check(sorted((p["first_head"], p["part_heads"]) for p in parts) == [("0", "1"), ("1", "1")],
-          f"the TP-2 source saved its {n}-token turn as one part per worker "
-          f"({sorted((p['first_head'], p['part_heads']) for p in parts)})")
+    m = store.match(t[:n], n)
+    parts = [sorted((p["first_head"], p["part_heads"]) for p in hs) for hs in store.headers(m.chunks)]
+    check(m.tokens == n and all(p == [("0", "1"), ("1", "1")] for p in parts),
+          f"the TP-2 source saved its {n}-token turn as one part per worker in each of its {len(parts)} chunks "
+          f"({parts[0]})")
 for name, t in zip(("tp2_source_long", "tp2_source_short"), tp2_turns):
     target_prompts[name] = t + user
 mapped_lengths = {"on_boundary": 64, "off_boundary": 77, "all_but_last": 50, "tp2_source_long": 67,
                   "tp2_source_short": 52}
 
-# ---- stored prefixes that must not be used, each for a prompt of its own.
-good = store.get(cv.prefix_key(turns[0][:64]))
+# ---- a request sharing 2 of the 3 chunks of off_boundary's stored 77 tokens (2 whole and a tail), then departing;
+# and a branch of on_boundary's conversation (its first chunk, then another turn), which the source answers later.
+shares_2_of_3 = turns[1][:2 * CHUNK] + rng.integers(1, 256, 20).tolist()
+target_prompts["shares_2_of_3"] = shares_2_of_3
+mapped_lengths["shares_2_of_3"] = 2 * CHUNK
+
+# ---- stored chunks that must not be used (or only up to them), each for a prompt of its own, planted with the good
+# KV of on_boundary's 64 tokens.
+good_m, good_keys = stored_run(turns[0][:64])
+good_values = np.concatenate([store.read(r).values for r in good_m.chunks])
+good_meta = store.read(good_m.chunks[0]).meta
 
 
-def planted(name, tokens, keys=None, meta=None):
-    ids = np.asarray(tokens, dtype=np.int32)
-    key = cv.prefix_key(ids)
-    store.put(key, cv.StoredPrefix(ids, good.keys if keys is None else keys, good.values, {**good.meta, **(meta or {})}))
-    return key
+def planted(tokens, keys=None, values=None, meta=None, salt=None):
+    keys = good_keys if keys is None else keys
+    values = good_values if values is None else values
+    store.save(tokens, 0, keys.shape[2], {**good_meta, **(meta or {})}, lambda a, b: (keys[a:b], values[a:b]), salt)
+    return store.match(tokens, len(tokens), salt)
+
+
+def damage(ref):
+    """One byte of the chunk's tensors flipped: still a readable file."""
+    path = store._path(ref.key, "h0-2")
+    with open(path, "r+b") as f:
+        f.seek(-7, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
 
 
 bad_prompts = {}
 for name, kw in (("damaged", {}), ("other_source", {"meta": {"n_layers": 5, "source_model": "another-model"}}),
-                 ("nan", {"keys": np.where(np.arange(good.keys.size).reshape(good.keys.shape) == 99, np.nan,
-                                           good.keys).astype(np.float32)})):
+                 ("nan", {"keys": np.where(np.arange(good_keys.size).reshape(good_keys.shape) == 99, np.nan,
+                                           good_keys).astype(np.float32)})):
     tokens = rng.integers(1, 256, 64).tolist()
-    key = planted(name, tokens, **kw)
+    m = planted(tokens, **kw)
     bad_prompts[name] = tokens + user
-path = os.path.join("store", cv.prefix_key(bad_prompts["damaged"][:64]) + ".h0-2.safetensors")
-with open(path, "r+b") as f:  # one byte of the keys' data flipped: still a readable file
-    f.seek(os.path.getsize(path) - good.values.nbytes - 64 * 4 - 5)  # data: keys, token_ids, values
-    b = f.read(1)
-    f.seek(-1, 1)
-    f.write(bytes([b[0] ^ 0x10]))
+damage(store.match(bad_prompts["damaged"], 64).chunks[0])
 bad_prompts["no_prefix"] = rng.integers(1, 256, 70).tolist()
+# A damaged middle chunk: on_boundary's true KV for chunks 0 and 1 and more after, in a namespace of its own (so that
+# on_boundary's own chunks stay sound); chunk 1 damaged. The run ends before it: chunk 0 is mapped, the rest computed.
+middle = turns[0][:64] + rng.integers(1, 256, CHUNK).tolist()
+m = planted(middle, np.concatenate([good_keys, good_keys[:CHUNK]]), np.concatenate([good_values,
+                                                                                      good_values[:CHUNK]]),
+            salt="damage")
+damage(m.chunks[1])
 names = list(target_prompts) + list(bad_prompts)
 all_prompts = list(target_prompts.values()) + list(bad_prompts.values())
-# A request that shares the first 40 tokens of a mapped prefix, then departs: no stored prefix of its own.
+# A request that shares the first 40 tokens of a mapped prefix, then departs: its first chunk is stored.
 shares_40 = target_prompts["on_boundary"][:40] + rng.integers(1, 256, 30).tolist()
+middle_prompt = middle + user
 
 # ---- the target's own outputs (no connector), then with the connector and the fitted mapper.
-own_all = engine("own", {"model": "model-target", "prompts": all_prompts + [shares_40]})
-own = dict(zip(names + ["shares_40"], own_all))
-got = dict(zip(names, engine("target", {"model": "model-target", "role": "kv_consumer",
-                                        "connector": {"store": "store", "mapper": MAPPER}, "prompts": all_prompts})))
+own_all = engine("own", {"model": "model-target", "prompts": all_prompts + [shares_40, middle_prompt]})
+own = dict(zip(names + ["shares_40", "damaged_middle"], own_all))
+got_all = engine("target", {"model": "model-target", "role": "kv_consumer", "connector": {**STORE, "mapper": MAPPER},
+                            "prompts": all_prompts + [shares_40, {"ids": middle_prompt, "salt": "damage"}]})
+got = dict(zip(names + ["shares_40", "damaged_middle"], got_all))
 for name, n in mapped_lengths.items():
     kv = got[name]["kv"]["crosskv"]
     check(kv["status"] == "applied" and kv["tokens"] == n, f"{name}: {n} tokens applied ({kv})")
-want_reason = {"damaged": "damaged (its checksum does not match", "other_source": "of another source model",
+want_reason = {"damaged": "chunk 0 (tokens 0-32", "other_source": "of another source model",
                "nan": "is NaN; a source cache must be finite", "no_prefix": "no stored prefix"}
 for name, reason in want_reason.items():
     kv = got[name]["kv"]["crosskv"]
@@ -258,12 +268,21 @@ for name, reason in want_reason.items():
     check(got[name]["tokens"] == own[name]["tokens"]
           and abs(got[name]["first_logprob"] - own[name]["first_logprob"]) < 1e-4,
           f"{name}: exactly the target's own tokens {own[name]['tokens']}")
+check("damaged (its checksum does not match" in got["damaged"]["kv"]["crosskv"].get("reason", ""),
+      "damaged: the reason says the checksum")
+kv = got["damaged_middle"]["kv"]["crosskv"]
+check(kv["status"] == "applied" and kv["tokens"] == CHUNK and f"chunk 1 (tokens {CHUNK}-{2 * CHUNK}" in kv.get(
+    "stopped", "") and "checksum" in kv.get("stopped", ""),
+      f"a damaged middle chunk ends the run there: chunk 0 mapped, the rest computed ({kv})")
+kv = got["shares_40"]["kv"]["crosskv"]
+check(kv["status"] == "applied" and kv["tokens"] == CHUNK, f"shares_40: its first chunk ({CHUNK} tokens) is mapped "
+      f"({kv})")
 
 # ---- a TP-2 target (each worker maps and writes its 2 of the 4 KV heads), layer by layer on a thread (layerwise:
 # true; on the CPU the default maps all layers first), fed by the TP-1 source (1->2) and the TP-2 one (2->2): the
 # TP-1 target's tokens and logprobs, and the same outcomes.
 tp2 = dict(zip(names, engine("target_tp2", {"model": "model-target", "role": "kv_consumer", "prompts": all_prompts,
-                                            "tp": 2, "connector": {"store": "store", "mapper": MAPPER,
+                                            "tp": 2, "connector": {**STORE, "mapper": MAPPER,
                                                                    "layerwise": True}})))
 
 
@@ -280,7 +299,7 @@ for name, o in tp2.items():
 # ---- the planted bug: every TP-2 worker maps worker 0's heads. Labelled applied, and caught by the check above.
 bug = dict(zip(mapped_lengths, engine("target_tp2_bug", {"model": "model-target", "role": "kv_consumer", "tp": 2,
                                                          "prompts": [target_prompts[n] for n in mapped_lengths],
-                                                         "connector": {"store": "store", "mapper": MAPPER}},
+                                                         "connector": {**STORE, "mapper": MAPPER}},
                                       env={"CROSSKV_VLLM_FAULT": "rank0_heads"})))
 check(any(not same_result(o, got[name]) for name, o in bug.items()),
       f"a planted bug (each worker maps worker 0's heads) is caught: {sum(not same_result(o, got[n]) for n, o in bug.items())} "
@@ -297,12 +316,15 @@ for t, n in zip(tp2_turns, (67, 52)):
     with torch.no_grad():
         layers = crosskv.hf.cache_layers(hf_source(torch.tensor([t[:n]]), use_cache=True).past_key_values)
     want = torch.stack([k[0] for k, _ in layers]).permute(2, 0, 1, 3)  # [tokens, L, H, D]
-    stored = torch.from_numpy(store.get(cv.prefix_key(t[:n])).keys)
+    stored = torch.from_numpy(stored_run(t[:n])[1])
     check(stored.shape == want.shape and float((stored - want).abs().max()) < 1e-4,
           f"the TP-2 source's parts, together, are HF's source KV for {n} tokens (max |diff| "
           f"{float((stored - want).abs().max()):.1e})")
-for name, n in mapped_lengths.items():
-    ids = torch.tensor([target_prompts[name]])
+# Partial reuse (2 of 3 chunks; a first chunk), and a run ended by a damaged chunk: HF on exactly those tokens.
+partial = {"shares_40": (shares_40, CHUNK), "damaged_middle": (middle_prompt, CHUNK)}
+for name, (prompt, n) in [(name, (target_prompts[name], n)) for name, n in mapped_lengths.items()] + list(
+        partial.items()):
+    ids = torch.tensor([prompt])
     with torch.no_grad():
         cache = crosskv.hf.transfer_cache(mapper, hf_source(ids[:, :n], use_cache=True).past_key_values)
         out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
@@ -318,7 +340,7 @@ for name, n in mapped_lengths.items():
 
 # ---- the control: noise weights change the output, so the injected KV is what the target reads.
 noise = engine("noise", {"model": "model-target", "role": "kv_consumer",
-                         "connector": {"store": "store", "mapper": "out-noise/kall"},
+                         "connector": {**STORE, "mapper": "out-noise/kall"},
                          "prompts": list(target_prompts.values())})
 for (name, _), o in zip(target_prompts.items(), noise):
     check(o["kv"]["crosskv"]["status"] == "applied" and (o["tokens"] != got[name]["tokens"] or abs(
@@ -327,11 +349,12 @@ for (name, _), o in zip(target_prompts.items(), noise):
 
 # ---- prefix caching on, mapped_prefix_reuse none (the default), and a planted exception in the cache write of the
 # first mapped request: that request re-prefills (exactly its own tokens), the engine serves the next; mapped blocks
-# never serve a later request: the same prompt is mapped again, one sharing 40 tokens gets exactly its own prefill.
+# never serve a later request: the same prompt is mapped again, and one sharing 40 tokens maps its first chunk from the
+# store, not from the cache.
 rounds = [[target_prompts["tp2_source_long"]], [target_prompts["on_boundary"]], [target_prompts["on_boundary"]],
           [shares_40]]
 pc = engine("prefix_none", {"model": "model-target", "role": "kv_consumer", "prefix_caching": True, "rounds": rounds,
-                            "connector": {"store": "store", "mapper": MAPPER}}, env={"CROSSKV_VLLM_FAULT": "write:1"})
+                            "connector": {**STORE, "mapper": MAPPER}}, env={"CROSSKV_VLLM_FAULT": "write:1"})
 kv = [o["kv"]["crosskv"] for o in pc]
 check(kv[0]["status"] == "fallback_reprefill" and "planted fault in the cache write" in kv[0].get("reason", "")
       and same_result(pc[0], own["tp2_source_long"]),
@@ -340,16 +363,16 @@ check(kv[1]["status"] == "applied" and same_result(pc[1], got["on_boundary"]),
       f"after it the engine serves the next request, mapped ({kv[1]['status']}, {kv[1].get('tokens')} tokens)")
 check(kv[2]["status"] == "applied" and kv[2]["tokens"] == 64 and same_result(pc[2], got["on_boundary"]),
       f"prefix caching on (reuse none): the same prompt again is mapped again, not taken from the cache ({kv[2]})")
-check(kv[3]["status"] == "fallback_reprefill" and same_result(pc[3], own["shares_40"]),
-      f"prefix caching on (reuse none): a later request sharing 40 mapped tokens gets exactly its own prefill "
-      f"({kv[3]['status']})")
+check(kv[3]["status"] == "applied" and kv[3]["tokens"] == CHUNK and same_result(pc[3], got["shares_40"]),
+      f"prefix caching on (reuse none): a later request sharing 40 mapped tokens maps its first chunk from the store, "
+      f"as without prefix caching ({kv[3]})")
 
 # ---- prefix caching on, mapped_prefix_reuse namespace: the same prompt reuses the mapped blocks, labelled so;
 # another cache_salt gets exactly its own prefill; the same namespace sharing 40 tokens is labelled too.
 rounds = [[target_prompts["on_boundary"]], [target_prompts["on_boundary"]], [{"ids": shares_40, "salt": "tenant-b"}],
           [shares_40]]
 ns = engine("prefix_namespace", {"model": "model-target", "role": "kv_consumer", "prefix_caching": True,
-                                 "rounds": rounds, "connector": {"store": "store", "mapper": MAPPER,
+                                 "rounds": rounds, "connector": {**STORE, "mapper": MAPPER,
                                                                  "mapped_prefix_reuse": "namespace"}})
 kv = [o["kv"]["crosskv"] for o in ns]
 check(kv[0]["status"] == "applied" and same_result(ns[0], got["on_boundary"]), f"namespace: mapped first ({kv[0]})")
@@ -360,11 +383,77 @@ check(kv[2]["status"] == "fallback_reprefill" and same_result(ns[2], own["shares
 check(kv[3]["status"] == "mapped_prefix_cache" and kv[3]["tokens"] == 32,
       f"namespace: the same namespace sharing 40 tokens reuses one mapped block, labelled ({kv[3]})")
 
+# ---- across machines, and two writers at once: two source engines answer at the same time into one Redis store (the
+# target shares no folder with them), their conversations sharing a 2-chunk system prompt; then a source answers two
+# branches of one conversation, which store only their new chunks; the target maps every one from Redis.
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+from test_prefix_store import RedisServer  # noqa: E402
+
+redis_server = RedisServer(work)
+try:
+    rconn = {"store": redis_server.url("pair"), "chunk_tokens": CHUNK}
+    rstore = cv.open_store(rconn["store"], CHUNK)
+    system = rng.integers(1, 256, 2 * CHUNK).tolist()
+    questions = [rng.integers(1, 256, 10 + 9 * i).tolist() for i in range(4)]
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(engine, f"source_redis_{w}", {"model": "model-source", "role": "kv_producer",
+                                                          "connector": rconn, "prompts": [system + q for q in qs]})
+                for w, qs in (("a", questions[:2]), ("b", questions[2:]))]
+        outs = runs[0].result() + runs[1].result()
+    convs = [system + q + o["tokens"] for q, o in zip(questions, outs)]
+    chunk_count = lambda: len(rstore._r.keys("crosskv:pair:c:*"))  # noqa: E731
+    distinct = len({k for c in convs for k in cv.chunk_keys(c[:-1], CHUNK, "pair")}) + sum(
+        (len(c) - 1) % CHUNK > 0 for c in convs)
+    check(all(rstore.match(c[:-1], len(c) - 1).tokens == len(c) - 1 for c in convs) and chunk_count() == distinct,
+          f"two source engines at once into Redis: every conversation stored whole, the shared system prompt's chunks "
+          f"once ({chunk_count()} chunks for {sum(len(c) - 1 for c in convs)} tokens)")
+    before = chunk_count()
+    branches = [convs[0] + rng.integers(1, 256, 12).tolist() for _ in range(2)]
+    bouts = engine("source_redis_branches", {"model": "model-source", "role": "kv_producer", "connector": rconn,
+                                              "prompts": branches})
+    branches = [b + o["tokens"] for b, o in zip(branches, bouts)]
+    shared = (len(convs[0]) - 1) // CHUNK
+    new = sum(-(-(len(b) - 1) // CHUNK) - shared for b in branches)
+    check(chunk_count() - before == new, f"two branches of one conversation store only their new chunks "
+          f"({chunk_count() - before} written, {shared} whole chunks of the conversation shared)")
+    tgt = engine("target_redis", {"model": "model-target", "role": "kv_consumer", "connector": {**rconn,
+                                                                                                "mapper": MAPPER},
+                                  "prompts": [c + user for c in convs + branches]})
+    want = [len(c) - 1 for c in convs + branches]
+    check([o["kv"]["crosskv"].get("tokens") for o in tgt] == want and all(
+        o["kv"]["crosskv"]["status"] == "applied" for o in tgt),
+          f"the target maps every conversation and branch from Redis ({want} tokens)")
+finally:
+    redis_server.stop()
+
+# ---- eviction: a folder store bounded to three 64-token prefixes; on_boundary's goes first, off_boundary's (saved
+# last) stays; the target maps the one and falls back for the other, with the reason.
+om, off_keys = stored_run(turns[1][:77])
+off_values = np.concatenate([store.read(r).values for r in om.chunks])
+small = cv.open_store("store-small", CHUNK)
+small.save(turns[0][:64], 0, 2, good_meta, lambda a, b: (good_keys[a:b], good_values[a:b]))
+small.capacity_bytes = 3 * small.stored_bytes()
+for _ in range(4):
+    small.save(rng.integers(1, 256, 64).tolist(), 0, 2, good_meta, lambda a, b: (good_keys[a:b], good_values[a:b]))
+small.save(turns[1][:77], 0, 2, good_meta, lambda a, b: (off_keys[a:b], off_values[a:b]))
+check(small.stored_bytes() <= small.capacity_bytes and small.match(turns[0][:64], 64).tokens == 0,
+      f"a bounded folder store evicted the oldest prefix ({small.stored_bytes()} <= {small.capacity_bytes} bytes)")
+ev = engine("target_evicted", {"model": "model-target", "role": "kv_consumer",
+                               "connector": {"store": "store-small", "chunk_tokens": CHUNK, "mapper": MAPPER},
+                               "prompts": [target_prompts["on_boundary"], target_prompts["off_boundary"]]})
+kv = [o["kv"]["crosskv"] for o in ev]
+check(kv[0]["status"] == "fallback_reprefill" and "evicted" in kv[0]["reason"] and same_result(ev[0],
+                                                                                               own["on_boundary"]),
+      f"an evicted prefix falls back with its reason, exactly the target's own tokens ({kv[0].get('reason')})")
+check(kv[1]["status"] == "applied" and kv[1]["tokens"] == 77 and same_result(ev[1], got["off_boundary"]),
+      f"the prefix saved last is mapped as before ({kv[1]})")
+
 # ---- mappers that must not serve: another model's (the source engine is not the mapper's target), NOT READY.
 for name, spec, reason in (
-        ("mismatch", {"model": "model-source", "connector": {"store": "store", "mapper": MAPPER}},
+        ("mismatch", {"model": "model-source", "connector": {**STORE, "mapper": MAPPER}},
          "the mapper does not match this engine's model: the mapper's target has 3 layers, the model has 2"),
-        ("not_ready", {"model": "model-target", "connector": {"store": "store", "mapper": "out-notready/kall"}},
+        ("not_ready", {"model": "model-target", "connector": {**STORE, "mapper": "out-notready/kall"}},
          "held-out verdict is NOT READY")):
     res = engine(name, {**spec, "role": "kv_consumer", "prompts": [target_prompts["on_boundary"]]})
     kv = {"reason": "", **res[0]["kv"]["crosskv"]}
@@ -372,12 +461,12 @@ for name, spec, reason in (
     check(kv["status"] == "fallback_reprefill" and reason in kv["reason"]
           and (ref is None or res[0]["tokens"] == ref["tokens"]), f"{name}: falls back ({kv['reason'][:110]})")
 res = engine("allowed", {"model": "model-target", "role": "kv_consumer", "prompts": [target_prompts["on_boundary"]],
-                         "connector": {"store": "store", "mapper": "out-notready/kall", "allow_not_ready": True}})
+                         "connector": {**STORE, "mapper": "out-notready/kall", "allow_not_ready": True}})
 check(res[0]["kv"]["crosskv"]["status"] == "applied" and res[0]["tokens"] == got["on_boundary"]["tokens"],
       "allow_not_ready: the operator's choice serves a NOT READY mapper")
 
 # ---- a bad config: the engine does not start, and one line names the key.
-r = engine("badconfig", {"model": "model-target", "role": "kv_consumer", "connector": {"store": "store"},
+r = engine("badconfig", {"model": "model-target", "role": "kv_consumer", "connector": STORE,
                          "prompts": [[1, 2, 3]]}, expect_fail=True)
 line = [l for l in (r.stdout + r.stderr).splitlines() if "CrossKVConfigError" in l]
 check(r.returncode != 0 and line and "kv_connector_extra_config.mapper: missing" in line[-1],
@@ -431,7 +520,7 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 kvc = engine_args({"model": "model-target", "role": "kv_consumer",
-                   "connector": {"store": "store", "mapper": MAPPER}})["kv_transfer_config"]
+                   "connector": {**STORE, "mapper": MAPPER}})["kv_transfer_config"]
 server = subprocess.Popen(
     [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "model-target", "--port", str(port),
      "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "2048",

@@ -1,10 +1,10 @@
 """crosskv.vllm: serve crosskv mappers in vLLM through its V1 KV-connector interface.
 
-The source model's engine saves each finished request's prefix KV into a store (one part per tensor-parallel
-worker's KV heads); the target model's engine finds the longest stored prefix of a new request, maps it with a
-crosskv.Mapper on each worker into exactly the KV heads that worker holds, and writes the mapped K (target RoPE
-applied) and V into the blocks vLLM allocated, through the attention backend's own cache writer (which quantizes
-for an fp8 cache). vLLM then computes only the tokens after the prefix. Anything wrong (mapper and model disagree,
+The source model's engine saves each finished request's prefix KV into a store of chained chunks (shared between
+requests; one part per tensor-parallel worker's KV heads; a folder, shm: or Redis); the target model's engine finds
+the longest run of stored chunks from a new request's start, maps it with a crosskv.Mapper on each worker into exactly
+the KV heads that worker holds, and writes the mapped K (target RoPE applied) and V into the blocks vLLM allocated,
+through the attention backend's own cache writer (which quantizes for an fp8 cache). vLLM then computes only the tokens after the prefix. Anything wrong (mapper and model disagree,
 the stored prefix is missing, incomplete, damaged or of another source model, the mapper's held-out verdict is
 NOT READY, any failure on the worker's path) gives the request its re-prefill, never wrong KV, and never stops the
 engine.
@@ -27,9 +27,10 @@ from .config import CrossKVConfigError, Settings, parse_settings
 from .connector import CrossKVConnector
 from .layout import HeadPlacement, PagedLayout, head_placement, slots_of
 from .metadata import APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, LoadPlan
-from .store import DirectoryStore, KVStore, StoredPrefix, prefix_key
+from .store import ChunkRef, FolderStore, Match, PrefixError, PrefixStore, RedisStore, chunk_keys, open_store
 from .worker import LayerByLayer, SourcePrefix
 
 __all__ = ["CrossKVConnector", "CrossKVConfigError", "Settings", "parse_settings", "HeadPlacement", "PagedLayout",
            "head_placement", "slots_of", "APPLIED", "FALLBACK", "LOCAL", "MAPPED_CACHE", "LoadPlan",
-           "DirectoryStore", "KVStore", "StoredPrefix", "prefix_key", "LayerByLayer", "SourcePrefix"]
+           "ChunkRef", "FolderStore", "Match", "PrefixError", "PrefixStore", "RedisStore", "chunk_keys", "open_store",
+           "LayerByLayer", "SourcePrefix"]

@@ -29,6 +29,9 @@ class Settings:
     min_prefix_tokens: int = 1
     layerwise: Optional[bool] = None  # None: layer by layer when the mapper runs on a GPU
     mapped_prefix_reuse: str = "none"
+    chunk_tokens: int = 256  # the store's chunk: a multiple of the engine's block size
+    capacity_bytes: Optional[int] = None  # a folder store's bound (least recently used chunks go first)
+    ttl_seconds: Optional[int] = None  # a Redis store's expiry of each chunk
 
 
 def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
@@ -39,17 +42,20 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
                                  f"kv_consumer (the target's), got {kv_transfer_config.kv_role!r}")
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     known = {"store": str, "mapper": str, "allow_not_ready": bool, "mapper_device": str, "min_prefix_tokens": int,
-             "layerwise": bool, "mapped_prefix_reuse": str}
+             "layerwise": bool, "mapped_prefix_reuse": str, "chunk_tokens": int, "capacity_bytes": int,
+             "ttl_seconds": int}
     for key, value in extra.items():
         if key not in known:
             raise CrossKVConfigError(f"{EXTRA}.{key}: unknown key; expected one of {', '.join(known)}")
         if not isinstance(value, known[key]) or (known[key] is int and isinstance(value, bool)):
             raise CrossKVConfigError(f"{EXTRA}.{key}: expected {known[key].__name__}, got {value!r}")
     if "store" not in extra:
-        raise CrossKVConfigError(f"{EXTRA}.store: missing; a folder, or shm:NAME for shared memory")
+        raise CrossKVConfigError(f"{EXTRA}.store: missing; a folder, shm:NAME for shared memory, or "
+                                 "redis://HOST:PORT/NAMESPACE")
     s = Settings(**extra)
-    if s.min_prefix_tokens < 1:
-        raise CrossKVConfigError(f"{EXTRA}.min_prefix_tokens: expected >= 1, got {s.min_prefix_tokens}")
+    for key in ("min_prefix_tokens", "chunk_tokens", "capacity_bytes", "ttl_seconds"):
+        if getattr(s, key) is not None and getattr(s, key) < 1:
+            raise CrossKVConfigError(f"{EXTRA}.{key}: expected >= 1, got {getattr(s, key)}")
     if s.mapped_prefix_reuse not in MAPPED_REUSE:
         raise CrossKVConfigError(f"{EXTRA}.mapped_prefix_reuse: expected one of {', '.join(MAPPED_REUSE)}, got "
                                  f"{s.mapped_prefix_reuse!r}")

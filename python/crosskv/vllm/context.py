@@ -9,7 +9,7 @@ from vllm.logger import init_logger
 
 from .config import EXTRA, CrossKVConfigError, Settings, engine_spec, mapper_verdict, parse_settings, \
     read_mapper_manifest, spec_mismatch, tokenizer_fingerprint
-from .store import KVStore, open_store
+from .store import PrefixStore, open_store
 
 logger = init_logger("vllm.crosskv")
 
@@ -21,7 +21,7 @@ FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 class EngineContext:
     side: str  # source | target
     settings: Settings
-    store: KVStore
+    store: PrefixStore
     block_size: int
     engine: dict  # the model's kv_spec, as config.engine_spec gives it
     model_name: str
@@ -49,7 +49,11 @@ def engine_context(vllm_config) -> EngineContext:
     if pp != 1:
         raise CrossKVConfigError(f"parallel_config.pipeline_parallel_size: crosskv maps every layer on each worker; "
                                  f"expected 1, got {pp} (tensor parallelism is supported)")
-    ctx = EngineContext(side, settings, open_store(settings.store), cc.block_size, engine_spec(mc), str(mc.model),
+    if settings.chunk_tokens % cc.block_size:
+        raise CrossKVConfigError(f"{EXTRA}.chunk_tokens: expected a multiple of the engine's block size "
+                                 f"{cc.block_size}, got {settings.chunk_tokens}")
+    store = open_store(settings.store, settings.chunk_tokens, settings.capacity_bytes, settings.ttl_seconds)
+    ctx = EngineContext(side, settings, store, cc.block_size, engine_spec(mc), str(mc.model),
                         mc.dtype, cache_dtype, tokenizer_fingerprint(mc), bool(cc.enable_prefix_caching))
     if side == "target":
         ctx.manifest = read_mapper_manifest(settings.mapper)

@@ -3,6 +3,7 @@ request's outcome), and the outcomes themselves."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -38,7 +39,8 @@ def outcome_line(o: dict) -> str:
     if o["status"] == APPLIED:
         reused = f" (after {o['mapped_prefix_cache_tokens']} reused from the mapped prefix cache)" \
             if o.get("mapped_prefix_cache_tokens") else ""
-        return f"applied: {o['tokens']} tokens mapped by {o.get('mapper')}{reused}"
+        stopped = f" (the stored run stops at {o['stopped']})" if o.get("stopped") else ""
+        return f"applied: {o['tokens']} tokens mapped by {o.get('mapper')}{reused}{stopped}"
     if o["status"] == LOCAL:
         return f"{LOCAL}: the target's own cache holds {o['tokens']} tokens, the store {o['prefix_tokens']}"
     if o["status"] == MAPPED_CACHE:
@@ -49,11 +51,13 @@ def outcome_line(o: dict) -> str:
 @dataclass
 class LoadPlan:
     req_id: str
-    key: str
+    chunks: list  # the store's ChunkRefs that hold tokens [first, end), in order
     first: int  # tokens [first, end) are loaded; [0, first) the target's own prefix cache holds
     end: int
-    token_ids: list[int]  # [0, end), to check the stored prefix against
-    slots: list[int]
+    token_ids: list[int]  # [0, end), to check the stored chunks against
+    slots: list[int]  # of tokens [first, end)
+    salt: Optional[str] = None  # the request's cache_salt: its namespace in the store
+    stopped: Optional[str] = None  # why the run was cut before its planned end (a chunk that could not be used)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class SavePlan:
     req_id: str
     token_ids: list[int]
     slots: list[int]
+    salt: Optional[str] = None
 
 
 @dataclass
@@ -75,7 +80,8 @@ class CrossKVWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other):
         merged = dict(self.outcomes)
-        for req, o in other.outcomes.items():  # one worker's failure fails the request
-            if req not in merged or o["status"] == FALLBACK:
+        for req, o in other.outcomes.items():  # one worker's failure fails the request; the fewest tokens mapped win
+            if req not in merged or o["status"] == FALLBACK or (
+                    o["status"] == merged[req]["status"] == APPLIED and o["tokens"] < merged[req]["tokens"]):
                 merged[req] = o
         return CrossKVWorkerMetadata(merged)

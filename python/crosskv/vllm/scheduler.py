@@ -1,6 +1,6 @@
-"""The connector's scheduler side: finds each new target request's longest stored prefix, decides its outcome, keeps
-mapped KV out of the exact prefix cache (or within its namespace), and counts outcomes for the metrics. On the
-source engine it plans the saves of finished requests."""
+"""The connector's scheduler side: finds each new target request's longest run of stored chunks (cut before the first
+one that cannot feed the mapper), decides its outcome, keeps mapped KV out of the exact prefix cache (or within its
+namespace), and counts outcomes for the metrics. On the source engine it plans the saves of finished requests."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +15,7 @@ from .layout import slots_of
 from .metadata import (APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan,
                        SavePlan, fallback, outcome_class, outcome_line)
 from .metrics import CrossKVStats
-from .store import PrefixError, header_mismatch
+from .store import Match, PrefixError, header_mismatch, whole_header
 
 logger = init_logger("vllm.crosskv")
 
@@ -53,22 +53,23 @@ class SchedulerSide:
         reused, tainted_from = self._mapped_cache_hit(request, num_computed_tokens)
         reused_outcome = {"status": MAPPED_CACHE, "tokens": reused, "local_tokens": num_computed_tokens}
         tokens = list(request.prompt_token_ids or [])
+        salt = getattr(request, "cache_salt", None)
         # The last prompt token is always computed: it gives the first output token's logits.
-        hit = ctx.store.longest_prefix(tokens, len(tokens) - 1, ctx.settings.min_prefix_tokens)
-        if hit is None:
-            self._outcomes[rid] = reused_outcome if reused else fallback("no stored prefix of this request",
-                                                                         "no_prefix")
-            self._taint_later(rid, tainted_from)
-            return 0, False
-        key, n = hit
         try:
-            meta = ctx.store.header(key)
-        except PrefixError as e:
-            self._outcomes[rid] = fallback(f"the stored prefix cannot be used: {e}", e.kind)
+            match, stopped = self._usable_run(ctx.store.match(tokens, len(tokens) - 1, salt))
+        except PrefixError as e:  # the store cannot be read (an unreachable server)
+            self._outcomes[rid] = fallback(str(e), e.kind)
             return 0, False
-        why = header_mismatch(meta or {}, ctx.source_spec, ctx.tokenizer)
-        if why:
-            self._outcomes[rid] = fallback(why, "other_source")
+        n = match.tokens
+        if n == 0 or n < ctx.settings.min_prefix_tokens:
+            if stopped:
+                self._outcomes[rid] = fallback(f"the stored prefix cannot be used: {stopped[0]}", stopped[1])
+            else:
+                self._outcomes[rid] = reused_outcome if reused else fallback(
+                    "no stored prefix of this request" + (f" of at least {ctx.settings.min_prefix_tokens} tokens"
+                                                          if n else " (never saved, evicted, or another namespace)"),
+                    "no_prefix")
+                self._taint_later(rid, tainted_from)
             return 0, False
         if n <= num_computed_tokens:
             self._outcomes[rid] = reused_outcome if reused else {"status": LOCAL, "tokens": num_computed_tokens,
@@ -85,11 +86,33 @@ class SchedulerSide:
             else:
                 self._taint(request.block_hashes[first_block:])
                 self._taint_later(rid, first_block if tainted_from is None else tainted_from)
-        self._candidates[rid] = (key, num_computed_tokens, n)
+        chunks = [c for c in match.chunks if c.end > num_computed_tokens]
+        self._candidates[rid] = (chunks, num_computed_tokens, n, salt)
         self._outcomes[rid] = {"status": APPLIED, "tokens": n - num_computed_tokens, "prefix_tokens": n,
                                "mapper": ctx.settings.mapper, **({"mapped_prefix_cache_tokens": reused} if reused
-                                                                 else {})}
+                                                                 else {}), **({"stopped": stopped[0]} if stopped
+                                                                              else {})}
         return n - num_computed_tokens, False
+
+    def _usable_run(self, match: Match):
+        """The run of chunks cut before the first whose parts are incomplete or disagree, or that cannot feed this
+        mapper (another source model, RoPE or tokenizer); with (why it stops, its kind) where it was cut."""
+        store = self.ctx.store
+        for i, (ref, parts) in enumerate(zip(match.chunks, store.headers(match.chunks))):
+            where = store.where(ref)
+            if not parts:  # evicted since the lookup
+                why, kind = f"{where}: no longer stored (evicted, or removed)", "evicted"
+            else:
+                try:
+                    meta = whole_header(where, parts)
+                    why, kind = header_mismatch(meta, self.ctx.source_spec, self.ctx.tokenizer), "other_source"
+                    why = why and f"{where}: {why}"
+                except PrefixError as e:
+                    why, kind = str(e), e.kind
+            if why:
+                kept = match.chunks[:i]
+                return Match(kept, min(match.tokens, kept[-1].end) if kept else 0), (why, kind)
+        return match, None
 
     # ------------------------------------------------------------------------------- mapped KV and the prefix cache
     def _hash_apart(self, request, first_block: int):
@@ -142,9 +165,9 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._to_load:
                 continue
-            key, first, end = self._candidates[new.req_id]
-            meta.loads.append(LoadPlan(new.req_id, key, first, end, list(new.prompt_token_ids[:end]),
-                                       slots_of(new.block_ids[0], self.ctx.block_size, first, end).tolist()))
+            chunks, first, end, salt = self._candidates[new.req_id]
+            meta.loads.append(LoadPlan(new.req_id, chunks, first, end, list(new.prompt_token_ids[:end]),
+                                       slots_of(new.block_ids[0], self.ctx.block_size, first, end).tolist(), salt))
             del self._to_load[new.req_id]
         for rid in list(self._to_load):  # resumed after preemption: vLLM recomputes; say so
             self._outcomes[rid] = fallback("preempted before its prefix was loaded", "preempted")
@@ -166,7 +189,8 @@ class SchedulerSide:
             if n < self.ctx.settings.min_prefix_tokens or not block_ids:
                 return False, None
             self._to_save.append(SavePlan(rid, list(request.all_token_ids[:n]),
-                                          slots_of(block_ids, self.ctx.block_size, 0, n).tolist()))
+                                          slots_of(block_ids, self.ctx.block_size, 0, n).tolist(),
+                                          getattr(request, "cache_salt", None)))
             return True, {"crosskv": {"status": "saved", "tokens": n}}  # blocks kept until the workers saved them
         outcome = self._outcomes.pop(rid, fallback("never scheduled through the connector", "other"))
         first_block = self._mapped_from.pop(rid, None)

@@ -1,43 +1,102 @@
-"""Where the source engine's prefixes live until a target engine maps them. A prefix is stored in parts, each the KV
-of a range of the source's KV heads: a source engine with tensor parallelism N saves one part per distinct head
-range, from the worker that holds it, with no collective; a target reads every part and checks that together they
-are the whole source KV before it maps any of it."""
+"""Where the source engine's KV lives until a target engine maps it: a store of *chunks*.
+
+A prefix is cut into chunks of C tokens (C a multiple of the engine's block size; the last chunk of a finished
+request may be shorter: a *tail*). Chunk keys are chained as vLLM's block hashes are: chunk i's key hashes its tokens
+and chunk i-1's key, and chunk 0's hashes the namespace and C, so a key names its whole prefix, and a lookup never
+crosses namespaces. A lookup walks the request's chunks (its cost is in the request's chunk count, not in the
+store's size) and returns the longest run of stored chunks from its start, then a stored tail after it. Chunks are
+shared by every prefix that holds them, so storage grows with distinct tokens, not with the square of a
+conversation.
+
+Each chunk is stored in *parts*, each the KV of a range of the source's KV heads: a source engine with tensor
+parallelism N saves one part per distinct head range, from the worker that holds it, with no collective; a target
+reads every part and checks that together they are the whole source KV. Every part carries its metadata (source
+model, RoPE, tokenizer, namespace, place in the chain) and a checksum of its tensors.
+
+Kinds: a folder (`/path`, or `shm:NAME` for /dev/shm/crosskv/NAME) with an SQLite index, `capacity_bytes` and
+least-recently-used eviction, safe for several writers at once; and Redis (`redis://HOST:PORT/NAMESPACE`), where
+capacity and eviction are the server's own (maxmemory, allkeys-lru) and `ttl_seconds` sets an expiry."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import re
+import sqlite3
+import struct
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+from urllib.parse import urlparse
 
 import numpy as np
 
-from .config import CrossKVConfigError, EXTRA, spec_mismatch
+from .config import EXTRA, CrossKVConfigError, spec_mismatch
 
-PREFIX_FORMAT, PREFIX_VERSION = "crosskv-prefix", "2"
+CHUNK_FORMAT, CHUNK_VERSION = "crosskv-chunk", "1"
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_NAMESPACE = "default"
 
 
 class PrefixError(ValueError):
-    """A stored prefix that cannot be used; `kind` is its class for the metrics: missing, damaged, incomplete."""
+    """A stored chunk that cannot be used; `kind` is its class for the metrics: missing, damaged, incomplete,
+    evicted, store_unreachable."""
 
     def __init__(self, message: str, kind: str):
         super().__init__(message)
         self.kind = kind
 
 
-def prefix_key(token_ids) -> str:
+# ------------------------------------------------------------------------------------------------------- keys
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(struct.pack("<Q", len(p)))
+        h.update(p)
+    return h.hexdigest()[:40]
+
+
+def chain_root(namespace: str, chunk_tokens: int) -> str:
+    """The parent of a namespace's chunk 0: its chain cannot meet another namespace's, nor another chunk size's."""
+    return _digest(b"crosskv-chunk-root", namespace.encode(), str(chunk_tokens).encode())
+
+
+def chunk_key(parent: str, tokens) -> str:
+    return _digest(parent.encode(), np.asarray(tokens, dtype=np.int32).tobytes())
+
+
+def chunk_keys(token_ids, chunk_tokens: int, namespace: str) -> list[str]:
+    """The chained keys of token_ids' whole chunks."""
     ids = np.asarray(token_ids, dtype=np.int32)
-    return f"{len(ids)}-{hashlib.sha256(ids.tobytes()).hexdigest()[:40]}"
+    keys, parent = [], chain_root(namespace, chunk_tokens)
+    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
+        parent = chunk_key(parent, ids[start:start + chunk_tokens])
+        keys.append(parent)
+    return keys
 
 
 @dataclass
-class StoredPrefix:
-    token_ids: np.ndarray  # [n] int32
-    keys: np.ndarray  # [n, L, h, D] float32, post-RoPE at positions 0..n-1: KV heads [first_head, first_head + h)
+class ChunkRef:
+    key: str
+    start: int  # tokens [start, end) of the prefix
+    end: int
+
+
+@dataclass
+class Match:
+    """The longest run of stored chunks from a request's start: chunks[i] holds tokens [start, end); the last may be
+    used only up to `tokens` (the request's limit)."""
+    chunks: list[ChunkRef]
+    tokens: int = 0
+
+
+@dataclass
+class Chunk:
+    """One chunk read back whole: every part's tensors checked against its checksum, heads side by side."""
+    token_ids: np.ndarray  # [m] int32
+    keys: np.ndarray  # [m, L, H, D] float32, post-RoPE at the chunk's own positions in its prefix
     values: np.ndarray
-    meta: dict  # source_model, n_layers, n_kv_heads (all of the model's), head_dim, rope_theta, rope_type, tokenizer
-    first_head: int = 0
+    meta: dict = field(default_factory=dict)
 
 
 def _checksum(*arrays) -> str:
@@ -47,185 +106,432 @@ def _checksum(*arrays) -> str:
     return h.hexdigest()
 
 
-class KVStore(ABC):
-    """Keys: prefix_key(token ids). Each key holds parts (head ranges) that together are the whole source KV."""
+def part_name(first_head: int, heads: int) -> str:
+    return f"h{first_head}-{first_head + heads}"
+
+
+# ------------------------------------------------------------------------------------------------- the store
+class PrefixStore(ABC):
+    """The chunk store every kind implements: a kind supplies the six primitives below (how long a run of chunks is
+    stored, the first of some chunks that is, the parts' writes, headers and tensors, and marking chunks used); the
+    chain, the checks and the saves are here, once."""
+
+    def __init__(self, spec: str, chunk_tokens: int, namespace: str):
+        self.spec, self.chunk_tokens, self.namespace = spec, chunk_tokens, namespace
+
+    # -- what a kind implements
+    @abstractmethod
+    def _run_length(self, keys: list[str]) -> int:
+        """How many of the chunks, from the first, are stored (any part of each)."""
 
     @abstractmethod
-    def put(self, key: str, prefix: StoredPrefix) -> None:
-        """Stores one part: prefix.keys holds heads [prefix.first_head, prefix.first_head + h)."""
+    def _first_stored(self, keys: list[str]) -> Optional[int]:
+        """The index of the first of the chunks that is stored, or None."""
 
     @abstractmethod
-    def lengths(self) -> list[int]:
-        """The token counts of the stored prefixes, longest first."""
+    def _put(self, items: list[tuple[str, str, dict, bytes]]) -> None:
+        """Stores parts, together: (key, part, its header (metadata), its safetensors bytes)."""
 
     @abstractmethod
-    def contains(self, key: str) -> bool:
-        """Whether any part of the prefix is stored (header() then says whether it is whole and sound)."""
+    def _headers(self, keys: list[str]) -> list[list[dict]]:
+        """Each chunk's parts' headers (empty where none is stored)."""
 
     @abstractmethod
-    def part_headers(self, key: str) -> list[dict]:
-        """Each stored part's metadata, without its tensors. PrefixError where a part is unreadable."""
+    def _blobs(self, key: str) -> dict[str, bytes]:
+        """Each stored part of the chunk: part name -> its safetensors bytes."""
 
-    @abstractmethod
-    def read_part(self, key: str, part: dict) -> dict:
-        """One part's tensors {token_ids, keys, values}; PrefixError where missing or unreadable."""
+    def _touch(self, keys: list[str]) -> None:
+        """Marks chunks used now (least-recently-used eviction); a kind whose engine tracks use itself keeps this."""
 
-    def header(self, key: str) -> Optional[dict]:
-        """The prefix's metadata where its parts are sound and cover every source KV head; None where nothing is
-        stored; PrefixError naming what is wrong otherwise."""
-        parts = self.part_headers(key)
-        if not parts:
-            return None
-        return whole_header(key, parts)
+    # -- lookups
+    def ns(self, salt: Optional[str] = None) -> str:
+        """The namespace of a request: the store's, and the request's cache_salt where it has one."""
+        return self.namespace if not salt else f"{self.namespace}/{salt}"
 
-    def get(self, key: str) -> StoredPrefix:
-        """The whole prefix (every part, checksums verified, heads side by side); ValueError where missing or
-        damaged."""
-        meta = self.header(key)
-        if meta is None:
-            raise PrefixError(f"{key}: missing", "missing")
+    def match(self, token_ids, limit: int, salt: Optional[str] = None) -> Match:
+        """The longest run of stored chunks from the start of token_ids, then the longest stored tail after it, used
+        up to `limit` tokens (a chunk reaching past it is used in part). Two reads of the store: the run's whole
+        chunks, then every tail the request could continue with (fewer than C keys): the cost is in the request's
+        length, never in the store's size."""
+        ids = np.asarray(token_ids, dtype=np.int32)
+        ns, C = self.ns(salt), self.chunk_tokens
+        keys = chunk_keys(ids[:-(-limit // C) * C], C, ns)
+        run = self._run_length(keys) if keys else 0
+        chunks = [ChunkRef(keys[i], i * C, (i + 1) * C) for i in range(run)]
+        start = run * C
+        if start < limit:
+            parent = keys[run - 1] if run else chain_root(ns, C)
+            lengths = range(min(C - 1, len(ids) - start), 0, -1)  # longest first
+            first = self._first_stored([chunk_key(parent, ids[start:start + m]) for m in lengths])
+            if first is not None:
+                m = lengths[first]
+                chunks.append(ChunkRef(chunk_key(parent, ids[start:start + m]), start, start + m))
+        return Match(chunks, min(chunks[-1].end, limit) if chunks else 0)
+
+    def headers(self, refs: list[ChunkRef]) -> list[list[dict]]:
+        return self._headers([r.key for r in refs])
+
+    def read(self, ref: ChunkRef, salt: Optional[str] = None) -> Chunk:
+        """One chunk, whole: every part, checksums verified, heads side by side; PrefixError naming the chunk
+        otherwise."""
+        where = self.where(ref)
+        blobs = self._blobs(ref.key)
+        if not blobs:
+            raise PrefixError(f"{where}: no longer stored (evicted, or removed)", "evicted")
+        from safetensors.numpy import load
+
+        parts = []
+        for name, blob in blobs.items():
+            try:
+                header = safetensors_metadata(blob)
+                tensors = load(blob)
+            except Exception as e:  # safetensors raises its own types for damaged bytes
+                raise PrefixError(f"{where} part {name}: unreadable ({e})", "damaged") from None
+            parts.append((header, tensors, name))
+        meta = whole_header(where, [{**h, "where": f"{where} part {n}"} for h, _, n in parts])
+        if meta.get("namespace") != self.ns(salt):
+            raise PrefixError(f"{where}: belongs to namespace {meta.get('namespace')!r}, not {self.ns(salt)!r}",
+                              "damaged")
+        if int(meta["tokens"]) != ref.end - ref.start or int(meta["start"]) != ref.start:
+            raise PrefixError(f"{where}: holds tokens [{meta['start']}, +{meta['tokens']}), not the chunk's", "damaged")
+        by_part = {n: (h, t, n) for h, t, n in parts}
         ids, keys, values = None, [], []
-        for part in meta["parts"]:
-            t = self.read_part(key, part)
-            if set(t) != {"token_ids", "keys", "values"} or part.get("checksum") != _checksum(
+        for p in meta["parts"]:
+            if p.get("part") not in by_part:
+                raise PrefixError(f"{where}: a part's metadata is damaged (its name)", "damaged")
+            h, t, n = by_part[p["part"]]
+            if set(t) != {"token_ids", "keys", "values"} or h.get("checksum") != _checksum(
                     t["token_ids"], t["keys"], t["values"]):
-                raise PrefixError(f"{part['where']}: damaged (its checksum does not match its tensors)", "damaged")
+                raise PrefixError(f"{where} part {n}: damaged (its checksum does not match its tensors)", "damaged")
             if ids is not None and not np.array_equal(ids, t["token_ids"]):
-                raise PrefixError(f"{part['where']}: holds other tokens than the prefix's other parts", "damaged")
+                raise PrefixError(f"{where}: its parts hold other tokens", "damaged")
             ids = t["token_ids"]
             keys.append(t["keys"])
             values.append(t["values"])
+        self._touch([ref.key])
         cat = (lambda xs: xs[0]) if len(keys) == 1 else (lambda xs: np.concatenate(xs, axis=2))
-        return StoredPrefix(ids, cat(keys), cat(values), meta)
+        return Chunk(ids, cat(keys), cat(values), meta)
 
-    def longest_prefix(self, token_ids, limit: int, shortest: int) -> Optional[tuple[str, int]]:
-        """(key, n) of the longest stored prefix of token_ids with shortest <= n <= limit."""
-        for n in self.lengths():
-            if shortest <= n <= limit:
-                key = prefix_key(token_ids[:n])
-                if self.contains(key):
-                    return key, n
-        return None
+    def where(self, ref: ChunkRef) -> str:
+        return f"chunk {ref.start // self.chunk_tokens} (tokens {ref.start}-{ref.end}, {ref.key[:12]})"
+
+    # -- saves
+    def save(self, token_ids, first_head: int, heads: int, meta: dict, kv: Callable[[int, int], tuple],
+             salt: Optional[str] = None) -> tuple[int, int]:
+        """Stores the part [first_head, first_head + heads) of every chunk of token_ids not stored yet: whole chunks,
+        then the tail. kv(start, end) gives that part's keys and values [end - start, L, heads, D] float32, post-RoPE
+        at positions start..end-1. Returns (chunks written, chunks already stored)."""
+        ids = np.asarray(token_ids, dtype=np.int32)
+        ns, C = self.ns(salt), self.chunk_tokens
+        keys = chunk_keys(ids, C, ns)
+        refs = [ChunkRef(k, i * C, (i + 1) * C) for i, k in enumerate(keys)]
+        parents = [chain_root(ns, C)] + keys
+        if len(ids) % C:
+            parent = parents[len(keys)]
+            refs.append(ChunkRef(chunk_key(parent, ids[len(keys) * C:]), len(keys) * C, len(ids)))
+        from safetensors.numpy import save
+
+        part = part_name(first_head, heads)
+        items = []
+        for i, (ref, stored) in enumerate(zip(refs, self._headers([r.key for r in refs]))):
+            if _covers(stored, first_head, heads):  # stored by another request (or another source's worker)
+                continue
+            k, v = kv(ref.start, ref.end)
+            t = {"token_ids": np.ascontiguousarray(ids[ref.start:ref.end]), "keys": np.ascontiguousarray(k, np.float32),
+                 "values": np.ascontiguousarray(v, np.float32)}
+            header = {str(a): str(b) for a, b in meta.items()}
+            header.update(format=CHUNK_FORMAT, format_version=CHUNK_VERSION, namespace=ns, chunk_tokens=str(C),
+                          index=str(i), start=str(ref.start), tokens=str(ref.end - ref.start), parent=parents[i],
+                          first_head=str(first_head), part_heads=str(heads), part=part,
+                          checksum=_checksum(t["token_ids"], t["keys"], t["values"]))
+            items.append((ref.key, part, header, save(t, metadata=header)))
+        if items:
+            self._put(items)
+        return len(items), len(refs) - len(items)
+
+    def close(self) -> None:
+        pass
 
 
-def whole_header(key: str, parts: list[dict]) -> dict:
-    """One prefix's metadata from its parts' headers (sorted by first head, in meta['parts']); ValueError unless
-    they agree and tile the source's KV heads exactly (PrefixError)."""
+def safetensors_metadata(blob: bytes) -> dict:
+    """The __metadata__ of safetensors bytes (the format's 8-byte header length, then its JSON header)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    return dict(json.loads(blob[8:8 + n]).get("__metadata__") or {})
+
+
+def whole_header(where: str, parts: list[dict]) -> dict:
+    """One chunk's metadata from its parts' headers: parts that tile the source's KV heads from head 0 (in
+    meta['parts']; where sources of different tensor parallelism saved overlapping parts, one tiling is taken);
+    PrefixError unless such parts exist and agree."""
     try:
-        parts = sorted(parts, key=lambda p: int(p["first_head"]))
         heads = int(parts[0]["n_kv_heads"])
-        covered = 0
-        for p in parts:
-            first, count = int(p["first_head"]), int(p["part_heads"])
-            if first != covered or count < 1:
-                break
-            covered += count
+        by_first: dict[int, dict] = {}
+        for p in sorted(parts, key=lambda p: -int(p["part_heads"])):  # the widest part from each first head
+            by_first.setdefault(int(p["first_head"]), p)
+        chosen, covered = [], 0
+        while covered in by_first and int(by_first[covered]["part_heads"]) >= 1:
+            chosen.append(by_first[covered])
+            covered += int(by_first[covered]["part_heads"])
     except (KeyError, ValueError) as e:
-        raise PrefixError(f"{key}: a part's metadata is damaged ({e})", "damaged") from None
+        raise PrefixError(f"{where}: a part's metadata is damaged ({e})", "damaged") from None
     if covered != heads:
-        raise PrefixError(f"{key}: incomplete: no stored part holds source KV heads [{covered}, {heads}) (a source "
+        raise PrefixError(f"{where}: incomplete: no stored part holds source KV heads [{covered}, {heads}) (a source "
                           "worker has not saved its part, or it was lost)", "incomplete")
-    identity = ("format", "format_version", "source_model", "n_layers", "n_kv_heads", "head_dim", "tokens",
-                "rope_type", "rope_theta", "tokenizer")
-    for p in parts[1:]:
+    identity = ("format", "format_version", "source_model", "n_layers", "n_kv_heads", "head_dim", "tokens", "start",
+                "rope_type", "rope_theta", "tokenizer", "namespace", "parent", "chunk_tokens")
+    for p in chosen[1:]:
         for k in identity:
-            if p.get(k) != parts[0].get(k):
-                raise PrefixError(f"{key}: its parts disagree on {k} ({parts[0].get(k)!r} and {p.get(k)!r})",
+            if p.get(k) != chosen[0].get(k):
+                raise PrefixError(f"{where}: its parts disagree on {k} ({chosen[0].get(k)!r} and {p.get(k)!r})",
                                   "damaged")
-    return {**{k: v for k, v in parts[0].items() if k in identity}, "parts": parts}
+    return {**{k: v for k, v in chosen[0].items() if k in identity}, "parts": chosen}
 
 
-class DirectoryStore(KVStore):
-    """A safetensors file per part in a folder: a local disk, or shared memory (/dev/shm) with shm:NAME. File names:
-    <key>.h<first>-<end>.safetensors."""
-
-    _NAME = re.compile(r"((\d+)-[0-9a-f]+)\.h(\d+)-(\d+)\.safetensors$")
-
-    def __init__(self, spec: str):
-        self.root = os.path.join("/dev/shm", "crosskv", spec[4:]) if spec.startswith("shm:") else spec
-        os.makedirs(self.root, exist_ok=True)
-        self._stamp, self._lengths, self._parts = None, [], {}
-
-    def _refresh(self):
-        """The folder's listing, read again only when the folder changed."""
-        stamp = os.stat(self.root).st_mtime_ns
-        if stamp == self._stamp:
-            return
-        parts: dict[str, list[str]] = {}
-        for f in os.listdir(self.root):
-            if m := self._NAME.match(f):
-                parts.setdefault(m.group(1), []).append(f)
-        self._stamp, self._parts = stamp, parts
-        self._lengths = sorted({int(k.split("-", 1)[0]) for k in parts}, reverse=True)
-
-    def put(self, key, p):
-        from safetensors.numpy import save_file
-
-        h = p.keys.shape[2]
-        ids, keys, values = (np.ascontiguousarray(a) for a in (p.token_ids, p.keys, p.values))
-        meta = {k: str(v) for k, v in p.meta.items()}
-        meta.update(format=PREFIX_FORMAT, format_version=PREFIX_VERSION, tokens=str(len(p.token_ids)),
-                    first_head=str(p.first_head), part_heads=str(h),
-                    checksum=_checksum(ids, keys, values))
-        path = os.path.join(self.root, f"{key}.h{p.first_head}-{p.first_head + h}.safetensors")
-        tmp = path + f".tmp-{os.getpid()}"
-        save_file({"token_ids": ids, "keys": keys, "values": values}, tmp, metadata=meta)
-        os.replace(tmp, path)
-
-    def lengths(self):
-        self._refresh()
-        return self._lengths
-
-    def contains(self, key):
-        self._refresh()
-        return key in self._parts
-
-    def part_headers(self, key):
-        from safetensors import safe_open
-
-        self._refresh()
-        out = []
-        for f in self._parts.get(key, []):
-            path = os.path.join(self.root, f)
-            try:
-                with safe_open(path, "np") as h:
-                    out.append({**dict(h.metadata() or {}), "where": path})
-            except FileNotFoundError:
-                continue  # replaced or removed since the listing
-            except Exception as e:  # safetensors raises its own error types for a damaged header
-                raise PrefixError(f"{path}: unreadable ({e})", "damaged") from None
-        return out
-
-    def read_part(self, key, part):
-        from safetensors.numpy import load_file
-
+def _covers(parts: list[dict], first: int, heads: int) -> bool:
+    """Whether stored parts already hold KV heads [first, first + heads)."""
+    held = set()
+    for p in parts:
         try:
-            return load_file(part["where"])
-        except Exception as e:
-            raise PrefixError(f"{part['where']}: unreadable ({e})", "damaged") from None
-
-
-def open_store(spec: str) -> KVStore:
-    try:
-        return DirectoryStore(spec)
-    except OSError as e:
-        raise CrossKVConfigError(f"{EXTRA}.store: cannot use {spec!r} ({e.strerror})") from None
+            held.update(range(int(p["first_head"]), int(p["first_head"]) + int(p["part_heads"])))
+        except (KeyError, ValueError):
+            continue
+    return held.issuperset(range(first, first + heads))
 
 
 def header_mismatch(meta: dict, mapper_spec: dict, tokenizer: Optional[str]) -> Optional[str]:
-    """Why a stored prefix cannot feed this mapper, or None."""
-    if meta.get("format") != PREFIX_FORMAT or meta.get("format_version") != PREFIX_VERSION:
-        return f"the stored prefix is not a {PREFIX_FORMAT} v{PREFIX_VERSION} entry"
+    """Why a stored chunk cannot feed this mapper, or None."""
+    if meta.get("format") != CHUNK_FORMAT or meta.get("format_version") != CHUNK_VERSION:
+        return f"it is not a {CHUNK_FORMAT} v{CHUNK_VERSION} entry"
     try:
         got = {"n_layers": int(meta["n_layers"]), "n_kv_heads": int(meta["n_kv_heads"]),
                "head_dim": int(meta["head_dim"]), "rope_type": meta.get("rope_type", "default"),
                "rope_theta": float(meta["rope_theta"]) if meta.get("rope_theta") not in (None, "None") else None}
     except (KeyError, ValueError) as e:
-        return f"the stored prefix's metadata is damaged ({e})"
+        return f"its metadata is damaged ({e})"
     why = spec_mismatch(mapper_spec, got, "source")
     if why:
-        return f"the stored prefix is of another source model ({meta.get('source_model', '?')}: {why})"
+        return f"it is of another source model ({meta.get('source_model', '?')}: {why})"
     known = meta.get("tokenizer")
     if tokenizer and known and known != "None" and known != tokenizer:
-        return "the stored prefix was made with another tokenizer"
+        return "it was made with another tokenizer"
     return None
+
+
+# ------------------------------------------------------------------------------------------------ a folder
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS parts (key TEXT NOT NULL, part TEXT NOT NULL, bytes INTEGER NOT NULL, used REAL NOT NULL,
+  header TEXT NOT NULL, PRIMARY KEY (key, part));
+CREATE INDEX IF NOT EXISTS parts_used ON parts (used);
+"""
+
+
+class FolderStore(PrefixStore):
+    """Chunks as safetensors files in a folder (<root>/<key[:2]>/<key>.<part>.safetensors), indexed in SQLite
+    (<root>/index.sqlite3: which parts exist, their headers, size and last use). Writes are atomic (a file is renamed
+    into place, then indexed); SQLite serializes writers across processes. With capacity_bytes, each write evicts the
+    least recently used chunks (written or read) until the store fits."""
+
+    def __init__(self, spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, namespace: str = DEFAULT_NAMESPACE,
+                 capacity_bytes: Optional[int] = None):
+        super().__init__(spec, chunk_tokens, namespace)
+        self.root = os.path.join("/dev/shm", "crosskv", spec[4:]) if spec.startswith("shm:") else spec
+        self.capacity_bytes = capacity_bytes
+        os.makedirs(self.root, exist_ok=True)
+        self._db = sqlite3.connect(os.path.join(self.root, "index.sqlite3"), timeout=60, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def _path(self, key: str, part: str) -> str:
+        return os.path.join(self.root, key[:2], f"{key}.{part}.safetensors")
+
+    def _present(self, keys) -> set:
+        got = set()
+        for i in range(0, len(keys), 500):
+            batch = keys[i:i + 500]
+            got.update(r[0] for r in self._db.execute(
+                f"SELECT DISTINCT key FROM parts WHERE key IN ({','.join('?' * len(batch))})", batch))
+        return got
+
+    def _run_length(self, keys):
+        got = self._present(keys)
+        return next((i for i, k in enumerate(keys) if k not in got), len(keys))
+
+    def _first_stored(self, keys):
+        got = self._present(keys)
+        return next((i for i, k in enumerate(keys) if k in got), None)
+
+    def _headers(self, keys):
+        out = {k: [] for k in keys}
+        for i in range(0, len(keys), 500):
+            batch = keys[i:i + 500]
+            for key, header in self._db.execute(
+                    f"SELECT key, header FROM parts WHERE key IN ({','.join('?' * len(batch))})", batch):
+                out[key].append(json.loads(header))
+        return [out[k] for k in keys]
+
+    def _put(self, items):
+        for key, part, _, blob in items:  # each file renamed into place whole, then indexed
+            path = self._path(key, part)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{id(blob)}"
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        db, now = self._db, time.time()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany("INSERT OR REPLACE INTO parts VALUES (?, ?, ?, ?, ?)",
+                           [(key, part, len(blob), now, json.dumps(h))
+                            for key, part, h, blob in items])
+            if self.capacity_bytes is not None:
+                self._evict(keep={key for key, *_ in items})
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def _evict(self, keep: set):
+        """Least recently used chunks out (all their parts) until the store fits capacity_bytes; inside the write's
+        transaction, so two writers never evict past each other."""
+        db = self._db
+        (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()
+        if total <= self.capacity_bytes:
+            return
+        for key, size in db.execute("SELECT key, SUM(bytes) FROM parts GROUP BY key ORDER BY MAX(used)").fetchall():
+            if total <= self.capacity_bytes:
+                break
+            if key in keep:
+                continue
+            parts = [r[0] for r in db.execute("SELECT part FROM parts WHERE key = ?", (key,))]
+            db.execute("DELETE FROM parts WHERE key = ?", (key,))
+            for part in parts:
+                try:
+                    os.unlink(self._path(key, part))
+                except FileNotFoundError:
+                    pass
+            total -= size
+
+    def _blobs(self, key):
+        out = {}
+        for (part,) in self._db.execute("SELECT part FROM parts WHERE key = ?", (key,)).fetchall():
+            try:
+                with open(self._path(key, part), "rb") as f:
+                    out[part] = f.read()
+            except FileNotFoundError:  # evicted since the index was read
+                continue
+        return out
+
+    def _touch(self, keys):
+        if keys:
+            self._db.execute(f"UPDATE parts SET used = ? WHERE key IN ({','.join('?' * len(keys))})",
+                             [time.time(), *keys])
+
+    def stored_bytes(self) -> int:
+        return int(self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()[0])
+
+    def close(self):
+        self._db.close()
+
+
+# ------------------------------------------------------------------------------------------------------ Redis
+class RedisStore(PrefixStore):
+    """Chunks in a Redis server (redis://HOST:PORT/NAMESPACE): a chunk is one hash, crosskv:<ns>:c:<key>, with a
+    field per part for its header (m:<part>, JSON) and one for its tensors (d:<part>, safetensors bytes), so eviction
+    takes a chunk whole, and nothing else is stored. Capacity and eviction are the
+    server's (maxmemory, maxmemory-policy allkeys-lru; a chunk read counts as a use); ttl_seconds expires entries."""
+
+    def __init__(self, spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, ttl_seconds: Optional[int] = None):
+        u = urlparse(spec)
+        namespace = u.path.strip("/") or DEFAULT_NAMESPACE
+        super().__init__(spec, chunk_tokens, namespace)
+        import redis
+
+        self.ttl = ttl_seconds
+        self._r = redis.Redis(host=u.hostname or "127.0.0.1", port=u.port or 6379, password=u.password,
+                              socket_timeout=10, socket_connect_timeout=5)
+        self._prefix = f"crosskv:{namespace}:"
+        self._errors = (redis.RedisError, OSError)
+        self._run_script = self._r.register_script(self._RUN)
+        self._first_script = self._r.register_script(self._FIRST)
+
+    def _call(self, what, fn):
+        try:
+            return fn()
+        except self._errors as e:
+            raise PrefixError(f"the store at {self.spec} cannot {what}: {type(e).__name__}: {e}",
+                              "store_unreachable") from None
+
+    def _c(self, key):
+        return f"{self._prefix}c:{key}"
+
+    # One round trip each, on the server: the run's length (EXISTS in order until the first miss), and the first of
+    # some keys that exists (-1: none).
+    _RUN = "for i, k in ipairs(KEYS) do if redis.call('EXISTS', k) == 0 then return i - 1 end end return #KEYS"
+    _FIRST = "for i, k in ipairs(KEYS) do if redis.call('EXISTS', k) == 1 then return i - 1 end end return -1"
+
+    def _run_length(self, keys):
+        return int(self._call("be read", lambda: self._run_script(keys=[self._c(k) for k in keys])))
+
+    def _first_stored(self, keys):
+        if not keys:
+            return None
+        i = int(self._call("be read", lambda: self._first_script(keys=[self._c(k) for k in keys])))
+        return None if i < 0 else i
+
+    def _headers(self, keys):
+        def run():
+            p = self._r.pipeline(transaction=False)
+            for k in keys:
+                p.hkeys(self._c(k))
+            names = [[f.decode() for f in fs if f.startswith(b"m:")] for fs in p.execute()]
+            for k, fs in zip(keys, names):
+                p.hmget(self._c(k), fs) if fs else p.echo("")
+            got = p.execute()
+            return [[json.loads(h) for h in hs if h is not None] if fs else [] for fs, hs in zip(names, got)]
+        return self._call("be read", run)
+
+    def _put(self, items):
+        def run():
+            p = self._r.pipeline(transaction=True)
+            for key, part, header, blob in items:
+                p.hset(self._c(key), mapping={f"m:{part}": json.dumps(header), f"d:{part}": blob})
+                if self.ttl:
+                    p.expire(self._c(key), self.ttl)
+            p.execute()
+        self._call("be written", run)
+
+    def _blobs(self, key):
+        got = self._call("be read", lambda: self._r.hgetall(self._c(key)))
+        return {f.decode()[2:]: v for f, v in got.items() if f.startswith(b"d:")}
+
+    def stored_bytes(self) -> int:
+        return int(self._call("be read", lambda: self._r.info("memory"))["used_memory"])
+
+    def close(self):
+        self._r.close()
+
+
+def open_store(spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, capacity_bytes: Optional[int] = None,
+               ttl_seconds: Optional[int] = None) -> PrefixStore:
+    """The store a spec names; CrossKVConfigError naming the key where it cannot be used."""
+    if spec.startswith("redis://"):
+        if capacity_bytes is not None:
+            raise CrossKVConfigError(f"{EXTRA}.capacity_bytes: a Redis store's capacity is the server's own; set its "
+                                     "maxmemory (and maxmemory-policy allkeys-lru) instead")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise CrossKVConfigError(f"{EXTRA}.store: {spec} needs the redis Python package (pip install redis)") \
+                from None
+        return RedisStore(spec, chunk_tokens, ttl_seconds)
+    if ttl_seconds is not None:
+        raise CrossKVConfigError(f"{EXTRA}.ttl_seconds: only a Redis store expires entries; a folder store is bounded "
+                                 "by capacity_bytes")
+    if "://" in spec:
+        raise CrossKVConfigError(f"{EXTRA}.store: {spec!r}: expected a folder, shm:NAME or redis://HOST:PORT/NAMESPACE")
+    try:
+        return FolderStore(spec, chunk_tokens, capacity_bytes=capacity_bytes)
+    except (OSError, sqlite3.Error) as e:
+        raise CrossKVConfigError(f"{EXTRA}.store: cannot use {spec!r} ({getattr(e, 'strerror', None) or e})") from None

@@ -23,7 +23,7 @@ from .context import EngineContext
 from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
 from .metadata import APPLIED, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, SavePlan, fallback, failure_kind
 from .metrics import CrossKVStats
-from .store import StoredPrefix, prefix_key
+from .store import PrefixError
 
 logger = init_logger("vllm.crosskv")
 
@@ -229,18 +229,35 @@ class WorkerSide:
                 self._fail(p.plan, str(e), failure_kind(e))
 
     def _read(self, plan: LoadPlan) -> SourcePrefix:
-        """The plan's stored prefix (every part), checked against its tokens, on the mapper's device."""
+        """The plan's stored chunks (every part), checked against its tokens, on the mapper's device. A chunk that
+        cannot be used after the first ends the run there: the plan is cut before it, and its blocks on are a load
+        error (vLLM recomputes them); a first chunk that cannot be used fails the load."""
         if self._mapper is None:
             raise ValueError(self.unusable or "no mapper on this worker")
         t0 = time.perf_counter()
-        p = self.ctx.store.get(plan.key)
-        if p.token_ids.tolist() != plan.token_ids:
-            raise ValueError("the stored prefix holds other tokens than its key says")
+        keys, values, stopped = [], [], None
+        for ref in plan.chunks:
+            try:
+                c = self.ctx.store.read(ref, plan.salt)
+                if c.token_ids.tolist() != plan.token_ids[ref.start:ref.end]:
+                    raise PrefixError(f"{self.ctx.store.where(ref)}: holds other tokens than its key says", "damaged")
+            except PrefixError as e:
+                if ref.start <= plan.first:
+                    raise
+                stopped = str(e)
+                logger.warning("crosskv: request %s maps %d tokens, not %d: %s", plan.req_id, ref.start - plan.first,
+                               plan.end - plan.first, e)
+                self._invalid_blocks.update(s // self.ctx.block_size for s in plan.slots[ref.start - plan.first:])
+                plan = replace(plan, end=ref.start, slots=plan.slots[:ref.start - plan.first], stopped=stopped)
+                break
+            lo, hi = max(plan.first, ref.start) - ref.start, min(plan.end, ref.end) - ref.start
+            keys.append(c.keys[lo:hi])
+            values.append(c.values[lo:hi])
         dev = next(iter(self._kv_caches.values())).device
-        keys = torch.from_numpy(p.keys[plan.first:plan.end]).to(dev)
-        values = torch.from_numpy(p.values[plan.first:plan.end]).to(dev)
+        cat = (lambda xs: xs[0]) if len(keys) == 1 else np.concatenate
         pos = torch.arange(plan.first, plan.end, dtype=torch.int32, device=dev)
-        return SourcePrefix(plan, keys, values, pos, time.perf_counter() - t0)
+        return SourcePrefix(plan, torch.from_numpy(cat(keys)).to(dev), torch.from_numpy(cat(values)).to(dev), pos,
+                            time.perf_counter() - t0)
 
     def _applied(self, plan: LoadPlan, seconds: float):
         self._stats.record_map(seconds)
@@ -248,7 +265,8 @@ class WorkerSide:
                     self.placement.rank, plan.req_id, plan.end - plan.first, seconds * 1e3,
                     seconds * 1e3 / len(self._layers))
         self._outcomes[plan.req_id] = {"status": APPLIED, "tokens": plan.end - plan.first, "prefix_tokens": plan.end,
-                                       "mapper": self.ctx.settings.mapper, "map_ms": round(seconds * 1e3, 3)}
+                                       "mapper": self.ctx.settings.mapper, "map_ms": round(seconds * 1e3, 3),
+                                       **({"stopped": plan.stopped} if plan.stopped else {})}
 
     def _fail(self, plan: LoadPlan, reason: str, kind: str):
         logger.warning("crosskv: request %s re-prefills its prefix: %s", plan.req_id, reason)
@@ -314,21 +332,27 @@ class WorkerSide:
             self._saved.add(plan.req_id)  # every worker reports it, so vLLM frees its blocks
 
     def _save(self, plan: SavePlan):
+        """This worker's KV heads of the plan's chunks that the store does not hold yet (chunks another request
+        stored are shared), read from the paged cache chunk by chunk."""
         slots = torch.as_tensor(plan.slots, dtype=torch.int64)
-        ks, vs = [], []
-        for name, cache in self._kv_caches.items():
-            k, v = self._layout(name).read(cache, slots, layer_scales(self._layers[name]))
-            ks.append(k.to("cpu", torch.float32))
-            vs.append(v.to("cpu", torch.float32))
+
+        def kv(start, end):
+            ks, vs = [], []
+            for name, cache in self._kv_caches.items():
+                k, v = self._layout(name).read(cache, slots[start:end], layer_scales(self._layers[name]))
+                ks.append(k.to("cpu", torch.float32))
+                vs.append(v.to("cpu", torch.float32))
+            return torch.stack(ks, 1).numpy(), torch.stack(vs, 1).numpy()
+
         e = self.ctx.engine
         meta = {"source_model": self.ctx.model_name, "n_layers": e["n_layers"], "n_kv_heads": e["n_kv_heads"],
                 "head_dim": e["head_dim"], "rope_type": e["rope_type"], "rope_theta": e["rope_theta"],
                 "tokenizer": self.ctx.tokenizer, "cache_dtype": self.ctx.cache_dtype}
-        ids = np.asarray(plan.token_ids, dtype=np.int32)
-        self.ctx.store.put(prefix_key(ids), StoredPrefix(ids, torch.stack(ks, 1).numpy(), torch.stack(vs, 1).numpy(),
-                                                         meta, first_head=self.placement.first))
-        logger.info("crosskv: saved request %s's %d tokens, KV heads [%d, %d)", plan.req_id, len(ids),
-                    self.placement.first, self.placement.first + self.placement.count)
+        written, shared = self.ctx.store.save(plan.token_ids, self.placement.first, self.placement.count, meta, kv,
+                                              plan.salt)
+        logger.info("crosskv: saved request %s's %d tokens, KV heads [%d, %d): %d chunks written, %d already stored",
+                    plan.req_id, len(plan.token_ids), self.placement.first, self.placement.first + self.placement.count,
+                    written, shared)
 
     # ------------------------------------------------------------------------------------------ to the scheduler
     def get_finished(self, finished_req_ids):
