@@ -53,17 +53,18 @@ def cpu_name():
 
 
 class Old:
-    """The old store behind the bench's three calls."""
+    """The old store behind the bench's three calls; lookups through a second instance, as a target engine's
+    scheduler reads what a source engine writes."""
 
     def __init__(self, mod, root):
-        self.mod, self.s = mod, mod.DirectoryStore(root)
+        self.mod, self.s, self.reader = mod, mod.DirectoryStore(root), mod.DirectoryStore(root)
 
     def save(self, ids, keys, values, meta):
         ids = np.asarray(ids, dtype=np.int32)
         self.s.put(self.mod.prefix_key(ids), self.mod.StoredPrefix(ids, keys, values, meta))
 
     def lookup(self, ids):
-        hit = self.s.longest_prefix(ids, len(ids) - 1, 1)
+        hit = self.reader.longest_prefix(ids, len(ids) - 1, 1)
         return hit[1] if hit else 0
 
     def bytes(self):
@@ -71,14 +72,14 @@ class Old:
 
 
 class New:
-    def __init__(self, store):
-        self.s = store
+    def __init__(self, store, reader):
+        self.s, self.reader = store, reader  # the reader: a connection of its own, as a target engine's scheduler
 
     def save(self, ids, keys, values, meta):
         self.s.save(ids, 0, keys.shape[2], meta, lambda a, b: (keys[a:b], values[a:b]))
 
     def lookup(self, ids):
-        return self.s.match(ids, len(ids) - 1).tokens
+        return self.reader.match(ids, len(ids) - 1).tokens
 
     def bytes(self):
         if hasattr(self.s, "root"):
@@ -167,10 +168,12 @@ def main():
         server = RedisServer(work)
     try:
         def stores(tag):
+            folder = os.path.join(work, f"folder-{tag}")
             out = {"old (whole prefixes)": Old(old, os.path.join(work, f"old-{tag}")),
-                   "folder (chunks)": New(st.open_store(os.path.join(work, f"folder-{tag}"), a.chunk))}
+                   "folder (chunks)": New(st.open_store(folder, a.chunk), st.open_store(folder, a.chunk))}
             if server:
-                out["redis (chunks)"] = New(st.open_store(server.url(tag), a.chunk))
+                out["redis (chunks)"] = New(st.open_store(server.url(tag), a.chunk),
+                                            st.open_store(server.url(tag), a.chunk))
             return out
 
         print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; chunk {a.chunk} tokens; {a.lookups} lookups a size")
