@@ -76,7 +76,7 @@ for name, (cls, cfg) in MODELS.items():
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
         # The hook inside HF attention, on the same tokens (full sequences; the shard keeps every stride-th).
         seqs = cap.pack(byte_tokenizer(), cap.read_documents("text.txt"), 96, 3)
-        _, _, _, calls = cap.capture_sequences(model, seqs, True, 1, "cpu")
+        _, _, _, calls = cap.capture_sequences(model, seqs, True, 1, "cpu", keep_calls=True)
         keep = np.arange(0, 96, stride)
         check(checksummed, f"{name} {dtype}: every dataset carries a Fletcher-32 checksum")
         check(np.array_equal(seqs[:, keep].reshape(-1), ids), f"{name} {dtype}: token_ids as packed")

@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# A real single-node Slurm on localhost (munge, slurmctld, slurmd from Debian's packages): an array of two pairs,
-# and a job that gets Slurm's USR1 mid-run, exits 75, is requeued and resumes. Success is decided by the
-# artifacts. Where Slurm cannot be started, the test reports SKIPPED with the reason (exit 77).
+# A real single-node Slurm on localhost (munge, slurmctld, slurmd from Debian's packages). MODE fit (the default):
+# an array of two pairs, and a job that gets Slurm's USR1 mid-run, exits 75, is requeued and resumes. MODE capture:
+# a pair captured from two tiny Hugging Face models as an array of 2 parts (capture-pair.sbatch) and fitted when
+# both parts are done (submit-pairs.sh with CROSSKV_CAPTURE_PARTS). Success is decided by the files. Where Slurm
+# (or, for capture, the capture environment) is missing, the test reports SKIPPED with the reason (exit 77).
 set -uo pipefail
-WORK=${1:?usage: $0 WORKDIR}
+WORK=${1:?usage: $0 WORKDIR [fit|capture]}
+MODE=${2:-fit}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 FIT=${CROSSKV_FIT:?} SYNTH=${CROSSKV_SYNTH:?} PY=${PYTHON:-}
 skip() { echo "SKIPPED: $*"; exit 77; }
 for b in munged slurmctld slurmd sbatch scontrol squeue; do command -v $b > /dev/null || skip "$b is not installed (apt-get install slurm-wlm munge)"; done
 [ -n "$PY" ] && "$PY" -c "import yaml" 2> /dev/null || skip "no Python with yaml for slurm/check-pairs.py"
+CAP_PY=${CROSSKV_CAPTURE_PYTHON:-$ROOT/.venv-capture/bin/python}
+if [ "$MODE" = capture ]; then
+  "$CAP_PY" -c "import torch, transformers, accelerate, h5py" 2> /dev/null \
+    || skip "no capture environment at $CAP_PY (scripts/setup-capture.sh)"
+fi
 [ "$(id -u)" = 0 ] || skip "starting slurmctld/slurmd here needs root"
 rm -rf "$WORK" && mkdir -p "$WORK"/{state,spool} && cd "$WORK"
 H=$(hostname -s)
@@ -95,6 +103,37 @@ requeued_and_started() {
   return 1
 }
 SB=(--nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --time=10)
+if [ "$MODE" = capture ]; then
+  # Two tiny models of one family (byte tokenizer), a pair config naming their stores, and one CAPTURES.txt line.
+  "$CAP_PY" - "$ROOT" <<'PY' || die "making the models failed"
+import sys, torch
+sys.path.insert(0, sys.argv[1] + "/tests/python")
+from tiny_hf import byte_tokenizer
+from transformers import Qwen3Config, Qwen3ForCausalLM
+for name, layers in (("source", 2), ("target", 3)):
+    torch.manual_seed(layers)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)).save_pretrained(f"model-{name}")
+    byte_tokenizer().save_pretrained(f"model-{name}")
+open("text.txt", "w").write(" ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(400)))
+PY
+  printf 'source: {store: kv-source}\ntarget: {store: kv-target}\nfit: {k: [1, all]}\noutput: {dir: out-cap}\n' > pair-cap.yaml
+  echo "$WORK/pair-cap.yaml $WORK/model-source $WORK/model-target $WORK/text.txt --seq-len 64 --n-seq 16 --shard-seqs 4 --dtype fp32" > captures.txt
+  export CROSSKV_CAPTURE_PYTHON=$CAP_PY
+  out=$(CROSSKV_CAPTURE_PARTS=2 timeout 30 "$ROOT/slurm/submit-pairs.sh" captures.txt 2 "${SB[@]}") || die "submit-pairs failed: $out"
+  echo "$out"
+  jid=$(echo "$out" | sed -n 's/.*capture \([0-9]*\) .*fit \([0-9]*\).*/\1,\2/p')
+  rid=""
+  [ -n "$jid" ] || die "submit-pairs printed no job ids"
+  queue_done() { [ -z "$(timeout 10 squeue -h -j "$jid" 2>&1)" ]; }
+  wait_for 600 "the capture array and its fit to leave the queue" queue_done
+  for f in crosskv-capture-*.out; do grep -q "part [01]/2 (SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT)" "$f" || die "$f: no part of 2 from Slurm's array"; done
+  [ "$(ls kv-source/web kv-target/web | grep -c 'shard-00[0-3].h5')" = 8 ] || die "the two parts did not write 4 shards a model: $(ls kv-*/web)"
+  "$PY" "$ROOT/slurm/check-pairs.py" --stores captures.txt || die "the stores do not pair up"
+  "$PY" "$ROOT/slurm/check-pairs.py" captures.txt || die "the fit after the capture is incomplete"
+  echo "slurm capture array + dependent fit OK in $((SECONDS - T0)) s"
+  exit 0
+fi
 for p in a b c; do
   "$SYNTH" --out data-$p --shards 4 --sequences 2 --seq-len 128 --seed $((7 + ${#p})) > /dev/null
   printf 'source: {store: data-%s/source}\ntarget: {store: data-%s/target}\nfit: {k: [1, all]}\noutput: {dir: out-%s}\nruntime: {block_tokens: 32, checkpoint: {every_shards: 1}}\n' $p $p $p > "$WORK/pair-$p.yaml"

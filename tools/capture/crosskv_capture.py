@@ -2,7 +2,16 @@
 """crosskv-capture: run a Hugging Face causal LM over a text corpus and write calibration shards (SPEC §5).
 
     crosskv-capture --model HF_ID_OR_LOCAL_PATH --text FILE(.txt|.jsonl) --seq-len 1024 --n-seq 500 --stride 4 \\
-                    --dtype bf16 --out STORE/DOMAIN [--queries] [--same-tokens-as OTHER_MODEL_OR_STORE/DOMAIN]
+                    --dtype bf16 --out STORE/DOMAIN [--queries] [--same-tokens-as OTHER_MODEL_OR_STORE/DOMAIN] \\
+                    [--part I/N] [--device auto|cpu|cuda[:N]] [--max-memory 0=70GiB,1=70GiB,cpu=200GiB]
+
+A node's GPUs: --device auto (the default) loads the model with Hugging Face's device_map="auto" (accelerate) across
+the visible devices, so a model larger than one GPU is captured; --part I/N (or SLURM_ARRAY_TASK_ID /
+SLURM_ARRAY_TASK_COUNT, or RANK / WORLD_SIZE) makes N processes capture disjoint shards (I, I+N, ...) of one corpus
+into one store; together they are the shards of a one-part capture. The model runs in the checkpoint's own dtype
+(--model-dtype auto). Each batch goes to its shard as it is computed, in the stored dtype, so host memory does not
+grow with --n-seq; the plan line gives the bytes a token and the store's size, and a disk without room for this
+part's shards is refused before anything is written.
 
 Keys and values come from the model's own cache (keys post-RoPE, exactly what serving hands over); queries
 (post-RoPE) from a hook on the attention's rotary embedding when --queries is given. kv_spec is filled from the
@@ -13,8 +22,11 @@ so two models of one family give identical token_ids. Shards of --shard-seqs seq
 skipped when already complete (resumable). Works offline from a local model folder.
 """
 import argparse
+import errno
+import glob
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -129,8 +141,9 @@ def pack(tokenizer, docs, seq_len, n_seq):
 class RopeHook:
     """Wraps the model module's apply_rotary_pos_emb: records queries/keys before and after RoPE, per layer call."""
 
-    def __init__(self, model):
+    def __init__(self, model, record=True, pre=True):
         import importlib
+        self.record, self.pre = record, pre
         self.module = importlib.import_module(type(model).__module__)
         if not hasattr(self.module, "apply_rotary_pos_emb"):
             raise CaptureError(f"{type(model).__name__}: no apply_rotary_pos_emb in {self.module.__name__} to hook")
@@ -140,7 +153,9 @@ class RopeHook:
     def __enter__(self):
         def wrapped(q, k, *args, **kwargs):
             qo, ko = self.original(q, k, *args, **kwargs)
-            self.calls.append((q.detach(), k.detach(), qo.detach(), ko.detach()))
+            if self.record:  # pre-RoPE tensors only where asked (they double what a forward keeps)
+                self.calls.append((q.detach() if self.pre else None, k.detach() if self.pre else None, qo.detach(),
+                                   ko.detach() if self.pre else None))
             return qo, ko
         self.module.apply_rotary_pos_emb = wrapped
         return self
@@ -164,91 +179,183 @@ def cache_layers(cache, n_layers):
 
 # ---- shards ------------------------------------------------------------------------------------------------------
 
-def to_stored(a, dtype):
+STORED_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def to_stored(t, dtype):
+    """A torch tensor in the stored dtype, on the host: fp32, fp16, or bf16 as its raw uint16 bits (round to nearest
+    even, as torch converts), converted where the tensor is (no fp32 copy of a bf16 model's cache)."""
+    import torch
     if dtype == "fp32":
-        return a.astype(np.float32), None
+        return t.float().cpu().numpy()
     if dtype == "fp16":
-        return a.astype(np.float16), None
-    u = np.ascontiguousarray(a.astype(np.float32)).view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
-    return rounded, "bfloat16"
+        return t.half().cpu().numpy()
+    return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
 
 
-def write_shard(path, model_name, domain, spec, token_ids, positions, seq_offsets, keys, values, queries, dtype):
-    import h5py
-    tmp = f"{path}.tmp-{os.getpid()}"
-    T = keys.shape[0]
-    chunk = max(1, min(T, 256))
-    with h5py.File(tmp, "w") as f:
-        f.attrs["crosskv_format"] = FORMAT
-        f.attrs["crosskv_format_version"] = np.int64(FORMAT_VERSION)
-        f.attrs["model"] = model_name
-        f.attrs["domain"] = domain
-        f.attrs["kv_spec"] = json.dumps(spec)
-        # Every dataset checksummed (HDF5's Fletcher-32 per chunk): damage to the data fails its read.
-        f.create_dataset("token_ids", data=token_ids.astype(np.int32), fletcher32=True)
-        f.create_dataset("positions", data=positions.astype(np.int32), fletcher32=True)
-        f.create_dataset("seq_offsets", data=seq_offsets.astype(np.int64), fletcher32=True)
-        for name, a in (("keys", keys), ("values", values), ("queries", queries)):
-            if a is None:
+class ShardWriter:
+    """One shard, written as its batches are computed: datasets of the shard's full shape are created first, each
+    batch's keys, values (and queries) go into their rows, and the file is renamed into place when complete (a shard
+    that exists is complete). Any failure removes the unfinished file."""
+
+    def __init__(self, path, model_name, domain, spec, token_ids, positions, seq_offsets, queries, dtype,
+                 model_dtype):
+        import h5py
+        self.path, self.tmp, self.dtype = path, f"{path}.tmp-{os.getpid()}", dtype
+        T, L, H, D, Hq = len(token_ids), spec["n_layers"], spec["n_kv_heads"], spec["head_dim"], spec["n_q_heads"]
+        chunk = max(1, min(T, 256))
+        store = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[dtype]
+        self.f = h5py.File(self.tmp, "w")
+        try:
+            f = self.f
+            f.attrs["crosskv_format"] = FORMAT
+            f.attrs["crosskv_format_version"] = np.int64(FORMAT_VERSION)
+            f.attrs["model"] = model_name
+            f.attrs["domain"] = domain
+            f.attrs["kv_spec"] = json.dumps(spec)
+            f.attrs["model_dtype"] = model_dtype
+            # Every dataset checksummed (HDF5's Fletcher-32 per chunk): damage to the data fails its read.
+            f.create_dataset("token_ids", data=token_ids.astype(np.int32), fletcher32=True)
+            f.create_dataset("positions", data=positions.astype(np.int32), fletcher32=True)
+            f.create_dataset("seq_offsets", data=seq_offsets.astype(np.int64), fletcher32=True)
+            self.sets = {}
+            for name, heads in (("keys", H), ("values", H)) + ((("queries", Hq),) if queries else ()):
+                d = f.create_dataset(name, shape=(T, L, heads, D), dtype=store, chunks=(chunk, L, heads, D),
+                                     fletcher32=True)
+                if dtype == "bf16":
+                    d.attrs["dtype"] = "bfloat16"
+                self.sets[name] = d
+            self.rows = 0
+        except BaseException:
+            self.abandon()
+            raise
+
+    def write(self, **arrays):
+        """The next rows of each dataset: keys, values (and queries) as torch tensors [n, L, H, D]."""
+        n = None
+        for name, t in arrays.items():
+            if t is None:
                 continue
-            stored, tag = to_stored(a, dtype)
-            d = f.create_dataset(name, data=stored, chunks=(chunk,) + stored.shape[1:], fletcher32=True)
-            if tag:
-                d.attrs["dtype"] = tag
-    os.replace(tmp, path)
+            a = to_stored(t, self.dtype)
+            n = a.shape[0]
+            self.sets[name][self.rows:self.rows + n] = a
+        self.rows += n or 0
+
+    def close(self):
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def abandon(self):
+        try:
+            self.f.close()
+        except Exception:  # a file that cannot be closed (a full disk) is removed all the same
+            pass
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
 
 
 # ---- capture -----------------------------------------------------------------------------------------------------
 
-def load(model_path, device, dtype_name):
+def parse_max_memory(text):
+    """--max-memory "0=70GiB,1=70GiB,cpu=200GiB" -> {0: "70GiB", 1: "70GiB", "cpu": "200GiB"}."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        dev, sep, size = item.partition("=")
+        if not sep or not size.strip():
+            raise CaptureError(f"--max-memory {text}: expected DEVICE=SIZE items (0=70GiB,cpu=200GiB), got {item!r}")
+        dev = dev.strip()
+        out[int(dev) if dev.isdigit() else dev] = size.strip()
+    return out
+
+
+def load(model_path, device, dtype_name, max_memory=None):
+    """The tokenizer and the model in eval mode: with device "auto", placed by Hugging Face's device_map="auto"
+    (accelerate) over the visible devices within max_memory; else moved whole to the device. dtype "auto" is the
+    checkpoint's own."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     local = os.path.isdir(model_path)
+    if dtype_name == "auto":
+        dtype = "auto"
+    elif isinstance(getattr(torch, dtype_name, None), torch.dtype):
+        dtype = getattr(torch, dtype_name)
+    else:
+        raise CaptureError(f"--model-dtype {dtype_name}: expected auto (the checkpoint's), float32, bfloat16 or "
+                           "float16")
+    kw = {"local_files_only": local, "torch_dtype": dtype}
+    if device == "auto":
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise CaptureError("--device auto: needs accelerate (pip install accelerate), or name a device")
+        kw["device_map"] = "auto"
+        if max_memory:
+            kw["max_memory"] = max_memory
+    elif max_memory:
+        raise CaptureError(f"--max-memory: only with --device auto (device_map), not --device {device}")
     try:
         tok = AutoTokenizer.from_pretrained(model_path, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=local,
-                                                     torch_dtype=getattr(torch, dtype_name))
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
     except OSError as e:
         raise CaptureError(f"--model {model_path}: cannot load ({str(e).splitlines()[0]})")
-    model.eval().to(device)
-    return tok, model
+    except ValueError as e:  # a --max-memory accelerate cannot use
+        raise CaptureError(f"--model {model_path}: cannot place it ({str(e).splitlines()[0]})")
+    if device != "auto":
+        model.to(device)
+    return tok, model.eval()
 
 
-def capture_sequences(model, ids, want_queries, stride, device):
-    """ids [B, S] -> keys, values [B, S', L, H, D] post-RoPE (S' = S / stride), queries [B, S', L, Hq, D] or None."""
+def input_device(model):
+    """Where the token ids go: the embedding's device (device_map's hooks move activations between devices)."""
+    return model.get_input_embeddings().weight.device
+
+
+def capture_sequences(model, ids, want_queries, stride, device=None, keep_calls=False):
+    """ids [B, S] -> keys, values [B*S', L, H, D] post-RoPE (S' = S / stride), queries [B*S', L, Hq, D] or None, as
+    torch tensors where the model computed them, in its dtype; with keep_calls, the RoPE hook's (q_pre, k_pre, q_post,
+    k_post) per layer."""
     import torch
     cfg = model.config
     L = cfg.num_hidden_layers
-    keep = np.arange(0, ids.shape[1], stride)
-    with torch.no_grad(), RopeHook(model) as hook:
-        out = model(torch.as_tensor(ids, device=device), use_cache=True)
+    keep = torch.arange(0, ids.shape[1], stride)
+    hook = RopeHook(model, record=want_queries or keep_calls, pre=keep_calls)
+    with torch.no_grad(), hook:
+        out = model(torch.as_tensor(ids, device=device or input_device(model)), use_cache=True)
     layers = cache_layers(out.past_key_values, L)
-    k = torch.stack([kv[0] for kv in layers], dim=2)  # [B, H, L, S, D]
-    v = torch.stack([kv[1] for kv in layers], dim=2)
-    k = k.permute(0, 3, 2, 1, 4)[:, keep].float().cpu().numpy()  # [B, S', L, H, D]
-    v = v.permute(0, 3, 2, 1, 4)[:, keep].float().cpu().numpy()
+
+    def rows(per_layer):  # [B, H, S, D] per layer -> [B*S', L, H, D] on the first layer's device
+        dev = per_layer[0].device
+        t = torch.stack([x.to(dev) for x in per_layer], dim=2)  # [B, H, L, S, D]
+        t = t.permute(0, 3, 2, 1, 4)[:, keep.to(dev)]
+        return t.reshape((-1,) + tuple(t.shape[2:]))
+
+    k, v = rows([kv[0] for kv in layers]), rows([kv[1] for kv in layers])
     q = None
     if want_queries:
         if len(hook.calls) != L:
             raise CaptureError(f"expected {L} rotary calls in one forward pass, saw {len(hook.calls)}")
-        q = torch.stack([c[2] for c in hook.calls], dim=2)  # [B, Hq, L, S, D]
-        q = q.permute(0, 3, 2, 1, 4)[:, keep].float().cpu().numpy()
+        q = rows([c[2] for c in hook.calls])
     return k, v, q, hook.calls
 
 
-def check_same_tokens(other, tokens, tok, docs, seq_len):
-    """Before any work: the other model's tokenizer (or the other store's first shard) gives the same token_ids."""
-    if os.path.isdir(other) and any(n.endswith(".h5") for n in os.listdir(other)):
+def check_same_tokens(other, tokens, tok, docs, seq_len, shard_seqs):
+    """Before any work: the other model's tokenizer (or the other store's shards: every one stored so far, paired by
+    name, as parts of one capture write the same shard names) gives the same token_ids."""
+    shards = sorted(n for n in os.listdir(other) if n.endswith(".h5")) if os.path.isdir(other) else []
+    if shards:
         import h5py
-        first = sorted(n for n in os.listdir(other) if n.endswith(".h5"))[0]
-        with h5py.File(os.path.join(other, first), "r") as f:
-            theirs = f["token_ids"][()]
-            stride = int(f["positions"][1] - f["positions"][0]) if f["positions"].shape[0] > 1 else 1
-        mine = tokens[:, ::stride].reshape(-1)[: len(theirs)]
-        if not np.array_equal(mine, theirs[: len(mine)]):
-            raise CaptureError(f"--same-tokens-as {other}: its token_ids differ from this model's (different "
-                               "tokenizers or text): the shards could not be paired")
+        for name in shards:
+            try:
+                index = int(name[len("shard-"):-len(".h5")])
+            except ValueError:
+                continue
+            with h5py.File(os.path.join(other, name), "r") as f:
+                theirs = f["token_ids"][()]
+                stride = int(f["positions"][1] - f["positions"][0]) if f["positions"].shape[0] > 1 else 1
+            mine = tokens[index * shard_seqs:(index + 1) * shard_seqs, ::stride].reshape(-1)
+            if mine.shape != theirs.shape or not np.array_equal(mine, theirs):
+                raise CaptureError(f"--same-tokens-as {other}: {name}'s token_ids differ from this model's (different "
+                                   "tokenizers, text or --seq-len/--shard-seqs): the shards could not be paired")
         return
     from transformers import AutoTokenizer
     other_tok = AutoTokenizer.from_pretrained(other, local_files_only=os.path.isdir(other))
@@ -258,18 +365,50 @@ def check_same_tokens(other, tokens, tok, docs, seq_len):
                            "paired")
 
 
-class Progress:
-    def __init__(self, total):
-        self.total, self.done, self.t0, self.last = total, 0, time.time(), 0.0
+def resolve_part(arg, env=os.environ):
+    """(I, N, where it came from): --part I/N, else Slurm's array task, else torchrun's RANK/WORLD_SIZE, else 0/1."""
+    if arg:
+        i, sep, n = arg.partition("/")
+        try:
+            i, n = int(i), int(n)
+        except ValueError:
+            i, n = -1, 0
+        if not sep or n < 1 or not 0 <= i < n:
+            raise CaptureError(f"--part {arg}: expected I/N with 0 <= I < N (this process's part of N)")
+        return i, n, "--part"
+    if env.get("SLURM_ARRAY_TASK_ID") and env.get("SLURM_ARRAY_TASK_COUNT"):
+        i = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN") or 0)
+        return i, int(env["SLURM_ARRAY_TASK_COUNT"]), "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT"
+    if env.get("RANK") and env.get("WORLD_SIZE"):
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), "RANK/WORLD_SIZE"
+    return 0, 1, "one part"
 
-    def add(self, n):
-        self.done += n
+
+def bytes_per_token(spec, dtype, queries):
+    """A stored token's bytes: keys and values (and queries) in the stored dtype, its token id and position."""
+    per = spec["n_layers"] * spec["head_dim"] * STORED_BYTES[dtype]
+    return per * (2 * spec["n_kv_heads"] + (spec["n_q_heads"] if queries else 0)) + 8
+
+
+def gib(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class Progress:
+    """tokens/s, bytes written and the ETA, every few seconds and at the end."""
+
+    def __init__(self, total_tokens, label):
+        self.total, self.done, self.bytes, self.t0, self.last, self.label = total_tokens, 0, 0, time.time(), 0.0, label
+
+    def add(self, tokens, nbytes):
+        self.done += tokens
+        self.bytes += nbytes
         now = time.time()
-        if now - self.last > 2 or self.done == self.total:
+        if now - self.last > 2 or self.done >= self.total:
             rate = self.done / max(now - self.t0, 1e-9)
             eta = (self.total - self.done) / max(rate, 1e-9)
-            print(f"[capture] {self.done}/{self.total} sequences ({100 * self.done / self.total:.0f}%), "
-                  f"{rate:.2f} seq/s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            print(f"[capture] {self.label}: {self.done}/{self.total} tokens ({100 * self.done / max(self.total, 1):.0f}%),"
+                  f" {rate:.0f} tokens/s, {gib(self.bytes)} written, ETA {eta:.0f} s", file=sys.stderr, flush=True)
             self.last = now
 
 
@@ -285,8 +424,13 @@ def main(argv=None):
     p.add_argument("--queries", action="store_true", help="also store post-RoPE queries (for crosskv-eval)")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--model-dtype", default="float32", help="torch dtype to run the model in")
+    p.add_argument("--device", default="auto",
+                   help="auto: device_map='auto' over the visible GPUs (or the CPU); cpu, cuda, cuda:N: all there")
+    p.add_argument("--max-memory", help="with --device auto: each device's budget, e.g. 0=70GiB,1=70GiB,cpu=200GiB")
+    p.add_argument("--model-dtype", default="auto",
+                   help="the dtype the model runs in: auto (the checkpoint's own), float32, bfloat16, float16")
+    p.add_argument("--part", help="I/N: capture shards I, I+N, ... (default: SLURM_ARRAY_TASK_ID/COUNT, RANK/"
+                                  "WORLD_SIZE, else 0/1)")
     p.add_argument("--same-tokens-as", help="another model (or STORE/DOMAIN of its shards) that must tokenize alike")
     p.add_argument("--name", help="model name recorded in the shards (default: --model)")
     a = p.parse_args(argv)
@@ -294,39 +438,63 @@ def main(argv=None):
         for k in ("seq_len", "n_seq", "stride", "shard_seqs", "batch"):
             if getattr(a, k) < 1:
                 raise CaptureError(f"--{k.replace('_', '-')} must be >= 1")
-        import torch
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+        part, parts, part_from = resolve_part(a.part)
+        max_memory = parse_max_memory(a.max_memory)
         docs = read_documents(a.text)
-        tok, model = load(a.model, device, a.model_dtype)
+        tok, model = load(a.model, a.device, a.model_dtype, max_memory)
         spec = kv_spec_from_config(model.config, f"--model {a.model}")
+        model_dtype = str(model.dtype).replace("torch.", "")
         tokens = pack(tok, docs, a.seq_len, a.n_seq)
         if a.same_tokens_as:
-            check_same_tokens(a.same_tokens_as, tokens, tok, docs, a.seq_len)
+            check_same_tokens(a.same_tokens_as, tokens, tok, docs, a.seq_len, a.shard_seqs)
         domain = os.path.basename(os.path.normpath(a.out))
         os.makedirs(a.out, exist_ok=True)
         name = a.name or os.path.basename(os.path.normpath(a.model))
         n = tokens.shape[0]
-        prog = Progress(n)
         keep = np.arange(0, a.seq_len, a.stride)
-        for s0 in range(0, n, a.shard_seqs):
-            path = os.path.join(a.out, f"shard-{s0 // a.shard_seqs:03d}.h5")
-            seqs = tokens[s0: s0 + a.shard_seqs]
-            if os.path.exists(path):  # complete (written atomically): resume after it
-                prog.add(len(seqs))
-                continue
-            ks, vs, qs = [], [], []
-            for b0 in range(0, len(seqs), a.batch):
-                k, v, q, _ = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride, device)
-                ks.append(k.reshape((-1,) + k.shape[2:]))
-                vs.append(v.reshape((-1,) + v.shape[2:]))
-                if q is not None:
-                    qs.append(q.reshape((-1,) + q.shape[2:]))
-                prog.add(len(seqs[b0: b0 + a.batch]))
+        shards = list(range(part, -(-n // a.shard_seqs), parts))  # this part's shard indices
+        path_of = lambda s: os.path.join(a.out, f"shard-{s:03d}.h5")  # noqa: E731
+        todo = [s for s in shards if not os.path.exists(path_of(s))]  # a shard that exists is complete
+        for s in shards:  # an unfinished file of this part's, left by a killed run
+            for stale in glob.glob(glob.escape(path_of(s)) + ".tmp-*"):
+                os.remove(stale)
+        seqs_of = lambda s: len(tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs])  # noqa: E731
+        bpt = bytes_per_token(spec, a.dtype, a.queries)
+        part_tokens = sum(seqs_of(s) for s in shards) * len(keep)
+        need = sum(seqs_of(s) for s in todo) * len(keep) * bpt
+        free = shutil.disk_usage(a.out).free
+        where = getattr(getattr(model, "hf_device_map", None), "values", lambda: [str(input_device(model))])()
+        print(f"[capture] plan: {name} ({model_dtype} on {', '.join(sorted({str(d) for d in where}))}), part "
+              f"{part}/{parts} ({part_from}): {len(shards)} of {-(-n // a.shard_seqs)} shards, {len(todo)} to write; "
+              f"{bpt} bytes a token ({a.dtype}{', with queries' if a.queries else ''}); this part "
+              f"{gib(part_tokens * bpt)}, the store {gib(n * len(keep) * bpt)}; {gib(free)} free in {a.out}",
+              file=sys.stderr, flush=True)
+        if need + (64 << 10) * len(todo) > free:  # HDF5's own structures: well under 64 KiB a shard
+            raise CaptureError(f"--out {a.out}: not enough disk: this part's {len(todo)} shards need {gib(need)}, "
+                               f"{gib(free)} is free")
+        prog = Progress(sum(seqs_of(s) for s in todo) * len(keep), f"part {part}/{parts}")
+        for s in todo:
+            seqs = tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs]
             m = len(seqs)
-            write_shard(path, name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
-                        np.arange(m + 1) * len(keep), np.concatenate(ks), np.concatenate(vs),
-                        np.concatenate(qs) if qs else None, a.dtype)
-        print(f"[capture] {n} sequences of {a.seq_len} tokens ({len(keep)} kept each) from {name} in {a.out}",
+            w = ShardWriter(path_of(s), name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
+                            np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype)
+            try:
+                for b0 in range(0, m, a.batch):
+                    k, v, q, _ = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride)
+                    w.write(keys=k, values=v, queries=q)
+                    prog.add(k.shape[0], k.shape[0] * bpt)
+                w.close()
+            except OSError as e:
+                w.abandon()
+                if e.errno == errno.ENOSPC or "No space left" in str(e):
+                    raise CaptureError(f"--out {a.out}: the disk filled while writing {os.path.basename(path_of(s))} "
+                                       f"({gib(shutil.disk_usage(a.out).free)} free); it was removed") from None
+                raise
+            except BaseException:
+                w.abandon()
+                raise
+        print(f"[capture] {name}: part {part}/{parts}, {len(todo)} shards written ({len(shards) - len(todo)} were "
+              f"complete), {n} sequences of {a.seq_len} tokens in the corpus ({len(keep)} kept each), {a.out}",
               file=sys.stderr)
         return 0
     except CaptureError as e:
