@@ -7,4 +7,9 @@ WORK=${1:?usage: $0 WORKDIR}
 [ -x "$PY" ] || { echo "SKIPPED: no capture environment at $PY (scripts/setup-capture.sh installs it)"; exit 77; }
 "$PY" -c "import torch, transformers, tokenizers, h5py, accelerate" 2> /dev/null \
   || { echo "SKIPPED: $PY lacks torch/transformers/tokenizers/h5py/accelerate (scripts/setup-capture.sh)"; exit 77; }
-exec "$PY" "$ROOT/tests/python/test_capture_parts.py" "$WORK"
+# A tmpfs the test mounted and could not unmount (a run that was killed) goes first.
+[ -d "$WORK/tmpfs" ] && mountpoint -q "$WORK/tmpfs" && umount "$WORK/tmpfs"
+"$PY" "$ROOT/tests/python/test_capture_parts.py" "$WORK"
+rc=$?
+mountpoint -q "$WORK/tmpfs" 2> /dev/null && umount "$WORK/tmpfs"
+exit $rc

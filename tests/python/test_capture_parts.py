@@ -5,7 +5,9 @@ a kill in the middle of a part, and a disk without room.
 - --device auto loads through Hugging Face's device_map="auto" (accelerate) and captures what --device cpu does;
 - a bf16 checkpoint captured without --model-dtype runs in bf16, and the shard records it;
 - kill -9 in the middle of a part, then a rerun: the same bytes as an uninterrupted run, and no unfinished file left;
-- a 2 MiB tmpfs: refused by name before anything is written;
+- a 2 MiB tmpfs: refused by name before anything is written; a disk that fills after the plan stops at the next
+  shard's check, and one filled in the middle of a shard exits 2 with one line (HDF5 used to crash the process), the
+  unfinished file removed either way;
 - bad --part, --max-memory and --model-dtype refused with one line naming the flag.
 
     python test_capture_parts.py WORKDIR        (in the capture environment)
@@ -171,6 +173,37 @@ if mounted:
         check(rc == 2 and f"--out {tmpfs}/web: not enough disk" in line and "is free" in line
               and os.listdir(os.path.join(tmpfs, "web")) == [],
               f"a 2 MiB tmpfs is refused before anything is written: {line}")
+        # A disk that fills after the plan (here: a plan told of room that is not there): the next shard's own
+        # check stops it, in one line, before HDF5 meets the full disk; the shards before it are kept.
+        real_usage, calls = cap.shutil.disk_usage, []
+
+        def lying_once(path):
+            calls.append(path)
+            return real_usage(path)._replace(free=1 << 40) if len(calls) == 1 else real_usage(path)
+
+        cap.shutil.disk_usage = lying_once
+        try:
+            rc, log = run(["--model", "m32", *base(n_seq=400), "--out", os.path.join(tmpfs, "web")])
+        finally:
+            cap.shutil.disk_usage = real_usage
+        line = log.strip().splitlines()[-1]
+        left = os.listdir(os.path.join(tmpfs, "web"))
+        check(rc == 2 and f"--out {tmpfs}/web: not enough disk left for shard-" in line and "shards remain" in line
+              and left and not any(".tmp-" in n for n in left),
+              f"a disk that fills after the plan: the next shard's check stops it ({len(left)} shards kept): {line}")
+        # The disk filled by another writer in the middle of a shard (here: every check told of room): HDF5 meets
+        # it; one line, exit 2, the unfinished file removed, and no crash.
+        shutil.rmtree(os.path.join(tmpfs, "web"))
+        lie = ("import sys, shutil; sys.path.insert(0, sys.argv[1]); import crosskv_capture as cap; "
+               "real = shutil.disk_usage; cap.shutil.disk_usage = lambda p: real(p)._replace(free=1 << 40); "
+               "sys.exit(cap.main(sys.argv[2:]))")
+        r = subprocess.run([sys.executable, "-c", lie, os.path.dirname(CAPTURE), "--model", "m32", *base(n_seq=400),
+                            "--out", os.path.join(tmpfs, "web")], capture_output=True, text=True)
+        line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+        left = os.listdir(os.path.join(tmpfs, "web"))
+        check(r.returncode == 2 and f"--out {tmpfs}/web: the disk filled while writing shard-" in line
+              and not any(".tmp-" in n for n in left),
+              f"a disk filled in the middle of a shard: exit {r.returncode}, one line, no unfinished file: {line}")
     finally:
         subprocess.run(["umount", tmpfs])
 else:

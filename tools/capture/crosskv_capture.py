@@ -242,19 +242,27 @@ class ShardWriter:
         self.rows += n or 0
 
     def close(self):
+        self.sets = {}
+        self.closing = True
         self.f.close()
         os.replace(self.tmp, self.path)
 
     def abandon(self):
-        try:
-            self.f.close()
-        except Exception:  # a file that cannot be closed (a full disk) is removed all the same
-            pass
+        """The unfinished file removed. A file whose close failed is not closed again: HDF5 crashes the process
+        on a second close (or on freeing its handles) after a write failed."""
+        self.sets = {}
+        if not getattr(self, "closing", False):
+            try:
+                self.f.close()
+            except Exception:  # removed all the same
+                pass
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
 
 
-# ---- capture -----------------------------------------------------------------------------------------------------
+def full_disk(e):
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+
 
 def parse_max_memory(text):
     """--max-memory "0=70GiB,1=70GiB,cpu=200GiB" -> {0: "70GiB", 1: "70GiB", "cpu": "200GiB"}."""
@@ -476,6 +484,10 @@ def main(argv=None):
         for s in todo:
             seqs = tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs]
             m = len(seqs)
+            shard_need, free = m * len(keep) * bpt + (64 << 10), shutil.disk_usage(a.out).free
+            if shard_need > free:  # the disk filled since the plan (another writer): stop before HDF5 meets it
+                raise CaptureError(f"--out {a.out}: not enough disk left for {os.path.basename(path_of(s))}: it needs "
+                                   f"{gib(shard_need)}, {gib(free)} is free; {len(todo) - todo.index(s)} shards remain")
             w = ShardWriter(path_of(s), name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
                             np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype)
             try:
@@ -484,14 +496,15 @@ def main(argv=None):
                     w.write(keys=k, values=v, queries=q)
                     prog.add(k.shape[0], k.shape[0] * bpt)
                 w.close()
-            except OSError as e:
+            except BaseException as e:
                 w.abandon()
-                if e.errno == errno.ENOSPC or "No space left" in str(e):
-                    raise CaptureError(f"--out {a.out}: the disk filled while writing {os.path.basename(path_of(s))} "
-                                       f"({gib(shutil.disk_usage(a.out).free)} free); it was removed") from None
-                raise
-            except BaseException:
-                w.abandon()
+                if isinstance(e, (OSError, RuntimeError)) and full_disk(e):
+                    # h5py reports a full disk as either, at a write or at the close, and HDF5 may then crash the
+                    # process when Python frees its handles: say it in one line and leave at once.
+                    print(f"crosskv-capture: error: --out {a.out}: the disk filled while writing "
+                          f"{os.path.basename(path_of(s))} (another writer?); it was removed, the shards before it are "
+                          "kept, and a rerun resumes", file=sys.stderr, flush=True)
+                    os._exit(2)
                 raise
         print(f"[capture] {name}: part {part}/{parts}, {len(todo)} shards written ({len(shards) - len(todo)} were "
               f"complete), {n} sequences of {a.seq_len} tokens in the corpus ({len(keep)} kept each), {a.out}",
