@@ -280,6 +280,17 @@ def main():
         files = sum(len(fs) for where, _, fs in os.walk(small.root) if where != small.root)
         check(files == small._db.execute("SELECT COUNT(*) FROM parts").fetchone()[0],
               f"folder: evicted chunks' files are removed ({files} files for the indexed parts)")
+        # Least recently *used*: a prefix read since it was written outlives one written after it and not read.
+        lru = st.open_store(os.path.join(work, "lru"), C, capacity_bytes=capacity * 3 // 5)
+        a_ids, b_ids, c_ids, d_ids = (list(range(100 * i + 1, 100 * i + 1 + 4 * C)) for i in range(4))
+        for ids in (a_ids, b_ids, c_ids):
+            save(lru, ids)
+            time.sleep(0.01)
+        lru.touch(lru.match(a_ids, 4 * C).chunks)  # as a target's worker does after reading a load's chunks
+        save(lru, d_ids)
+        got = [lru.match(ids, 4 * C).tokens for ids in (a_ids, b_ids, c_ids, d_ids)]
+        check(got[0] == 4 * C and got[1] < 4 * C and got[3] == 4 * C,
+              f"folder: the prefix read since it was written stays, the least recently used goes (tokens {got})")
         settings()
     elif kind == "redis":
         if not shutil.which("redis-server"):

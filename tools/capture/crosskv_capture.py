@@ -331,8 +331,9 @@ def capture_sequences(model, ids, want_queries, stride, device=None, keep_calls=
         out = model(torch.as_tensor(ids, device=device or input_device(model)), use_cache=True)
     layers = cache_layers(out.past_key_values, L)
 
-    def rows(per_layer):  # [B, H, S, D] per layer -> [B*S', L, H, D] on the first layer's device
-        dev = per_layer[0].device
+    def rows(per_layer):  # [B, H, S, D] per layer -> [B*S', L, H, D] where the layers are (on the host where a
+        # device_map spread them over devices, so that no one GPU takes every layer's share)
+        dev = per_layer[0].device if len({x.device for x in per_layer}) == 1 else torch.device("cpu")
         t = torch.stack([x.to(dev) for x in per_layer], dim=2)  # [B, H, L, S, D]
         t = t.permute(0, 3, 2, 1, 4)[:, keep.to(dev)]
         return t.reshape((-1,) + tuple(t.shape[2:]))

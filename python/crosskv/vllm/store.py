@@ -208,9 +208,13 @@ class PrefixStore(ABC):
             ids = t["token_ids"]
             keys.append(t["keys"])
             values.append(t["values"])
-        self._touch([ref.key])
         cat = (lambda xs: xs[0]) if len(keys) == 1 else (lambda xs: np.concatenate(xs, axis=2))
         return Chunk(ids, cat(keys), cat(values), meta)
+
+    def touch(self, refs: list[ChunkRef]) -> None:
+        """Marks chunks used now (one write for a whole load), so that least-recently-used eviction keeps them."""
+        if refs:
+            self._touch([r.key for r in refs])
 
     def where(self, ref: ChunkRef) -> str:
         return f"chunk {ref.start // self.chunk_tokens} (tokens {ref.start}-{ref.end}, {ref.key[:12]})"

@@ -253,6 +253,7 @@ class WorkerSide:
             lo, hi = max(plan.first, ref.start) - ref.start, min(plan.end, ref.end) - ref.start
             keys.append(c.keys[lo:hi])
             values.append(c.values[lo:hi])
+        self.ctx.store.touch(plan.chunks[:len(keys)])
         dev = next(iter(self._kv_caches.values())).device
         cat = (lambda xs: xs[0]) if len(keys) == 1 else np.concatenate
         pos = torch.arange(plan.first, plan.end, dtype=torch.int32, device=dev)
