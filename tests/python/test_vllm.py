@@ -10,6 +10,11 @@ with engines shaped as deployed (tensor parallel, prefix caching on):
 - a planted exception in the cache write re-prefills that request and the engine serves the next one;
 - the target's greedy tokens and first-token logprobs equal Hugging Face generate on crosskv.hf.transfer_cache of the
   same mapper, for prefixes that end on a block boundary, off one, and on all but the last prompt token;
+- the store in chunks of 32 tokens: a request sharing 2 of a stored prefix's 3 chunks, or a first chunk, maps them and
+  equals Hugging Face on exactly those tokens; a damaged middle chunk ends the run there (the rest recomputed, the
+  outcome names it); two source engines write into one Redis store at once and a target with no shared folder maps
+  from it; branches store only their new chunks; a bounded folder store evicts the oldest prefix, which falls back
+  with its reason;
 - a mapper with noise weights changes the output (the injected KV is read);
 - every fallback (no stored prefix, a damaged one, one of another source model, one holding NaN, a mapper of another
   model, a NOT READY verdict) returns fallback_reprefill with its reason and exactly the target's own tokens;
