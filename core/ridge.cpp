@@ -179,6 +179,46 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
   return f;
 }
 
+// The nested sweep over one system, for both structures: `f` is factored in rank order over the top layers (blocks
+// of `width` rows), Cxy [f.n x cols] its right-hand sides. One forward substitution over the rows every valid k
+// shares, then per k < Ls of `ks` a back substitution of its leading block, handed to done(i, W) for ks[i].
+template <class Done>
+void sweep_nested(ComputeBackend& be, const Factor& f, const BigVector<double>& Cxy, int64_t width, int64_t cols,
+                  const std::vector<int>& ks, int Ls, const std::string& what, double lambda, SolveWorkspace& ws,
+                  Lap& lap, Done done) {
+  int64_t n_ok = 0;
+  for (int k : ks)
+    if (k < Ls && (f.bad_minor == 0 || k * width < f.bad_minor)) n_ok = k * width;
+  BigVector<double>& Z = ws.z;
+  Z.assign(Cxy.begin(), Cxy.end());
+  lap.to(&SolveTimes::assemble);
+  be.solve_triangular(*f.system, n_ok, false, cols, Z.data(), cols);
+  lap.to(&SolveTimes::substitute);
+  for (size_t i = 0; i < ks.size() && ks[i] < Ls; ++i) {
+    const int64_t nk = ks[i] * width;
+    if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, ks[i], f, nk, width, lambda);
+    BigVector<double>& W = ws.w;
+    W.assign(Z.begin(), Z.begin() + nk * cols);
+    be.solve_triangular(*f.system, nk, true, cols, W.data(), cols);
+    lap.to(&SolveTimes::substitute);
+    done(i, W.data());
+    lap.to(&SolveTimes::finish);
+  }
+}
+
+// k = Ls: the system over every source layer solved for its right-hand sides Cxy [f.n x cols], handed to done(W).
+template <class Done>
+void solve_whole(ComputeBackend& be, const Factor& f, const BigVector<double>& Cxy, int64_t cols, SolveWorkspace& ws,
+                 Lap& lap, Done done) {
+  BigVector<double>& W = ws.w;
+  W.assign(Cxy.begin(), Cxy.end());
+  lap.to(&SolveTimes::assemble);
+  be.solve(*f.system, f.n, cols, W.data(), cols);
+  lap.to(&SolveTimes::substitute);
+  done(W.data());
+  lap.to(&SolveTimes::finish);
+}
+
 }  // namespace
 
 std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
@@ -191,36 +231,20 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
   SolveWorkspace local_ws;
   SolveWorkspace& ws = workspace ? *workspace : local_ws;
   std::vector<LayerFit> out;
-  std::vector<int> nested;
+  int kmax_nested = 0;
   for (int k : ks)
-    if (k < d.Ls) nested.push_back(k);
-  if (!nested.empty()) {
-    const std::vector<int> top(ranking.begin(), ranking.begin() + nested.back());
+    if (k < d.Ls) kmax_nested = k;
+  if (kmax_nested > 0) {
+    const std::vector<int> top(ranking.begin(), ranking.begin() + kmax_nested);
     Factor& f = ws.nested;
     factor_layers(m, be, top, lambda, f, &ws.times);
     Lap lap(&ws.times);
     BigVector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(top, l, Cxy.data(), G);
-    // Forward substitution once, over the leading rows every valid k shares.
-    int64_t n_ok = 0;
-    for (int k : nested)
-      if (f.bad_minor == 0 || k * F < f.bad_minor) n_ok = k * F;
-    BigVector<double>& Z = ws.z;
-    Z.assign(Cxy.begin(), Cxy.end());
-    lap.to(&SolveTimes::assemble);
-    be.solve_triangular(*f.system, n_ok, false, G, Z.data(), G);
-    lap.to(&SolveTimes::substitute);
-    for (int k : nested) {
-      const int64_t nk = k * F;
-      if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(what, k, f, nk, F, lambda);
-      BigVector<double>& W = ws.w;
-      W.assign(Z.begin(), Z.begin() + nk * G);
-      be.solve_triangular(*f.system, nk, true, G, W.data(), G);
-      lap.to(&SolveTimes::substitute);
-      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + k), W.data(), Cxy.data(), lambda));
-      lap.to(&SolveTimes::finish);
-    }
+    sweep_nested(be, f, Cxy, F, G, ks, d.Ls, what, lambda, ws, lap, [&](size_t i, const double* W) {
+      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + ks[i]), W, Cxy.data(), lambda));
+    });
   }
   if (ks.back() == d.Ls) {
     Factor local;
@@ -236,13 +260,8 @@ std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, con
     BigVector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(f.order, l, Cxy.data(), G);
-    BigVector<double>& W = ws.w;
-    W.assign(Cxy.begin(), Cxy.end());
-    lap.to(&SolveTimes::assemble);
-    be.solve(*f.system, f.n, G, W.data(), G);
-    lap.to(&SolveTimes::substitute);
-    out.push_back(finish_fit(m, l, f.order, W.data(), Cxy.data(), lambda));
-    lap.to(&SolveTimes::finish);
+    solve_whole(be, f, Cxy, G, ws, lap,
+                [&](const double* W) { out.push_back(finish_fit(m, l, f.order, W, Cxy.data(), lambda)); });
   }
   return out;
 }
@@ -340,24 +359,8 @@ std::vector<LayerFit> fit_sweep_per_head(const Moments& m, ComputeBackend& be, i
       BigVector<double>& Cxy = ws.cxy;
       Cxy.resize(f.n * Dt);
       m.head_cov_xy(top, l, h, Cxy.data(), Dt);
-      int64_t n_ok = 0;
-      for (int k : ks)
-        if (k < d.Ls && (f.bad_minor == 0 || k * Ds < f.bad_minor)) n_ok = k * Ds;
-      BigVector<double>& Z = ws.z;
-      Z.assign(Cxy.begin(), Cxy.end());
-      lap.to(&SolveTimes::assemble);
-      be.solve_triangular(*f.system, n_ok, false, Dt, Z.data(), Dt);
-      lap.to(&SolveTimes::substitute);
-      for (size_t i = 0; i < ks.size() && ks[i] < d.Ls; ++i) {
-        const int64_t nk = ks[i] * Ds;
-        if (f.bad_minor > 0 && f.bad_minor <= nk) throw_singular(head, ks[i], f, nk, Ds, lambda);
-        BigVector<double>& W = ws.w;
-        W.assign(Z.begin(), Z.begin() + nk * Dt);
-        be.solve_triangular(*f.system, nk, true, Dt, W.data(), Dt);
-        lap.to(&SolveTimes::substitute);
-        finish(i, tops[i], W.data(), Cxy.data());
-        lap.to(&SolveTimes::finish);
-      }
+      sweep_nested(be, f, Cxy, Ds, Dt, ks, d.Ls, head, lambda, ws, lap,
+                   [&](size_t i, const double* W) { finish(i, tops[i], W, Cxy.data()); });
     }
     if (ks.back() == d.Ls) {
       Factor local;
@@ -368,13 +371,7 @@ std::vector<LayerFit> fit_sweep_per_head(const Moments& m, ComputeBackend& be, i
       BigVector<double>& Cxy = ws.cxy;
       Cxy.resize(f.n * Dt);
       m.head_cov_xy(asc, l, h, Cxy.data(), Dt);
-      BigVector<double>& W = ws.w;
-      W.assign(Cxy.begin(), Cxy.end());
-      lap.to(&SolveTimes::assemble);
-      be.solve(*f.system, f.n, Dt, W.data(), Dt);
-      lap.to(&SolveTimes::substitute);
-      finish(ks.size() - 1, asc, W.data(), Cxy.data());
-      lap.to(&SolveTimes::finish);
+      solve_whole(be, f, Cxy, Dt, ws, lap, [&](const double* W) { finish(ks.size() - 1, asc, W, Cxy.data()); });
     }
   }
   for (size_t i = 0; i < ks.size(); ++i) {

@@ -45,7 +45,7 @@ struct Diagnostics {
 
 // `truth`: the target's own cache (with queries for the attention figures). `keys`/`values`: a prediction of it
 // in the same layout (keys post target-RoPE, as served). Scalar loops over the whole cache: the oracle of the
-// GEMM-based, streamed diagnostics (apply/layer_diagnostics, stages/eval), kept for tests and benchmarks.
+// GEMM-based, streamed diagnostics (eval/layer_diagnostics, stages/eval), kept for tests and benchmarks.
 Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const std::vector<float>& values);
 
 struct Evaluation {

@@ -1,5 +1,5 @@
-// Held-out diagnostics at scale: the GEMM-based, per-layer diagnostics (apply/layer_diagnostics) and the streamed,
-// rank-shared evaluation (stages/eval) against the scalar oracle (apply/diagnose.cpp's diagnose and evaluate).
+// Held-out diagnostics at scale: the GEMM-based, per-layer diagnostics (eval/layer_diagnostics) and the streamed,
+// rank-shared evaluation (stages/eval) against the scalar oracle (eval/diagnose.cpp's diagnose and evaluate).
 #include <cmath>
 #include <map>
 #include <random>
