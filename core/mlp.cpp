@@ -11,11 +11,11 @@ namespace crosskv {
 namespace {
 
 // C[rows x n] = A[rows x k] B[k x n] + bias (broadcast over rows), then ReLU when `relu`.
-void affine(ComputeBackend& be, const float* A, int64_t rows, int64_t k, const float* B, const float* bias, int64_t n,
+void affine(DenseMaths& be, const float* A, int64_t rows, int64_t k, const float* B, const float* bias, int64_t n,
             bool relu, std::vector<float>& C) {
   C.resize(static_cast<size_t>(rows * n));
   for (int64_t r = 0; r < rows; ++r) std::copy_n(bias, n, C.data() + r * n);
-  ComputeBackend::BatchedGemm g;
+  DenseMaths::BatchedGemm g;
   g.m = rows, g.n = n, g.k = k, g.beta = 1.0f;
   g.A = A, g.lda = k, g.B = B, g.ldb = n, g.C = C.data(), g.ldc = n;
   be.gemm_batched(g);
@@ -24,9 +24,9 @@ void affine(ComputeBackend& be, const float* A, int64_t rows, int64_t k, const f
 }
 
 // grad_w[k x n] += A[rows x k]^T D[rows x n]; grad_b[n] += column sums of D.
-void weight_gradient(ComputeBackend& be, const float* A, int64_t rows, int64_t k, const std::vector<float>& D,
+void weight_gradient(DenseMaths& be, const float* A, int64_t rows, int64_t k, const std::vector<float>& D,
                      int64_t n, float* grad_w, float* grad_b) {
-  ComputeBackend::BatchedGemm g;
+  DenseMaths::BatchedGemm g;
   g.trans_a = true, g.m = k, g.n = n, g.k = rows, g.beta = 1.0f;
   g.A = A, g.lda = k, g.B = D.data(), g.ldb = n, g.C = grad_w, g.ldc = n;
   be.gemm_batched(g);
@@ -35,10 +35,10 @@ void weight_gradient(ComputeBackend& be, const float* A, int64_t rows, int64_t k
 }
 
 // dA[rows x k] = (D[rows x n] W^T) masked where the layer's activation A was not positive (ReLU's derivative).
-void input_gradient(ComputeBackend& be, const std::vector<float>& D, int64_t rows, int64_t n, const float* W,
+void input_gradient(DenseMaths& be, const std::vector<float>& D, int64_t rows, int64_t n, const float* W,
                     int64_t k, const std::vector<float>& A, std::vector<float>& dA) {
   dA.assign(static_cast<size_t>(rows * k), 0.0f);
-  ComputeBackend::BatchedGemm g;
+  DenseMaths::BatchedGemm g;
   g.trans_b = true, g.m = rows, g.n = k, g.k = n;
   g.A = D.data(), g.lda = n, g.B = W, g.ldb = n, g.C = dA.data(), g.ldc = k;
   be.gemm_batched(g);
@@ -59,14 +59,14 @@ MlpParams MlpParams::initial(const MlpShape& s, uint64_t seed) {
   return p;  // biases and the last layer stay zero
 }
 
-void mlp_forward(ComputeBackend& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws) {
+void mlp_forward(DenseMaths& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws) {
   const MlpShape& s = p.shape;
   affine(be, X, rows, s.in, p.w1(), p.b1(), s.hidden, true, ws.h1);
   affine(be, ws.h1.data(), rows, s.hidden, p.w2(), p.b2(), s.hidden, true, ws.h2);
   affine(be, ws.h2.data(), rows, s.hidden, p.w3(), p.b3(), s.out, false, ws.out);
 }
 
-double mlp_loss_and_gradient(ComputeBackend& be, const MlpParams& p, const float* X, const float* R, int64_t rows,
+double mlp_loss_and_gradient(DenseMaths& be, const MlpParams& p, const float* X, const float* R, int64_t rows,
                              MlpParams& grad, MlpWorkspace& ws) {
   const MlpShape& s = p.shape;
   CROSSKV_ASSERT(grad.flat.size() == p.flat.size(), "gradient of another shape");
@@ -111,7 +111,7 @@ void Adam::restore(std::vector<float> m, std::vector<float> v, int64_t steps) {
   m_ = std::move(m), v_ = std::move(v), t_ = steps;
 }
 
-MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
+MlpTrained train_residual_mlp(DenseMaths& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
                               int64_t rows, const MlpTraining& t, const MlpTrained* resume,
                               const MlpEpochHook& after_epoch) {
   CROSSKV_ASSERT(t.batch_tokens > 0 && t.epochs >= 0, "MLP training: batch and epochs");

@@ -64,12 +64,12 @@ struct MlpWorkspace {
 };
 
 // out[rows x out] = f(X) for X [rows x in] (row-major, leading dim `in`).
-void mlp_forward(ComputeBackend& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws);
+void mlp_forward(DenseMaths& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws);
 
 // The sum over the batch of squared errors of f(X) against the residual R [rows x out] (the target less the
 // ridge's prediction), returned, and its gradient (summed over the batch, not averaged: batches and ranks add up)
 // added to grad.
-double mlp_loss_and_gradient(ComputeBackend& be, const MlpParams& p, const float* X, const float* R, int64_t rows,
+double mlp_loss_and_gradient(DenseMaths& be, const MlpParams& p, const float* X, const float* R, int64_t rows,
                              MlpParams& grad, MlpWorkspace& ws);
 
 // Adam (decoupled weight decay on W1, W2, W3) with fp32 moments.
@@ -118,7 +118,7 @@ struct MlpTrained {
 using MlpEpochHook = std::function<bool(const MlpTrained&)>;
 // `resume`: a training of the same job stopped after some epochs (its params, Adam moments, steps, epoch_mse); it
 // goes on from there to the same bits as an uninterrupted training.
-MlpTrained train_residual_mlp(ComputeBackend& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
+MlpTrained train_residual_mlp(DenseMaths& be, Comm& comm, const MlpShape& s, const float* X, const float* R,
                               int64_t rows, const MlpTraining& t, const MlpTrained* resume = nullptr,
                               const MlpEpochHook& after_epoch = {});
 

@@ -37,7 +37,7 @@ constexpr double kSingularPivot = 1e-12;
 
 // The order of the first leading minor of a factored system with diagonal `diag` (λ included) that is not
 // (numerically) positive definite, or 0.
-int64_t first_bad_minor(const ComputeBackend::SystemFactor& f, const std::vector<double>& diag) {
+int64_t first_bad_minor(const DenseMaths::SystemFactor& f, const std::vector<double>& diag) {
   const int64_t ok = f.info > 0 ? f.info - 1 : f.n;
   for (int64_t i = 0; i < ok; ++i) {
     const double p = f.pivots[i];
@@ -47,7 +47,7 @@ int64_t first_bad_minor(const ComputeBackend::SystemFactor& f, const std::vector
 }
 
 // A host system plus λ on its diagonal, factored by the backend; `bad` receives first_bad_minor.
-ComputeBackend::FactorPtr factor(ComputeBackend& be, double* A, int64_t n, double lambda, int64_t& bad) {
+DenseMaths::FactorPtr factor(DenseMaths& be, double* A, int64_t n, double lambda, int64_t& bad) {
   std::vector<double> diag(n);
   for (int64_t i = 0; i < n; ++i) diag[i] = A[i * n + i] += lambda;
   auto f = be.factor_system(n, A, n);
@@ -101,19 +101,19 @@ std::vector<double> r2_from_sse(const std::vector<double>& sse, const std::vecto
   return r2;
 }
 
-Factor factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda) {
+Factor factor_layers(const Moments& m, DenseMaths& be, const std::vector<int>& order, double lambda) {
   Factor f;
   factor_layers(m, be, order, lambda, f);
   return f;
 }
 
-void factor_layers(const Moments& m, ComputeBackend& be, const std::vector<int>& order, double lambda, Factor& f,
+void factor_layers(const Moments& m, DenseMaths& be, const std::vector<int>& order, double lambda, Factor& f,
                    SolveTimes* times) {
   Lap lap(times);
   f.order = order;
   f.n = static_cast<int64_t>(order.size()) * m.dims().F();
   std::vector<double> diag(f.n);
-  const ComputeBackend::CovTerms terms = m.cov_xx_terms(order);
+  const DenseMaths::CovTerms terms = m.cov_xx_terms(order);
   lap.to(&SolveTimes::assemble);
   f.system = be.factor_cov(terms, lambda, diag.data(), std::move(f.system));  // assembled and factored there
   f.bad_minor = first_bad_minor(*f.system, diag);
@@ -183,7 +183,7 @@ LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const 
 // of `width` rows), Cxy [f.n x cols] its right-hand sides. One forward substitution over the rows every valid k
 // shares, then per k < Ls of `ks` a back substitution of its leading block, handed to done(i, W) for ks[i].
 template <class Done>
-void sweep_nested(ComputeBackend& be, const Factor& f, const BigVector<double>& Cxy, int64_t width, int64_t cols,
+void sweep_nested(DenseMaths& be, const Factor& f, const BigVector<double>& Cxy, int64_t width, int64_t cols,
                   const std::vector<int>& ks, int Ls, const std::string& what, double lambda, SolveWorkspace& ws,
                   Lap& lap, Done done) {
   int64_t n_ok = 0;
@@ -208,7 +208,7 @@ void sweep_nested(ComputeBackend& be, const Factor& f, const BigVector<double>& 
 
 // k = Ls: the system over every source layer solved for its right-hand sides Cxy [f.n x cols], handed to done(W).
 template <class Done>
-void solve_whole(ComputeBackend& be, const Factor& f, const BigVector<double>& Cxy, int64_t cols, SolveWorkspace& ws,
+void solve_whole(DenseMaths& be, const Factor& f, const BigVector<double>& Cxy, int64_t cols, SolveWorkspace& ws,
                  Lap& lap, Done done) {
   BigVector<double>& W = ws.w;
   W.assign(Cxy.begin(), Cxy.end());
@@ -221,7 +221,7 @@ void solve_whole(ComputeBackend& be, const Factor& f, const BigVector<double>& C
 
 }  // namespace
 
-std::vector<LayerFit> fit_sweep(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
+std::vector<LayerFit> fit_sweep(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
                                 const std::vector<int>& ks, double lambda, const std::string& what,
                                 const Factor* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
@@ -301,7 +301,7 @@ void finish_head(const Moments& m, int h, const std::vector<int>& top, const dou
 
 }  // namespace
 
-std::vector<LayerFit> fit_sweep_per_head(const Moments& m, ComputeBackend& be, int l, const std::vector<int>& ranking,
+std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
                                          const std::vector<int>& ks, double lambda, const std::string& what,
                                          std::vector<Factor>* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
@@ -342,7 +342,7 @@ std::vector<LayerFit> fit_sweep_per_head(const Moments& m, ComputeBackend& be, i
       f.order = order;
       f.n = static_cast<int64_t>(order.size()) * Ds;
       diag.assign(f.n, 0.0);
-      const ComputeBackend::CovTerms terms = m.head_cov_xx_terms(order, h);
+      const DenseMaths::CovTerms terms = m.head_cov_xx_terms(order, h);
       lap.to(&SolveTimes::assemble);
       f.system = be.factor_cov(terms, lambda, diag.data(), std::move(f.system));
       f.bad_minor = first_bad_minor(*f.system, diag);
@@ -387,7 +387,7 @@ void probe_means(ProbeR2& r) {
     r.mean[i] = mean_ignoring_nan(std::vector<double>(r.per_head.begin() + i * H, r.per_head.begin() + (i + 1) * H));
 }
 
-ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind,
+ProbeR2 probe_same_head(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
                         const ProbeShare& mine) {
   const PairDims& d = m.dims();
   CROSSKV_ASSERT(d.Hs == d.Ht, "same-head probe needs equal head counts");
@@ -422,7 +422,7 @@ ProbeR2 probe_same_head(const Moments& m, ComputeBackend& be, double lambda, con
   return r;
 }
 
-ProbeR2 probe_all_heads(const Moments& m, ComputeBackend& be, double lambda, const std::string& kind,
+ProbeR2 probe_all_heads(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
                         const ProbeShare& mine) {
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();

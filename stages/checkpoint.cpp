@@ -76,7 +76,7 @@ Part memory_part(const void* p, size_t bytes) {
 // Sums where they are (LiveSums), as bytes: straight into the buffer when the bytes asked for are whole values there,
 // else whole values through a temporary.
 template <class T>
-Part live_part(ComputeBackend& be, const std::vector<ComputeBackend::SumPiece<T>>& pieces) {
+Part live_part(Residency& be, const std::vector<Residency::SumPiece<T>>& pieces) {
   return {static_cast<size_t>(flat_size(pieces)) * sizeof(T), [&be, &pieces](size_t off, size_t len, char* dst) {
             if (off % sizeof(T) == 0 && len % sizeof(T) == 0 && reinterpret_cast<uintptr_t>(dst) % alignof(T) == 0)
               return be.copy_sums(pieces, static_cast<int64_t>(off / sizeof(T)), static_cast<int64_t>(len / sizeof(T)),
@@ -203,7 +203,7 @@ void check_state_size(const std::string& where, uint64_t have, uint64_t want) {
 }
 
 std::vector<double> read_deferred(const PassState::Deferred& d,
-                                  const std::vector<ComputeBackend::SumPiece<float>>& into) {
+                                  const std::vector<Residency::SumPiece<float>>& into) {
   check_state_size(d.path, d.f_count, static_cast<uint64_t>(flat_size(into)));
   std::ifstream in(d.path, std::ios::binary);
   auto read = [&](uint64_t at, void* dst, uint64_t bytes) {

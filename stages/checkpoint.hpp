@@ -41,9 +41,9 @@ struct PassState {
 // A pass's sums where they are, for save() in place of a PassState's vectors: one reader's share of a pass is its
 // moments, read through the backend (a device backend's resident copies, without a flush).
 struct LiveSums {
-  ComputeBackend* backend = nullptr;
-  std::vector<ComputeBackend::SumPiece<float>> f;
-  std::vector<ComputeBackend::SumPiece<double>> d;
+  Residency* backend = nullptr;
+  std::vector<Residency::SumPiece<float>> f;
+  std::vector<Residency::SumPiece<double>> d;
 };
 
 // A state's sums of a pass (`have`) must be as many as the job's moments take (`want`); else a UserError naming
@@ -52,7 +52,7 @@ void check_state_size(const std::string& where, uint64_t have, uint64_t want);
 
 // Deferred sums into host memory: the floats into `into` a segment at a time (place_sums; their count must match),
 // the doubles returned.
-std::vector<double> read_deferred(const PassState::Deferred& d, const std::vector<ComputeBackend::SumPiece<float>>& into);
+std::vector<double> read_deferred(const PassState::Deferred& d, const std::vector<Residency::SumPiece<float>>& into);
 
 // Raised when a signal asked the job to stop; the last committed checkpoint stands. Exit code kExitRequeue.
 struct Interrupted : std::runtime_error {

@@ -10,11 +10,11 @@
 
 namespace crosskv {
 
-void reduce_round(const std::vector<Moments*>& ms, ComputeBackend& be, Comm& readers, std::vector<float>& base_f,
+void reduce_round(const std::vector<Moments*>& ms, Residency& be, Comm& readers, std::vector<float>& base_f,
                   std::vector<double>& base_d) {
   CROSSKV_ASSERT(readers.size() > 1, "one reader's share is its moments: nothing to reduce");
-  std::vector<ComputeBackend::SumPiece<float>> fp;
-  std::vector<ComputeBackend::SumPiece<double>> dp;
+  std::vector<Residency::SumPiece<float>> fp;
+  std::vector<Residency::SumPiece<double>> dp;
   for (Moments* m : ms) m->live_pieces(fp, dp);
   auto reduce_into = [&](auto& base, const auto& pieces) {
     using T = typename std::decay_t<decltype(base)>::value_type;
