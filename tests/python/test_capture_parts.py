@@ -207,7 +207,7 @@ if mounted:
     finally:
         subprocess.run(["umount", tmpfs])
 else:
-    print(f"SKIPPED (in part): a 2 MiB tmpfs could not be mounted here (not root?); the disk check is not tested")
+    print("SKIPPED (in part): a 2 MiB tmpfs could not be mounted here (not root?); the disk check is not tested")
 
 # ---- bad flags, one line each
 for extra, want in ((["--part", "2/2"], "--part 2/2: expected I/N with 0 <= I < N"),
