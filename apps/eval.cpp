@@ -15,7 +15,7 @@
 #include "core/error.hpp"
 #include "runtime/log.hpp"
 #include "core/atomic_file.hpp"
-#include "stages/eval.hpp"
+#include "eval/held_out.hpp"
 
 using namespace crosskv;
 

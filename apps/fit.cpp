@@ -14,8 +14,8 @@
 #include "core/threads.hpp"
 #include "core/error.hpp"
 #include "runtime/log.hpp"
-#include "pipeline/fit_pipeline.hpp"
-#include "stages/checkpoint.hpp"
+#include "fit/fit_pipeline.hpp"
+#include "fit/checkpoint.hpp"
 
 using namespace crosskv;
 

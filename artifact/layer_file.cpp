@@ -2,10 +2,13 @@
 
 #include <cstdio>
 #include <map>
+#include <regex>
+#include <utility>
 
 #include "artifact/manifest.hpp"
 #include "artifact/safetensors.hpp"
 #include "core/error.hpp"
+#include "core/half.hpp"
 
 namespace crosskv {
 
@@ -13,6 +16,11 @@ std::string layer_file_name(int target_layer) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "layer-%03d.safetensors", target_layer);
   return buf;
+}
+
+bool is_layer_file_name(const std::string& name) {
+  static const std::regex pattern(R"(layer-\d{3,}\.safetensors)");
+  return std::regex_match(name, pattern);
 }
 
 std::string layer_tensor_name(char kind, const std::string& part) {
@@ -53,6 +61,33 @@ void write_layer_file(const std::string& path, const LayerFileContent& c) {
       {"format", kMapperFormat}, {"target_layer", std::to_string(c.target_layer)}, {"source_layers", csv}};
   if (c.heads) meta["structure"] = "per_head";  // cross_head files stay as they were
   write_safetensors(path, out, meta);
+}
+
+void read_layer_file(const std::string& path, int target_layer, const std::vector<int>& source_layers,
+                     StoredLayerFile& out) {
+  auto t = read_safetensors(path);
+  LayerFileContent& c = out.content;
+  c.target_layer = target_layer, c.source_layers = source_layers;
+  const std::vector<int64_t>& shape = t.at(layer_tensor_name('k', "weight")).shape;
+  CROSSKV_ASSERT(shape.size() == 2, path + ": a cross_head layer file");
+  c.features = shape[0], c.G = shape[1];
+  for (int i = 0; i < 2; ++i) {
+    const char name = i == 0 ? 'k' : 'v';
+    LayerFileKind& kind = i == 0 ? c.k : c.v;
+    TensorIn& w = t.at(layer_tensor_name(name, "weight"));
+    out.weight[i] = std::move(w.values);
+    out.bias[i] = std::move(t.at(layer_tensor_name(name, "bias")).values);
+    kind.weight_dtype = w.dtype;
+    kind.weight = out.weight[i].data();
+    if (w.dtype != "F32") {  // bf16 / fp16 bits again: the fp32 values read are exact conversions of them
+      out.half[i].resize(out.weight[i].size());
+      const bool bf16 = w.dtype == "BF16";
+      for (size_t j = 0; j < out.weight[i].size(); ++j)
+        out.half[i][j] = bf16 ? float_to_bf16(out.weight[i][j]) : float_to_fp16(out.weight[i][j]);
+      kind.weight = out.half[i].data();
+    }
+    kind.bias = out.bias[i].data();
+  }
 }
 
 }  // namespace crosskv

@@ -9,8 +9,9 @@
 
 namespace crosskv {
 
-// "layer-007.safetensors" for target layer 7.
+// "layer-007.safetensors" for target layer 7; and whether a manifest's file name is one of these.
 std::string layer_file_name(int target_layer);
+bool is_layer_file_name(const std::string& name);
 // A tensor of the file: "<kind>.<part>" (kind 'k' or 'v'; part "weight", "bias", or "mlp.<name>" of mlp_tensors).
 std::string layer_tensor_name(char kind, const std::string& part);
 
@@ -30,5 +31,19 @@ struct LayerFileContent {
 };
 // Writes the layer file at `path`, whole or not at all.
 void write_layer_file(const std::string& path, const LayerFileContent& c);
+
+// A cross_head layer file's ridge tensors as stored (the weights' bits in their stored dtype), for a stage that
+// rewrites the file around them (the residual MLPs): `content` points into the object, which owns the values.
+struct StoredLayerFile {
+  LayerFileContent content;
+  std::vector<float> weight[2], bias[2];  // k, v
+  std::vector<uint16_t> half[2];          // k, v: bf16 / fp16 weights' bits
+  StoredLayerFile() = default;
+  StoredLayerFile(const StoredLayerFile&) = delete;
+  StoredLayerFile& operator=(const StoredLayerFile&) = delete;
+};
+// Reads it (the caller names the layer and its source layers, from the manifest); any MLP tensors are not read.
+void read_layer_file(const std::string& path, int target_layer, const std::vector<int>& source_layers,
+                     StoredLayerFile& out);
 
 }  // namespace crosskv

@@ -17,7 +17,42 @@ nlohmann::json nan_to_null(const std::vector<double>& v) {
   return a;
 }
 
+nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
+
+nlohmann::json run_json(const ManifestRun& r) {
+  nlohmann::json timings = nlohmann::json::object();
+  for (const auto& [stage, s] : r.timings_s) timings[stage] = s;
+  return {{"timings_s", timings},
+          {"grid", {{"ranks", r.ranks}, {"layer_groups", r.layer_groups}, {"token_groups", r.token_groups},
+                    {"collectives", r.collectives}, {"backend", r.backend}, {"targets", r.targets}}},
+          {"passes", r.passes},
+          {"r2_file", r.r2_file}};
+}
+
 }  // namespace
+
+nlohmann::json calibration_json(const ManifestCalibration& c) {
+  nlohmann::json shards = nlohmann::json::array();
+  for (const auto& s : c.shards)
+    shards.push_back({{"path", s.path}, {"domain", s.domain}, {"tokens", s.tokens}, {"tokens_used", s.tokens_used},
+                      {"fingerprint_sha256", s.fingerprint_sha256}});
+  return {{"domains", c.domains},
+          {"weights", c.weights},
+          {"shards", shards},
+          {"tokens_used", c.tokens_used},
+          {"token_stride", c.token_stride},
+          {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}};
+}
+
+nlohmann::json mlp_settings_json(const ManifestMlpSettings& m) {
+  return {{"hidden", m.hidden},
+          {"epochs", m.epochs},
+          {"lr", m.lr},
+          {"batch_tokens", m.batch_tokens},
+          {"weight_decay", m.weight_decay},
+          {"val_fraction", m.val_fraction},
+          {"seed", m.seed}};
+}
 
 nlohmann::json manifest_layer_entry(int target_layer, const std::vector<int>& source_layers, const std::string& file,
                                     const std::string& sha256, const std::vector<double>& r2_k,
@@ -28,8 +63,8 @@ nlohmann::json manifest_layer_entry(int target_layer, const std::vector<int>& so
 
 nlohmann::json make_manifest(const std::string& source_model, const KvSpec& source, const std::string& target_model,
                              const KvSpec& target, const ManifestFit& fit, const nlohmann::json& layers,
-                             const nlohmann::json& calibration) {
-  return {{"format", kMapperFormat},
+                             const ManifestCalibration& calibration, const std::optional<ManifestRun>& run) {
+  nlohmann::json m = {{"format", kMapperFormat},
           {"format_version", kManifestVersion},
           {"tool", {{"name", "crosskv"}, {"version", CROSSKV_VERSION}}},
           {"source", {{"model", source_model}, {"kv_spec", kv_spec_to_json(source)}}},
@@ -47,18 +82,34 @@ nlohmann::json make_manifest(const std::string& source_model, const KvSpec& sour
             {"params", fit.params},
             {"bias_params", fit.bias_params}}},
           {"layers", layers},
-          {"calibration", calibration}};
+          {"calibration", calibration_json(calibration)}};
+  if (fit.synthetic) m["fit"]["synthetic"] = true;
+  if (run) {
+    const nlohmann::json r = run_json(*run);
+    for (auto it = r.begin(); it != r.end(); ++it) m[it.key()] = it.value();
+  }
+  return m;
 }
 
-void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const nlohmann::json& decisions) {
+void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const std::vector<ManifestMlpDecision>& kinds) {
+  nlohmann::json mlp = nlohmann::json::object();
+  for (const ManifestMlpDecision& d : kinds) {
+    nlohmann::json& j = mlp[std::string(1, d.kind)];
+    j = {{"kept", d.kept},
+         {"val_mse_ridge", finite_or_null(d.val_mse_ridge)},
+         {"val_mse_mlp", finite_or_null(d.val_mse_mlp)},
+         {"val_r2_ridge", finite_or_null(d.val_r2_ridge)},
+         {"val_r2_mlp", finite_or_null(d.val_r2_mlp)}};
+    if (d.kept) j["hidden"] = d.hidden;
+  }
   entry["sha256"] = sha256;
-  entry["mlp"] = decisions;
+  entry["mlp"] = mlp;
 }
 
-void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const nlohmann::json& settings,
+void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const ManifestMlpSettings& settings,
                  double seconds) {
   manifest["fit"]["mapper"] = mapper_kind;
-  manifest["fit"]["mlp"] = settings;
+  manifest["fit"]["mlp"] = mlp_settings_json(settings);
   if (manifest.contains("timings_s")) {
     manifest["timings_s"]["mlp"] = seconds;
     manifest["timings_s"]["total"] = manifest["timings_s"].value("total", 0.0) + seconds;

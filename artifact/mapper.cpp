@@ -65,8 +65,9 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   if (format != kMapperFormat)
     throw InputError(path + ": format is '" + format + "', expected '" + kMapperFormat + "'");
   const int64_t version = int_field(m.json, "format_version", path);
-  if (version != 1)
-    throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version 1)");
+  if (version != kManifestVersion)
+    throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version " +
+                     std::to_string(kManifestVersion) + ")");
   const auto& src = field(m.json, "source", path);
   const auto& tgt = field(m.json, "target", path);
   m.source_model = str_field(src, "model", path, "source.");
@@ -97,7 +98,7 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
                      " layers once");
   m.layers.resize(m.target.n_layers);
   std::vector<bool> seen(m.target.n_layers, false);
-  static const std::regex file_re(R"(layer-\d{3,}\.safetensors)"), sha_re("[0-9a-f]{64}");
+  static const std::regex sha_re("[0-9a-f]{64}");
   for (size_t i = 0; i < layers.size(); ++i) {
     const std::string pre = "layers[" + std::to_string(i) + "].";
     const auto& l = layers[i];
@@ -120,7 +121,7 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
       e.source_layers.push_back(static_cast<int>(v));
     }
     e.file = str_field(l, "file", path, pre);
-    if (!std::regex_match(e.file, file_re))
+    if (!is_layer_file_name(e.file))
       throw InputError(path + ": " + pre + "file '" + e.file + "' is not a layer-NNN.safetensors name in the folder");
     e.sha256 = str_field(l, "sha256", path, pre);
     if (!std::regex_match(e.sha256, sha_re)) throw InputError(path + ": " + pre + "sha256 is not 64 hex digits");

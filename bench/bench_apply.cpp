@@ -1,10 +1,11 @@
 // Apply throughput for one Qwen3-8B -> 32B-shaped target layer (k = 8 source layers of 8 x 128 -> 8 x 128: keys
 // and values, 2 x [8192 x 1024] fp32 weights = 64 MiB), against the memory-bandwidth bound of streaming that
 // layer's weights once per batch, with the bandwidth measured in the same run. Prints one JSON object.
-//   crosskv-bench-apply [cpu|cuda] [k] [resident]   (resident: weights kept on the backend, as for serving)
+//   crosskv-bench-apply [cpu|cuda] [k] [resident]   (resident: the layer's mapper held; else built per call)
 // The serving apply (issue 16): a Qwen3-14B -> 32B-shaped mapper (40 x 8 x 128 -> Lt x 8 x 128, k source layers per
 // target layer), every target layer in one ServingMapper call on caches in the backend's memory, against the
-// same mapper applied as before (Transfer's per-layer loop on host arrays, weights kept) and through host arrays,
+// same mapper applied a layer at a time (the streamed Transfer's loop of one-layer windows on host arrays, the
+// windows built once) and through host arrays,
 // in the same run; the roofline from the backend's own copy bandwidth and GEMM peak, measured in the same run; and the
 // serving caches' finiteness check (check_finite_caches) against the host-array call.
 //   crosskv-bench-apply [cpu|cuda] serving [Lt=8] [k=4] [tf32] [per_head | structures]
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -21,6 +23,7 @@
 
 #include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
+#include "backends/checks.hpp"
 #include "core/backend.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
@@ -100,11 +103,12 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
     w.bk.assign(G, 0.1f), w.bv.assign(G, -0.1f);
     m.layers.push_back({l, w.source_layers, "", ""});
   }
-  // Before: Transfer's per-layer loop on host arrays with the weights kept (keep_constant), host RoPE.
-  std::vector<MapperLayer> kept = layers;
-  for (auto& w : kept) {
-    be->keep_constant(w.wk.data(), static_cast<int64_t>(w.wk.size()));
-    be->keep_constant(w.wv.data(), static_cast<int64_t>(w.wv.size()));
+  // The streamed Transfer's loop: a window (a one-layer ServingMapper) per target layer on host arrays, host RoPE;
+  // here every window is built once, so that the loop alone is timed.
+  std::vector<std::unique_ptr<ServingMapper>> windows;
+  for (int l = 0; l < Lt; ++l) {
+    std::vector<MapperLayer> one{layers[l]};
+    windows.push_back(std::make_unique<ServingMapper>(m, std::move(one), *be, TargetHeads{}, TargetLayers{l, 1}));
   }
   ServingMapper rt(m, std::move(layers), *be);
   const Rope src_rope(m.source), tgt_rope(m.target);
@@ -113,7 +117,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
   {
     const int64_t n = int64_t{1} << 28;  // 1 GiB
     auto a = be->allocate(n), b = be->allocate(n);
-    const double s = time_call([&] { be->copy_within(a->data, n, b->data), be->synchronize(); }, 0.5);
+    const double s = time_call([&] { be->copy_within(a->data, n, b->data), checks(*be).synchronize(); }, 0.5);
     bw = 2.0 * n / s;
     const int64_t q = 4096;
     auto A = be->allocate(q * q * 4), B = be->allocate(q * q * 4), C = be->allocate(q * q * 4);
@@ -122,7 +126,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
     DenseMaths::BatchedGemm g;
     g.m = g.n = g.k = q, g.A = A->as<float>(), g.lda = q, g.B = B->as<float>(), g.ldb = q, g.C = C->as<float>(),
     g.ldc = q;
-    const double t = time_call([&] { be->serving_gemm(g), be->synchronize(); }, 0.5);
+    const double t = time_call([&] { be->serving_gemm(g), checks(*be).synchronize(); }, 0.5);
     peak = 2.0 * q * q * q / t;
   }
   const double weight_bytes = static_cast<double>(rt.weight_bytes());
@@ -143,30 +147,23 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
     be->copy_from_host(pos.data(), T * 4, dp->data);
     const ServingBatch b{dk->as<float>(), dv->as<float>(), dp->as<int32_t>(), dp->as<int32_t>(), T, ok->as<float>(),
                           ov->as<float>(), {}};
-    const double resident = time_call([&] { rt.apply(b), be->synchronize(); });
+    const double resident = time_call([&] { rt.apply(b), checks(*be).synchronize(); });
     const double host = time_call([&] {
       rt.apply_host(Xk.data(), Xv.data(), pos.data(), pos.data(), T, Yk.data(), Yv.data());
     });
     // What the Python package checks before a host-array call (finite caches): its cost against the call it guards.
-    const double checks = time_call([&] { check_finite_caches(Xk.data(), Xv.data(), XW, T); });
-    std::vector<float> content, scratch;
+    const double input_checks = time_call([&] { check_finite_caches(Xk.data(), Xv.data(), XW, T); });
+    std::vector<float> content, yk(T * G), yv(T * G);
     const double before = time_call([&] {
       content.assign(Xk.begin(), Xk.end());
       src_rope.strip_block(content.data(), T, int64_t{Ls} * H, pos.data());
-      for (const auto& w : kept) {
-        if (per_head) {  // Transfer's per_head product: bias, then k GEMMs batched over heads
-          for (auto [X, W, b, Y] : {std::tuple{content.data(), &w.wk, &w.bk, Yk.data()}, {Xv.data(), &w.wv, &w.bv, Yv.data()}}) {
-            for (int64_t t = 0; t < T; ++t) std::copy(b->begin(), b->end(), Y + t * YW + w.target_layer * G);
-            for (int j = 0; j < k; ++j)
-              be->gemm_batched(per_head_slot(X, XW, w.source_layers[j], j, k, H, D, D, W->data(), T,
-                                             Y + w.target_layer * G, YW));
-          }
-          continue;
-        }
-        map_one_layer(*be, content.data(), XW, w.source_layers, F, w.wk.data(), w.bk.data(), G, T,
-                      Yk.data() + w.target_layer * G, YW, scratch);
-        map_one_layer(*be, Xv.data(), XW, w.source_layers, F, w.wv.data(), w.bv.data(), G, T,
-                      Yv.data() + w.target_layer * G, YW, scratch);
+      for (int l = 0; l < Lt; ++l) {
+        ContentBatch c;
+        c.keys = content.data(), c.values = Xv.data(), c.rows = T, c.out_keys = yk.data(), c.out_values = yv.data();
+        c.layers = {l, 1};
+        windows[l]->map_content_host(c);
+        for (auto [from, to] : {std::pair{yk.data(), Yk.data()}, std::pair{yv.data(), Yv.data()}})
+          for (int64_t t = 0; t < T; ++t) std::copy_n(from + t * G, G, to + t * YW + l * G);
       }
       tgt_rope.apply_block(Yk.data(), T, int64_t{Lt} * H, pos.data());
     });
@@ -176,18 +173,17 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
     const double cache_bytes = 4.0 * T * (3.0 * XW + 2.0 * YW + YW + (gathers ? 2.0 * 2 * K * Lt : 0.0));
     const double flops = 2.0 * 2.0 * KW * G * Lt * T;
     const double roof = std::max((weight_bytes + cache_bytes) / bw, flops / peak);
-    std::printf("%s{\"tokens\": %lld, \"resident_ms\": %.3f, \"host_arrays_ms\": %.3f, \"before_ms\": %.3f, "
-                "\"resident_tokens_per_s\": %.0f, \"speedup_vs_before\": %.2f, \"speedup_vs_host_arrays\": %.2f, "
+    std::printf("%s{\"tokens\": %lld, \"resident_ms\": %.3f, \"host_arrays_ms\": %.3f, \"layer_windows_ms\": %.3f, "
+                "\"resident_tokens_per_s\": %.0f, \"speedup_vs_layer_windows\": %.2f, \"speedup_vs_host_arrays\": %.2f, "
                 "\"roofline_ms\": %.3f, \"of_roofline\": %.3f, \"bound\": \"%s\", \"gflops\": %.1f, "
                 "\"input_checks_ms\": %.4f, \"input_checks_of_host_arrays\": %.4f}",
                 first ? "" : ", ", static_cast<long long>(T), resident * 1e3, host * 1e3, before * 1e3, T / resident,
                 before / resident, host / resident, roof * 1e3, roof / resident,
                 (weight_bytes + cache_bytes) / bw > flops / peak ? "bandwidth" : "compute", flops / resident / 1e9,
-                checks * 1e3, checks / host);
+                input_checks * 1e3, input_checks / host);
     first = false;
   }
   std::printf("]}\n");
-  for (auto& w : kept) be->forget_constant(w.wk.data()), be->forget_constant(w.wv.data());
   return 0;
 }
 
@@ -215,7 +211,8 @@ int main(int argc, char** argv) {
     return serving(device, Lt, k, tf32, per_head);
   }
   const int k = argc > 2 ? std::atoi(argv[2]) : 8;
-  // "resident": the weights are kept on the backend (keep_constant, as a resident Transfer does for serving).
+  // "resident": the layer's weights stay on the backend (a ServingMapper held, as a resident Transfer holds them);
+  // else the layer's window is built per call (a streamed Transfer's: on a GPU the weights cross PCIe each call).
   const bool resident = argc > 3 && std::string(argv[3]) == "resident";
   if (device == "cuda" && (!cuda_compiled_in() || cuda_device_count() == 0)) {
     std::printf("SKIPPED: no CUDA device\n");
@@ -237,20 +234,32 @@ int main(int argc, char** argv) {
   for (auto& w : Wk) w = nd(rng);
   for (auto& w : Wv) w = nd(rng);
   const double weight_bytes = 2.0 * k * F * G * sizeof(float);
-  if (resident) {
-    be->keep_constant(Wk.data(), static_cast<int64_t>(Wk.size()));
-    be->keep_constant(Wv.data(), static_cast<int64_t>(Wv.size()));
-  }
+  std::vector<int> selected;
+  for (int j = 0; j < k; ++j) selected.push_back((j * Ls) / k);  // spread over the source layers
+  // The layer as a one-layer mapper.
+  MapperManifest m;
+  m.path = "bench", m.k_count = k, m.structure = Structure::cross_head;
+  m.source = tgt, m.source.n_layers = Ls, m.target = tgt;
+  m.layers.push_back({0, selected, "", ""});
+  MapperLayer layer;
+  layer.target_layer = 0, layer.source_layers = selected, layer.structure = Structure::cross_head;
+  layer.wk = Wk, layer.wv = Wv, layer.bk = bk, layer.bv = bv;
+  auto window = [&] { return std::make_unique<ServingMapper>(m, std::vector<MapperLayer>{layer}, *be); };
+  std::unique_ptr<ServingMapper> held;
+  if (resident) held = window();
   const double bw = read_bandwidth(size_t{1} << 30);
   // Compute peak of the same backend: a large square product.
   double peak = 0;
   {
     const int64_t n = 2048;
     std::vector<float> A(n * n, 0.5f), B(n * n, 0.25f), C(n * n, 0.0f);
-    be->matmul_acc(n, n, n, A.data(), n, B.data(), n, C.data(), n);
+    DenseMaths::BatchedGemm g;
+    g.m = g.n = g.k = n, g.beta = 1.0f, g.A = A.data(), g.lda = n, g.B = B.data(), g.ldb = n, g.C = C.data(),
+    g.ldc = n;
+    be->gemm_batched(g);
     for (int r = 0; r < 3; ++r) {
       const auto t0 = Clock::now();
-      be->matmul_acc(n, n, n, A.data(), n, B.data(), n, C.data(), n);
+      be->gemm_batched(g);
       peak = std::max(peak, 2.0 * n * n * n / seconds_since(t0));
     }
   }
@@ -269,12 +278,12 @@ int main(int argc, char** argv) {
     for (auto& x : Xv) x = nd(rng);
     std::vector<int32_t> pos(T);
     for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t);
-    std::vector<int> layers;
-    for (int j = 0; j < k; ++j) layers.push_back((j * Ls) / k);  // spread over the source layers
-    std::vector<float> scratch;
     auto one = [&] {  // what Transfer does for one target layer
-      map_one_layer(*be, Xk.data(), XW, layers, F, Wk.data(), bk.data(), G, T, Yk.data(), G, scratch);
-      map_one_layer(*be, Xv.data(), XW, layers, F, Wv.data(), bv.data(), G, T, Yv.data(), G, scratch);
+      std::unique_ptr<ServingMapper> built = held ? nullptr : window();
+      ContentBatch c;
+      c.keys = Xk.data(), c.values = Xv.data(), c.rows = T, c.out_keys = Yk.data(), c.out_values = Yv.data();
+      c.layers = {0, 1};
+      (held ? *held : *built).map_content_host(c);
       rope.apply_block(Yk.data(), T, H, pos.data());
     };
     one();

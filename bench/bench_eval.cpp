@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "core/blas_kernels.hpp"
-#include "eval/diagnose.hpp"
+#include "scalar_oracle.hpp"
 #include "eval/layer_diagnostics.hpp"
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
@@ -31,9 +31,9 @@
 #include "runtime/config.hpp"
 #include "runtime/log.hpp"
 #include "core/mlp.hpp"
-#include "pipeline/fit_pipeline.hpp"
-#include "stages/eval.hpp"
-#include "stages/calibration.hpp"
+#include "fit/fit_pipeline.hpp"
+#include "eval/held_out.hpp"
+#include "fit/calibration.hpp"
 #include "tools/synth.hpp"
 
 using namespace crosskv;

@@ -18,6 +18,7 @@
 
 #include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
+#include "backends/checks.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
 #include "runtime/config.hpp"
@@ -25,9 +26,9 @@
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
 #include "core/memory.hpp"
-#include "core/moments.hpp"
-#include "pipeline/fit_pipeline.hpp"
-#include "stages/calibration.hpp"
+#include "fit/moments.hpp"
+#include "fit/fit_pipeline.hpp"
+#include "fit/calibration.hpp"
 
 #include <spdlog/spdlog.h>
 #include <string>
@@ -174,18 +175,18 @@ int main(int argc, char** argv) {
   be->stage_inputs({ComputeBackend::floats(X.data(), rows * d.X()), ComputeBackend::floats(Y.data(), rows * d.Y())});
   be->cross_acc(rows, F, G, X.data(), d.X(), Y.data(), d.Y(), dC, G);    // warm-up, held
   be->cross_acc(rows, W, W, X.data(), d.X(), Y.data(), d.Y(), dCL, W);  // warm-up, held
-  be->synchronize();
+  checks(*be).synchronize();
   const int reps = 50;
   auto t0 = Clock::now();
   for (int r = 0; r < reps; ++r)
     be->cross_acc(rows, F, G, X.data() + (r % d.Ls) * F, d.X(), Y.data() + (r % d.Lt) * G, d.Y(), dC, G);
-  be->synchronize();
+  checks(*be).synchronize();
   const double block_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double block_gflops = reps * 2.0 * rows * F * G / block_s / 1e9;
   const int wide_reps = 10;
   t0 = Clock::now();
   for (int r = 0; r < wide_reps; ++r) be->cross_acc(rows, W, W, X.data(), d.X(), Y.data(), d.Y(), dCL, W);
-  be->synchronize();
+  checks(*be).synchronize();
   const double wide_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double sgemm_gflops = wide_reps * 2.0 * rows * W * W / wide_s / 1e9;
 
@@ -194,14 +195,14 @@ int main(int argc, char** argv) {
   m.add_plan(MomentPlan::full(d, false));
   std::vector<float> Xb = X, Yb = Y;
   m.accumulate(*be, Xb.data(), Yb.data(), rows);  // warm-up: the sums become resident (zeroed on the device)
-  be->synchronize();
+  checks(*be).synchronize();
   t0 = Clock::now();
   for (int b = 0; b < blocks; ++b) {
     Xb = X;
     Yb = Y;
     m.accumulate(*be, Xb.data(), Yb.data(), rows);
   }
-  be->synchronize();
+  checks(*be).synchronize();
   const double acc_s = std::chrono::duration<double>(Clock::now() - t0).count();
   // A round's end the earlier way: every sum back to the host (released), then zeroed there once packed.
   t0 = Clock::now();
@@ -237,11 +238,11 @@ int main(int argc, char** argv) {
   // The next round's first block holds the sums again (zeroed on the device: nothing crosses PCIe).
   t0 = Clock::now();
   prepared_block();
-  be->synchronize();
+  checks(*be).synchronize();
   const double first_block_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
   for (int b = 0; b < blocks; ++b) prepared_block();
-  be->synchronize();
+  checks(*be).synchronize();
   const double prep_s = std::chrono::duration<double>(Clock::now() - t0).count();
   // A round's end with several readers (P = 8 here): the reduce-scatter reads the resident sums in place and only
   // this rank's 1/P share comes to the host (timed: the first 1/8 of the sums, device to host), then the sums are
@@ -256,7 +257,7 @@ int main(int argc, char** argv) {
   const double share_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
   m.zero_live();
-  be->synchronize();
+  checks(*be).synchronize();
   const double zero_resident_s = std::chrono::duration<double>(Clock::now() - t0).count();
   m.release_sums(true);
   const double prep_gflops = acc_flops / prep_s / 1e9;

@@ -9,9 +9,10 @@
 
 #include "core/blas_kernels.hpp"
 #include "backends/backends.hpp"
+#include "backends/checks.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "core/moments.hpp"
+#include "fit/moments.hpp"
 
 using namespace crosskv;
 
@@ -103,7 +104,7 @@ void BM_dpotrf(benchmark::State& st) {
     st.PauseTiming();
     A = A0;
     st.ResumeTiming();
-    be->cholesky(n, A.data(), n);
+    checks(*be).cholesky(n, A.data(), n);
   }
   st.counters["flops"] = benchmark::Counter(n * n * (n / 3.0) * st.iterations(), benchmark::Counter::kIsRate);
 }
@@ -113,14 +114,14 @@ void BM_dtrsm(benchmark::State& st) {
   const int64_t n = st.range(0) * dims().F(), m = dims().G();
   auto L = spd(n);
   auto be = make_cpu_backend();
-  be->cholesky(n, L.data(), n);
+  checks(*be).cholesky(n, L.data(), n);
   const auto r = random_block(n * m, 6);
   std::vector<double> B0(r.begin(), r.end()), B;
   for (auto _ : st) {
     st.PauseTiming();
     B = B0;
     st.ResumeTiming();
-    be->triangular_solve(n, L.data(), n, false, m, B.data(), m);
+    checks(*be).triangular_solve(n, L.data(), n, false, m, B.data(), m);
   }
   st.counters["flops"] = benchmark::Counter(double(n) * n * m * st.iterations(), benchmark::Counter::kIsRate);
 }

@@ -8,8 +8,8 @@
 #include "core/comm.hpp"
 #include "runtime/config.hpp"
 #include "runtime/log.hpp"
-#include "stages/validate.hpp"
-#include "stages/stream.hpp"
+#include "fit/validate.hpp"
+#include "fit/stream.hpp"
 
 using namespace crosskv;
 

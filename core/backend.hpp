@@ -1,6 +1,7 @@
 #pragma once
-// Compute backend: the interfaces of the few dense kernels the fit and the serving apply need. Pure: every host
-// implementation (the reference) is backends/host/host_backend.cpp; CUDA's is backends/cuda/.
+// Compute backend: the interfaces of the few dense kernels the fit and the serving apply need, and nothing that only
+// tests or benchmarks call (backends/checks.hpp). Pure: every host implementation (the reference) is
+// backends/host/host_backend.cpp; CUDA's is backends/cuda/.
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -27,9 +28,6 @@ class DenseMaths {
   // sums (Residency::HeldSums::at). fp32.
   virtual void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B,
                          int64_t ldb, float* C, int64_t ldc) = 0;
-  // C[rows x n] += A[rows x k] B[k x n], all row-major host arrays (applying a mapper; B may be kept). fp32.
-  virtual void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
-                          int64_t ldb, float* C, int64_t ldc) = 0;
   // A batch of cross_acc calls of one shape and leading dims: C_i[m x n] += A_i^T B_i (every moment block of one block
   // of rows; a device backend runs them as one batched GEMM, which fills the device where one block does not). C_i
   // in held sums.
@@ -115,12 +113,6 @@ class DenseMaths {
   virtual void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) = 0;
   virtual void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
                                 int64_t ldb) = 0;
-
-  // The kernels on host arrays, the reference the factors above are tested against: in-place lower Cholesky of a
-  // symmetric row-major fp64 matrix (lower triangle read), returning 0 or the first leading minor that is not
-  // positive definite; and solves with the leading n x n block of a lower factor.
-  virtual int64_t cholesky(int64_t n, double* A, int64_t lda) = 0;
-  virtual void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) = 0;
   virtual void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                                 int64_t ldb) = 0;
 };
@@ -151,10 +143,6 @@ class InputPreparation {
   virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) = 0;
   // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 held sums, like C).
   virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) = 0;
-  // Copies `count` values of an operand (or a staged host array) of the current round to `host` (tests, diagnostics).
-  virtual void download(const float* operand, int64_t count, float* host) = 0;
-  // fp32 -> bf16 or fp16 bits (round to nearest even, NaN kept), for export.
-  virtual void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) = 0;
 };
 
 // Residency: where sums and operands live (a host backend keeps everything on the host).
@@ -229,20 +217,13 @@ class Residency {
                          bool dst_on_device) = 0;
   virtual void begin_inputs() = 0;
   virtual void stage_inputs(std::initializer_list<HostSpan> spans) = 0;
-  // Waits until the device has finished every call made so far (for timing; host backends return at once).
-  virtual void synchronize() = 0;
   // Free memory of the device, in bytes, or -1 for a host backend (no limit beyond the host's).
   virtual int64_t device_memory_free() const = 0;
-  // Read-only host arrays used as B by matmul_acc again and again (a mapper's weights kept for serving): a device
-  // backend keeps a copy until forget_constant(), so that B crosses PCIe once. The caller leaves the array unchanged
-  // while it is kept.
-  virtual void keep_constant(const float* p, int64_t count) = 0;
-  virtual void forget_constant(const float* p) = 0;
 };
 
 // Kernels on the backend's own memory, for serving (serve/serving_mapper): weights, caches and scratch all stay where the
 // backend computes (host memory for a host backend, device memory for a device one), and calls are ordered on the
-// backend's stream (asynchronous on a device until copy_to_host or synchronize).
+// backend's stream (asynchronous on a device until copy_to_host).
 class ServingKernels {
  public:
   virtual ~ServingKernels() = default;

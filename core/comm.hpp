@@ -48,9 +48,10 @@ class Comm {
   virtual std::unique_ptr<Comm> split(int color, int key) = 0;
 };
 
-// The collective algorithms over a transport (as xgboost splits Comm and Coll): fixed-order sums made of all-to-all
-// and all-gather exchanges, so the same job gives the same bits whatever the transport. A transport implements only
-// those two exchanges, broadcast, barrier, all_ok and split.
+// The collective algorithms, written once: fixed-order sums made of all-to-all and all-gather exchanges, so the same
+// job gives the same bits whatever the transport. A transport derives from this class and implements only those two
+// exchanges, broadcast, barrier, all_ok and split (xgboost keeps its Coll apart from its Comm as two objects; here
+// they are one hierarchy, and NcclComm overrides the collectives themselves).
 class FixedOrderComm : public Comm {
  public:
   void allreduce_sum(float* data, size_t n) override;

@@ -10,18 +10,21 @@
 namespace crosskv {
 namespace {
 
-// C[rows x n] = A[rows x k] B[k x n] + bias (broadcast over rows), then ReLU when `relu`.
-void affine(DenseMaths& be, const float* A, int64_t rows, int64_t k, const float* B, const float* bias, int64_t n,
-            bool relu, std::vector<float>& C) {
-  C.resize(static_cast<size_t>(rows * n));
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(bias, n, C.data() + r * n);
-  DenseMaths::BatchedGemm g;
-  g.m = rows, g.n = n, g.k = k, g.beta = 1.0f;
-  g.A = A, g.lda = k, g.B = B, g.ldb = n, g.C = C.data(), g.ldc = n;
-  be.gemm_batched(g);
-  if (relu)
-    for (auto& x : C) x = x > 0.0f ? x : 0.0f;
-}
+// AffineKernels on host arrays: products through DenseMaths.
+class HostAffine final : public AffineKernels {
+ public:
+  explicit HostAffine(DenseMaths& be) : be_(be) {}
+  void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(b, n, Y + r * ldy);
+  }
+  void gemm(const DenseMaths::BatchedGemm& g) override { be_.gemm_batched(g); }
+  void relu(float* X, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) X[i] = X[i] > 0.0f ? X[i] : 0.0f;
+  }
+
+ private:
+  DenseMaths& be_;
+};
 
 // grad_w[k x n] += A[rows x k]^T D[rows x n]; grad_b[n] += column sums of D.
 void weight_gradient(DenseMaths& be, const float* A, int64_t rows, int64_t k, const std::vector<float>& D,
@@ -59,11 +62,30 @@ MlpParams MlpParams::initial(const MlpShape& s, uint64_t seed) {
   return p;  // biases and the last layer stay zero
 }
 
+void mlp_forward(AffineKernels& k, const MlpShape& s, const float* p, const float* X, int64_t rows, float* h1,
+                 float* h2, float* out) {
+  const std::vector<MlpTensor> t = mlp_tensors(s);  // w1 b1 w2 b2 w3 b3
+  // C[rows x n] = A[rows x in] W + b, then ReLU when `relu`.
+  auto affine = [&](const float* A, int64_t in, const MlpTensor& w, const MlpTensor& b, int64_t n, bool relu,
+                    float* C) {
+    k.broadcast_rows(p + b.offset, n, rows, C, n);
+    DenseMaths::BatchedGemm g;
+    g.m = rows, g.n = n, g.k = in, g.beta = 1.0f;
+    g.A = A, g.lda = in, g.B = p + w.offset, g.ldb = n, g.C = C, g.ldc = n;
+    k.gemm(g);
+    if (relu) k.relu(C, rows * n);
+  };
+  affine(X, s.in, t[0], t[1], s.hidden, true, h1);
+  affine(h1, s.hidden, t[2], t[3], s.hidden, true, h2);
+  affine(h2, s.hidden, t[4], t[5], s.out, false, out);
+}
+
 void mlp_forward(DenseMaths& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws) {
   const MlpShape& s = p.shape;
-  affine(be, X, rows, s.in, p.w1(), p.b1(), s.hidden, true, ws.h1);
-  affine(be, ws.h1.data(), rows, s.hidden, p.w2(), p.b2(), s.hidden, true, ws.h2);
-  affine(be, ws.h2.data(), rows, s.hidden, p.w3(), p.b3(), s.out, false, ws.out);
+  ws.h1.resize(static_cast<size_t>(rows * s.hidden)), ws.h2.resize(ws.h1.size());
+  ws.out.resize(static_cast<size_t>(rows * s.out));
+  HostAffine k(be);
+  mlp_forward(k, s, p.flat.data(), X, rows, ws.h1.data(), ws.h2.data(), ws.out.data());
 }
 
 double mlp_loss_and_gradient(DenseMaths& be, const MlpParams& p, const float* X, const float* R, int64_t rows,

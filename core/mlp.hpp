@@ -2,7 +2,7 @@
 // The residual MLP of issue 15, per (target layer, kind): target = ridge(x) + f(x), with
 // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the same content-space features as the ridge. W3 and b3 start at
 // zero, so training starts exactly at the ridge fit. fp32 parameters (the master weights), products through the
-// compute backend, Adam. The fit's stage (stages/mlp) trains one per (target layer, kind) and keeps it where it helps.
+// compute backend, Adam. The fit's stage (fit/mlp) trains one per (target layer, kind) and keeps it where it helps.
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -63,7 +63,22 @@ struct MlpWorkspace {
   std::vector<float> h1, h2, out, d_out, d_h2, d_h1;
 };
 
-// out[rows x out] = f(X) for X [rows x in] (row-major, leading dim `in`).
+// The three kernels an MLP's forward pass needs, on the memory the caller's arrays live in (the host for training,
+// the backend's for serving), so that one forward serves both.
+class AffineKernels {
+ public:
+  virtual ~AffineKernels() = default;
+  // Y[t*ldy + c] = b[c] for t < rows, c < n.
+  virtual void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) = 0;
+  virtual void gemm(const DenseMaths::BatchedGemm& g) = 0;
+  virtual void relu(float* X, int64_t n) = 0;
+};
+
+// out[rows x s.out] = f(X) for X [rows x s.in] (row-major, leading dim s.in), the parameters `p` laid out as
+// MlpParams::flat; h1 and h2 [rows x s.hidden] receive the hidden activations.
+void mlp_forward(AffineKernels& k, const MlpShape& s, const float* p, const float* X, int64_t rows, float* h1,
+                 float* h2, float* out);
+// The same on host arrays, the activations kept in `ws` for the backward pass.
 void mlp_forward(DenseMaths& be, const MlpParams& p, const float* X, int64_t rows, MlpWorkspace& ws);
 
 // The sum over the batch of squared errors of f(X) against the residual R [rows x out] (the target less the

@@ -12,7 +12,7 @@
 #include <omp.h>
 
 #include "core/error.hpp"
-#include "core/ridge.hpp"
+#include "core/r2.hpp"
 #include "core/rope.hpp"
 #include "core/threads.hpp"
 

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "eval/diagnose.hpp"
+#include "eval/evaluation.hpp"
 
 namespace crosskv {
 

@@ -3,7 +3,7 @@
 #include <string>
 #include <vector>
 
-#include "core/ridge.hpp"
+#include "core/r2.hpp"
 
 namespace crosskv {
 

@@ -3,7 +3,7 @@
 #include <map>
 #include <string>
 
-#include "core/ridge.hpp"
+#include "core/r2.hpp"
 
 namespace crosskv {
 

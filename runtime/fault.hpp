@@ -3,9 +3,9 @@
 // n-th occurrence (on every rank, or on rank CROSSKV_FAULT_RANK only). Production code names a hook site with one
 // call, fault_point(), which does what the hook's name says when it fires and nothing otherwise (one environment
 // read per process). Hooks: fail_state_write, kill_in_state_write, kill_before_commit, pause_after_commit
-// (stages/checkpoint.cpp); kill_in_export, kill_in_layer_write (stages/export.cpp); kill_in_mlp (after an epoch's
+// (fit/checkpoint.cpp); kill_in_export, kill_in_layer_write (fit/export.cpp); kill_in_mlp (after an epoch's
 // state is written), term_in_mlp (after an epoch), kill_in_mlp_rewrite (after a layer file is rewritten with its
-// MLPs) (stages/mlp.cpp).
+// MLPs) (fit/mlp.cpp).
 #include <cstdint>
 #include <functional>
 

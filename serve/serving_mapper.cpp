@@ -1,6 +1,8 @@
 #include "serve/serving_mapper.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <tuple>
 #include <utility>
 
@@ -42,28 +44,97 @@ void keep_heads(const MapperManifest& m, MapperLayer& x, TargetHeads h) {
   }
 }
 
+// The serving kernels as an MLP's forward pass uses them.
+class ServingAffine final : public AffineKernels {
+ public:
+  explicit ServingAffine(ServingKernels& be) : be_(be) {}
+  void broadcast_rows(const float* b, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
+    be_.broadcast_rows(b, n, rows, Y, ldy);
+  }
+  void gemm(const DenseMaths::BatchedGemm& g) override { be_.serving_gemm(g); }
+  void relu(float* X, int64_t n) override { be_.relu(X, n); }
+
+ private:
+  ServingKernels& be_;
+};
+
+void check_range(const char* name, const char* what, int first, int count, int n) {
+  if (first < 0 || first >= n || (count >= 0 && (count == 0 || first + count > n)))
+    throw InputError(std::string(name) + ": expected a non-empty range of the target's " + what + " [0, " +
+                     std::to_string(n) + "), got first " + std::to_string(first) + ", count " + std::to_string(count));
+}
+
 }  // namespace
 
-ServingMapper::ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify, TargetHeads heads)
+void check_target_layers(const TargetLayers& r, int n_layers) {
+  check_range("layers", "layers", r.first, r.count, n_layers);
+}
+
+void check_target_heads(const TargetHeads& r, int n_heads) {
+  check_range("target_heads", "KV heads", r.first, r.count, n_heads);
+}
+
+int64_t first_non_finite(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 4096;
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t len = std::min(kChunk, n - at);
+    uint32_t any = 0;  // an exponent of all ones (NaN or infinity) in the chunk
+    for (int64_t i = 0; i < len; ++i) {
+      uint32_t b;
+      std::memcpy(&b, x + at + i, 4);
+      any |= static_cast<uint32_t>((b & 0x7f800000u) == 0x7f800000u);
+    }
+    if (any)
+      for (int64_t i = 0; i < len; ++i)
+        if (!std::isfinite(x[at + i])) return at + i;
+  }
+  return -1;
+}
+
+void check_finite_caches(const float* keys, const float* values, int64_t values_per_token, int64_t rows) {
+  for (auto [name, x] : {std::pair{"keys", keys}, std::pair{"values", values}}) {
+    const int64_t i = first_non_finite(x, rows * values_per_token);
+    if (i >= 0)
+      throw InputError(std::string(name) + ": element " + std::to_string(i) + " (token " +
+                       std::to_string(i / values_per_token) + ") is " + (std::isnan(x[i]) ? "NaN" : "infinite") +
+                       "; a source cache must be finite (the request should re-prefill)");
+  }
+}
+
+DenseMaths::BatchedGemm per_head_slot(const float* X, int64_t XW, int a, int j, int k, int heads, int64_t Ds,
+                                      int64_t Dt, const float* W, int64_t rows, float* Y, int64_t YW,
+                                      TargetHeads only) {
+  DenseMaths::BatchedGemm g;
+  g.m = rows, g.n = Dt, g.k = Ds, g.beta = 1.0f, g.batch = only.size(heads);
+  g.A = X + (int64_t{a} * heads + only.first) * Ds, g.lda = XW, g.stride_a = Ds;
+  g.B = W + int64_t{j} * Ds * Dt, g.ldb = Dt, g.stride_b = int64_t{k} * Ds * Dt;
+  g.C = Y, g.ldc = YW, g.stride_c = Dt;
+  return g;
+}
+
+ServingMapper::ServingMapper(const std::string& mapper_dir, ServingKernels& be, bool verify, TargetHeads heads,
+                             TargetLayers window)
     : m_(read_mapper_manifest(mapper_dir)),
       be_(be),
       src_rope_(m_.source, m_.path + " (source.kv_spec)"),
       tgt_rope_(m_.target, m_.path + " (target.kv_spec)") {
   check_target_heads(heads, m_.target.n_kv_heads);
+  check_target_layers(window, m_.target.n_layers);
   std::vector<MapperLayer> layers;
-  layers.reserve(m_.target.n_layers);
-  for (int l = 0; l < m_.target.n_layers; ++l) layers.push_back(load_mapper_layer(m_, l, verify));
-  upload(std::move(layers), heads);
+  for (int l = window.first; l < window.end(m_.target.n_layers); ++l)
+    layers.push_back(load_mapper_layer(m_, l, verify));
+  upload(std::move(layers), heads, window);
 }
 
 ServingMapper::ServingMapper(MapperManifest m, std::vector<MapperLayer> layers, ServingKernels& be,
-                             TargetHeads heads)
+                             TargetHeads heads, TargetLayers window)
     : m_(std::move(m)),
       be_(be),
       src_rope_(m_.source, m_.path + " (source.kv_spec)"),
       tgt_rope_(m_.target, m_.path + " (target.kv_spec)") {
   check_target_heads(heads, m_.target.n_kv_heads);
-  upload(std::move(layers), heads);
+  check_target_layers(window, m_.target.n_layers);
+  upload(std::move(layers), heads, window);
 }
 
 template <class T>
@@ -76,11 +147,12 @@ T* ServingMapper::scratch(ServingKernels::MemoryPtr& m, int64_t count) {
   return m->as<T>();
 }
 
-void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads) {
-  const int Lt = m_.target.n_layers;
+void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads, TargetLayers window) {
+  window_ = {window.first, window.size(m_.target.n_layers)};
+  const int n = window_.count;
   heads_ = {heads.first, heads.size(m_.target.n_kv_heads)};
   const int64_t G_full = m_.target.features_per_layer(), G = G_ = int64_t{heads_.count} * m_.target.head_dim;
-  CROSSKV_ASSERT(static_cast<int>(layers.size()) == Lt && Lt > 0, "resident transfer: one entry per layer");
+  CROSSKV_ASSERT(static_cast<int>(layers.size()) == n, "serving mapper: one entry per layer of its window");
   k_ = static_cast<int64_t>(layers[0].source_layers.size());
   per_head_ = m_.structure == Structure::per_head;
   const int64_t K = m_.weight_rows();  // rows of a layer's weight (per head, for per_head)
@@ -88,27 +160,27 @@ void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads) {
     be_.copy_from_host(host, bytes, static_cast<char*>(into->data) + at);
   };
   for (Kind* kd : {&keys_, &values_}) {
-    kd->w = be_.allocate(Lt * K * G * 4), kd->b = be_.allocate(Lt * G * 4);
-    kd->mlp.resize(Lt), kd->mlp_shape.resize(Lt);
-    weight_bytes_ += (Lt * K * G + Lt * G) * 4;
+    kd->w = be_.allocate(n * K * G * 4), kd->b = be_.allocate(n * G * 4);
+    kd->mlp.resize(n), kd->mlp_shape.resize(n);
+    weight_bytes_ += (n * K * G + n * G) * 4;
   }
-  for (int l = 0; l < Lt; ++l) {
-    MapperLayer& x = layers[l];
-    CROSSKV_ASSERT(x.target_layer == l && static_cast<int64_t>(x.source_layers.size()) == k_ &&
+  for (int i = 0; i < n; ++i) {
+    MapperLayer& x = layers[i];
+    CROSSKV_ASSERT(x.target_layer == window_.first + i && static_cast<int64_t>(x.source_layers.size()) == k_ &&
                        static_cast<int64_t>(x.wk.size()) == K * G_full &&
                        static_cast<int64_t>(x.wv.size()) == K * G_full &&
                        static_cast<int64_t>(x.bk.size()) == G_full && static_cast<int64_t>(x.bv.size()) == G_full,
-                   "resident transfer: layer " + std::to_string(l) + " has the wrong shapes");
+                   "serving mapper: layer " + std::to_string(window_.first + i) + " has the wrong shapes");
     keep_heads(m_, x, heads_);
     selected_.push_back(x.source_layers);
     for (auto [kd, wt, bias, mlp] : {std::tuple{&keys_, &x.wk, &x.bk, &x.mlp_k}, {&values_, &x.wv, &x.bv, &x.mlp_v}}) {
-      put(wt->data(), K * G * 4, kd->w, l * K * G * 4);
-      put(bias->data(), G * 4, kd->b, l * G * 4);
+      put(wt->data(), K * G * 4, kd->w, i * K * G * 4);
+      put(bias->data(), G * 4, kd->b, i * G * 4);
       if (!mlp->flat.empty()) {
         const int64_t bytes = static_cast<int64_t>(mlp->flat.size()) * 4;
-        kd->mlp[l] = be_.allocate(bytes);
-        put(mlp->flat.data(), bytes, kd->mlp[l], 0);
-        kd->mlp_shape[l] = mlp->shape;
+        kd->mlp[i] = be_.allocate(bytes);
+        put(mlp->flat.data(), bytes, kd->mlp[i], 0);
+        kd->mlp_shape[i] = mlp->shape;
         weight_bytes_ += bytes;
       }
     }
@@ -119,80 +191,95 @@ void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads) {
   all_layers_ = std::all_of(selected_.begin(), selected_.end(), [&](const auto& s) { return s == every; });
 }
 
+TargetLayers ServingMapper::checked(TargetLayers layers) const {
+  check_target_layers(layers, m_.target.n_layers);
+  const TargetLayers r{layers.first, layers.size(m_.target.n_layers)};
+  if (r.first < window_.first || r.first + r.count > window_.first + window_.count)
+    throw InputError("layers: target layers [" + std::to_string(r.first) + ", " + std::to_string(r.first + r.count) +
+                     ") lie outside this mapper's window [" + std::to_string(window_.first) + ", " +
+                     std::to_string(window_.first + window_.count) + ")");
+  return r;
+}
+
 void ServingMapper::add_mlp(const MlpShape& s, const float* p, const float* X, int64_t rows, float* Y, int64_t ldy) {
-  // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the gathered features X [rows x s.in] (core/mlp's forward).
-  const std::vector<MlpTensor> t = mlp_tensors(s);  // w1 b1 w2 b2 w3 b3
   float* h1 = scratch<float>(h1_, rows * s.hidden);
   float* h2 = scratch<float>(h2_, rows * s.hidden);
   float* out = scratch<float>(mlp_out_, rows * s.out);
-  auto affine = [&](const float* A, int64_t k, const MlpTensor& w, const MlpTensor& b, int64_t n, bool relu,
-                    float* C) {
-    be_.broadcast_rows(p + b.offset, n, rows, C, n);
-    DenseMaths::BatchedGemm a;
-    a.m = rows, a.n = n, a.k = k, a.beta = 1.0f;
-    a.A = A, a.lda = k, a.B = p + w.offset, a.ldb = n, a.C = C, a.ldc = n;
-    be_.serving_gemm(a);
-    if (relu) be_.relu(C, rows * n);
-  };
-  affine(X, s.in, t[0], t[1], s.hidden, true, h1);
-  affine(h1, s.hidden, t[2], t[3], s.hidden, true, h2);
-  affine(h2, s.hidden, t[4], t[5], s.out, false, out);
+  ServingAffine k(be_);
+  mlp_forward(k, s, p, X, rows, h1, h2, out);
   be_.add_rows(out, s.out, rows, Y, ldy);
 }
 
-void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t rows, int l0, int l1, float* Y) {
+void ServingMapper::map_kind(const Kind& kd, const float* X, int64_t XW, bool gathered, bool with_mlp, int64_t rows,
+                             int l0, int l1, float* Y) {
   const int64_t F = m_.source.features_per_layer(), G = G_;
-  const int64_t XW = m_.source.n_layers * F, YW = (l1 - l0) * G, K = k_ * F;
+  const int64_t YW = (l1 - l0) * G, K = k_ * F;
+  const int w0 = window_.first;
   float* const Y0 = Y - l0 * G;  // layer l's columns are Y0 + l * G (row stride YW)
-  be_.broadcast_rows(kd.b->as<float>() + l0 * G, YW, rows, Y, YW);  // every layer's bias in one call
-  if (per_head_) {  // per layer, k GEMMs batched over heads (Transfer's), reading the cache in place
+  const float* const W = kd.w->as<float>();  // window layer i = l - w0 at W + i * (rows of a layer's weight) * G
+  be_.broadcast_rows(kd.b->as<float>() + (l0 - w0) * G, YW, rows, Y, YW);  // every layer's bias in one call
+  if (per_head_) {  // per layer, k GEMMs batched over heads, reading the cache in place
     const int64_t per_layer = m_.weight_rows() * G;
     for (int l = l0; l < l1; ++l)
       for (int j = 0; j < static_cast<int>(k_); ++j)
-        be_.serving_gemm(per_head_slot(X, XW, selected_[l][j], j, static_cast<int>(k_), m_.target.n_kv_heads,
-                                       m_.source.head_dim, m_.target.head_dim, kd.w->as<float>() + l * per_layer,
-                                       rows, Y0 + l * G, YW, heads_));
-    return;
+        be_.serving_gemm(per_head_slot(X, XW, gathered ? j : selected_[l - w0][j], j, static_cast<int>(k_),
+                                       m_.target.n_kv_heads, m_.source.head_dim, m_.target.head_dim,
+                                       W + (l - w0) * per_layer, rows, Y0 + l * G, YW, heads_));
+    return;  // per_head layers keep no residual MLP (artifact/mapper refuses one)
   }
   // Layer l's residual MLP (if any) on its gathered input Xl [rows x K], after its product.
   auto mlp = [&](int l, const float* Xl) {
-    if (kd.mlp[l]) add_mlp(kd.mlp_shape[l], kd.mlp[l]->as<float>(), Xl, rows, Y0 + l * G, YW);
+    const auto& p = kd.mlp[l - w0];
+    if (with_mlp && p) add_mlp(kd.mlp_shape[l - w0], p->as<float>(), Xl, rows, Y0 + l * G, YW);
   };
-  DenseMaths::BatchedGemm g;  // Y[:, l*G..] += X[:, selected(l)] W_l for a run of layers (map_one_layer's product)
+  DenseMaths::BatchedGemm g;  // Y[:, l*G..] += X[:, selected(l)] W_l for a run of layers
   g.m = rows, g.n = G, g.k = K, g.beta = 1.0f;
   g.ldb = G, g.stride_b = K * G, g.ldc = YW, g.stride_c = G;
-  if (all_layers_) {  // every layer's input is X itself (XW == K): one product for the whole range
+  if (all_layers_ || gathered) {  // every layer's input is X itself (XW == K): one product for the whole range
+    CROSSKV_ASSERT(XW == K, "serving mapper: an input that is not the layers' own");
     g.A = X, g.lda = XW, g.stride_a = 0;
-    g.B = kd.w->as<float>() + l0 * K * G, g.C = Y, g.batch = l1 - l0;
+    g.B = W + (l0 - w0) * K * G, g.C = Y, g.batch = l1 - l0;
     be_.serving_gemm(g);
     for (int l = l0; l < l1; ++l) mlp(l, X);
   } else if (k_ == 1) {  // X's columns of the one selected layer, read in place
     for (int l = l0; l < l1; ++l) {
-      g.A = X + int64_t{selected_[l][0]} * F, g.lda = XW;
-      g.B = kd.w->as<float>() + l * K * G, g.C = Y0 + l * G, g.batch = 1;
+      g.A = X + int64_t{selected_[l - w0][0]} * F, g.lda = XW;
+      g.B = W + (l - w0) * K * G, g.C = Y0 + l * G, g.batch = 1;
       be_.serving_gemm(g);
-      if (!kd.mlp[l]) continue;
+      if (!with_mlp || !kd.mlp[l - w0]) continue;
       float* in = scratch<float>(gathered_, rows * K);  // the MLP reads its input contiguous
-      be_.gather_layers(X, XW, {selected_[l]}, F, rows, in);
+      be_.gather_layers(X, XW, {selected_[l - w0]}, F, rows, in);
       mlp(l, in);
     }
   } else {  // chunks of layers: their selections gathered side by side in one call, then one batched product
     const int64_t chunk = std::max<int64_t>(
         1, std::min<int64_t>({l1 - l0, 256 / k_, gather_bytes_ / std::max<int64_t>(1, rows * K * 4)}));
-    float* gathered = scratch<float>(gathered_, chunk * rows * K);
+    float* gathered_x = scratch<float>(gathered_, chunk * rows * K);
     for (int a = l0; a < l1; a += static_cast<int>(chunk)) {
       const int b = static_cast<int>(std::min<int64_t>(l1, a + chunk));
-      be_.gather_layers(X, XW, {selected_.begin() + a, selected_.begin() + b}, F, rows, gathered);
-      g.A = gathered, g.lda = K, g.stride_a = rows * K;
-      g.B = kd.w->as<float>() + a * K * G, g.C = Y0 + a * G, g.batch = b - a;
+      be_.gather_layers(X, XW, {selected_.begin() + (a - w0), selected_.begin() + (b - w0)}, F, rows, gathered_x);
+      g.A = gathered_x, g.lda = K, g.stride_a = rows * K;
+      g.B = W + (a - w0) * K * G, g.C = Y0 + a * G, g.batch = b - a;
       be_.serving_gemm(g);
-      for (int l = a; l < b; ++l) mlp(l, gathered + (l - a) * rows * K);  // the gather the product read
+      for (int l = a; l < b; ++l) mlp(l, gathered_x + (l - a) * rows * K);  // the gather the product read
     }
   }
 }
 
+void ServingMapper::map_content(const ContentBatch& b) {
+  const TargetLayers r = checked(b.layers);
+  if (b.gathered && r.count != 1)
+    throw InputError("layers: a gathered input serves one target layer, got " + std::to_string(r.count));
+  if (b.rows == 0) return;
+  const int64_t XW = b.gathered ? k_ * m_.source.features_per_layer()
+                                : int64_t{m_.source.n_layers} * m_.source.features_per_layer();
+  if (b.keys && b.out_keys) map_kind(keys_, b.keys, XW, b.gathered, b.residual_mlp, b.rows, r.first, r.first + r.count, b.out_keys);
+  if (b.values && b.out_values)
+    map_kind(values_, b.values, XW, b.gathered, b.residual_mlp, b.rows, r.first, r.first + r.count, b.out_values);
+}
+
 void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
-  check_target_layers(b.layers, m_.target.n_layers);
+  const TargetLayers r = checked(b.layers);
   if (b.rows == 0) return;
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
   if (stream) be_.begin_after(*stream);
@@ -200,31 +287,33 @@ void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
   be_.copy_within(b.keys, b.rows * XW * static_cast<int64_t>(sizeof(float)), content);
   be_.rope_rows(src_rope_, true, content, b.rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads,
                 b.source_positions);
-  const int l0 = b.layers.first, l1 = b.layers.end(m_.target.n_layers);
-  map_kind(keys_, content, b.rows, l0, l1, b.out_keys);
-  map_kind(values_, b.values, b.rows, l0, l1, b.out_values);
-  be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{l1 - l0} * heads_.count, b.target_positions);
+  ContentBatch c;
+  c.keys = content, c.values = b.values, c.rows = b.rows, c.out_keys = b.out_keys, c.out_values = b.out_values;
+  c.layers = r;
+  map_content(c);
+  if (b.target_rope)
+    be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{r.count} * heads_.count, b.target_positions);
   if (stream) be_.end_before(*stream);
 }
 
 void ServingMapper::apply_host(const float* keys, const float* values, const int32_t* src_pos,
-                                  const int32_t* tgt_pos, int64_t rows, float* out_keys, float* out_values,
-                                  TargetLayers layers) {
-  check_target_layers(layers, m_.target.n_layers);
+                               const int32_t* tgt_pos, int64_t rows, float* out_keys, float* out_values,
+                               TargetLayers layers, bool target_rope) {
+  const TargetLayers r = checked(layers);
   if (rows == 0) return;
   if (!be_.memory_on_device()) {
-    apply({keys, values, src_pos, tgt_pos, rows, out_keys, out_values, layers});
+    apply({keys, values, src_pos, tgt_pos, rows, out_keys, out_values, r, target_rope});
     return;
   }
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
-  const int64_t YW = layers.size(m_.target.n_layers) * G_;
+  const int64_t YW = r.count * G_;
   // One device array for the call: keys, values, out keys, out values (floats), then both positions (int32).
   float* d = scratch<float>(io_, rows * (2 * XW + 2 * YW + 2));
   ServingBatch b;
   float *k = d, *v = k + rows * XW, *ok = v + rows * XW, *ov = ok + rows * YW;
   auto* pos = reinterpret_cast<int32_t*>(ov + rows * YW);
   b.keys = k, b.values = v, b.out_keys = ok, b.out_values = ov, b.rows = rows;
-  b.source_positions = pos, b.target_positions = pos + rows, b.layers = layers;
+  b.source_positions = pos, b.target_positions = pos + rows, b.layers = r, b.target_rope = target_rope;
   const int64_t in = rows * XW * 4, out = rows * YW * 4, np = rows * 4;
   be_.copy_from_host(keys, in, k);
   be_.copy_from_host(values, in, v);
@@ -233,6 +322,28 @@ void ServingMapper::apply_host(const float* keys, const float* values, const int
   apply(b);
   be_.copy_to_host(ok, out, out_keys);
   be_.copy_to_host(ov, out, out_values);
+}
+
+void ServingMapper::map_content_host(const ContentBatch& h) {
+  const TargetLayers r = checked(h.layers);
+  if (h.rows == 0) return;
+  if (!be_.memory_on_device()) {
+    map_content(h);
+    return;
+  }
+  const int64_t XW = h.gathered ? k_ * m_.source.features_per_layer()
+                                : int64_t{m_.source.n_layers} * m_.source.features_per_layer();
+  const int64_t YW = r.count * G_, in = h.rows * XW * 4, out = h.rows * YW * 4;
+  float* d = scratch<float>(io_, h.rows * (2 * XW + 2 * YW));
+  ContentBatch b = h;
+  b.keys = h.keys ? d : nullptr, b.values = h.values ? d + h.rows * XW : nullptr;
+  b.out_keys = h.out_keys ? d + 2 * h.rows * XW : nullptr;
+  b.out_values = h.out_values ? d + 2 * h.rows * XW + h.rows * YW : nullptr;
+  if (b.keys) be_.copy_from_host(h.keys, in, const_cast<float*>(b.keys));
+  if (b.values) be_.copy_from_host(h.values, in, const_cast<float*>(b.values));
+  map_content(b);
+  if (b.out_keys) be_.copy_to_host(b.out_keys, out, h.out_keys);
+  if (b.out_values) be_.copy_to_host(b.out_values, out, h.out_values);
 }
 
 }  // namespace crosskv

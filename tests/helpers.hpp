@@ -18,7 +18,7 @@
 #include "runtime/config.hpp"
 #include "core/error.hpp"
 #include "io/h5.hpp"
-#include "pipeline/fit_pipeline.hpp"
+#include "fit/fit_pipeline.hpp"
 #include "tools/synth.hpp"
 
 namespace crosskv::test {

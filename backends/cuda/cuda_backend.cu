@@ -1,5 +1,5 @@
-// The CUDA backend's residency (sums resident on the device between blocks of rows, the input rounds, kept
-// constants) and the backend's factory. fp32 moments with cuBLAS, inputs copied once per block on a copy stream into
+// The CUDA backend's residency (sums resident on the device between blocks of rows, the input rounds) and
+// the backend's factory. fp32 moments with cuBLAS, inputs copied once per block on a copy stream into
 // one of two pinned/device buffer pairs, fp64 Cholesky with cuSOLVER's 64-bit API: see cuda_backend.hpp.
 #include "backends/backends.hpp"
 #include "core/comm.hpp"
@@ -51,8 +51,6 @@ void CudaBackend::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t
   copy_current_sums(res_, pieces, off, len, dst, dst_on_device);
 }
 
-void CudaBackend::keep_constant(const float* p, int64_t count) { constants_.keep(p, count); }
-void CudaBackend::forget_constant(const float* p) { constants_.forget(p); }
 
 }  // namespace cuda
 

@@ -8,15 +8,16 @@
 #include <string>
 #include <vector>
 
+#include "backends/checks.hpp"
 #include "core/backend.hpp"
 #include "backends/cuda/device_resources.hpp"
 #include "backends/cuda/held_sums.hpp"
 
 namespace crosskv::cuda {
 
-class CudaBackend final : public ComputeBackend {
+class CudaBackend final : public ComputeBackend, public BackendChecks {
  public:
-  CudaBackend(int device, int rank, bool tf32) : res_(device, rank, tf32), constants_(res_) {}
+  CudaBackend(int device, int rank, bool tf32) : res_(device, rank, tf32) {}
   ~CudaBackend() override;
   std::string name() const override { return res_.name(); }
 
@@ -26,13 +27,10 @@ class CudaBackend final : public ComputeBackend {
   void begin_inputs() override;
   void stage_inputs(std::initializer_list<HostSpan> spans) override;
   int64_t device_memory_free() const override;
-  void synchronize() override;
   void copy_sums(const std::vector<SumPiece<float>>& pieces, int64_t off, int64_t len, float* dst,
                  bool dst_on_device) override;
   void copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t off, int64_t len, double* dst,
                  bool dst_on_device) override;
-  void keep_constant(const float* p, int64_t count) override;
-  void forget_constant(const float* p) override;
 
   // ---- Input preparation (inputs.cu).
   bool prepares_on_device() const override { return true; }
@@ -40,8 +38,6 @@ class CudaBackend final : public ComputeBackend {
                        std::vector<float>& host) override;
   const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) override;
   void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) override;
-  void download(const float* p, int64_t count, float* host) override;
-  void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) override;
 
   // ---- Dense maths (dense_maths.cu). One call at a time: each fills the device.
   bool concurrent_calls() const override { return false; }
@@ -49,8 +45,6 @@ class CudaBackend final : public ComputeBackend {
                  int64_t ldc) override;
   void cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms, int64_t lda,
                        int64_t ldb, int64_t ldc) override;
-  void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
-                  float* C, int64_t ldc) override;
   void gemm_batched(const BatchedGemm& g) override;
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override;
   void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) override;
@@ -58,10 +52,6 @@ class CudaBackend final : public ComputeBackend {
   FactorPtr factor_system(int64_t n, const double* A, int64_t lda, FactorPtr reuse) override;
   void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) override;
   void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
-                        int64_t ldb) override;
-  int64_t cholesky(int64_t n, double* A, int64_t lda) override;
-  void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override;
-  void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
                         int64_t ldb) override;
 
   // ---- The serving apply on device memory, in order on the compute stream (serving.cu).
@@ -81,6 +71,15 @@ class CudaBackend final : public ComputeBackend {
   void begin_after(void* stream) override;
   void end_before(void* stream) override;
 
+  // ---- Checks (backends/checks.hpp): cuSOLVER and cuBLAS on host arrays, operand reads, the half kernel, a wait.
+  int64_t cholesky(int64_t n, double* A, int64_t lda) override;
+  void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override;
+  void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
+                        int64_t ldb) override;
+  void download(const float* p, int64_t count, float* host) override;
+  void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) override;
+  void synchronize() override;
+
  private:
   // A factor in device memory, owned by its handle.
   struct CudaFactor final : SystemFactor {
@@ -96,7 +95,6 @@ class CudaBackend final : public ComputeBackend {
   void copy_diagonal(const double* dA, int64_t n, int64_t lda, double* out, const std::string& ops);
 
   DeviceResources res_;
-  KeptConstants constants_;  // kept read-only operands (keep_constant)
 };
 
 }  // namespace crosskv::cuda

@@ -50,27 +50,6 @@ void CudaBackend::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std:
      ops);
 }
 
-void CudaBackend::matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
-                             int64_t ldb, float* C, int64_t ldc) {
-  if (rows == 0 || k == 0 || n == 0) return;
-  const std::string ops = dims({{"rows", rows}, {"k", k}, {"n", n}, {"lda", lda}, {"ldb", ldb}, {"ldc", ldc}});
-  const size_t na = static_cast<size_t>((rows - 1) * lda + k), nb = static_cast<size_t>((k - 1) * ldb + n),
-               nc = static_cast<size_t>((rows - 1) * ldc + n);
-  const float* kept = constants_.find(B, static_cast<int64_t>(nb));
-  float* d = res_.apply.get(na + (kept ? 0 : nb) + nc, res_.where());
-  float* dC = d + na + (kept ? 0 : nb);
-  CK(cudaMemcpyAsync(d, A, na * 4, cudaMemcpyHostToDevice, res_.compute()), ops);
-  if (!kept) CK(cudaMemcpyAsync(d + na, B, nb * 4, cudaMemcpyHostToDevice, res_.compute()), ops);
-  CK(cudaMemcpyAsync(dC, C, nc * 4, cudaMemcpyHostToDevice, res_.compute()), ops);
-  const float one = 1.0f;
-  // Row-major C = A B is column-major C' = B' A'.
-  CK(cublasSgemm_64(res_.blas(), CUBLAS_OP_N, CUBLAS_OP_N, n, rows, k, &one, kept ? kept : d + na, ldb, d, lda, &one,
-                    dC, ldc),
-     ops);
-  CK(cudaMemcpyAsync(C, dC, nc * 4, cudaMemcpyDeviceToHost, res_.compute()), ops);
-  CK(cudaStreamSynchronize(res_.compute()), ops);
-}
-
 void CudaBackend::gemm_batched(const BatchedGemm& g) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return;
   const std::string ops =

@@ -1,6 +1,6 @@
 #pragma once
 // Sums held on the device between blocks of rows (Residency::HeldSums): each handle owns its device copy and names
-// it; nothing is looked up by host address. Kept constants (keep_constant) are read-only copies of host arrays.
+// it; nothing is looked up by host address.
 #include <algorithm>
 #include <cstdint>
 #include <map>
@@ -63,43 +63,5 @@ void copy_current_sums(const DeviceResources& r, const std::vector<Residency::Su
       });
   CROSSKV_CUDA_CHECK(cudaStreamSynchronize(r.compute()), r.where(), ops);
 }
-
-// Read-only device copies of host arrays (a mapper's weights used as B again and again), by the host array they
-// copy: matmul_acc takes host operands, so a kept one is found by its address.
-class KeptConstants {
- public:
-  explicit KeptConstants(const DeviceResources& r) : r_(r) {}
-  void keep(const float* p, int64_t count) {
-    if (count <= 0 || find(p, count)) return;
-    auto next = kept_.upper_bound(p);
-    CROSSKV_ASSERT(next == kept_.end() || p + count <= next->first, "CUDA backend: kept constants overlap");
-    auto it = kept_.try_emplace(p, static_cast<size_t>(count), r_.where(), count).first;
-    CROSSKV_CUDA_CHECK(cudaMemcpyAsync(it->second.dev, p, count * 4, cudaMemcpyHostToDevice, r_.compute()), r_.where(),
-                       dims({{"elements", count}}));
-  }
-  // The device copy of host [p, p + count) when one kept array holds all of it, else null.
-  const float* find(const float* p, int64_t count) const {
-    auto it = kept_.upper_bound(p);
-    if (it == kept_.begin()) return nullptr;
-    --it;
-    if (p + count > it->first + it->second.count) return nullptr;
-    return static_cast<const float*>(it->second.dev) + (p - it->first);
-  }
-  void forget(const float* p) {
-    auto it = kept_.find(p);
-    if (it == kept_.end()) return;
-    CROSSKV_CUDA_CHECK(cudaStreamSynchronize(r_.compute()), r_.where(), "forget a kept constant");
-    kept_.erase(it);
-  }
-
- private:
-  struct Kept {
-    Kept(size_t n, const Where& w, int64_t c) : dev(n, w), count(c) {}
-    DeviceArray<float> dev;
-    int64_t count;
-  };
-  const DeviceResources& r_;
-  std::map<const float*, Kept> kept_;
-};
 
 }  // namespace crosskv::cuda

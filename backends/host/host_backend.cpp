@@ -23,12 +23,6 @@ void HostBackend::cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, 
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, rows, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
 }
 
-void HostBackend::matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B,
-                             int64_t ldb, float* C, int64_t ldc) {
-  if (rows == 0 || k == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, n, k, 1.0f, A, lda, B, ldb, 1.0f, C, ldc);
-}
-
 void HostBackend::cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms,
                                   int64_t lda, int64_t ldb, int64_t ldc) {
   for (const CrossTerm& t : terms) cross_acc(rows, m, n, t.A, lda, t.B, ldb, t.C, ldc);
@@ -82,7 +76,7 @@ struct HostFactor final : DenseMaths::SystemFactor {
 };
 
 // Factors f.L (its order f.n) in place with the backend's kernel; the pivots are its diagonal.
-void factor_in_place(DenseMaths& be, HostFactor& f) {
+void factor_in_place(BackendChecks& be, HostFactor& f) {
   f.info = be.cholesky(f.n, f.L.data(), f.n);
   f.pivots.resize(static_cast<size_t>(f.n));
   for (int64_t i = 0; i < f.n; ++i) f.pivots[i] = f.L[i * f.n + i];

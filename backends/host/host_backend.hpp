@@ -6,19 +6,18 @@
 #include <string>
 #include <vector>
 
+#include "backends/checks.hpp"
 #include "core/backend.hpp"
 
 namespace crosskv {
 
-class HostBackend : public ComputeBackend {
+class HostBackend : public ComputeBackend, public BackendChecks {
  public:
   std::string name() const override { return "cpu"; }
 
   // ---- Dense maths: OpenBLAS sgemm/ssyrk for products, LAPACK dpotrf/dsyev and BLAS dtrsm in fp64.
   void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc) override;
-  void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
-                  float* C, int64_t ldc) override;
   void cross_acc_batch(int64_t rows, int64_t m, int64_t n, const std::vector<CrossTerm>& terms, int64_t lda,
                        int64_t ldb, int64_t ldc) override;
   void gemm_batched(const BatchedGemm& g) override;
@@ -30,10 +29,6 @@ class HostBackend : public ComputeBackend {
   void solve(const SystemFactor& f, int64_t n, int64_t nrhs, double* B, int64_t ldb) override;
   void solve_triangular(const SystemFactor& f, int64_t n, bool transpose, int64_t nrhs, double* B,
                         int64_t ldb) override;
-  int64_t cholesky(int64_t n, double* A, int64_t lda) override;
-  void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override;
-  void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
-                        int64_t ldb) override;
 
   // ---- Input preparation on the host.
   bool prepares_on_device() const override { return false; }
@@ -41,8 +36,6 @@ class HostBackend : public ComputeBackend {
                        std::vector<float>& host) override;
   const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) override;
   void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) override;
-  void download(const float* operand, int64_t count, float* host) override;
-  void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) override;
 
   // ---- Residency: everything stays on the host; held sums are the host arrays, staging is ignored.
   HeldSumsPtr<float> hold_sums(float* p, int64_t count, bool host_is_zero) override;
@@ -53,10 +46,7 @@ class HostBackend : public ComputeBackend {
                  bool dst_on_device) override;
   void begin_inputs() override {}
   void stage_inputs(std::initializer_list<HostSpan> spans) override {}
-  void synchronize() override {}
   int64_t device_memory_free() const override { return -1; }
-  void keep_constant(const float* p, int64_t count) override {}
-  void forget_constant(const float* p) override {}
 
   // ---- Serving kernels: host memory is this backend's memory, and calls return when done.
   bool memory_on_device() const override { return false; }
@@ -74,6 +64,15 @@ class HostBackend : public ComputeBackend {
   void serving_gemm(const BatchedGemm& g) override { gemm_batched(g); }
   void begin_after(void* stream) override {}
   void end_before(void* stream) override {}
+
+  // ---- Checks (backends/checks.hpp): LAPACK dpotrf and BLAS dtrsm on host arrays; operands are host arrays.
+  int64_t cholesky(int64_t n, double* A, int64_t lda) override;
+  void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override;
+  void triangular_solve(int64_t n, const double* L, int64_t lda, bool transpose, int64_t nrhs, double* B,
+                        int64_t ldb) override;
+  void download(const float* operand, int64_t count, float* host) override;
+  void to_half(const float* in, int64_t n, bool bf16, uint16_t* out) override;
+  void synchronize() override {}
 };
 
 }  // namespace crosskv

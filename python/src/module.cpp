@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 
@@ -17,7 +18,10 @@
 
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
+#include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
 #include "backends/backends.hpp"
+#include "core/sha256.hpp"
 #include "core/blas_kernels.hpp"
 #include "core/error.hpp"
 
@@ -235,6 +239,47 @@ NB_MODULE(_crosskv, m) {
       "mapper_dir"_a,
       "A mapper folder's manifest, read and validated as crosskv-fit's readers do, without loading a weight: "
       "{source, target (kv_specs), source_model, target_model, structure, k}");
+  using Weights = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  using Bias = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+  m.def(
+      "write_synthetic_mapper",
+      [](const std::string& dir, const std::string& source_spec, const std::string& target_spec,
+         const std::string& source_model, const std::string& target_model,
+         const std::vector<std::tuple<std::vector<int>, Weights, Bias, Weights, Bias>>& layers) {
+        using namespace crosskv;
+        const KvSpec S = parse_kv_spec(source_spec, "source kv_spec"), T = parse_kv_spec(target_spec, "target kv_spec");
+        if (static_cast<int>(layers.size()) != T.n_layers)
+          throw InputError("layers: expected one per target layer (" + std::to_string(T.n_layers) + "), got " +
+                           std::to_string(layers.size()));
+        const int k = static_cast<int>(std::get<0>(layers.at(0)).size());
+        const int64_t F = S.features_per_layer(), G = T.features_per_layer();
+        nlohmann::json entries = nlohmann::json::array();
+        for (int l = 0; l < T.n_layers; ++l) {
+          const auto& [sel, wk, bk, wv, bv] = layers[l];
+          const int64_t K = static_cast<int64_t>(sel.size()) * F;
+          if (static_cast<int>(sel.size()) != k || wk.shape(0) != static_cast<size_t>(K) ||
+              wk.shape(1) != static_cast<size_t>(G) || wv.shape(0) != wk.shape(0) || wv.shape(1) != wk.shape(1) ||
+              bk.shape(0) != static_cast<size_t>(G) || bv.shape(0) != static_cast<size_t>(G))
+            throw InputError("layers[" + std::to_string(l) + "]: expected " + std::to_string(k) +
+                             " source layers, weights [" + std::to_string(K) + ", " + std::to_string(G) +
+                             "] and biases [" + std::to_string(G) + "]");
+          LayerFileContent c;
+          c.target_layer = l, c.source_layers = sel, c.features = K, c.G = G;
+          c.k.weight = wk.data(), c.k.bias = bk.data(), c.v.weight = wv.data(), c.v.bias = bv.data();
+          const std::string file = layer_file_name(l), path = dir + "/" + file;
+          write_layer_file(path, c);
+          entries.push_back(manifest_layer_entry(l, sel, file, sha256_file(path), {}, {}));
+        }
+        ManifestFit fit;
+        fit.k_label = k == S.n_layers ? "all" : std::to_string(k), fit.k_count = k, fit.features = int64_t{k} * F;
+        fit.params = 2 * fit.features * G * T.n_layers, fit.bias_params = 2 * G * T.n_layers;
+        fit.probe = "none", fit.dtype = "fp32", fit.synthetic = true;
+        write_manifest(dir, make_manifest(source_model, S, target_model, T, fit, entries, ManifestCalibration{}));
+      },
+      "dir"_a, "source_spec"_a, "target_spec"_a, "source_model"_a, "target_model"_a, "layers"_a,
+      "A mapper folder of the given weights written by crosskv's own writer (artifact/): one (source_layers, "
+      "k_weight [K, G], k_bias [G], v_weight, v_bias) per target layer, kv_specs as JSON text; fit.synthetic is "
+      "set. For timing at a model's real shape without a fit.");
   nb::class_<PyMapper>(m, "_Mapper")
       .def(nb::init<const std::string&, const std::string&, bool, bool, bool, int, int>(), "path"_a,
            "device"_a = "cpu", "resident"_a = true, "verify"_a = true, "tf32"_a = false, "first_head"_a = 0,

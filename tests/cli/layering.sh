@@ -8,9 +8,9 @@ declare -A allowed=(
   [core]="core" [backends]="core backends" [backends/host]="core backends" [backends/cuda]="core backends"
   [backends/cuda/emulation]="core backends cuda_runtime.h cuda_fp16.h cublas_v2.h cusolverDn.h nccl.h" [artifact]="core artifact"
   [serve]="core artifact serve" [runtime]="core runtime" [io]="core runtime io"
-  [eval]="core runtime io artifact serve eval" [stages]="core runtime io artifact serve eval stages"
-  [pipeline]="core runtime io artifact serve eval stages pipeline" [tools]="core runtime io tools"
-  [apps]="core backends runtime io artifact serve eval stages pipeline tools apps" [python/src]="$SERVING")
+  [eval]="core runtime io artifact serve eval" [fit]="core runtime io artifact serve eval fit"
+  [tools]="core runtime io tools" [apps]="core backends runtime io artifact serve eval fit tools apps"
+  [python/src]="$SERVING")
 bad=0
 for layer in "${!allowed[@]}"; do
   for f in "$ROOT/$layer"/*.{hpp,cpp,cu}; do

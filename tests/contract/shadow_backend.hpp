@@ -70,27 +70,9 @@ class ShadowBackend final : public HostBackend {
                        int64_t ldb, int64_t ldc) override {
     for (const CrossTerm& t : terms) cross_acc(rows, m, n, t.A, lda, t.B, ldb, t.C, ldc);
   }
-  // Kept constants are copied as a device would copy them: a caller that changed one while kept would get the old
-  // values (and a test comparing with the CPU would show it).
-  void keep_constant(const float* p, int64_t count) override {
-    constants_.emplace(p, std::vector<float>(p, p + count));
-    ++kept_constants;
-  }
-  void forget_constant(const float* p) override { forgotten_constants += static_cast<int>(constants_.erase(p)); }
   // Host arrays in and out, as the device backend takes them: the host's kernels.
   void gemm_batched(const BatchedGemm& g) override { cpu_->gemm_batched(g); }
   void symmetric_eigen(int64_t n, double* A, int64_t lda, double* w) override { cpu_->symmetric_eigen(n, A, lda, w); }
-  void matmul_acc(int64_t rows, int64_t k, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
-                  float* C, int64_t ldc) override {
-    const float* b = B;
-    auto it = constants_.upper_bound(B);
-    if (it != constants_.begin() && B < std::prev(it)->first + std::prev(it)->second.size()) {
-      --it;
-      b = it->second.data() + (B - it->first);
-    }
-    cpu_->matmul_acc(rows, k, n, A, lda, b, ldb, C, ldc);
-  }
-  int kept_constants = 0, forgotten_constants = 0;
   int64_t free_bytes = -1;  // what device_memory_free() reports (-1: a host backend)
   int64_t device_memory_free() const override { return free_bytes; }
   void gram_acc(int64_t rows, int64_t m, const float* A, int64_t lda, float* C, int64_t ldc) override {
@@ -128,13 +110,13 @@ class ShadowBackend final : public HostBackend {
   void solve_triangular(const SystemFactor& f, int64_t n, bool t, int64_t nrhs, double* B, int64_t ldb) override {
     cpu_->solve_triangular(inner(f), n, t, nrhs, B, ldb);
   }
-  int64_t cholesky(int64_t n, double* A, int64_t lda) override { return cpu_->cholesky(n, A, lda); }
+  int64_t cholesky(int64_t n, double* A, int64_t lda) override { return checks(*cpu_).cholesky(n, A, lda); }
   void cholesky_solve(int64_t n, const double* L, int64_t lda, int64_t nrhs, double* B, int64_t ldb) override {
-    cpu_->cholesky_solve(n, L, lda, nrhs, B, ldb);
+    checks(*cpu_).cholesky_solve(n, L, lda, nrhs, B, ldb);
   }
   void triangular_solve(int64_t n, const double* L, int64_t lda, bool t, int64_t nrhs, double* B,
                         int64_t ldb) override {
-    cpu_->triangular_solve(n, L, lda, t, nrhs, B, ldb);
+    checks(*cpu_).triangular_solve(n, L, lda, t, nrhs, B, ldb);
   }
   // Held sums: a shadow copy each, made from the host array (or zeros, checking the caller's promise), which is then
   // poisoned until to_host(): reading it before must show. Counts of float copies made, written back and dropped
@@ -312,7 +294,6 @@ class ShadowBackend final : public HostBackend {
  private:
   std::unique_ptr<ComputeBackend> cpu_ = make_cpu_backend();
   std::deque<Round> rounds_;
-  std::map<const float*, std::vector<float>> constants_;
 };
 
 }  // namespace crosskv::test

@@ -17,22 +17,23 @@
 #include "core/half.hpp"
 #include "core/host_kernels.hpp"
 #include "core/mlp.hpp"
-#include "core/moments.hpp"
+#include "fit/moments.hpp"
 #include "core/rope.hpp"
 #include "core/thread_comm.hpp"
-#include "core/ridge.hpp"
+#include "fit/ridge.hpp"
 #include "contract/shadow_backend.hpp"
 #include "contract/twin_comm.hpp"
 #include "helpers.hpp"
 #include "reference_mapper.hpp"
+#include "scalar_oracle.hpp"
 #include "eval/layer_diagnostics.hpp"
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 #include "artifact/mapper.hpp"
-#include "stages/checkpoint.hpp"
-#include "stages/validate.hpp"
-#include "stages/plan.hpp"
-#include "stages/round.hpp"
+#include "fit/checkpoint.hpp"
+#include "fit/validate.hpp"
+#include "fit/plan.hpp"
+#include "fit/round.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;
@@ -104,34 +105,6 @@ TEST_F(Cuda, MomentsMatchTheCpuOverManyBlocks) {
   for (size_t i = 0; i < da.size(); ++i) ASSERT_NEAR(da[i], db[i], 1e-12 * total * (1 + std::fabs(da[i]))) << i;
 }
 
-TEST_F(Cuda, MatmulMatchesTheCpu) {
-  const int64_t rows = 77, k = 130, n = 45, lda = 140, ldb = 50, ldc = 60;
-  auto A = random_rows(rows * lda, 1, 0.2f), B = random_rows(k * ldb, 2, -0.1f), C = random_rows(rows * ldc, 3, 0.f);
-  auto Cc = C, Cg = C;
-  cpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cc.data(), ldc);
-  gpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cg.data(), ldc);
-  for (size_t i = 0; i < Cc.size(); ++i) ASSERT_NEAR(Cc[i], Cg[i], 1e-4f * (1 + std::fabs(Cc[i])));
-}
-
-// Kept constants (a mapper's weights for serving): the device copy serves B, whole or a part of it, until forgotten.
-TEST_F(Cuda, MatmulWithKeptWeightsMatchesTheCpu) {
-  const int64_t rows = 9, k = 130, n = 45, lda = 140, ldb = 50, ldc = 60;
-  auto A = random_rows(rows * lda, 4, 0.2f), B = random_rows(2 * k * ldb, 5, -0.1f), C = random_rows(rows * ldc, 6, 0.f);
-  gpu_->keep_constant(B.data(), static_cast<int64_t>(B.size()));
-  for (const float* b : {B.data(), B.data() + k * ldb}) {  // the start of the kept array, and a part further in
-    auto Cc = C, Cg = C;
-    cpu_->matmul_acc(rows, k, n, A.data(), lda, b, ldb, Cc.data(), ldc);
-    gpu_->matmul_acc(rows, k, n, A.data(), lda, b, ldb, Cg.data(), ldc);
-    for (size_t i = 0; i < Cc.size(); ++i) ASSERT_NEAR(Cc[i], Cg[i], 1e-4f * (1 + std::fabs(Cc[i])));
-  }
-  gpu_->forget_constant(B.data());
-  B[0] += 1.0f;  // no longer kept: the host array is read again
-  auto Cc = C, Cg = C;
-  cpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cc.data(), ldc);
-  gpu_->matmul_acc(rows, k, n, A.data(), lda, B.data(), ldb, Cg.data(), ldc);
-  for (size_t i = 0; i < Cc.size(); ++i) ASSERT_NEAR(Cc[i], Cg[i], 1e-4f * (1 + std::fabs(Cc[i])));
-}
-
 TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
   const int64_t n = 300, lda = 310, nrhs = 7, ldb = 9;
   std::mt19937_64 rng(5);
@@ -146,22 +119,22 @@ TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
       A[i * lda + j] = s;
     }
   auto Lc = A, Lg = A;
-  ASSERT_EQ(cpu_->cholesky(n, Lc.data(), lda), 0);
-  ASSERT_EQ(gpu_->cholesky(n, Lg.data(), lda), 0);
+  ASSERT_EQ(checks(*cpu_).cholesky(n, Lc.data(), lda), 0);
+  ASSERT_EQ(checks(*gpu_).cholesky(n, Lg.data(), lda), 0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j <= i; ++j) ASSERT_NEAR(Lc[i * lda + j], Lg[i * lda + j], 1e-10) << i << "," << j;
   std::vector<double> B(n * ldb);
   for (auto& x : B) x = nd(rng);
   for (int64_t lead : {n, int64_t{120}}) {  // the whole factor and a leading block of it
     auto Bc = B, Bg = B;
-    cpu_->cholesky_solve(lead, Lc.data(), lda, nrhs, Bc.data(), ldb);
-    gpu_->cholesky_solve(lead, Lg.data(), lda, nrhs, Bg.data(), ldb);
+    checks(*cpu_).cholesky_solve(lead, Lc.data(), lda, nrhs, Bc.data(), ldb);
+    checks(*gpu_).cholesky_solve(lead, Lg.data(), lda, nrhs, Bg.data(), ldb);
     for (int64_t i = 0; i < lead; ++i)
       for (int64_t j = 0; j < nrhs; ++j) ASSERT_NEAR(Bc[i * ldb + j], Bg[i * ldb + j], 1e-9 * (1 + std::fabs(Bc[i * ldb + j])));
     for (bool t : {false, true}) {
       auto Tc = B, Tg = B;
-      cpu_->triangular_solve(lead, Lc.data(), lda, t, nrhs, Tc.data(), ldb);
-      gpu_->triangular_solve(lead, Lg.data(), lda, t, nrhs, Tg.data(), ldb);
+      checks(*cpu_).triangular_solve(lead, Lc.data(), lda, t, nrhs, Tc.data(), ldb);
+      checks(*gpu_).triangular_solve(lead, Lg.data(), lda, t, nrhs, Tg.data(), ldb);
       for (int64_t i = 0; i < lead; ++i)
         for (int64_t j = 0; j < nrhs; ++j) ASSERT_NEAR(Tc[i * ldb + j], Tg[i * ldb + j], 1e-9 * (1 + std::fabs(Tc[i * ldb + j])));
     }
@@ -170,8 +143,8 @@ TEST_F(Cuda, CholeskyAndSolvesMatchTheCpu) {
   auto L2 = Lg;
   for (int64_t i = 0; i < n; ++i) L2[i * lda + i] *= 2;
   auto Bc = B, Bg = B;
-  cpu_->cholesky_solve(n, L2.data(), lda, nrhs, Bc.data(), ldb);
-  gpu_->cholesky_solve(n, L2.data(), lda, nrhs, Bg.data(), ldb);
+  checks(*cpu_).cholesky_solve(n, L2.data(), lda, nrhs, Bc.data(), ldb);
+  checks(*gpu_).cholesky_solve(n, L2.data(), lda, nrhs, Bg.data(), ldb);
   for (int64_t i = 0; i < n * ldb; i += ldb) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
 }
 
@@ -205,10 +178,10 @@ TEST_F(Cuda, FactorHandlesOwnTheirDeviceMemory) {
   for (auto& x : B) x = nd(rng);
   for (size_t s = 0; s < systems.size(); ++s) {  // the oldest too: nothing was evicted
     auto L = systems[s];
-    ASSERT_EQ(cpu_->cholesky(n, L.data(), n), 0);
+    ASSERT_EQ(checks(*cpu_).cholesky(n, L.data(), n), 0);
     for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(L[i * n + i], held[s]->pivots[i], 1e-10) << "pivot " << i;
     auto Bc = B, Bg = B;
-    cpu_->cholesky_solve(n, L.data(), n, nrhs, Bc.data(), nrhs);
+    checks(*cpu_).cholesky_solve(n, L.data(), n, nrhs, Bc.data(), nrhs);
     gpu_->solve(*held[s], n, nrhs, Bg.data(), nrhs);
     for (size_t i = 0; i < B.size(); ++i) ASSERT_NEAR(Bc[i], Bg[i], 1e-9 * (1 + std::fabs(Bc[i])));
   }
@@ -221,8 +194,8 @@ TEST_F(Cuda, NotPositiveDefiniteReportsTheSameMinorAsTheCpu) {
   std::vector<double> A(n * n, 0.0);
   for (int64_t i = 0; i < n; ++i) A[i * n + i] = i == 3 ? -1.0 : 2.0;
   auto Ac = A, Ag = A;
-  EXPECT_EQ(cpu_->cholesky(n, Ac.data(), n), 4);
-  EXPECT_EQ(gpu_->cholesky(n, Ag.data(), n), 4);
+  EXPECT_EQ(checks(*cpu_).cholesky(n, Ac.data(), n), 4);
+  EXPECT_EQ(checks(*gpu_).cholesky(n, Ag.data(), n), 4);
 }
 
 TEST_F(Cuda, FitMatchesTheCpuFit) {
@@ -310,7 +283,7 @@ void check_prepare(ComputeBackend& dev) {
           dev.begin_inputs();
           dev.stage_inputs({{in.data, rows * cols * (in.dtype == S::f32 ? 4 : 2)}, {pos.data(), rows * 4}});
           const float* p = dev.prepare(in, strip ? &st : nullptr, shifted ? shift.data() : nullptr, host);
-          dev.download(p, rows * cols, got.data());
+          checks(dev).download(p, rows * cols, got.data());
           // The angle is fp64 on both sides; cos/sin may differ in the last fp32 bit, products may fuse (FMA).
           for (int64_t i = 0; i < rows * cols; ++i)
             ASSERT_NEAR(want[i], got[i], 4e-6f * (1 + std::fabs(want[i]))) << what << ", element " << i;
@@ -326,7 +299,7 @@ void check_gather_and_stats(ComputeBackend& dev) {
   make_cpu_backend()->gather_heads(rows, L, H, D, x.data(), want);
   dev.begin_inputs();
   dev.stage_inputs({ComputeBackend::floats(x.data(), rows * cols)});
-  dev.download(dev.gather_heads(rows, L, H, D, x.data(), host), rows * cols, got.data());
+  checks(dev).download(dev.gather_heads(rows, L, H, D, x.data(), host), rows * cols, got.data());
   ASSERT_EQ(want, got);  // a permutation
   std::vector<double> sum(cols, 1.0), sq(cols, 2.0), wsum = sum, wsq = sq;
   for (int64_t t = 0; t < rows; ++t)
@@ -359,7 +332,7 @@ void check_to_half(ComputeBackend& dev) {
   for (bool bf16 : {true, false}) {
     std::vector<uint16_t> want(v.size()), got(v.size());
     for (size_t i = 0; i < v.size(); ++i) want[i] = bf16 ? float_to_bf16(v[i]) : float_to_fp16(v[i]);
-    dev.to_half(v.data(), static_cast<int64_t>(v.size()), bf16, got.data());
+    checks(dev).to_half(v.data(), static_cast<int64_t>(v.size()), bf16, got.data());
     for (size_t i = 0; i < v.size(); ++i) ASSERT_EQ(want[i], got[i]) << (bf16 ? "bf16" : "fp16") << " of " << v[i];
   }
 }
@@ -592,13 +565,13 @@ void check_assembled_factor(ComputeBackend& dev, bool exact) {
     std::vector<double> diag(n);
     const auto f = dev.factor_cov(m.cov_xx_terms(order), lambda, diag.data());
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(want[i * n + i], diag[i]) << "diagonal " << i;
-    ASSERT_EQ(cpu->cholesky(n, want.data(), n), 0);
+    ASSERT_EQ(checks(*cpu).cholesky(n, want.data(), n), 0);
     ASSERT_EQ(f->info, 0);
     ASSERT_EQ(f->n, n);
     for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(want[i * n + i], f->pivots[i], exact ? 0.0 : 1e-12 * want[i * n + i]);
     const auto b = random_rows(n * nrhs, 63, 0.0f);
     std::vector<double> xw(b.begin(), b.end()), xg = xw;
-    cpu->cholesky_solve(n, want.data(), n, nrhs, xw.data(), nrhs);
+    checks(*cpu).cholesky_solve(n, want.data(), n, nrhs, xw.data(), nrhs);
     dev.solve(*f, n, nrhs, xg.data(), nrhs);
     for (int64_t i = 0; i < n * nrhs; ++i)
       ASSERT_NEAR(xw[i], xg[i], exact ? 0.0 : 1e-9 * (1 + std::fabs(xw[i]))) << "layers " << order.size() << ", " << i;
@@ -795,9 +768,9 @@ ServingCase serving_case(const std::string& dir) {
 
 }  // namespace
 
-// A resident Transfer keeps every layer's weights on the backend (keep_constant) and forgets them when destroyed;
-// mapped through the shadow device it equals the CPU.
-TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
+// A resident Transfer reads every layer file once and keeps the weights on the backend (a ServingMapper over every
+// layer); mapped through the shadow device it equals the CPU.
+TEST(DeviceContract, ResidentTransferReadsItsWeightsOnceAndMatchesTheCpu) {
   TempDir dir;
   const std::string mapper = fitted_mapper(dir, "2");
   auto cpu = make_cpu_backend();
@@ -807,19 +780,15 @@ TEST(DeviceContract, ResidentTransferKeepsItsWeightsAndMatchesTheCpu) {
                 YW = int64_t{m.target.n_layers} * m.target.features_per_layer();
   const auto X = random_rows(rows * XW, 41, 0.1f);
   std::vector<float> want(rows * YW), got(rows * YW);
-  {
-    Transfer tc(mapper, *cpu, TransferOptions{true, true, true});
-    Transfer ts(mapper, shadow, TransferOptions{true, true, true});
-    for (int pass = 0; pass < 2; ++pass) {  // the second pass serves every layer from the kept copies
-      tc.map_content(true, X.data(), rows, want.data());
-      ts.map_content(false, X.data(), rows, got.data());
-      ts.map_content(true, X.data(), rows, got.data());
-      ASSERT_EQ(want, got) << "pass " << pass;
-    }
-    EXPECT_EQ(ts.layer_loads(), m.target.n_layers);
-    EXPECT_EQ(shadow.kept_constants, 2 * m.target.n_layers);
+  Transfer tc(mapper, *cpu, TransferOptions{true, true, true});
+  Transfer ts(mapper, shadow, TransferOptions{true, true, true});
+  for (int pass = 0; pass < 2; ++pass) {  // the second pass maps every layer with the weights already held
+    tc.map_content(true, X.data(), rows, want.data());
+    ts.map_content(false, X.data(), rows, got.data());
+    ts.map_content(true, X.data(), rows, got.data());
+    ASSERT_EQ(want, got) << "pass " << pass;
   }
-  EXPECT_EQ(shadow.forgotten_constants, 2 * m.target.n_layers);
+  EXPECT_EQ(ts.layer_loads(), m.target.n_layers);
 }
 
 // The serving apply through the shadow device: every kernel's operand is the backend's memory (a host array would be

@@ -10,7 +10,7 @@
 #include <set>
 #include <tuple>
 
-#include "eval/diagnose.hpp"
+#include "scalar_oracle.hpp"
 #include "eval/report.hpp"
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
@@ -252,10 +252,19 @@ TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
     layers.push_back(manifest_layer_entry(e.target_layer, e.source_layers, e.file, e.sha256,
                                           {0.5, std::numeric_limits<double>::quiet_NaN()}, {0.25}));
   const ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, 0.01, "same_head", "bf16"};
-  nlohmann::json m = make_manifest("src-model", m0.source, "tgt-model", m0.target, fit, layers, {{"domains", {"web"}}});
-  m["timings_s"] = {{"total", 1.0}};
-  add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {{"k", {{"kept", false}}}});
-  add_fit_mlp(m, "auto", {{"hidden", 8}}, 2.5);
+  ManifestCalibration cal;
+  cal.domains = {"web"};
+  cal.shards.push_back({"web/shard-000.h5", "web", std::string(64, 'a'), 100, 50});
+  ManifestRun run;
+  run.timings_s = {{"total", 1.0}};
+  run.ranks = 2, run.passes = 1, run.backend = "cpu";
+  nlohmann::json m = make_manifest("src-model", m0.source, "tgt-model", m0.target, fit, layers, cal, run);
+  ManifestMlpDecision dropped{'k', false, 1.0, std::numeric_limits<double>::infinity(), 0.5, 0.4, 0};
+  ManifestMlpDecision kept{'v', true, 1.0, 0.5, 0.5, 0.75, 8};
+  add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {dropped, kept});
+  ManifestMlpSettings settings;
+  settings.hidden = 8;
+  add_fit_mlp(m, "auto", settings, 2.5);
   write_manifest(a.dir, m);
   const MapperManifest got = read_mapper_manifest(a.dir);
   EXPECT_EQ(got.source_model, "src-model");
@@ -286,7 +295,14 @@ TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
   EXPECT_TRUE(j["layers"][0]["r2_k"][1].is_null()) << "NaN is written as null";
   EXPECT_EQ(j["layers"][0]["r2_v"][0], 0.25);
   EXPECT_EQ(j["layers"][1]["mlp"]["k"]["kept"], false);
+  EXPECT_TRUE(j["layers"][1]["mlp"]["k"]["val_mse_mlp"].is_null()) << "infinity is written as null";
+  EXPECT_FALSE(j["layers"][1]["mlp"]["k"].contains("hidden")) << "a dropped MLP has no width";
+  EXPECT_EQ(j["layers"][1]["mlp"]["v"]["hidden"], 8);
   EXPECT_EQ(j["calibration"]["domains"][0], "web");
+  EXPECT_EQ(j["calibration"]["shards"][0]["tokens_used"], 50);
+  EXPECT_TRUE(j["calibration"]["max_tokens"].is_null());
+  EXPECT_EQ(j["grid"]["ranks"], 2);
+  EXPECT_EQ(j["r2_file"], "");
   // A transfer through it maps as the export's own manifest does (the same weights).
   auto be = make_cpu_backend();
   Transfer tr(a.dir, *be);

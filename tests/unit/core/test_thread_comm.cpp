@@ -10,8 +10,8 @@
 #include "helpers.hpp"
 #include "reference_mapper.hpp"
 #include "artifact/mapper.hpp"
-#include "stages/checkpoint.hpp"
-#include "stages/grid.hpp"
+#include "fit/checkpoint.hpp"
+#include "fit/grid.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;

@@ -10,7 +10,7 @@
 #include <set>
 #include <tuple>
 
-#include "eval/diagnose.hpp"
+#include "scalar_oracle.hpp"
 #include "eval/report.hpp"
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"

@@ -1,17 +1,17 @@
 // Held-out diagnostics at scale: the GEMM-based, per-layer diagnostics (eval/layer_diagnostics) and the streamed,
-// rank-shared evaluation (stages/eval) against the scalar oracle (eval/diagnose.cpp's diagnose and evaluate).
+// rank-shared evaluation (eval/held_out) against the scalar oracle (tests/scalar_oracle: diagnose and evaluate).
 #include <cmath>
 #include <map>
 #include <random>
 
-#include "eval/diagnose.hpp"
+#include "scalar_oracle.hpp"
 #include "eval/layer_diagnostics.hpp"
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
 #include "artifact/mapper.hpp"
-#include "stages/eval.hpp"
+#include "eval/held_out.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;

@@ -7,7 +7,7 @@
 
 #include "core/atomic_file.hpp"
 #include "helpers.hpp"
-#include "stages/checkpoint.hpp"
+#include "fit/checkpoint.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;

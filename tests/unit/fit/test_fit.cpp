@@ -15,7 +15,7 @@
 #include "io/r2_file.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
-#include "stages/export.hpp"
+#include "fit/export.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;
@@ -382,7 +382,7 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
         EXPECT_EQ(t.at("k.weight").values.front(), 1.0f + e["target_layer"].get<int>()) << path;
       }
     }
-    const auto out = w.finish(nlohmann::json::object());
+    const auto out = w.finish(ManifestRun{});
     ASSERT_EQ(out.size(), plan.ks.size());
     EXPECT_FALSE(std::filesystem::exists(out[0] + "/.layers")) << "the resume records are not part of an artifact";
     const auto m = manifest(out[1]);

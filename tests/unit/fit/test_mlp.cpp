@@ -13,9 +13,9 @@
 #include "helpers.hpp"
 #include "artifact/mapper.hpp"
 #include "io/shard.hpp"
-#include "eval/diagnose.hpp"
+#include "scalar_oracle.hpp"
 #include "serve/transfer.hpp"
-#include "stages/eval.hpp"
+#include "eval/held_out.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;

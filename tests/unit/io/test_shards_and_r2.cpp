@@ -15,7 +15,7 @@
 #include "io/r2_file.hpp"
 #include "artifact/safetensors.hpp"
 #include "io/shard.hpp"
-#include "stages/checkpoint.hpp"
+#include "fit/checkpoint.hpp"
 
 using namespace crosskv;
 using namespace crosskv::test;

@@ -10,7 +10,7 @@
 #include <set>
 #include <tuple>
 
-#include "eval/diagnose.hpp"
+#include "scalar_oracle.hpp"
 #include "eval/report.hpp"
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
@@ -285,12 +285,15 @@ TEST(ServingMapper, PerHeadMappersEqualTransferAndTheReferenceForEveryK) {
       EXPECT_EQ(dense.wk.size(), dense.source_layers.size() * m.source.features_per_layer() *
                                      m.target.features_per_layer());
       const int64_t G = m.target.features_per_layer();
-      std::vector<float> y(s.tokens * G), scratch;
-      map_one_layer(*be, xk.data(), XW, dense.source_layers, m.source.features_per_layer(), dense.wk.data(),
-                    dense.bk.data(), G, s.tokens, y.data(), G, scratch);
+      const int64_t F = m.source.features_per_layer();
       for (int64_t t = 0; t < s.tokens; ++t)
-        for (int64_t c = 0; c < G; ++c)
-          ASSERT_NEAR(y[t * G + c], yk[t * YW + l * G + c], tol) << k << " layer " << l;
+        for (int64_t c = 0; c < G; ++c) {
+          double y = dense.bk[c];  // X[t, selected layers] W + b, the dense weights by loops
+          for (size_t j = 0; j < dense.source_layers.size(); ++j)
+            for (int64_t i = 0; i < F; ++i)
+              y += double{xk[t * XW + dense.source_layers[j] * F + i]} * dense.wk[(j * F + i) * G + c];
+          ASSERT_NEAR(y, yk[t * YW + l * G + c], tol) << k << " layer " << l;
+        }
     }
     ServingMapper rt(a.dir, *be);
     const int64_t F = rt.source().features_per_layer(), G = rt.target().features_per_layer();

@@ -1,0 +1,75 @@
+#include "eval/evaluation.hpp"
+
+#include <cmath>
+#include <cstdio>
+
+namespace crosskv {
+namespace {
+
+nlohmann::json num(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
+nlohmann::json nums(const std::vector<double>& v) {
+  nlohmann::json a = nlohmann::json::array();
+  for (double x : v) a.push_back(num(x));
+  return a;
+}
+
+}  // namespace
+
+nlohmann::json Diagnostics::json() const {
+  auto opt = [](const std::optional<double>& x) { return x ? num(*x) : nlohmann::json(nullptr); };
+  nlohmann::json j = {{"tokens", tokens},
+                      {"r2_k", num(r2_k)},
+                      {"r2_v", num(r2_v)},
+                      {"attention_cosine", opt(attention_cosine)},
+                      {"k_concentration", opt(k_concentration)},
+                      {"v_concentration", opt(v_concentration)}};
+  nlohmann::json ls = nlohmann::json::array();
+  const bool att = attention_cosine.has_value();
+  for (const auto& l : layers)
+    ls.push_back({{"layer", l.layer},
+                  {"r2_k", num(l.r2_k_mean)},
+                  {"r2_v", num(l.r2_v_mean)},
+                  {"attention_cosine", att ? num(l.cosine_mean) : nlohmann::json(nullptr)},
+                  {"k_concentration", att ? num(l.k_concentration_mean) : nlohmann::json(nullptr)},
+                  {"v_concentration", att ? num(l.v_concentration_mean) : nlohmann::json(nullptr)},
+                  {"per_head", {{"r2_k", nums(l.r2_k)},
+                                {"r2_v", nums(l.r2_v)},
+                                {"attention_cosine", nums(l.cosine)},
+                                {"k_concentration", nums(l.k_concentration)},
+                                {"v_concentration", nums(l.v_concentration)}}}});
+  j["layers"] = ls;
+  return j;
+}
+
+nlohmann::json Evaluation::json() const {
+  nlohmann::json j = mapper.json();
+  j["baselines"] = {{"mean_only", mean_only.json()}, {"no_target_rope", no_target_rope.json()}};
+  if (ridge_only) j["baselines"]["ridge_only"] = ridge_only->json();
+  j["verdict"] = verdict;
+  j["ok"] = ok;
+  return j;
+}
+
+void judge(Evaluation& ev) {
+  const VerdictThresholds th;
+  char buf[512];
+  if (ev.mapper.attention_cosine) {
+    const double c = *ev.mapper.attention_cosine, c0 = ev.mean_only.attention_cosine.value_or(0);
+    ev.ok = c >= th.min_cosine && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    std::snprintf(buf, sizeof buf,
+                  "%s: attention-output cosine %.3f (needs >= %.2f and above the mean-only %.3f); held-out R2 "
+                  "k %.3f, v %.3f (needs >= %.2f)",
+                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", c, th.min_cosine, c0, ev.mapper.r2_k, ev.mapper.r2_v,
+                  th.min_r2);
+  } else {
+    ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    std::snprintf(buf, sizeof buf,
+                  "%s (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
+                  "v %.3f (needs >= %.2f)",
+                  ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
+    ev.ok = false;  // without attention figures nothing says it transfers
+  }
+  ev.verdict = buf;
+}
+
+}  // namespace crosskv

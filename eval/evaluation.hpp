@@ -1,0 +1,46 @@
+#pragma once
+// Held-out diagnostics of a mapper (SPEC §7), the product's types: held-out R² per layer and head, attention-output
+// cosine, K- and V-concentration; a mapper's evaluation with its baselines, and its verdict.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace crosskv {
+
+struct LayerDiagnostics {
+  int layer = 0;
+  std::vector<double> r2_k, r2_v;  // per KV head, content space
+  double r2_k_mean = 0, r2_v_mean = 0;
+  // Per query head; empty when the target cache has no queries.
+  std::vector<double> cosine, k_concentration, v_concentration;
+  double cosine_mean = 0, k_concentration_mean = 0, v_concentration_mean = 0;
+};
+
+struct Diagnostics {
+  std::vector<LayerDiagnostics> layers;
+  double r2_k = 0, r2_v = 0;
+  std::optional<double> attention_cosine, k_concentration, v_concentration;
+  int64_t tokens = 0;
+  nlohmann::json json() const;  // SPEC §9 keys: r2_k, r2_v, attention_cosine, k_concentration, v_concentration, layers
+};
+
+struct Evaluation {
+  Diagnostics mapper, mean_only, no_target_rope;
+  std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs (issue 15): the same without them
+  std::string verdict;
+  bool ok = false;
+  nlohmann::json json() const;  // the mapper's figures at the top level, baselines and verdict beside them
+};
+// Sets ev.verdict and ev.ok from the mapper's figures and the mean-only baseline's (VerdictThresholds).
+void judge(Evaluation& ev);
+
+// Thresholds of the verdict.
+struct VerdictThresholds {
+  double min_cosine = 0.90;  // attention-output cosine of the mapper
+  double min_r2 = 0.0;       // held-out R² of keys and values (0: better than the mean)
+};
+
+}  // namespace crosskv

@@ -1,0 +1,288 @@
+#include "fit/export.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+
+#include "core/backend.hpp"
+#include "core/host_kernels.hpp"
+#include "core/error.hpp"
+#include "runtime/fault.hpp"
+#include "core/half.hpp"
+#include "core/kv_spec.hpp"
+#include "runtime/log.hpp"
+#include "core/sha256.hpp"
+#include "core/atomic_file.hpp"
+#include "artifact/layer_file.hpp"
+#include "artifact/manifest.hpp"
+
+namespace fs = std::filesystem;
+
+namespace crosskv {
+
+
+namespace {
+
+// Inside a k<K>.partial folder: the per-layer records of an export in progress (and its identity).
+fs::path records_in(const std::string& partial_dir) { return fs::path(partial_dir) / ".layers"; }
+
+// Files an interrupted atomic write left ("<name>.tmp-<pid>").
+void remove_temporaries(const std::string& dir) {
+  for (const auto& p : remove_files_matching(dir, ".*\\.tmp-[0-9]+"))
+    spdlog::warn("removed {}: a temporary file of an interrupted export", p);
+}
+
+// Leaves in `dir` only the files named in `keep`: a finished k<K>/ holds exactly its manifest's files.
+void keep_only(const std::string& dir, const std::set<std::string>& keep) {
+  std::error_code ec;
+  std::vector<fs::path> extra;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (!keep.count(e.path().filename().string())) extra.push_back(e.path());
+  for (const auto& p : extra) {
+    fs::remove_all(p, ec);
+    spdlog::warn("removed {}: not a file of the mapper", p.string());
+  }
+}
+
+}  // namespace
+
+ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
+    : cal_(cal), plan_(plan), layers_(plan.slots(), nlohmann::json::array()), rank_(rank) {}
+
+std::string ArtifactWriter::final_dir(size_t slot) const {
+  return (fs::path(cal_.cfg.output_dir) / plan_.slot_folder(slot)).string();
+}
+std::string ArtifactWriter::partial_dir(size_t slot) const { return final_dir(slot) + ".partial"; }
+
+void ArtifactWriter::written() {
+  fault_point("kill_in_export", ++files_, rank_);
+}
+
+std::string ArtifactWriter::record_dir(size_t slot) const { return records_in(partial_dir(slot)).string(); }
+
+void ArtifactWriter::begin(const nlohmann::json& identity) {
+  const std::string id = identity.dump();
+  for (size_t slot = 0; slot < plan_.slots(); ++slot) {
+    const std::string idfile = (fs::path(record_dir(slot)) / "identity.json").string();
+    std::ifstream in(idfile);
+    const std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!old.empty() && old == id) {  // an interrupted export of this job: its layers stand, its temporaries go
+      remove_temporaries(partial_dir(slot));
+      remove_temporaries(record_dir(slot));
+      continue;
+    }
+    std::error_code ec;
+    fs::remove_all(partial_dir(slot), ec);
+    fs::create_directories(record_dir(slot), ec);
+    if (ec) throw InputError("output.dir: cannot create " + record_dir(slot) + ": " + ec.message());
+    write_file_atomic(idfile, id);
+  }
+}
+
+bool ArtifactWriter::resume_layer(int l) {
+  std::vector<nlohmann::json> entries;
+  for (size_t slot = 0; slot < plan_.slots(); ++slot) {
+    const std::string rec = (fs::path(record_dir(slot)) / (layer_file_name(l) + ".json")).string();
+    std::ifstream in(rec);
+    if (!in) return false;
+    nlohmann::json e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!e.is_object() || !e.contains("sha256") || !e["sha256"].is_string() || e.value("target_layer", -1) != l)
+      return false;
+    const std::string file = (fs::path(partial_dir(slot)) / layer_file_name(l)).string();
+    std::error_code ec;
+    if (!fs::is_regular_file(file, ec) || sha256_file(file) != e["sha256"].get<std::string>()) return false;
+    entries.push_back(std::move(e));
+  }
+  std::lock_guard<std::mutex> lk(m_);
+  for (size_t i = 0; i < entries.size(); ++i) layers_[i].push_back(std::move(entries[i]));
+  return true;
+}
+
+ArtifactWriter::~ArtifactWriter() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    closing_ = true;
+    queue_.clear();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv) {
+  CROSSKV_ASSERT(fk.size() == plan_.slots() && fv.size() == plan_.slots(), "fit/plan mismatch");
+  Job job;
+  job.l = l;
+  for (size_t i = 0; i < plan_.slots(); ++i)
+    CROSSKV_ASSERT(fk[i].k == plan_.slot_k(i).count && fv[i].k == plan_.slot_k(i).count &&
+                       fk[i].structure == plan_.slot_structure(i) && fv[i].structure == plan_.slot_structure(i) &&
+                       fk[i].layers == fv[i].layers,
+                   "fit/plan mismatch");
+  job.fk = std::move(fk);
+  job.fv = std::move(fv);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lk(m_);
+  cv_.wait(lk, [&] { return queue_.empty() || error_; });
+  wait_s_ += seconds_since(t0);
+  if (error_) std::rethrow_exception(error_);
+  queue_.push_back(std::move(job));
+  if (!thread_.joinable()) thread_ = std::thread([this] { run_writer(); });
+  cv_.notify_all();
+}
+
+void ArtifactWriter::run_writer() {
+  std::unique_lock<std::mutex> lk(m_);
+  for (;;) {
+    cv_.wait(lk, [&] { return !queue_.empty() || closing_; });
+    if (queue_.empty()) return;
+    Job job = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    cv_.notify_all();
+    lk.unlock();
+    std::exception_ptr e;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      write_job(job);
+    } catch (...) {
+      e = std::current_exception();
+    }
+    lk.lock();
+    write_s_ += seconds_since(t0);
+    busy_ = false;
+    if (e && !error_) error_ = e;
+    if (error_) queue_.clear();
+    cv_.notify_all();
+  }
+}
+
+void ArtifactWriter::drain() {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lk(m_);
+  cv_.wait(lk, [&] { return (queue_.empty() && !busy_) || error_; });
+  wait_s_ += seconds_since(t0);
+  if (error_) std::rethrow_exception(error_);
+}
+
+double ArtifactWriter::write_seconds() const {
+  std::lock_guard<std::mutex> lk(m_);
+  return write_s_;
+}
+
+double ArtifactWriter::convert_seconds() const {
+  std::lock_guard<std::mutex> lk(m_);
+  return convert_s_;
+}
+
+nlohmann::json ArtifactWriter::layer_entries() const {
+  std::lock_guard<std::mutex> lk(m_);
+  CROSSKV_ASSERT(queue_.empty() && !busy_, "layer_entries() before drain()");
+  return layers_;
+}
+
+void ArtifactWriter::write_job(const Job& job) {
+  const PairDims d = plan_.dims;
+  const int l = job.l;
+  const bool half = cal_.cfg.dtype != Dtype::f32;
+  const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == Dtype::bf16 ? "BF16" : "F16";
+  for (size_t i = 0; i < plan_.slots(); ++i) {
+    const LayerFit &fk = job.fk[i], &fv = job.fv[i];
+    if (half) {
+      const auto c0 = std::chrono::steady_clock::now();
+      const bool bf16 = cal_.cfg.dtype == Dtype::bf16;
+      half_k_.resize(fk.W.size());
+      half_v_.resize(fv.W.size());
+      to_half_on_host(fk.W.data(), static_cast<int64_t>(fk.W.size()), bf16, half_k_.data());
+      to_half_on_host(fv.W.data(), static_cast<int64_t>(fv.W.size()), bf16, half_v_.data());
+      const double s = seconds_since(c0);
+      std::lock_guard<std::mutex> lk(m_);
+      convert_s_ += s;
+    }
+    const void* wk = half ? static_cast<const void*>(half_k_.data()) : fk.W.data();
+    const void* wv = half ? static_cast<const void*>(half_v_.data()) : fv.W.data();
+    const size_t wbytes = fk.W.size() * (half ? 2 : 4);
+    const std::string file = layer_file_name(l);
+    const std::string path = (fs::path(partial_dir(i)) / file).string();
+    if (fault("kill_in_layer_write", files_ + 1, rank_)) {  // a write cut short: its temporary stays behind
+      AtomicFile partial(path);
+      partial.write(wk, wbytes / 2);
+      fault_kill();
+    }
+    LayerFileContent content{l, fk.layers, plan_.slot_k(i).features_of(fk.structure), d.G(), {wdtype, wk, fk.b.data()},
+                             {wdtype, wv, fv.b.data()}};
+    if (fk.structure == Structure::per_head) content.heads = d.Ht;
+    write_layer_file(path, content);
+    written();
+    nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
+    // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
+    write_file_atomic((fs::path(record_dir(i)) / (file + ".json")).string(), entry.dump());
+    std::lock_guard<std::mutex> lk(m_);
+    layers_[i].push_back(std::move(entry));
+  }
+}
+
+void ArtifactWriter::add_layer_entries(const nlohmann::json& per_k) {
+  CROSSKV_ASSERT(per_k.size() == layers_.size(), "layer entries for a different k list");
+  for (size_t i = 0; i < layers_.size(); ++i)
+    for (const auto& e : per_k[i]) layers_[i].push_back(e);
+}
+
+std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool publish) {
+  drain();
+  for (auto& list : layers_)
+    std::sort(list.begin(), list.end(),
+              [](const nlohmann::json& a, const nlohmann::json& b) { return a["target_layer"] < b["target_layer"]; });
+  std::vector<std::string> out;
+  const auto& c = cal_.cfg;
+  ManifestCalibration calibration;
+  calibration.domains = cal_.domains, calibration.weights = c.weights;
+  for (const auto& s : cal_.shards) calibration.shards.push_back({s.rel, s.domain, s.fingerprint, s.rows, s.used});
+  calibration.tokens_used = cal_.tokens_used, calibration.token_stride = c.token_stride;
+  calibration.max_tokens = c.max_tokens;
+  for (size_t i = 0; i < plan_.slots(); ++i) {
+    const KPlan& kp = plan_.slot_k(i);
+    const Structure st = plan_.slot_structure(i);
+    const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.lambda,
+                          to_string(c.probe), weight_dtype_name(c.dtype), to_string(st)};
+    const nlohmann::json m = make_manifest(cal_.source_model, cal_.source, cal_.target_model, cal_.target, fit,
+                                           layers_[i], calibration, run);
+    write_manifest(partial_dir(i), m);
+    if (!publish) {
+      out.push_back(partial_dir(i));
+      continue;
+    }
+    out.push_back(publish_artifact(c.output_dir, plan_.slot_folder(i)));
+    written();
+  }
+  return out;
+}
+
+ManifestMlpSettings mlp_settings(const MlpConfig& m) {
+  return {m.hidden, m.epochs, m.lr, m.batch_tokens, m.weight_decay, m.val_fraction, m.seed};
+}
+
+std::string publish_artifact(const std::string& output_dir, const std::string& folder) {
+  const std::string final_dir = (fs::path(output_dir) / folder).string(), partial = final_dir + ".partial";
+  const nlohmann::json m = read_manifest_json(partial);
+  CROSSKV_ASSERT(m.is_object() && m.contains("layers"), "publishing " + partial + " without its manifest");
+  std::set<std::string> files = {kManifestFile};
+  for (const auto& e : m["layers"]) files.insert(e["file"].get<std::string>());
+  std::error_code ec;
+  fs::remove_all(records_in(partial), ec);
+  keep_only(partial, files);
+  fs::remove_all(final_dir, ec);
+  fs::rename(partial, final_dir, ec);
+  if (ec) throw SystemError("rename " + partial + " -> " + final_dir + ": " + ec.message());
+  fsync_dir(output_dir);
+  return final_dir;
+}
+
+void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry) {
+  write_file_atomic((records_in(partial_dir) / (entry["file"].get<std::string>() + ".json")).string(), entry.dump());
+}
+
+}  // namespace crosskv

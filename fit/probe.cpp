@@ -1,0 +1,87 @@
+#include "fit/probe.hpp"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "core/comm.hpp"
+#include "runtime/log.hpp"
+#include "fit/select.hpp"
+#include "core/atomic_file.hpp"
+#include "io/heatmap.hpp"
+#include "io/r2_file.hpp"
+#include "fit/grid.hpp"
+
+namespace fs = std::filesystem;
+
+namespace crosskv {
+namespace {
+
+// The probe, shared out over every rank: entries of the layer group's targets (or, for same-head blocks accumulated
+// per head, of its heads), source layer a on the group's reader a mod T; then summed over the job.
+ProbeR2 run_probe(const Moments& m, Context& ctx, ProbeMode mode, double lambda, const std::string& kind,
+                  bool by_head) {
+  const Grid& g = *ctx.grid;
+  const ProbeShare mine = [&g, by_head](int a, int l, int h) {
+    return (by_head ? g.owns_head(h) : g.owns_target(l)) && a % g.token_groups == g.token_group;
+  };
+  ProbeR2 r = mode == ProbeMode::same_head ? probe_same_head(m, ctx.backend, lambda, kind, mine)
+                                           : probe_all_heads(m, ctx.backend, lambda, kind, mine);
+  ctx.comm.allreduce_sum(r.per_head.data(), r.per_head.size());
+  probe_means(r);
+  return r;
+}
+
+}  // namespace
+
+Probe run_probes(const Calibration& cal, const FitPlan& plan, Context& ctx, FitMoments& m) {
+  const FitConfig& cfg = cal.cfg;
+  const bool same_head = cfg.probe == ProbeMode::same_head;
+  Probe p;
+  p.r2["k_rope"] = run_probe(*m.k_raw, ctx, cfg.probe, cfg.lambda, "k_rope", same_head);
+  m.k_raw.reset();
+  p.r2["k"] = run_probe(m.k, ctx, cfg.probe, cfg.lambda, "k", same_head && !plan.single_pass);
+  p.r2["v"] = run_probe(m.v, ctx, cfg.probe, cfg.lambda, "v", same_head && !plan.single_pass);
+  p.r2_path = (fs::path(cfg.output_dir) / "r2.h5").string();
+  p.heatmap_path = (fs::path(cfg.output_dir) / "r2_heatmap.svg").string();
+  if (ctx.comm.rank() == 0) {
+    write_r2_file(p.r2_path, p.r2,
+                  {{"source_model", cal.source_model}, {"target_model", cal.target_model},
+                   {"probe", to_string(cfg.probe)}, {"lambda", std::to_string(cfg.lambda)},
+                   {"rows", "source layer"}, {"columns", "target layer"}});
+    write_file_atomic(p.heatmap_path,
+                      render_heatmaps_svg({{"K_rope (raw keys)", &p.r2["k_rope"]},
+                                           {"K (RoPE-stripped)", &p.r2["k"]},
+                                           {"V", &p.r2["v"]}},
+                                          cal.source_model + " -> " + cal.target_model + ": head-averaged R² (" +
+                                              to_string(cfg.probe) + " probe, " + std::to_string(cal.tokens_used) +
+                                              " tokens)"));
+  }
+  return p;
+}
+
+std::vector<std::vector<int>> select_sources(const Probe& probe, const PairDims& d, int kmax) {
+  const auto rankings = rank_sources(probe.r2.at("k").mean, probe.r2.at("v").mean, d.Ls, d.Lt);
+  for (int l = 0; l < d.Lt; ++l) {
+    const auto top = top_k(rankings[l], std::min(kmax, 4));
+    std::string s;
+    for (int a : top) s += (s.empty() ? "" : " ") + std::to_string(a);
+    spdlog::debug("target layer {}: best source layers {}", l, s);
+  }
+  return rankings;
+}
+
+MomentPlan selection_plan(const std::vector<std::vector<int>>& rankings, int kmax) {
+  MomentPlan p;
+  for (size_t l = 0; l < rankings.size(); ++l) {
+    const auto top = top_k(rankings[l], kmax);
+    for (size_t i = 0; i < top.size(); ++i) {
+      for (size_t j = i; j < top.size(); ++j) p.gram.emplace_back(std::min(top[i], top[j]), std::max(top[i], top[j]));
+      p.cross.emplace_back(top[i], static_cast<int>(l));
+    }
+  }
+  std::sort(p.gram.begin(), p.gram.end());
+  p.gram.erase(std::unique(p.gram.begin(), p.gram.end()), p.gram.end());
+  return p;
+}
+
+}  // namespace crosskv

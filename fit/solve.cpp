@@ -1,0 +1,199 @@
+#include "fit/solve.hpp"
+
+#include <chrono>
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <numeric>
+
+#include "core/bytes.hpp"
+#include "core/comm.hpp"
+#include "core/error.hpp"
+#include "runtime/log.hpp"
+#include "fit/ridge.hpp"
+#include "fit/checkpoint.hpp"
+#include "fit/export.hpp"
+#include "fit/grid.hpp"
+
+namespace crosskv {
+namespace {
+
+// A rank's part in the solve (see solve_layers): a member of a pair of its layer group's readers (0: keys, 1: values), or
+// a reader alone (both kinds; an odd last reader, or a layer group of one).
+struct SolveUnit {
+  SolveUnit(const Grid& g, Comm& comm) {
+    const int pairs = g.token_groups / 2;
+    paired = g.token_group < 2 * pairs;
+    index = paired ? g.token_group / 2 : pairs;
+    units = pairs + g.token_groups % 2;
+    member = paired ? g.token_group % 2 : 0;
+    const int color = paired ? g.layer_group * g.token_groups + index : g.layer_groups * g.token_groups + comm.rank();
+    pair = comm.split(color, comm.rank());
+    CROSSKV_ASSERT(!paired || pair->rank() == member, "a pair's ranks are its members in token-group order");
+  }
+  bool solves_keys() const { return !paired || member == 0; }
+  bool solves_values() const { return !paired || member == 1; }
+  bool writes(size_t i) const { return !paired || static_cast<int>(i % 2) == member; }  // the unit's i-th layer
+  bool paired = false;
+  int index = 0, units = 1, member = 0;
+  std::unique_ptr<Comm> pair;  // the pair (or this rank alone)
+};
+
+// One kind's fits of a target layer, from pair member `from` to the other (a broadcast over the pair).
+void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
+  ByteWriter w;
+  if (pair.rank() == from) {
+    const uint64_t count = fits.size();
+    w.put(&count, 8);
+    for (const LayerFit& f : fits) {
+      w.put(&f.k, sizeof f.k);
+      w.put(&f.structure, sizeof f.structure);
+      w.put_vec(f.layers);
+      w.put_vec(f.W);
+      w.put_vec(f.b);
+      w.put_vec(f.r2);
+    }
+  }
+  broadcast_string(pair, w.bytes(), from);
+  if (pair.rank() == from) return;
+  ByteReader r(w.bytes(), "a pair's fits");
+  uint64_t count = 0;
+  r.get(&count, 8);
+  fits.assign(count, LayerFit{});
+  for (LayerFit& f : fits) {
+    r.get(&f.k, sizeof f.k);
+    r.get(&f.structure, sizeof f.structure);
+    r.get_vec(f.layers);
+    r.get_vec(f.W);
+    r.get_vec(f.b);
+    r.get_vec(f.r2);
+  }
+  CROSSKV_ASSERT(r.done(), "a pair's fits have bytes left over");
+}
+
+}  // namespace
+
+void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
+                  const std::vector<std::vector<int>>& rankings, double lambda, ArtifactWriter& writer,
+                  const std::string& ckpt_dir) {
+  const Grid& grid = *ctx.grid;
+  const PairDims& d = plan.dims;
+  std::vector<int> counts;
+  for (const auto& k : plan.ks) counts.push_back(k.count);
+  const SolveUnit unit(grid, ctx.comm);
+  std::vector<int> unit_layers;
+  for (int l = 0, j = 0; l < d.Lt; ++l)
+    if (grid.owns_target(l) && j++ % unit.units == unit.index) unit_layers.push_back(l);
+  // Layers already written by an interrupted run: each is checked by the rank that writes it, and a pair agrees.
+  std::vector<char> written(unit_layers.size(), 0);
+  for (size_t i = 0; i < unit_layers.size(); ++i)
+    if (unit.writes(i)) written[i] = writer.resume_layer(unit_layers[i]) ? 1 : 0;
+  for (int from = 0; unit.paired && from < 2; ++from) {
+    std::vector<char> theirs = written;
+    unit.pair->broadcast(theirs.data(), theirs.size(), from);
+    for (size_t i = 0; i < theirs.size(); ++i)
+      if (static_cast<int>(i % 2) == from) written[i] = theirs[i];
+  }
+  std::vector<std::pair<int, bool>> todo;  // target layer, written here
+  for (size_t i = 0; i < unit_layers.size(); ++i)
+    if (!written[i]) todo.emplace_back(unit_layers[i], unit.writes(i));
+  if (todo.size() < unit_layers.size())
+    spdlog::info("export: {} target layer(s) already written by an interrupted run of this job; solving {}",
+                 unit_layers.size() - todo.size(), todo.size());
+  // A pair member solves one kind: the other kind's moments are not needed here any more.
+  if (unit.paired) (unit.solves_keys() ? mv : mk) = Moments{};
+  const auto& ss = plan.structures;
+  const bool cross = has_structure(ss, Structure::cross_head);
+  // k = all is the same system for every target layer: factor it once per kind solved here (per head: on first use).
+  std::unique_ptr<Factor> all_k, all_v;
+  std::vector<Factor> head_all_k, head_all_v;
+  if (cross && counts.back() == d.Ls && todo.size() > 1) {
+    const auto t_factor = std::chrono::steady_clock::now();
+    std::vector<int> asc(d.Ls);
+    std::iota(asc.begin(), asc.end(), 0);
+    if (unit.solves_keys()) all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, lambda));
+    if (unit.solves_values()) all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, lambda));
+    spdlog::info("factored the k = all system {} ({} features) in {}",
+                 unit.paired ? "of one kind (keys and values solved by a pair of ranks)" : "once per kind",
+                 (all_k ? all_k : all_v)->n, human_seconds(seconds_since(t_factor)));
+  }
+  Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(todo.size()), 0,
+                    "target layers");
+  SolveWorkspace workspace;  // reused by every target layer, keys and values
+  for (const auto& [l, writes] : todo) {
+    if (!unit.pair->all_ok(!ctx.stop.requested()))
+      throw Interrupted("stopped by a signal while solving; the moments are committed in " + ckpt_dir);
+    const std::string what = "target layer " + std::to_string(l);
+    std::vector<LayerFit> fk, fv;
+    // Every structure's fits, in the plan's slot order (structure-major).
+    auto sweep = [&](const Moments& m, const std::string& kind, const Factor* all, std::vector<Factor>& head_all,
+                     std::vector<LayerFit>& into) {
+      for (const Structure s : ss) {
+        std::vector<LayerFit> f =
+            s == Structure::cross_head
+                ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind, all, &workspace)
+                : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind + ", per_head",
+                                     &head_all, &workspace);
+        for (auto& x : f) into.push_back(std::move(x));
+      }
+    };
+    if (unit.solves_keys()) sweep(mk, "keys", all_k.get(), head_all_k, fk);
+    if (unit.solves_values()) sweep(mv, "values", all_v.get(), head_all_v, fv);
+    if (unit.paired) {  // the member that does not write this layer sends its kind to the one that does
+      const int from = writes ? 1 - unit.member : unit.member;
+      send_fits(*unit.pair, from, from == 0 ? fk : fv);
+    }
+    if (writes) writer.write_layer(l, std::move(fk), std::move(fv));  // written while the next layer solves
+    progress.add(1);
+  }
+  writer.drain();
+  progress.finish();
+  const SolveTimes& st = workspace.times;
+  spdlog::info("solve: {} assembling right-hand sides, {} assembling and factoring systems, {} substituting, {} "
+               "R²/biases/weights; files "
+               "converted and written in {} ({} converting; {} of it behind the solves)",
+               human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
+               human_seconds(st.finish), human_seconds(writer.write_seconds()), human_seconds(writer.convert_seconds()),
+               human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
+}
+
+nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int ranks) {
+  const FitConfig& cfg = cal.cfg;
+  std::vector<int> counts;
+  for (const auto& k : plan.ks) counts.push_back(k.count);
+  nlohmann::json id = checkpoint_identity(cal, plan, ranks);
+  id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", weight_dtype_name(cfg.dtype)},
+               {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
+  // Recorded only when it differs from the paper's, so that an export interrupted before this field resumes.
+  if (plan.structures != std::vector<Structure>{Structure::cross_head}) {
+    nlohmann::json s = nlohmann::json::array();
+    for (const Structure x : plan.structures) s.push_back(to_string(x));
+    id["fit"]["structure"] = s;
+  }
+  // The residual-MLP stage rewrites layer files before they are published: an interrupted export of another
+  // mapper setting is another job's (its rewritten layers carry MLPs).
+  if (cfg.mapper != MapperKind::ridge) {
+    id["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
+    id["fit"]["mlp"] = mlp_settings_json(mlp_settings(cfg.mlp));
+    nlohmann::json held = nlohmann::json::array();
+    for (const auto& e : cal.eval_shards) held.push_back(e.rel);
+    id["fit"]["mlp"]["eval_shards"] = held;
+  }
+  return id;
+}
+
+std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
+                                          Moments& mv, const std::vector<std::vector<int>>& rankings,
+                                          const std::string& ckpt_dir,
+                                          const std::function<ManifestRun()>& manifest_run, bool publish) {
+  ArtifactWriter writer(cal, plan, ctx.comm.rank());
+  if (ctx.comm.rank() == 0) writer.begin(export_identity(cal, plan, ctx.comm.size()));
+  ctx.comm.barrier();
+  solve_layers(ctx, plan, mk, mv, rankings, cal.cfg.lambda, writer, ckpt_dir);
+  const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
+  if (ctx.comm.rank() != 0) return {};
+  for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));
+  return writer.finish(manifest_run(), publish);
+}
+
+}  // namespace crosskv
