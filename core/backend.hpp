@@ -230,6 +230,7 @@ class ServingKernels {
   // True when the memory below is device memory (a host array must be copied in, not named).
   virtual bool memory_on_device() const = 0;
   // Memory of this backend, owned by its handle (released with it; a device backend first waits for its stream).
+  // Fresh memory holds anything (a device's does): callers write before they read.
   struct Memory {
     virtual ~Memory() = default;
     void* data = nullptr;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <utility>
 
@@ -56,6 +57,14 @@ class ServingAffine final : public AffineKernels {
 
  private:
   ServingKernels& be_;
+};
+
+// A host vector kept as a host backend's memory (no copy: host memory is that backend's).
+struct AdoptedWeights final : ServingKernels::Memory {
+  explicit AdoptedWeights(std::vector<float> v) : values(std::move(v)) {
+    data = values.data(), bytes = static_cast<int64_t>(values.size()) * 4;
+  }
+  std::vector<float> values;
 };
 
 void check_range(const char* name, const char* what, int first, int count, int n) {
@@ -159,8 +168,11 @@ void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads, T
   auto put = [&](const void* host, int64_t bytes, ServingKernels::MemoryPtr& into, int64_t at) {
     be_.copy_from_host(host, bytes, static_cast<char*>(into->data) + at);
   };
+  // A one-layer window on a host backend (the streamed Transfer's) keeps the layer's weight vectors as they are.
+  const bool adopt = n == 1 && !be_.memory_on_device();
   for (Kind* kd : {&keys_, &values_}) {
-    kd->w = be_.allocate(n * K * G * 4), kd->b = be_.allocate(n * G * 4);
+    if (!adopt) kd->w = be_.allocate(n * K * G * 4);
+    kd->b = be_.allocate(n * G * 4);
     kd->mlp.resize(n), kd->mlp_shape.resize(n);
     weight_bytes_ += (n * K * G + n * G) * 4;
   }
@@ -174,7 +186,11 @@ void ServingMapper::upload(std::vector<MapperLayer> layers, TargetHeads heads, T
     keep_heads(m_, x, heads_);
     selected_.push_back(x.source_layers);
     for (auto [kd, wt, bias, mlp] : {std::tuple{&keys_, &x.wk, &x.bk, &x.mlp_k}, {&values_, &x.wv, &x.bv, &x.mlp_v}}) {
-      put(wt->data(), K * G * 4, kd->w, i * K * G * 4);
+      CROSSKV_ASSERT(static_cast<int64_t>(wt->size()) == K * G, "serving mapper: weights cut to their heads");
+      if (adopt)
+        kd->w = std::make_unique<AdoptedWeights>(std::move(*wt));
+      else
+        put(wt->data(), K * G * 4, kd->w, i * K * G * 4);
       put(bias->data(), G * 4, kd->b, i * G * 4);
       if (!mlp->flat.empty()) {
         const int64_t bytes = static_cast<int64_t>(mlp->flat.size()) * 4;

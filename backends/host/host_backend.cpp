@@ -5,6 +5,7 @@
 #include <lapacke.h>
 
 #include <algorithm>
+#include <memory>
 #include <cstring>
 
 #include "backends/backends.hpp"
@@ -198,14 +199,15 @@ void HostBackend::copy_sums(const std::vector<SumPiece<double>>& pieces, int64_t
 
 namespace {
 struct HostMemory final : ServingKernels::Memory {
-  std::vector<float> storage;  // float-aligned; any type up to float's alignment fits
+  std::unique_ptr<float[]> storage;  // float-aligned (any type up to float's alignment fits); not zeroed, as a
+                                     // device's fresh memory is not: every user writes before it reads
 };
 }  // namespace
 
 ServingKernels::MemoryPtr HostBackend::allocate(int64_t bytes) {
   auto m = std::make_unique<HostMemory>();
-  m->storage.resize(static_cast<size_t>((bytes + 3) / 4));
-  m->data = m->storage.data(), m->bytes = bytes;
+  m->storage.reset(new float[static_cast<size_t>((bytes + 3) / 4)]);
+  m->data = m->storage.get(), m->bytes = bytes;
   return m;
 }
 
