@@ -3,9 +3,13 @@
 file name anywhere in it), a C++ or Python identifier as a word of its sources. Prose, commands, options and names
 of things a run makes (build/, k<K>/, ...) are not checked. Usage: doc_names.py [DOC ...] (default:
 docs/ARCHITECTURE.md), or --self-test (a planted document). Exits 1 naming each missing one with its line."""
+import contextlib
+import io
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,12 +83,9 @@ def check(tok, paths, folders, names, words):
 
 def self_test():
     """The checker catches planted names: a document naming two that exist and two that do not fails on those two."""
-    import tempfile
     with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
         f.write("`core/backend.hpp` and `ServingMapper` exist;\n`core/no_such_file.hpp` and `no_such_symbol_xyz()` do not.\n")
     try:
-        import contextlib
-        import io
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = main([f.name])
@@ -98,7 +99,6 @@ def self_test():
 
 
 if __name__ == "__main__":
-    import os
     if sys.argv[1:] == ["--self-test"]:
         sys.exit(self_test())
     sys.exit(main(sys.argv[1:] or ["docs/ARCHITECTURE.md"]))
