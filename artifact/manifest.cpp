@@ -41,7 +41,8 @@ nlohmann::json calibration_json(const ManifestCalibration& c) {
           {"shards", shards},
           {"tokens_used", c.tokens_used},
           {"token_stride", c.token_stride},
-          {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)}};
+          {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json(nullptr)},
+          {"token_weighting", c.token_weighting}};
 }
 
 nlohmann::json mlp_settings_json(const ManifestMlpSettings& m) {

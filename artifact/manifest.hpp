@@ -39,6 +39,7 @@ struct ManifestCalibration {
   std::vector<ManifestShard> shards;
   int64_t tokens_used = 0, token_stride = 1;
   std::optional<int64_t> max_tokens;
+  std::string token_weighting = "uniform";  // fit.weighting: "uniform" or "dataset" (the target shards' weights)
 };
 
 // The run that made it: "timings_s" (stage -> seconds), "grid", "passes", "r2_file".

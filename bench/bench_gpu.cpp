@@ -231,8 +231,8 @@ int main(int argc, char** argv) {
     be->begin_inputs();
     be->stage_inputs({{Xs.data(), rows * d.X() * 2}, {Ys.data(), rows * d.Y() * 2}, {pos.data(), rows * 4}});
     const ComputeBackend::Strip sx{&rs, pos.data()}, sy{&rt, pos.data()};
-    const float* x = be->prepare({Xs.data(), Dtype::bf16, rows, d.X()}, &sx, shx.data(), hx);
-    const float* y = be->prepare({Ys.data(), Dtype::bf16, rows, d.Y()}, &sy, shy.data(), hy);
+    const float* x = be->prepare({Xs.data(), Dtype::bf16, rows, d.X()}, &sx, shx.data(), nullptr, hx);
+    const float* y = be->prepare({Ys.data(), Dtype::bf16, rows, d.Y()}, &sy, shy.data(), nullptr, hy);
     m.accumulate_staged(*be, x, y, rows);
   };
   // The next round's first block holds the sums again (zeroed on the device: nothing crosses PCIe).

@@ -136,13 +136,16 @@ class InputPreparation {
     const int32_t* positions;
   };
   // The moments' inputs from stored values in one pass (SPEC §2-3): fp32, RoPE stripped (strip may be null), minus
-  // shift[cols]. Returns the operand: `host` (resized, filled) on a host backend, device memory on a device one.
-  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+  // shift[cols], times row_scale[t] (a staged array, sqrt of the token weights; null: 1). Returns the operand: `host`
+  // (resized, filled) on a host backend, device memory on a device one.
+  virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, const float* row_scale,
                                std::vector<float>& host) = 0;
   // Head-major copy of X [rows x L*H*D]: out[t, (h*L + a)*D + j] = X[t, a*H*D + h*D + j]. Returns the operand.
   virtual const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) = 0;
-  // sum[c] += sum_t X[t, c]; sumsq[c] += sum_t X[t, c]^2 when sumsq is given (fp64 held sums, like C).
-  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) = 0;
+  // sum[c] += sum_t r[t] X[t, c] (r = row_weight, a staged array; null: 1); sumsq[c] += sum_t X[t, c]^2 when sumsq
+  // is given (fp64 held sums, like C).
+  virtual void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, const float* row_weight,
+                            double* sum, double* sumsq) = 0;
 };
 
 // Residency: where sums and operands live (a host backend keeps everything on the host).

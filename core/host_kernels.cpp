@@ -10,7 +10,7 @@
 namespace crosskv {
 
 const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
-                             const float* shift, std::vector<float>& host) {
+                             const float* shift, const float* row_scale, std::vector<float>& host) {
   const int64_t cols = in.cols;
   if (strip) CROSSKV_ASSERT(cols % strip->rope->head_dim() == 0, "prepare: row width is not a multiple of head_dim");
   host.resize(static_cast<size_t>(in.rows * cols));
@@ -28,6 +28,8 @@ const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const Comput
     if (strip) strip->rope->strip_block(o, 1, cols / strip->rope->head_dim(), strip->positions + t);
     if (shift)
       for (int64_t c = 0; c < cols; ++c) o[c] -= shift[c];
+    if (row_scale)
+      for (int64_t c = 0; c < cols; ++c) o[c] *= row_scale[t];
   }
   return host.data();
 }

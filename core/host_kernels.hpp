@@ -15,7 +15,7 @@ void assemble_cov_on_host(const ComputeBackend::CovTerms& t, double lambda, doub
 // prepare() on the host: the CPU backend's, the reference for device backends, and what a reader thread runs when
 // the backend prepares on the host (it is thread-safe).
 const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
-                             const float* shift, std::vector<float>& host);
+                             const float* shift, const float* row_scale, std::vector<float>& host);
 
 // fp32 -> bf16 or fp16 bits on the host, in parallel (the CPU backend's to_half, and export's: the bits of the
 // device's conversion).

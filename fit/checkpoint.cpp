@@ -236,11 +236,14 @@ nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, 
   for (const auto& s : cal.shards)
     shards.push_back({s.rel, s.used, s.fingerprint, file_stamp(s.source_path), file_stamp(s.target_path)});
   const auto& c = cal.cfg;
-  return {{"source_store", c.source_store}, {"target_store", c.target_store}, {"domains", cal.domains},
+  nlohmann::json id = {{"source_store", c.source_store}, {"target_store", c.target_store}, {"domains", cal.domains},
           {"token_stride", c.token_stride}, {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json()},
           {"block_tokens", c.block_tokens}, {"every_shards", c.checkpoint_every_shards},
           {"probe", to_string(c.probe)}, {"single_pass", plan.single_pass}, {"ranks", ranks}, {"layer_groups", plan.layer_groups},
           {"shards", shards}};
+  // Weighted moments are other moments (absent when uniform, so that checkpoints from before it stay valid).
+  if (c.weighting != Weighting::uniform) id["weighting"] = to_string(c.weighting);
+  return id;
 }
 
 CheckpointStore::CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm, StopFlag stop)

@@ -243,6 +243,7 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
   for (const auto& s : cal_.shards) calibration.shards.push_back({s.rel, s.domain, s.fingerprint, s.rows, s.used});
   calibration.tokens_used = cal_.tokens_used, calibration.token_stride = c.token_stride;
   calibration.max_tokens = c.max_tokens;
+  calibration.token_weighting = to_string(c.weighting);
   for (size_t i = 0; i < plan_.slots(); ++i) {
     const KPlan& kp = plan_.slot_k(i);
     const Structure st = plan_.slot_structure(i);

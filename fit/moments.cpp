@@ -1,6 +1,7 @@
 #include "fit/moments.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/backend.hpp"
 #include "core/host_kernels.hpp"
@@ -25,24 +26,40 @@ Moments::Moments(const PairDims& dims, std::vector<float> shift_x, std::vector<f
 
 void Moments::add_plan(const MomentPlan& plan) { blocks_.add_plan(plan); }
 
-void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows) {
+void Moments::accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows, const float* weights) {
   const int64_t XW = d_.X(), YW = d_.Y();
+  std::vector<float> sqrt_w;
+  RowWeights w;
+  if (weights) {
+    sqrt_w.resize(static_cast<size_t>(rows));
+    for (int64_t t = 0; t < rows; ++t) {
+      sqrt_w[t] = std::sqrt(weights[t]);
+      w.sum += weights[t];
+    }
+    w.sqrt_w = sqrt_w.data();
+  }
   for (int64_t t = 0; t < rows; ++t) {
     for (int64_t c = 0; c < XW; ++c) X[t * XW + c] -= shift_x_[c];
     for (int64_t c = 0; c < YW; ++c) Y[t * YW + c] -= shift_y_[c];
+    if (!weights) continue;
+    for (int64_t c = 0; c < XW; ++c) X[t * XW + c] *= sqrt_w[t];
+    for (int64_t c = 0; c < YW; ++c) Y[t * YW + c] *= sqrt_w[t];
   }
   be.begin_inputs();
   be.stage_inputs({ComputeBackend::floats(X, rows * XW), ComputeBackend::floats(Y, rows * YW)});
-  accumulate_staged(be, X, Y, rows);
+  if (weights) be.stage_inputs({ComputeBackend::floats(sqrt_w.data(), rows)});
+  accumulate_staged(be, X, Y, rows, w);
 }
 
-void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows) {
+void Moments::accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows,
+                                const RowWeights& w) {
   const int64_t XW = d_.X(), YW = d_.Y();
   hold_sums(be);
   if (!stats_done_) {
-    be.column_stats(rows, XW, X, XW, held_stats_[0]->at(sum_x_.data()), nullptr);
-    be.column_stats(rows, YW, Y, YW, held_stats_[1]->at(sum_y_.data()), held_stats_[2]->at(sq_y_.data()));
-    n_ += static_cast<double>(rows);
+    // Rows are scaled by sqrt(w): weighing the column sums by sqrt(w) again gives Σ w x; the squares are Σ w y².
+    be.column_stats(rows, XW, X, XW, w.sqrt_w, held_stats_[0]->at(sum_x_.data()), nullptr);
+    be.column_stats(rows, YW, Y, YW, w.sqrt_w, held_stats_[1]->at(sum_y_.data()), held_stats_[2]->at(sq_y_.data()));
+    n_ += w.sqrt_w ? w.sum : static_cast<double>(rows);
   }
   blocks_.accumulate(be, X, Y, rows);
 }

@@ -16,6 +16,14 @@ namespace crosskv {
 
 class Comm;
 
+// Per-token weights of one block of rows (fit.weighting: dataset, SPEC §3): the moments are Σ w x xᵀ, Σ w x yᵀ,
+// Σ w x, Σ w y², N = Σ w. sqrt_w scales the shifted rows (prepare's row_scale) and weighs the column sums; it is a
+// staged operand. A null sqrt_w is the unweighted fit (every w = 1).
+struct RowWeights {
+  const float* sqrt_w = nullptr;
+  double sum = 0;  // Σ w over the block's rows
+};
+
 class Moments {
  public:
   Moments() = default;
@@ -25,13 +33,15 @@ class Moments {
   // Adds blocks to accumulate in the coming pass (new blocks start at zero); complete blocks are kept as they are.
   void add_plan(const MomentPlan& plan);
 
-  // Folds in `rows` tokens: X [rows x Ls*F] and Y [rows x Lt*G], row-major, unshifted (shifted here, in place).
-  // Token sums and target variances are accumulated in the first pass only. The sums are held where the backend
-  // accumulates (hold_sums) until release_sums(): a device backend's stay on the device in between.
-  void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows);
-  // The same for inputs already shifted (by shift_x()/shift_y()) and staged or prepared in the backend's current
-  // round (ComputeBackend::begin_inputs): X and Y are the backend's operands, possibly device memory.
-  void accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows);
+  // Folds in `rows` tokens: X [rows x Ls*F] and Y [rows x Lt*G], row-major, unshifted (shifted, and scaled by the
+  // square roots of `weights` [rows] when given, here, in place). Token sums and target variances are accumulated in
+  // the first pass only. The sums are held where the backend accumulates (hold_sums) until release_sums(): a device
+  // backend's stay on the device in between.
+  void accumulate(ComputeBackend& be, float* X, float* Y, int64_t rows, const float* weights = nullptr);
+  // The same for inputs already shifted (by shift_x()/shift_y()), scaled by w.sqrt_w when weighted, and staged or
+  // prepared in the backend's current round (ComputeBackend::begin_inputs): X and Y are the backend's operands,
+  // possibly device memory.
+  void accumulate_staged(ComputeBackend& be, const float* X, const float* Y, int64_t rows, const RowWeights& w = {});
   // Holds the live sums where `be` accumulates them (ComputeBackend::hold_sums): done by accumulate() if not before;
   // holding them first makes live_pieces() name the held copies. Calls while held do nothing.
   void hold_sums(ComputeBackend& be);
@@ -65,6 +75,7 @@ class Moments {
   BlockRef complete_gram(int a, int b) { return blocks_.complete_gram(a, b); }
 
   int64_t tokens() const { return static_cast<int64_t>(n_); }
+  double weight_sum() const { return n_; }  // Σ w (the token count when unweighted)
   bool has_gram(int a, int b) const { return blocks_.has_gram(a, b); }
   bool has_cross(int a, int l) const { return blocks_.has_cross(a, l); }
   bool has_head_probe(int h) const { return blocks_.has_head_probe(h); }

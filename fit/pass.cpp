@@ -213,7 +213,13 @@ void add_stats(PassStats& to, const PassStats& s) {
   to.bytes += s.bytes;
 }
 
-// Pass 1 domain by domain, each with complete moments of its own (<ckpt_dir>/domain-<name>) over `full` and the
+// Where moments of this weighting are committed: <ckpt_dir> for uniform ones, <ckpt_dir>/weighted for weighted ones
+// (kept apart: a refit that switches the weighting back reads nothing). The provisional shifts stay in <ckpt_dir>.
+std::string moments_dir(const std::string& ckpt_dir, const FitConfig& c) {
+  return c.weighting == Weighting::uniform ? ckpt_dir : (fs::path(ckpt_dir) / "weighted").string();
+}
+
+// Pass 1 domain by domain, each with complete moments of its own (<moments_dir>/domain-<name>) over `full` and the
 // probe's `pp`, summed with the domains' weights into `into`.
 PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, const std::string& ckpt_dir,
                           bool fresh, const Shifts& sh, const MomentPlan& full, const MomentPlan& pp,
@@ -238,7 +244,8 @@ PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& 
     sub.domains = {dom};
     nlohmann::json id = checkpoint_identity(sub, plan, ctx.comm.size());
     id["shift_sha256"] = shift_sha;
-    CheckpointStore ds((fs::path(ckpt_dir) / ("domain-" + dom)).string(), id, ctx.comm, ctx.stop);
+    CheckpointStore ds((fs::path(moments_dir(ckpt_dir, cal.cfg)) / ("domain-" + dom)).string(), id, ctx.comm,
+                       ctx.stop);
     PassState st = ds.load(fresh, /*cache=*/true, one_reader).value_or(PassState{});
     FitMoments dm = pass1_moments(sh, d, *ctx.grid, full, pp);
     add_stats(stats, run_pass(1, sub, ctx, ds, st, {&dm.k, dm.k_raw.get(), &dm.v}, "pass 1/1 [domain " + dom + "]",
@@ -283,7 +290,8 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
     p1.stats = per_domain_pass(cal, plan, ctx, ckpt_dir, fresh, sh, full, pp, p1.m);
   } else {
     const bool one_reader = ctx.readers().size() == 1;  // its checkpointed sums are read straight into its moments
-    p1.store = std::make_unique<CheckpointStore>(ckpt_dir, checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm,
+    p1.store = std::make_unique<CheckpointStore>(moments_dir(ckpt_dir, cal.cfg),
+                                                 checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm,
                                                  ctx.stop);
     p1.state = p1.store->load(fresh, false, one_reader).value_or(PassState{});
     p1.stats = run_pass(1, cal, ctx, *p1.store, p1.state, {&p1.m.k, p1.m.k_raw.get(), &p1.m.v},

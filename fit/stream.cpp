@@ -53,6 +53,9 @@ struct Block {
   Stored sk, sv, tk, tv;
   std::vector<int32_t> spos, tpos;
   std::vector<float> xk, xk_raw, xv, yk, yk_raw, yv;
+  std::vector<float> sqrt_w;  // fit.weighting: dataset: sqrt of the target's per-token weights
+  double weight_sum = 0;
+  RowWeights weights() const { return sqrt_w.empty() ? RowWeights{} : RowWeights{sqrt_w.data(), weight_sum}; }
 };
 
 struct ShardPairReader {
@@ -114,16 +117,31 @@ void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibr
   };
   side(r.source, d.F(), d.Ls, b.sk, b.sv, b.spos);
   side(r.target, d.G(), d.Lt, b.tk, b.tv, b.tpos);
-  if (!host) return;
-  const ComputeBackend::Strip ss{&rs, b.spos.data()}, st{&rt, b.tpos.data()};
-  prepare_on_host(b.sk.block(rows), &ss, host->xk, b.xk);
-  prepare_on_host(b.tk.block(rows), &st, host->yk, b.yk);
-  if (want_raw) {
-    prepare_on_host(b.sk.block(rows), nullptr, host->xk_raw, b.xk_raw);
-    prepare_on_host(b.tk.block(rows), nullptr, host->yk_raw, b.yk_raw);
+  b.sqrt_w.clear();
+  b.weight_sum = 0;
+  if (cal.cfg.weighting == Weighting::dataset) {
+    b.sqrt_w.resize(static_cast<size_t>(rows));
+    r.target.read_weights(t0, rows, stride, b.sqrt_w.data());
+    for (int64_t t = 0; t < rows; ++t) {
+      const float w = b.sqrt_w[t];
+      if (!(w >= 0.0f && std::isfinite(w)))  // validate() read them; the file changed since
+        throw InputError(r.target.header().path + ": dataset 'weights' has " + std::to_string(w) + " at token " +
+                         std::to_string(t0 + t * stride) + " (expected finite weights >= 0)");
+      b.weight_sum += w;
+      b.sqrt_w[t] = std::sqrt(w);
+    }
   }
-  prepare_on_host(b.sv.block(rows), nullptr, host->xv, b.xv);
-  prepare_on_host(b.tv.block(rows), nullptr, host->yv, b.yv);
+  if (!host) return;
+  const float* scale = b.sqrt_w.empty() ? nullptr : b.sqrt_w.data();
+  const ComputeBackend::Strip ss{&rs, b.spos.data()}, st{&rt, b.tpos.data()};
+  prepare_on_host(b.sk.block(rows), &ss, host->xk, scale, b.xk);
+  prepare_on_host(b.tk.block(rows), &st, host->yk, scale, b.yk);
+  if (want_raw) {
+    prepare_on_host(b.sk.block(rows), nullptr, host->xk_raw, scale, b.xk_raw);
+    prepare_on_host(b.tk.block(rows), nullptr, host->yk_raw, scale, b.yk_raw);
+  }
+  prepare_on_host(b.sv.block(rows), nullptr, host->xv, scale, b.xv);
+  prepare_on_host(b.tv.block(rows), nullptr, host->yv, scale, b.yv);
 }
 
 // One producer thread reads blocks ahead; the consumer folds them in. HDF5 is only ever called from the producer.
@@ -218,7 +236,9 @@ Shifts compute_shifts(const Calibration& cal) {
   const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
   Block b;
   const BlockShifts none{};
-  read_block(r, rs, rt, cal, 0, rows, true, &none, b);
+  Calibration unweighted = cal;  // any shift serves; this one does not depend on the weighting (or need weights)
+  unweighted.cfg.weighting = Weighting::uniform;
+  read_block(r, rs, rt, unweighted, 0, rows, true, &none, b);
   const PairDims d = cal.dims();
   return {column_means(b.xk, rows, d.X()),     column_means(b.yk, rows, d.Y()), column_means(b.xk_raw, rows, d.X()),
           column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
@@ -342,31 +362,33 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
   auto fold = [&](Block& b) {
     be.begin_inputs();
     const int64_t n = b.rows;
+    const RowWeights w = b.weights();
+    if (w.sqrt_w) be.stage_inputs({ComputeBackend::floats(w.sqrt_w, n)});
     if (!on_device) {
       be.stage_inputs({ComputeBackend::floats(b.xk.data(), n * d.X()), ComputeBackend::floats(b.yk.data(), n * d.Y()),
                        ComputeBackend::floats(b.xv.data(), n * d.X()), ComputeBackend::floats(b.yv.data(), n * d.Y())});
       if (want_raw)
         be.stage_inputs({ComputeBackend::floats(b.xk_raw.data(), n * d.X()),
                          ComputeBackend::floats(b.yk_raw.data(), n * d.Y())});
-      k.accumulate_staged(be, b.xk.data(), b.yk.data(), n);
-      if (want_raw) k_rope->accumulate_staged(be, b.xk_raw.data(), b.yk_raw.data(), n);
-      v.accumulate_staged(be, b.xv.data(), b.yv.data(), n);
+      k.accumulate_staged(be, b.xk.data(), b.yk.data(), n, w);
+      if (want_raw) k_rope->accumulate_staged(be, b.xk_raw.data(), b.yk_raw.data(), n, w);
+      v.accumulate_staged(be, b.xv.data(), b.yv.data(), n, w);
       return;
     }
     be.stage_inputs({b.sk.span(), b.sv.span(), b.tk.span(), b.tv.span(),
                      {b.spos.data(), n * 4}, {b.tpos.data(), n * 4}});
     const ComputeBackend::Strip ss{&rs, b.spos.data()}, tt{&rt, b.tpos.data()};
-    const float* xk = be.prepare(b.sk.block(n), &ss, shifts.xk, b.xk);
-    const float* yk = be.prepare(b.tk.block(n), &tt, shifts.yk, b.yk);
-    k.accumulate_staged(be, xk, yk, n);
+    const float* xk = be.prepare(b.sk.block(n), &ss, shifts.xk, w.sqrt_w, b.xk);
+    const float* yk = be.prepare(b.tk.block(n), &tt, shifts.yk, w.sqrt_w, b.yk);
+    k.accumulate_staged(be, xk, yk, n, w);
     if (want_raw) {
-      const float* xr = be.prepare(b.sk.block(n), nullptr, shifts.xk_raw, b.xk_raw);
-      const float* yr = be.prepare(b.tk.block(n), nullptr, shifts.yk_raw, b.yk_raw);
-      k_rope->accumulate_staged(be, xr, yr, n);
+      const float* xr = be.prepare(b.sk.block(n), nullptr, shifts.xk_raw, w.sqrt_w, b.xk_raw);
+      const float* yr = be.prepare(b.tk.block(n), nullptr, shifts.yk_raw, w.sqrt_w, b.yk_raw);
+      k_rope->accumulate_staged(be, xr, yr, n, w);
     }
-    const float* xv = be.prepare(b.sv.block(n), nullptr, shifts.xv, b.xv);
-    const float* yv = be.prepare(b.tv.block(n), nullptr, shifts.yv, b.yv);
-    v.accumulate_staged(be, xv, yv, n);
+    const float* xv = be.prepare(b.sv.block(n), nullptr, shifts.xv, w.sqrt_w, b.xv);
+    const float* yv = be.prepare(b.tv.block(n), nullptr, shifts.yv, w.sqrt_w, b.yv);
+    v.accumulate_staged(be, xv, yv, n, w);
   };
   PassStats st;
   BlockQueue queue;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -177,6 +178,29 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
   return {src, tgt_set};
 }
 
+// fit.weighting: dataset reads the target shard's `weights` (SPEC §5): present (in the target's shard, not only the
+// source's), finite, >= 0, and not all zero over the tokens the fit uses.
+void check_weights(const FitConfig& cfg, const ShardPair& p, const ShardReader& s, const ShardReader& t) {
+  if (cfg.weighting != Weighting::dataset) return;
+  if (!t.header().has_weights)
+    throw InputError(p.target_path + ": no dataset 'weights' (fit.weighting: dataset reads per-token weights from the "
+                     "target's shards" + (s.header().has_weights ? "; " + p.source_path + " has one, but the source's "
+                     "are not read: write them into the target's shard" : "") + ")");
+  const int64_t used = (t.header().tokens + cfg.token_stride - 1) / cfg.token_stride;
+  std::vector<float> w(static_cast<size_t>(used));
+  t.read_weights(0, used, cfg.token_stride, w.data());
+  double sum = 0;
+  for (int64_t i = 0; i < used; ++i) {
+    if (!(w[i] >= 0.0f) || !std::isfinite(w[i]))
+      throw InputError(p.target_path + ": dataset 'weights' has " + std::to_string(w[i]) + " at token " +
+                       std::to_string(i * cfg.token_stride) + " (expected finite weights >= 0)");
+    sum += w[i];
+  }
+  if (!(sum > 0))
+    throw InputError(p.target_path + ": dataset 'weights' is all zero over the " + std::to_string(used) +
+                     " tokens the fit reads (the shard would add nothing; leave it out of the store)");
+}
+
 // Each pair's headers, token ids and positions checked against each other and the first pair; tokens counted.
 void read_pairs(const FitConfig& cfg, Calibration& cal) {
   int64_t budget = cfg.max_tokens.value_or(INT64_MAX);
@@ -211,6 +235,7 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
     if (hs.tokens != ht.tokens)
       throw InputError(p.target_path + ": " + std::to_string(ht.tokens) + " tokens, but the source shard has " +
                        std::to_string(hs.tokens));
+    check_weights(cfg, p, s, t);
     const auto ids_s = s.token_ids(), ids_t = t.token_ids();
     if (ids_s != ids_t) {
       size_t i = std::mismatch(ids_s.begin(), ids_s.end(), ids_t.begin()).first - ids_s.begin();

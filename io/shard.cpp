@@ -51,6 +51,18 @@ ShardReader::ShardReader(const std::string& path) {
                    h5::has_fletcher32(h5::open_dataset(file_, "values", path));
   h_.has_queries = h5::has_object(file_, "queries");
   if (h_.has_queries) h_.query_dtype = check_kv_dataset("queries", h_.spec.n_q_heads);
+  h_.has_weights = h5::has_object(file_, "weights");
+  if (h_.has_weights) {
+    h5::Handle d = h5::open_dataset(file_, "weights", path);
+    const auto s = h5::dataset_shape(d, path + ":weights");
+    if (s.size() != 1 || s[0] != h_.tokens)
+      throw InputError(path + ": dataset 'weights' has " + (s.size() == 1 ? std::to_string(s[0]) + " rows" :
+                       std::to_string(s.size()) + " dimensions") + ", expected 1-D [T] with T = " +
+                       std::to_string(h_.tokens) + " (one weight per token)");
+    h5::Handle t(h5::check(H5Dget_type(d), "H5Dget_type", path + ":weights"), H5Tclose);
+    if (H5Tget_class(t) != H5T_FLOAT || H5Tget_size(t) != 4)
+      throw InputError(path + ": dataset 'weights' must be float32");
+  }
 }
 
 Dtype ShardReader::check_kv_dataset(const std::string& name, int heads) {
@@ -175,6 +187,16 @@ void ShardReader::read_positions(int64_t t0, int64_t count, int64_t stride, int3
     throw InputError(h_.path + ": cannot read dataset 'positions' (truncated or corrupt file?)");
 }
 
+void ShardReader::read_weights(int64_t t0, int64_t count, int64_t stride, float* out) const {
+  if (!h_.has_weights) throw InputError(h_.path + ": no dataset 'weights'");
+  h5::Handle d = h5::open_dataset(file_, "weights", h_.path);
+  h5::Handle fspace = row_selection(d, t0, count, stride, {h_.tokens}, h_.path + ":weights");
+  hsize_t m = count;
+  h5::Handle mspace(H5Screate_simple(1, &m, nullptr), H5Sclose);
+  if (H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, out) < 0)
+    throw InputError(h_.path + ": cannot read dataset 'weights' (truncated or corrupt file?)");
+}
+
 ShardWriter::ShardWriter(const std::string& path, const std::string& model, const std::string& domain,
                          const KvSpec& spec, int64_t tokens, Dtype dtype, bool with_queries,
                          int64_t chunk_tokens, bool checksum)
@@ -237,6 +259,9 @@ void ShardWriter::write_positions(const std::vector<int32_t>& v) {
 }
 void ShardWriter::write_seq_offsets(const std::vector<int64_t>& v) {
   write_1d(file_, path_, "seq_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, v.data(), v.size(), checksum_);
+}
+void ShardWriter::write_weights(const std::vector<float>& v) {
+  write_1d(file_, path_, "weights", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, v.data(), v.size(), checksum_);
 }
 
 void ShardWriter::write_rows(const std::string& name, int64_t t0, int64_t count, const float* data) {

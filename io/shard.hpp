@@ -19,6 +19,7 @@ struct ShardHeader {
   int64_t tokens = 0;
   Dtype key_dtype = Dtype::f32, value_dtype = Dtype::f32, query_dtype = Dtype::f32;
   bool has_queries = false;
+  bool has_weights = false;  // the optional per-token `weights` [T] float32 (checked for shape and type)
   bool checksummed = false;  // keys and values carry HDF5's Fletcher-32 checksum (h5::has_fletcher32)
 };
 
@@ -43,6 +44,8 @@ class ShardReader {
   void read_layer(const std::string& dataset, int layer, float* out, std::vector<uint16_t>& raw) const;
   // The same rows of `positions`.
   void read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const;
+  // The same rows of `weights` (InputError naming the file when it has none).
+  void read_weights(int64_t t0, int64_t count, int64_t stride, float* out) const;
 
  private:
   Dtype check_kv_dataset(const std::string& name, int heads);
@@ -65,6 +68,8 @@ class ShardWriter {
   void write_token_ids(const std::vector<int32_t>& ids);
   void write_positions(const std::vector<int32_t>& pos);
   void write_seq_offsets(const std::vector<int64_t>& offs);
+  // The optional per-token weights [T] (float32).
+  void write_weights(const std::vector<float>& w);
   // Rows [t0, t0+count) of keys/values/queries from fp32 [count, L*H*D] (converted to the stored dtype).
   void write_rows(const std::string& dataset, int64_t t0, int64_t count, const float* data);
   void close();

@@ -15,6 +15,7 @@
 namespace crosskv {
 
 const char* to_string(ProbeMode p) { return p == ProbeMode::same_head ? "same_head" : "all_heads"; }
+const char* to_string(Weighting w) { return w == Weighting::uniform ? "uniform" : "dataset"; }
 std::string checkpoint_path(const FitConfig& cfg) {
   return cfg.checkpoint_dir.empty() ? (std::filesystem::path(cfg.output_dir) / "checkpoint").string()
                                     : cfg.checkpoint_dir;
@@ -156,7 +157,7 @@ void parse_mlp(Reader& r, const YAML::Node& m, MlpConfig& mlp) {
 }
 
 void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
-  r.only_keys(fit, "fit", {"k", "lambda", "probe", "structure", "dtype", "mapper", "mlp"});
+  r.only_keys(fit, "fit", {"k", "lambda", "probe", "structure", "dtype", "mapper", "mlp", "weighting"});
   if (auto k = fit["k"]) {
     c.ks.clear();
     if (k.IsSequence()) {
@@ -196,6 +197,11 @@ void parse_fit(Reader& r, const YAML::Node& fit, FitConfig& c) {
   if (auto m = fit["mapper"])
     c.mapper = choice<MapperKind>(r, m, "fit.mapper", {"ridge", "mlp", "auto"}, {MapperKind::ridge, MapperKind::mlp, MapperKind::auto_});
   if (auto m = fit["mlp"]) parse_mlp(r, m, c.mlp);
+  if (auto w = fit["weighting"])
+    c.weighting = choice<Weighting>(r, w, "fit.weighting", {"uniform", "dataset"}, {Weighting::uniform, Weighting::dataset});
+  if (c.weighting == Weighting::dataset && c.mapper != MapperKind::ridge)
+    r.fail(fit["weighting"], "fit.weighting",
+           "dataset weights the ridge's moments; the residual MLP's training is not weighted: use mapper: ridge");
   if (c.mapper != MapperKind::ridge && has_structure(c.structures, Structure::per_head))
     r.fail(fit["mapper"], "fit.mapper",
            "the residual MLP reads every head of the selected layers, so it is fitted for structure: cross_head "
@@ -243,9 +249,14 @@ FitConfig parse_fit_config(const std::string& text, const std::string& path) {
   c.config_path = path;
   r.only_keys(root, "", {"source", "target", "calibration", "fit", "output", "runtime", "eval"});
   if (auto ev = root["eval"]) {
-    r.only_keys(ev, "eval", {"shards"});
+    r.only_keys(ev, "eval", {"shards", "min_retention"});
     if (auto sh = ev["shards"]; sh && !sh.IsNull())
       c.eval_shards = r.distinct_strings(sh, "eval.shards", "expected a list of shard paths (<domain>/<name>.h5)", "");
+    if (auto m = ev["min_retention"]) {
+      c.min_retention = r.number(m, "eval.min_retention");
+      if (!(c.min_retention > 0.0 && c.min_retention <= 1.0))
+        r.fail(m, "eval.min_retention", "expected a share in (0, 1] (the default is 0.8)");
+    }
   }
   for (const char* side : {"source", "target"}) {
     if (!root[side]) r.fail(root, side, "missing (expected {store: PATH})");

@@ -27,6 +27,9 @@ struct KChoice {
 // What a mapper layer keeps (issue 15): ridge alone; ridge plus a residual MLP everywhere; or the MLP only where it
 // beats ridge on the validation split (auto).
 enum class MapperKind { ridge, mlp, auto_ };
+// fit.weighting: every token counts once, or by the target shards' `weights` dataset (SPEC §3).
+enum class Weighting { uniform, dataset };
+const char* to_string(Weighting w);
 std::string mapper_kind_name(MapperKind k);
 
 // The residual MLPs' training (fit.mlp).
@@ -53,10 +56,12 @@ struct FitConfig {
   std::vector<Structure> structures = {Structure::cross_head};  // distinct; one artifact folder per k and structure
   Dtype dtype = Dtype::f32;
   MapperKind mapper = MapperKind::ridge;
+  Weighting weighting = Weighting::uniform;
   MlpConfig mlp;
   std::string output_dir;
   // Held-out shard pairs (paths relative to the stores): left out of the fit, diagnosed after it (report.html).
   std::vector<std::string> eval_shards;
+  double min_retention = 0.8;  // eval.min_retention: the predicted recovered share a LIKELY TO TRANSFER verdict needs
   DeviceKind device = DeviceKind::auto_;
   bool tf32 = false;  // CUDA: let cuBLAS use TF32 tensor cores for the fp32 moments (10-bit mantissa products)
   int64_t block_tokens = 4096;

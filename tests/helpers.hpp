@@ -110,6 +110,18 @@ inline std::string config_yaml(const std::string& dir, const std::string& fit = 
          "\noutput: {dir: " + dir + "/" + out + "}\nruntime: {block_tokens: 200}\n" + extra;
 }
 
+// Adds a per-token `weights` dataset (float32, w.size() rows) to a shard.
+inline void add_weights(const std::string& path, const std::vector<float>& w) {
+  h5::quiet();
+  h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
+  ASSERT_TRUE(f.valid()) << path;
+  hsize_t n = w.size();
+  h5::Handle s(H5Screate_simple(1, &n, nullptr), H5Sclose);
+  h5::Handle d(H5Dcreate2(f, "weights", H5T_IEEE_F32LE, s, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Dclose);
+  ASSERT_TRUE(d.valid()) << path;
+  ASSERT_GE(H5Dwrite(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, w.data()), 0);
+}
+
 // A file's bytes ("" when it cannot be read).
 inline std::string file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -34,10 +34,11 @@ class CudaBackend final : public ComputeBackend, public BackendChecks {
 
   // ---- Input preparation (inputs.cu).
   bool prepares_on_device() const override { return true; }
-  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, const float* row_scale,
                        std::vector<float>& host) override;
   const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) override;
-  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) override;
+  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, const float* row_weight, double* sum,
+                    double* sumsq) override;
 
   // ---- Dense maths (dense_maths.cu). One call at a time: each fills the device.
   bool concurrent_calls() const override { return false; }

@@ -9,7 +9,7 @@ namespace crosskv::cuda {
 #define CK(expr, ops) CROSSKV_CUDA_CHECK(expr, res_.where(), ops)
 
 const float* CudaBackend::prepare(const StoredBlock& in, const Strip* strip, const float* shift,
-                                  std::vector<float>& host) {
+                                  const float* row_scale, std::vector<float>& host) {
   const size_t elt = dtype_bytes(in.dtype), n = static_cast<size_t>(in.rows * in.cols);
   const std::string ops = dims({{"rows", in.rows}, {"cols", in.cols}, {"bytes per value", static_cast<int64_t>(elt)}});
   const void* d_in = res_.operand(in.data, n * elt);
@@ -27,7 +27,9 @@ const float* CudaBackend::prepare(const StoredBlock& in, const Strip* strip, con
   }
   const float* d_shift =
       shift ? static_cast<const float*>(res_.upload(shift, static_cast<size_t>(in.cols) * 4)) : nullptr;
-  CK(cuda::launch_prepare(d_in, in.dtype, in.rows, in.cols, sa, d_shift, out, res_.compute()),
+  const float* d_scale =
+      row_scale ? static_cast<const float*>(res_.operand(row_scale, static_cast<size_t>(in.rows) * 4)) : nullptr;
+  CK(cuda::launch_prepare(d_in, in.dtype, in.rows, in.cols, sa, d_shift, d_scale, out, res_.compute()),
      "prepare kernel, " + ops);
   return out;
 }
@@ -41,10 +43,13 @@ const float* CudaBackend::gather_heads(int64_t rows, int L, int H, int D, const 
   return out;
 }
 
-void CudaBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) {
+void CudaBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, const float* row_weight,
+                               double* sum, double* sumsq) {
   if (rows == 0 || cols == 0) return;
   const float* d_x = static_cast<const float*>(res_.operand(X, static_cast<size_t>((rows - 1) * ldx + cols) * 4));
-  CK(cuda::launch_column_stats(d_x, rows, cols, ldx, sum, sumsq, res_.compute()),
+  const float* d_w =
+      row_weight ? static_cast<const float*>(res_.operand(row_weight, static_cast<size_t>(rows) * 4)) : nullptr;
+  CK(cuda::launch_column_stats(d_x, rows, cols, ldx, d_w, sum, sumsq, res_.compute()),
      "column_stats kernel, " + dims({{"rows", rows}, {"cols", cols}, {"ldx", ldx}}));
 }
 

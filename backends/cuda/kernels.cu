@@ -22,7 +22,7 @@ __device__ __forceinline__ float load(const void* p, Dtype kind, int64_t i) {
 }
 
 __global__ void prepare_kernel(const void* in, Dtype kind, int64_t rows, int64_t cols, StripArgs s,
-                               const float* shift, float* out) {
+                               const float* shift, const float* row_scale, float* out) {
   const int64_t n = rows * cols;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / cols, c = i - t * cols;
@@ -53,6 +53,7 @@ __global__ void prepare_kernel(const void* in, Dtype kind, int64_t rows, int64_t
       }
     }
     if (shift) x = __fsub_rn(x, shift[c]);
+    if (row_scale) x = __fmul_rn(x, row_scale[t]);
     out[i] = x;
   }
 }
@@ -69,14 +70,14 @@ __global__ void gather_heads_kernel(const float* X, int64_t rows, int L, int H, 
 
 // One thread per column over every row, in order: deterministic (no atomics), and coalesced across a warp.
 constexpr int kStatsThreads = 128;
-__global__ void column_stats_kernel(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum,
-                                    double* sumsq) {
+__global__ void column_stats_kernel(const float* X, int64_t rows, int64_t cols, int64_t ldx, const float* w,
+                                    double* sum, double* sumsq) {
   const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (c >= cols) return;
   double s = 0, q = 0;
   for (int64_t t = 0; t < rows; ++t) {
     const double x = X[t * ldx + c];
-    s += x;
+    s = w ? __dadd_rn(s, __dmul_rn(static_cast<double>(w[t]), x)) : s + x;  // the host's order, no FMA
     q += x * x;
   }
   sum[c] += s;
@@ -211,9 +212,10 @@ cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const
 }
 
 cudaError_t launch_prepare(const void* in, Dtype kind, int64_t rows, int64_t cols, const StripArgs& strip,
-                           const float* shift, float* out, cudaStream_t stream) {
+                           const float* shift, const float* row_scale, float* out, cudaStream_t stream) {
   if (rows * cols == 0) return cudaSuccess;
-  return launch(prepare_kernel, blocks_for(rows * cols), kThreads, stream, in, kind, rows, cols, strip, shift, out);
+  return launch(prepare_kernel, blocks_for(rows * cols), kThreads, stream, in, kind, rows, cols, strip, shift,
+                row_scale, out);
 }
 
 cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int D, float* out, cudaStream_t stream) {
@@ -222,11 +224,11 @@ cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int 
   return launch(gather_heads_kernel, blocks_for(n), kThreads, stream, X, rows, L, H, D, out);
 }
 
-cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum, double* sumsq,
-                                cudaStream_t stream) {
+cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, const float* w, double* sum,
+                                double* sumsq, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>((cols + kStatsThreads - 1) / kStatsThreads);
-  return launch(column_stats_kernel, grid, kStatsThreads, stream, X, rows, cols, ldx, sum, sumsq);
+  return launch(column_stats_kernel, grid, kStatsThreads, stream, X, rows, cols, ldx, w, sum, sumsq);
 }
 
 cudaError_t launch_to_half(const float* in, int64_t n, bool bf16, uint16_t* out, cudaStream_t stream) {

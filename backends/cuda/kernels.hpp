@@ -19,14 +19,15 @@ struct StripArgs {
   float inv_attention = 1.0f;
 };
 
-// out[rows x cols] = fp32(in) (RoPE stripped per head when strip.inv_freq) - shift[cols] (shift may be null).
+// out[rows x cols] = (fp32(in) (RoPE stripped per head when strip.inv_freq) - shift[cols]) * row_scale[rows] (shift
+// and row_scale may be null).
 cudaError_t launch_prepare(const void* in, Dtype kind, int64_t rows, int64_t cols, const StripArgs& strip,
-                           const float* shift, float* out, cudaStream_t stream);
+                           const float* shift, const float* row_scale, float* out, cudaStream_t stream);
 // out[t, (h*L + a)*D + j] = X[t, (a*H + h)*D + j].
 cudaError_t launch_gather_heads(const float* X, int64_t rows, int L, int H, int D, float* out, cudaStream_t stream);
-// sum[c] += sum_t X[t*ldx + c]; sumsq[c] += sum_t X^2 when sumsq (fp64).
-cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, double* sum, double* sumsq,
-                                cudaStream_t stream);
+// sum[c] += sum_t w[t] X[t*ldx + c] (w may be null: 1); sumsq[c] += sum_t X^2 when sumsq (fp64).
+cudaError_t launch_column_stats(const float* X, int64_t rows, int64_t cols, int64_t ldx, const float* w, double* sum,
+                                double* sumsq, cudaStream_t stream);
 // fp32 -> bf16 / fp16 bits, round to nearest even, NaN quieted as on the host.
 cudaError_t launch_to_half(const float* in, int64_t n, bool bf16, uint16_t* out, cudaStream_t stream);
 

@@ -117,8 +117,8 @@ void HostBackend::solve_triangular(const SystemFactor& f, int64_t n, bool transp
 // ---- Input preparation.
 
 const float* HostBackend::prepare(const StoredBlock& in, const Strip* strip, const float* shift,
-                                  std::vector<float>& host) {
-  return prepare_on_host(in, strip, shift, host);
+                                  const float* row_scale, std::vector<float>& host) {
+  return prepare_on_host(in, strip, shift, row_scale, host);
 }
 
 const float* HostBackend::gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) {
@@ -131,10 +131,16 @@ const float* HostBackend::gather_heads(int64_t rows, int L, int H, int D, const 
   return host.data();
 }
 
-void HostBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) {
+void HostBackend::column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, const float* row_weight,
+                               double* sum, double* sumsq) {
   for (int64_t t = 0; t < rows; ++t) {
     const float* x = X + t * ldx;
-    for (int64_t c = 0; c < cols; ++c) sum[c] += x[c];
+    if (row_weight) {
+      const double r = row_weight[t];
+      for (int64_t c = 0; c < cols; ++c) sum[c] += r * x[c];
+    } else {
+      for (int64_t c = 0; c < cols; ++c) sum[c] += x[c];
+    }
     if (sumsq)
       for (int64_t c = 0; c < cols; ++c) sumsq[c] += static_cast<double>(x[c]) * x[c];
   }

@@ -32,10 +32,11 @@ class HostBackend : public ComputeBackend, public BackendChecks {
 
   // ---- Input preparation on the host.
   bool prepares_on_device() const override { return false; }
-  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, const float* row_scale,
                        std::vector<float>& host) override;
   const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) override;
-  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) override;
+  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, const float* row_weight, double* sum,
+                    double* sumsq) override;
 
   // ---- Residency: everything stays on the host; held sums are the host arrays, staging is ignored.
   HeldSumsPtr<float> hold_sums(float* p, int64_t count, bool host_is_zero) override;

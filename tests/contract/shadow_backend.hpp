@@ -42,14 +42,15 @@ class ShadowBackend final : public HostBackend {
     }
   }
   bool prepares_on_device() const override { return true; }
-  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift,
+  const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, const float* row_scale,
                        std::vector<float>& host) override {
     StoredBlock copy = in;
     copy.data = operand(in.data, in.rows * in.cols * dtype_bytes(in.dtype));
     Strip st{};
     if (strip) st = {strip->rope, static_cast<const int32_t*>(operand(strip->positions, in.rows * 4))};
     std::vector<float>& out = product();
-    prepare_on_host(copy, strip ? &st : nullptr, shift, out);
+    const float* scale = row_scale ? static_cast<const float*>(operand(row_scale, in.rows * 4)) : nullptr;
+    prepare_on_host(copy, strip ? &st : nullptr, shift, scale, out);
     return out.data();
   }
   const float* gather_heads(int64_t rows, int L, int H, int D, const float* X, std::vector<float>& host) override {
@@ -57,9 +58,11 @@ class ShadowBackend final : public HostBackend {
     std::vector<float>& out = product();
     return cpu_->gather_heads(rows, L, H, D, x, out);
   }
-  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, double* sum, double* sumsq) override {
+  void column_stats(int64_t rows, int64_t cols, const float* X, int64_t ldx, const float* row_weight, double* sum,
+                    double* sumsq) override {
     const float* x = static_cast<const float*>(operand(X, ((rows - 1) * ldx + cols) * 4));
-    cpu_->column_stats(rows, cols, x, ldx, held_copy(sum, cols), sumsq ? held_copy(sumsq, cols) : nullptr);
+    const float* w = row_weight ? static_cast<const float*>(operand(row_weight, rows * 4)) : nullptr;
+    cpu_->column_stats(rows, cols, x, ldx, w, held_copy(sum, cols), sumsq ? held_copy(sumsq, cols) : nullptr);
   }
   void cross_acc(int64_t rows, int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb,
                  float* C, int64_t ldc) override {

@@ -262,6 +262,8 @@ void check_prepare(ComputeBackend& dev) {
   std::vector<int32_t> pos(rows);
   for (auto& p : pos) p = posd(rng);
   const auto x = random_rows(rows * cols, 12, 0.3f), shift = random_rows(cols, 13, 0.1f);
+  std::vector<float> scale = random_rows(rows, 14, 0.f);  // sqrt of token weights (fit.weighting: dataset)
+  for (float& s : scale) s = std::fabs(s) + 0.25f;
   std::vector<uint16_t> bf(x.size()), hf(x.size());
   for (size_t i = 0; i < x.size(); ++i) bf[i] = float_to_bf16(x[i]), hf[i] = float_to_fp16(x[i]);
   using S = Dtype;
@@ -272,17 +274,20 @@ void check_prepare(ComputeBackend& dev) {
     const Rope r(spec);
     for (const auto& in : blocks)
       for (bool strip : {false, true})
-        for (bool shifted : {false, true}) {
+        for (int shifted = 0; shifted < 3; ++shifted) {  // none, shift, shift and row scale
           const std::string what = rope.type + (rope.convention == RopeConvention::interleaved ? " interleaved" : "") +
                                    " rotary " + std::to_string(r.rotary_dim()) + ", dtype " +
                                    std::to_string(static_cast<int>(in.dtype)) + (strip ? ", strip" : "") +
-                                   (shifted ? ", shift" : "");
+                                   (shifted ? ", shift" : "") + (shifted == 2 ? ", row scale" : "");
           const ComputeBackend::Strip st{&r, pos.data()};
+          const float* sh = shifted ? shift.data() : nullptr;
+          const float* sc = shifted == 2 ? scale.data() : nullptr;
           std::vector<float> want, host, got(rows * cols);
-          prepare_on_host(in, strip ? &st : nullptr, shifted ? shift.data() : nullptr, want);
+          prepare_on_host(in, strip ? &st : nullptr, sh, sc, want);
           dev.begin_inputs();
-          dev.stage_inputs({{in.data, rows * cols * (in.dtype == S::f32 ? 4 : 2)}, {pos.data(), rows * 4}});
-          const float* p = dev.prepare(in, strip ? &st : nullptr, shifted ? shift.data() : nullptr, host);
+          dev.stage_inputs({{in.data, rows * cols * (in.dtype == S::f32 ? 4 : 2)}, {pos.data(), rows * 4},
+                            ComputeBackend::floats(scale.data(), rows)});
+          const float* p = dev.prepare(in, strip ? &st : nullptr, sh, sc, host);
           checks(dev).download(p, rows * cols, got.data());
           // The angle is fp64 on both sides; cos/sin may differ in the last fp32 bit, products may fuse (FMA).
           for (int64_t i = 0; i < rows * cols; ++i)
@@ -297,18 +302,23 @@ void check_gather_and_stats(ComputeBackend& dev) {
   const auto x = random_rows(rows * cols, 21, 0.5f);
   std::vector<float> want, host, got(rows * cols);
   make_cpu_backend()->gather_heads(rows, L, H, D, x.data(), want);
+  std::vector<float> rw = random_rows(rows, 22, 0.f);  // row weights (sqrt of token weights)
+  for (float& w : rw) w = std::fabs(w);
   dev.begin_inputs();
-  dev.stage_inputs({ComputeBackend::floats(x.data(), rows * cols)});
+  dev.stage_inputs({ComputeBackend::floats(x.data(), rows * cols), ComputeBackend::floats(rw.data(), rows)});
   checks(dev).download(dev.gather_heads(rows, L, H, D, x.data(), host), rows * cols, got.data());
   ASSERT_EQ(want, got);  // a permutation
   std::vector<double> sum(cols, 1.0), sq(cols, 2.0), wsum = sum, wsq = sq;
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t c = 0; c < cols; ++c) wsum[c] += x[t * cols + c], wsq[c] += double{x[t * cols + c]} * x[t * cols + c];
   auto held_sum = dev.hold_sums(sum.data(), cols, false), held_sq = dev.hold_sums(sq.data(), cols, false);
-  dev.column_stats(rows, cols, x.data(), cols, held_sum->at(sum.data()), held_sq->at(sq.data()));
-  dev.column_stats(rows / 2, cols / 2, x.data(), cols, held_sum->at(sum.data()), nullptr);  // a sub-block, no squares
+  dev.column_stats(rows, cols, x.data(), cols, nullptr, held_sum->at(sum.data()), held_sq->at(sq.data()));
+  dev.column_stats(rows / 2, cols / 2, x.data(), cols, nullptr, held_sum->at(sum.data()), nullptr);  // a sub-block
+  dev.column_stats(rows, cols, x.data(), cols, rw.data(), held_sum->at(sum.data()), nullptr);  // weighted rows
   for (int64_t t = 0; t < rows / 2; ++t)
     for (int64_t c = 0; c < cols / 2; ++c) wsum[c] += x[t * cols + c];
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < cols; ++c) wsum[c] += double{rw[t]} * x[t * cols + c];
   held_sum->to_host();
   held_sq->to_host();
   for (int64_t c = 0; c < cols; ++c) {

@@ -311,3 +311,41 @@ TEST_F(BadInput, PerHeadWithDifferentHeadCountsPointsToCrossHeadWithTheAllHeadsP
   o.out = tmp.str("heads2");
   expect_error<UserError>([&] { synthesize(o); }, {"--relation per_head", "equal KV head counts", "source 2, target 4"});
 }
+
+TEST_F(BadInput, BadTokenWeightsAreRefusedByShardAndToken) {
+  const std::string weighted = "{k: [1, 2], weighting: dataset}";
+  const std::string y = config_yaml(tmp.str(), weighted);
+  // Present in one store only: the source's shard has weights, the target's (which the fit reads) has none.
+  add_weights(shard("source", 0), std::vector<float>(512, 1.0f));
+  expect_fit_error(y, {shard("target", 0), "no dataset 'weights'", "fit.weighting: dataset", shard("source", 0),
+                       "target's shard"});
+  add_weights(shard("target", 0), std::vector<float>(512, 1.0f));
+  expect_fit_error(y, {shard("target", 1), "no dataset 'weights'"});  // and one target shard without them
+  std::vector<float> w(512, 1.0f);
+  w[7] = -1.0f;
+  add_weights(shard("target", 1), w);
+  expect_fit_error(y, {shard("target", 1), "'weights'", "-1.0", "token 7", "finite weights >= 0"});
+  poke<float>(shard("target", 1), "weights", {7}, H5T_NATIVE_FLOAT, NAN);
+  expect_fit_error(y, {shard("target", 1), "'weights'", "nan", "token 7"});
+  for (int t = 0; t < 512; ++t) poke<float>(shard("target", 1), "weights", {hsize_t(t)}, H5T_NATIVE_FLOAT, 0.0f);
+  expect_fit_error(y, {shard("target", 1), "'weights' is all zero", "512 tokens"});
+  for (int t = 0; t < 512; ++t) poke<float>(shard("target", 1), "weights", {hsize_t(t)}, H5T_NATIVE_FLOAT, 2.0f);
+  EXPECT_NO_THROW(fit_yaml(y));
+  // Uniform fits do not read them.
+  poke<float>(shard("target", 1), "weights", {3}, H5T_NATIVE_FLOAT, -4.0f);
+  EXPECT_NO_THROW(fit_yaml(config_yaml(tmp.str(), "{k: [1]}", "out-uniform")));
+}
+
+TEST_F(BadInput, TokenWeightsOfTheWrongLengthOrTypeAreRefused) {
+  add_weights(shard("target", 0), std::vector<float>(100, 1.0f));
+  expect_fit_error(yaml(), {shard("target", 0), "'weights' has 100 rows", "T = 512", "one weight per token"});
+}
+
+TEST_F(BadInput, WeightingAndRetentionAreCheckedByKey) {
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1], weighting: attention}"),
+                   {"cfg.yaml", "fit.weighting", "uniform or dataset", "attention"});
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1], weighting: dataset, mapper: auto}"),
+                   {"fit.weighting", "not weighted", "mapper: ridge"});
+  expect_fit_error(config_yaml(tmp.str(), "{k: [1]}", "out", "eval: {min_retention: 80}\n"),
+                   {"eval.min_retention", "(0, 1]"});
+}

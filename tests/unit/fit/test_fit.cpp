@@ -557,6 +557,32 @@ std::pair<double, double> held_out_r2(const MapperWeights& m, const std::string&
 
 }  // namespace
 
+TEST(Fit, WeightsOfOneGiveTheUnweightedLayerFilesAndWeightingIsPartOfTheMomentsIdentity) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  const std::string uniform = "{k: [1, all], lambda: 0.01, structure: [cross_head, per_head]}";
+  const std::string weighted = "{k: [1, all], lambda: 0.01, structure: [cross_head, per_head], weighting: dataset}";
+  ASSERT_GT(fit_yaml(config_yaml(tmp.str(), uniform, "plain")).tokens_read, 0);
+  for (const auto& e : fs::recursive_directory_iterator(tmp.str("target")))
+    if (e.path().extension() == ".h5") add_weights(e.path().string(), std::vector<float>(512, 1.0f));
+  fit_yaml(config_yaml(tmp.str(), weighted, "ones"));
+  int compared = 0;
+  for (const char* k : {"k1", "kall", "k1-per_head", "kall-per_head"})
+    for (const auto& e : fs::directory_iterator(tmp.str(std::string("plain/") + k)))
+      if (e.path().extension() == ".safetensors") {
+        EXPECT_EQ(file_bytes(e.path().string()),
+                  file_bytes(tmp.str(std::string("ones/") + k + "/" + e.path().filename().string())))
+            << e.path();
+        ++compared;
+      }
+  EXPECT_EQ(compared, 4 * 8);
+  EXPECT_EQ(manifest(tmp.str("ones/kall"))["calibration"]["token_weighting"], "dataset");
+  EXPECT_EQ(manifest(tmp.str("plain/kall"))["calibration"]["token_weighting"], "uniform");
+  // A refit that only changes the weighting reads the data again; the same weighting again reads nothing.
+  EXPECT_GT(fit_yaml(config_yaml(tmp.str(), weighted, "plain")).tokens_read, 0);
+  EXPECT_EQ(fit_yaml(config_yaml(tmp.str(), weighted, "plain")).tokens_read, 0);
+}
+
 TEST(Fit, PerHeadMappersRecoverAHeadMatchedMapAndAreHtTimesSmaller) {
   TempDir tmp;
   SynthOptions o = linear_synth(tmp.str("cal"), "default", "llama3");

@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -41,7 +42,7 @@ Data planted_data(PairDims d, int64_t N, uint64_t seed, double noise = 0.1, doub
   return r;
 }
 
-Moments accumulate(const Data& data, int64_t block = 97, int repeat = 1) {
+Moments accumulate(const Data& data, int64_t block = 97, int repeat = 1, const std::vector<float>* weights = nullptr) {
   const PairDims& d = data.d;
   std::vector<float> sx(data.X.begin(), data.X.begin() + d.X()), sy(data.Y.begin(), data.Y.begin() + d.Y());
   Moments m(d, sx, sy);
@@ -52,33 +53,38 @@ Moments accumulate(const Data& data, int64_t block = 97, int repeat = 1) {
       const int64_t rows = std::min(block, data.N - t0);
       std::vector<float> X(data.X.begin() + t0 * d.X(), data.X.begin() + (t0 + rows) * d.X());
       std::vector<float> Y(data.Y.begin() + t0 * d.Y(), data.Y.begin() + (t0 + rows) * d.Y());
-      m.accumulate(*be, X.data(), Y.data(), rows);
+      m.accumulate(*be, X.data(), Y.data(), rows, weights ? weights->data() + t0 : nullptr);
     }
   auto comm = make_single_comm();
   m.mark_pass_complete();  // one rank: nothing to sum
   return m;
 }
 
-// Independent reference: centred normal equations in long double, Gauss-Jordan with partial pivoting.
+// Independent reference: centred normal equations in long double, Gauss-Jordan with partial pivoting; with token
+// weights w, the weighted means and covariances (Σ w (x - m)(x - m)ᵀ / Σ w), λ on that scale.
 struct RefFit {
   std::vector<long double> W, b;
 };
-RefFit reference_ridge(const Data& data, const std::vector<int>& layers, int l, double lambda) {
+RefFit reference_ridge(const Data& data, const std::vector<int>& layers, int l, double lambda,
+                       const std::vector<float>& weights = {}) {
   const PairDims& d = data.d;
   const int64_t F = d.F(), G = d.G(), n = layers.size() * F;
   std::vector<long double> mx(n, 0), my(G, 0);
   auto xcol = [&](int64_t t, int64_t i) -> long double { return data.X[t * d.X() + layers[i / F] * F + i % F]; };
   auto ycol = [&](int64_t t, int64_t c) -> long double { return data.Y[t * d.Y() + l * G + c]; };
+  auto w = [&](int64_t t) -> long double { return weights.empty() ? 1.0L : weights[t]; };
+  long double W = 0;
+  for (int64_t t = 0; t < data.N; ++t) W += w(t);
   for (int64_t t = 0; t < data.N; ++t) {
-    for (int64_t i = 0; i < n; ++i) mx[i] += xcol(t, i) / data.N;
-    for (int64_t c = 0; c < G; ++c) my[c] += ycol(t, c) / data.N;
+    for (int64_t i = 0; i < n; ++i) mx[i] += w(t) * xcol(t, i) / W;
+    for (int64_t c = 0; c < G; ++c) my[c] += w(t) * ycol(t, c) / W;
   }
   std::vector<long double> M(n * (n + G), 0);  // [A | B]
   for (int64_t t = 0; t < data.N; ++t)
     for (int64_t i = 0; i < n; ++i) {
-      const long double xi = xcol(t, i) - mx[i];
-      for (int64_t j = 0; j < n; ++j) M[i * (n + G) + j] += xi * (xcol(t, j) - mx[j]) / data.N;
-      for (int64_t c = 0; c < G; ++c) M[i * (n + G) + n + c] += xi * (ycol(t, c) - my[c]) / data.N;
+      const long double xi = w(t) * (xcol(t, i) - mx[i]);
+      for (int64_t j = 0; j < n; ++j) M[i * (n + G) + j] += xi * (xcol(t, j) - mx[j]) / W;
+      for (int64_t c = 0; c < G; ++c) M[i * (n + G) + n + c] += xi * (ycol(t, c) - my[c]) / W;
     }
   for (int64_t i = 0; i < n; ++i) M[i * (n + G) + i] += lambda;
   for (int64_t col = 0; col < n; ++col) {
@@ -122,6 +128,76 @@ TEST(Ridge, MatchesIndependentSolverOnRandomData) {
     }
     EXPECT_EQ(fits[1].layers, (std::vector<int>{0, 2}));  // top-2 of the ranking, ascending
   }
+}
+
+// Token weights spread over two decades, a few exactly zero.
+std::vector<float> spread_weights(int64_t N, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<float> w(N);
+  for (int64_t t = 0; t < N; ++t) w[t] = t % 13 == 5 ? 0.0f : static_cast<float>(std::pow(10.0, u(rng)));
+  return w;
+}
+
+TEST(WeightedRidge, MatchesAnIndependentWeightedSolverPerTargetLayer) {
+  Data data = planted_data(kDims, 600, 17, 0.3);
+  const std::vector<float> w = spread_weights(data.N, 5);
+  Moments m = accumulate(data, 97, 1, &w);
+  auto be = make_cpu_backend();
+  for (double lambda : {0.0, 0.01, 0.5})
+    for (int l = 0; l < kDims.Lt; ++l) {
+      auto fits = fit_sweep(m, *be, l, {2, 0, 1}, {1, 3}, lambda, "test");
+      for (const auto& f : fits) {
+        RefFit ref = reference_ridge(data, f.layers, l, lambda, w);
+        for (size_t i = 0; i < f.W.size(); ++i)
+          EXPECT_NEAR(f.W[i], static_cast<double>(ref.W[i]), 2e-4) << "lambda " << lambda << " layer " << l;
+        for (size_t c = 0; c < f.b.size(); ++c) EXPECT_NEAR(f.b[c], static_cast<double>(ref.b[c]), 2e-4);
+        // And not the unweighted solution (the weights matter at this noise level).
+        RefFit plain = reference_ridge(data, f.layers, l, lambda);
+        double diff = 0;
+        for (size_t i = 0; i < f.W.size(); ++i) diff = std::max(diff, std::fabs(double(ref.W[i] - plain.W[i])));
+        EXPECT_GT(diff, 1e-2) << "lambda " << lambda << " layer " << l;
+      }
+    }
+}
+
+TEST(WeightedRidge, WeightsOfOneGiveTheUnweightedBytes) {
+  Data data = planted_data(kDims, 500, 23, 0.2, 3.0);
+  const std::vector<float> ones(data.N, 1.0f);
+  Moments a = accumulate(data), b = accumulate(data, 97, 1, &ones);
+  EXPECT_EQ(a.weight_sum(), b.weight_sum());
+  auto be = make_cpu_backend();
+  for (int l = 0; l < kDims.Lt; ++l) {
+    auto fa = fit_sweep(a, *be, l, {2, 0, 1}, {1, 2, 3}, 0.01, "test");
+    auto fb = fit_sweep(b, *be, l, {2, 0, 1}, {1, 2, 3}, 0.01, "test");
+    for (size_t i = 0; i < fa.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(fa[i].W.data(), fb[i].W.data(), fa[i].W.size() * sizeof(fa[i].W[0])));
+      EXPECT_EQ(0, std::memcmp(fa[i].b.data(), fb[i].b.data(), fa[i].b.size() * sizeof(fa[i].b[0])));
+    }
+  }
+}
+
+TEST(WeightedRidge, ZeroWeightsRemoveTokensThatFollowAnotherMap) {
+  // Half the tokens follow Y = X A + c, the other half Y = X B + c; the second half carries weight 0. The weighted
+  // fit recovers A (the noise is small); the unweighted one lands between A and B.
+  Data a = planted_data(kDims, 800, 31, 0.01), b = planted_data(kDims, 800, 32, 0.01);
+  Data mixed{kDims, 1600, a.X, a.Y};
+  mixed.X.insert(mixed.X.end(), b.X.begin(), b.X.end());
+  mixed.Y.insert(mixed.Y.end(), b.Y.begin(), b.Y.end());
+  std::vector<float> w(1600, 1.0f);
+  std::fill(w.begin() + 800, w.end(), 0.0f);
+  auto be = make_cpu_backend();
+  Moments weighted = accumulate(mixed, 97, 1, &w), plain = accumulate(mixed), clean = accumulate(a);
+  EXPECT_EQ(weighted.weight_sum(), 800.0);
+  auto err = [&](const Moments& m) {
+    const LayerFit f = fit_sweep(m, *be, 0, {0, 1, 2}, {3}, 0.0, "test")[0];
+    const LayerFit want = fit_sweep(clean, *be, 0, {0, 1, 2}, {3}, 0.0, "test")[0];
+    double e = 0;
+    for (size_t i = 0; i < f.W.size(); ++i) e = std::max(e, double(std::fabs(f.W[i] - want.W[i])));
+    return e;
+  };
+  EXPECT_LT(err(weighted), 1e-3);
+  EXPECT_GT(err(plain), 0.1);
 }
 
 TEST(Ridge, InSampleR2MatchesDirectComputation) {
