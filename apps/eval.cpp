@@ -16,13 +16,21 @@
 #include "runtime/log.hpp"
 #include "core/atomic_file.hpp"
 #include "eval/held_out.hpp"
+#include "eval/retention.hpp"
 
 using namespace crosskv;
 
 int main(int argc, char** argv) {
+  // The compiled retention predictor (docs/retention-calibration.json's), for tools/family/calibrate.py check.
+  if (argc == 2 && std::string(argv[1]) == "--print-retention-model") {
+    std::printf("%s\n", retention_model().json().dump(1).c_str());
+    return 0;
+  }
   CLI::App app{"crosskv-eval: held-out diagnostics of a mapper"};
+  app.footer("crosskv-eval --print-retention-model: the predictor of the recovered share the verdict uses (JSON)");
   std::string mapper, source, target, json_path, html_path, device = "cpu";
   bool require_ok = false;
+  double min_retention = 0.8;
   app.add_option("--mapper", mapper, "mapper artifact folder (k<K>/)")->required();
   app.add_option("--source", source, "source model's shard of held-out tokens")->required();
   app.add_option("--target", target, "target model's shard of the same tokens (with queries for attention figures)")
@@ -31,6 +39,10 @@ int main(int argc, char** argv) {
   app.add_option("--html", html_path, "also write a report to open in a browser");
   app.add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_flag("--require-ok", require_ok, "exit 4 when the verdict is not LIKELY TO TRANSFER");
+  app.add_option("--min-retention", min_retention,
+                 "the predicted share of the prefix's benefit kept that LIKELY TO TRANSFER needs (eval.min_retention)")
+      ->check(CLI::Range(0.0, 1.0).description("a share in (0, 1]"))
+      ->capture_default_str();
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-eval")) return *rc;
   const BlasKernels& blas = select_blas_kernels();  // before any BLAS call
   MpiSession mpi(&argc, &argv);
@@ -44,7 +56,8 @@ int main(int argc, char** argv) {
       auto be = agreed(*comm, [&] {
         return backend_for_this_rank(device_kind(device), comm->rank(), false);
       });
-      const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true);
+      const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true,
+                                          VerdictThresholds{min_retention});
       const Evaluation& ev = evals.front().evaluation;
       if (!root) return require_ok && !ev.ok ? 4 : 0;
       nlohmann::json j = evals.front().json();

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "eval/retention.hpp"
+
 namespace crosskv {
 namespace {
 
@@ -45,22 +47,42 @@ nlohmann::json Evaluation::json() const {
   nlohmann::json j = mapper.json();
   j["baselines"] = {{"mean_only", mean_only.json()}, {"no_target_rope", no_target_rope.json()}};
   if (ridge_only) j["baselines"]["ridge_only"] = ridge_only->json();
+  if (retention) {
+    const RetentionModel& m = retention_model();
+    j["predicted_retention"] = {{"share", retention->share},     {"low", retention->low},
+                                {"high", retention->high},       {"min_retention", min_retention},
+                                {"coverage", m.coverage},        {"loso_mae", m.loso_mae},
+                                {"calibrated_on", m.calibrated_on}};
+  } else {
+    j["predicted_retention"] = nullptr;
+  }
   j["verdict"] = verdict;
   j["ok"] = ok;
   return j;
 }
 
-void judge(Evaluation& ev) {
-  const VerdictThresholds th;
-  char buf[512];
-  if (ev.mapper.attention_cosine) {
+void judge(Evaluation& ev, const VerdictThresholds& th) {
+  char buf[640];
+  ev.min_retention = th.min_retention;
+  ev.retention = predict_retention(ev.mapper, ev.mean_only);
+  if (ev.mapper.attention_cosine && ev.retention) {
     const double c = *ev.mapper.attention_cosine, c0 = ev.mean_only.attention_cosine.value_or(0);
-    ev.ok = c >= th.min_cosine && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    const RetentionEstimate& r = *ev.retention;
+    ev.ok = r.share >= th.min_retention && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    // With one feature, the threshold it implies on that feature.
+    std::string implied;
+    const RetentionModel& m = retention_model();
+    if (m.terms.size() == 1 && m.terms[0].second != 0) {
+      char t[128];
+      std::snprintf(t, sizeof t, ": %s >= %.3f", to_string(m.terms[0].first),
+                    (th.min_retention - m.intercept) / m.terms[0].second);
+      implied = t;
+    }
     std::snprintf(buf, sizeof buf,
-                  "%s: attention-output cosine %.3f (needs >= %.2f and above the mean-only %.3f); held-out R2 "
-                  "k %.3f, v %.3f (needs >= %.2f)",
-                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", c, th.min_cosine, c0, ev.mapper.r2_k, ev.mapper.r2_v,
-                  th.min_r2);
+                  "%s: predicted recovered share %.0f%% (%.0f%% to %.0f%%; needs >= %.0f%%%s); attention-output "
+                  "cosine %.3f (needs above the mean-only %.3f); held-out R2 k %.3f, v %.3f (needs >= %.2f)",
+                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", 100 * r.share, 100 * r.low, 100 * r.high,
+                  100 * th.min_retention, implied.c_str(), c, c0, ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
   } else {
     ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
     std::snprintf(buf, sizeof buf,

@@ -27,20 +27,28 @@ struct Diagnostics {
   nlohmann::json json() const;  // SPEC §9 keys: r2_k, r2_v, attention_cosine, k_concentration, v_concentration, layers
 };
 
+// The predicted share of the prefix's benefit a mapper keeps (eval/retention.hpp), with its interval.
+struct RetentionEstimate {
+  double share = 0, low = 0, high = 0;
+};
+
 struct Evaluation {
   Diagnostics mapper, mean_only, no_target_rope;
   std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs (issue 15): the same without them
+  std::optional<RetentionEstimate> retention;  // none without attention figures
+  double min_retention = 0.8;                  // what the verdict asked of it
   std::string verdict;
   bool ok = false;
   nlohmann::json json() const;  // the mapper's figures at the top level, baselines and verdict beside them
 };
-// Sets ev.verdict and ev.ok from the mapper's figures and the mean-only baseline's (VerdictThresholds).
-void judge(Evaluation& ev);
 
-// Thresholds of the verdict.
+// What the verdict asks (eval.min_retention, crosskv-eval --min-retention).
 struct VerdictThresholds {
-  double min_cosine = 0.90;  // attention-output cosine of the mapper
-  double min_r2 = 0.0;       // held-out R² of keys and values (0: better than the mean)
+  double min_retention = 0.8;  // the predicted recovered share
+  double min_r2 = 0.0;         // held-out R² of keys and values (0: better than the mean)
 };
+// Sets ev.retention, ev.verdict and ev.ok: LIKELY TO TRANSFER when the predicted recovered share reaches
+// th.min_retention, the attention-output cosine is above the mean-only baseline's and both R² reach th.min_r2.
+void judge(Evaluation& ev, const VerdictThresholds& th = {});
 
 }  // namespace crosskv

@@ -297,7 +297,8 @@ class LayerEvaluator {
 
 // Every rank's layers (gathered), per mapper: the mapper's and the baselines' figures, summarized and judged.
 std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::string>& dirs, const EvalInputs& in,
-                                                    const std::vector<std::string>& all, int ranks) {
+                                                    const std::vector<std::string>& all, int ranks,
+                                                    const VerdictThresholds& th) {
   const int nm = static_cast<int>(dirs.size());
   const int64_t T = in.tgt.tokens;
   std::vector<std::array<std::vector<LayerDiagnostics>, 4>> layers(nm);  // mapper, no RoPE, mean-only, ridge alone
@@ -316,7 +317,7 @@ std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::strin
     ev.no_target_rope = summarize_layers(std::move(layers[i][1]), T, in.tgt.queries);
     ev.mean_only = summarize_layers(std::move(layers[i][2]), T, in.tgt.queries);
     if (has_mlps(in.mappers[i])) ev.ridge_only = summarize_layers(std::move(layers[i][3]), T, in.tgt.queries);
-    judge(ev);
+    judge(ev, th);
     const MapperManifest& m = in.mappers[i];
     out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});
   }
@@ -326,7 +327,8 @@ std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::strin
 }  // namespace
 
 std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& dirs, const HeldOut& data,
-                                               ComputeBackend& be, Comm& comm, bool verify) {
+                                               ComputeBackend& be, Comm& comm, bool verify,
+                                               const VerdictThresholds& th) {
   // Inputs opened and checked on every rank (the same files: the same errors, reported once).
   const auto in = agreed(comm, [&] { return open_eval_inputs(dirs, data); });
   const KvSpec &S = in->src.spec, &Tg = in->tgt.spec;
@@ -337,7 +339,7 @@ std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& d
   spdlog::info("eval: {} mapper(s) on {}; {}", nm, data.names, cost.text());
   // This rank's target layers, every mapper and baseline (no collectives inside: errors are agreed on after).
   const std::string mine_bytes = agreed(comm, [&] { return LayerEvaluator(*in, be, verify).run(mine, P); });
-  return summarize_evaluations(dirs, *in, gather_strings(comm, mine_bytes), P);
+  return summarize_evaluations(dirs, *in, gather_strings(comm, mine_bytes), P, th);
 }
 
 std::string render_evaluation_report(const std::vector<MapperEvaluation>& evals, const std::string& held_out,
@@ -356,8 +358,8 @@ std::string render_evaluation_report(const std::vector<MapperEvaluation>& evals,
 
 std::string evaluate_held_out(const HeldOut& data, const std::vector<std::string>& artifacts,
                               const std::string& output_dir, const std::string& heatmap_path, ComputeBackend& be,
-                              Comm& comm) {
-  const auto evals = evaluate_mappers(artifacts, data, be, comm, /*verify=*/false);
+                              Comm& comm, const VerdictThresholds& th) {
+  const auto evals = evaluate_mappers(artifacts, data, be, comm, /*verify=*/false, th);
   if (comm.rank() != 0) return {};
   for (const auto& e : evals) {
     const std::string k = fs::path(e.dir).filename().string();

@@ -44,9 +44,11 @@ EvalCost held_out_cost(const HeldOut& data, const KvSpec& source, const KvSpec& 
 // Each mapper in `dirs` diagnosed on the held-out shards with both baselines. Streamed by target layer: one target
 // layer (keys, values, queries) is read at a time and diagnosed for every mapper; a source layer is read once, when
 // first selected, and dropped after its last use. Target layers are shared out over the ranks of `comm` (layer l to
-// rank l mod P) and every rank returns the whole result. `verify`: check the layer files' SHA-256.
+// rank l mod P) and every rank returns the whole result. `verify`: check the layer files' SHA-256. `th`: what the
+// verdict asks.
 std::vector<MapperEvaluation> evaluate_mappers(const std::vector<std::string>& dirs, const HeldOut& data,
-                                               ComputeBackend& be, Comm& comm, bool verify);
+                                               ComputeBackend& be, Comm& comm, bool verify,
+                                               const VerdictThresholds& th = {});
 
 // report.html of the evaluations: `held_out` names the held-out data; `heatmap_path`, when it exists, the fit's R²
 // heatmaps to embed.
@@ -57,6 +59,6 @@ std::string render_evaluation_report(const std::vector<MapperEvaluation>& evals,
 // <out>/eval-k<K>.json and <out>/report.html and returns the report's path.
 std::string evaluate_held_out(const HeldOut& data, const std::vector<std::string>& artifacts,
                               const std::string& output_dir, const std::string& heatmap_path, ComputeBackend& be,
-                              Comm& comm);
+                              Comm& comm, const VerdictThresholds& th = {});
 
 }  // namespace crosskv

@@ -9,6 +9,7 @@
 
 #include "runtime/log.hpp"
 #include "core/mlp.hpp"
+#include "eval/retention.hpp"
 
 namespace crosskv {
 namespace {
@@ -103,6 +104,20 @@ std::vector<double> per_layer(const Diagnostics& d, double LayerDiagnostics::*f)
 
 std::string opt(const std::optional<double>& x) { return x ? fmt(*x) : "n/a"; }
 
+// "62% (47% to 77%)": the predicted recovered share and its interval.
+std::string share_text(const Evaluation& ev) {
+  if (!ev.retention) return "n/a";
+  const RetentionEstimate& r = *ev.retention;
+  return fmt(100 * r.share, 0) + "% (" + fmt(100 * r.low, 0) + "% to " + fmt(100 * r.high, 0) + "%)";
+}
+
+// The attention cosine the verdict's share implies, where the predictor reads the cosine alone (else NaN: no line).
+double implied_cosine(double min_retention) {
+  const RetentionModel& m = retention_model();
+  if (m.terms.size() != 1 || m.terms[0].first != RetentionFeature::attention_cosine) return NAN;
+  return (min_retention - m.intercept) / m.terms[0].second;
+}
+
 // A manifest's k as a person writes it: 4, all.
 std::string k_label(const nlohmann::json& fit) {
   if (!fit.contains("k")) return "?";
@@ -189,7 +204,8 @@ std::string sweep_summary(const ReportInput& in) {
     << "<th>parameters</th><th>bytes fp32</th>"
        "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
        "<th>K-concentration</th><th>V-concentration</th>"
-    << (any_mlps ? "<th>residual MLPs kept (keys / values)</th>" : "") << "<th>verdict</th></tr>";
+    << (any_mlps ? "<th>residual MLPs kept (keys / values)</th>" : "")
+    << "<th>predicted recovered share</th><th>verdict</th></tr>";
   for (size_t i : rows) {
     const Evaluation& ev = in.evaluations[i];
     const auto fit = fit_of(i);
@@ -204,8 +220,8 @@ std::string sweep_summary(const ReportInput& in) {
       << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
       << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
       << opt(ev.mapper.v_concentration) << "</td>"
-      << (any_mlps ? "<td>" + esc(mlps[i].kept) + "</td>" : "") << "<td style='text-align:left'>" << esc(verdict)
-      << "</td></tr>";
+      << (any_mlps ? "<td>" + esc(mlps[i].kept) + "</td>" : "") << "<td>" << share_text(ev)
+      << "</td><td style='text-align:left'>" << esc(verdict) << "</td></tr>";
   }
   o << "</table><p>&#9733; the best held-out " << (in.evaluations[best].mapper.attention_cosine ? "attention cosine"
                                                                                                : "R² (no queries)")
@@ -249,6 +265,15 @@ std::string render_report(const ReportInput& in) {
     const std::string k = mapper_label(fit);
     o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
       << esc(ev.verdict) << "</p>";
+    if (ev.retention) {
+      const RetentionModel& rm = retention_model();
+      o << "<p class='retention'><b>Predicted recovered share: " << share_text(ev) << "</b> of the prefix's "
+        << "benefit (the target's perplexity with its own prefill against none; LIKELY TO TRANSFER needs "
+        << fmt(100 * ev.min_retention, 0) << "%, <code>eval.min_retention</code>). The interval held "
+        << fmt(100 * rm.coverage, 0) << "% of the predictor's errors on studies it was not fitted on (mean error "
+        << fmt(100 * rm.loso_mae, 0) << " points); calibrated on " << esc(rm.calibrated_on)
+        << " (docs/RESULTS.md).</p>";
+    }
     o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
          "<th>K-concentration</th><th>V-concentration</th></tr>";
     std::vector<std::pair<std::string, const Diagnostics*>> rows = {
@@ -275,7 +300,7 @@ std::string render_report(const ReportInput& in) {
                  {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::cosine_mean)},
                   {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::cosine_mean), true},
                   {"no target RoPE", "#d62728", per_layer(ev.no_target_rope, &LayerDiagnostics::cosine_mean), true}},
-                 VerdictThresholds{}.min_cosine);
+                 implied_cosine(ev.min_retention));
       o << chart("K- and V-concentration per layer",
                  {{"K", "#9467bd", per_layer(ev.mapper, &LayerDiagnostics::k_concentration_mean)},
                   {"V", "#8c564b", per_layer(ev.mapper, &LayerDiagnostics::v_concentration_mean)}},
@@ -319,9 +344,12 @@ std::string render_report(const ReportInput& in) {
     }
     if (m.contains("tool")) row("tool", m["tool"].dump());
     const VerdictThresholds th;
-    row("verdict thresholds", "attention-output cosine >= " + fmt(th.min_cosine, 2) +
-                                  " and above the mean-only baseline; held-out R² of keys and values >= " +
-                                  fmt(th.min_r2, 2));
+    const double min_share = in.evaluations.empty() ? th.min_retention : in.evaluations.front().min_retention;
+    std::string model = fmt(retention_model().intercept, 3);
+    for (const auto& [f, w] : retention_model().terms) model += (w < 0 ? " - " : " + ") + fmt(std::fabs(w), 3) + "·" + to_string(f);
+    row("verdict thresholds", "predicted recovered share >= " + fmt(100 * min_share, 0) +
+                                  "% (recovered = " + model + "); attention-output cosine above the mean-only "
+                                  "baseline; held-out R² of keys and values >= " + fmt(th.min_r2, 2));
     o << "</table>";
   }
   o << "</body></html>\n";

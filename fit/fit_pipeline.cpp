@@ -264,7 +264,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   if (!cal.eval_shards.empty()) {
     clock.start("eval");
     res.report_path =
-        evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm);
+        evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm,
+                          VerdictThresholds{cfg.min_retention});
   }
   clock.stop();
   ctx.comm.barrier();

@@ -199,7 +199,7 @@ class ShardWriter:
     that exists is complete). Any failure removes the unfinished file."""
 
     def __init__(self, path, model_name, domain, spec, token_ids, positions, seq_offsets, queries, dtype,
-                 model_dtype):
+                 model_dtype, weights=False):
         import h5py
         self.path, self.tmp, self.dtype = path, f"{path}.tmp-{os.getpid()}", dtype
         T, L, H, D, Hq = len(token_ids), spec["n_layers"], spec["n_kv_heads"], spec["head_dim"], spec["n_q_heads"]
@@ -225,18 +225,21 @@ class ShardWriter:
                 if dtype == "bf16":
                     d.attrs["dtype"] = "bfloat16"
                 self.sets[name] = d
+            if weights:  # per-token attention weights (docs/FORMATS.md), float32 whatever the stored dtype
+                self.sets["weights"] = f.create_dataset("weights", shape=(T,), dtype=np.float32,
+                                                        chunks=(max(1, min(T, 4096)),), fletcher32=True)
             self.rows = 0
         except BaseException:
             self.abandon()
             raise
 
     def write(self, **arrays):
-        """The next rows of each dataset: keys, values (and queries) as torch tensors [n, L, H, D]."""
+        """The next rows of each dataset: keys, values (and queries) as torch tensors [n, L, H, D]; weights [n]."""
         n = None
         for name, t in arrays.items():
             if t is None:
                 continue
-            a = to_stored(t, self.dtype)
+            a = t.float().cpu().numpy() if name == "weights" else to_stored(t, self.dtype)
             n = a.shape[0]
             self.sets[name][self.rows:self.rows + n] = a
         self.rows += n or 0
@@ -276,7 +279,7 @@ def parse_max_memory(text):
     return out
 
 
-def load(model_path, device, dtype_name, max_memory=None):
+def load(model_path, device, dtype_name, max_memory=None, eager_attention=False):
     """The tokenizer and the model in eval mode: with device "auto", placed by Hugging Face's device_map="auto"
     (accelerate) over the visible devices within max_memory; else moved whole to the device. dtype "auto" is the
     checkpoint's own."""
@@ -291,6 +294,8 @@ def load(model_path, device, dtype_name, max_memory=None):
         raise CaptureError(f"--model-dtype {dtype_name}: expected auto (the checkpoint's), float32, bfloat16 or "
                            "float16")
     kw = {"local_files_only": local, "torch_dtype": dtype}
+    if eager_attention:  # the attention probabilities are only materialised by the eager implementation
+        kw["attn_implementation"] = "eager"
     if device == "auto":
         try:
             import accelerate  # noqa: F401
@@ -318,16 +323,57 @@ def input_device(model):
     return model.get_input_embeddings().weight.device
 
 
-def capture_sequences(model, ids, want_queries, stride, device=None, keep_calls=False):
+class AttentionMass:
+    """Forward hooks on every layer's self-attention (eager: it returns its probabilities [B, Hq, S, S]) that add up
+    the attention each key position receives, summed over queries and averaged over query heads: [B, S] fp32. The
+    probabilities are reduced as each layer returns them, so no more than one layer's are held."""
+
+    def __init__(self, model):
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None or not all(hasattr(l, "self_attn") for l in layers):
+            raise CaptureError("--attention-weights: the model has no model.layers[i].self_attn to read attention from")
+        self.attn = [l.self_attn for l in layers]
+        self.total, self.layers, self.handles = None, 0, []
+
+    def _hook(self, module, args, out):
+        p = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if p is None:
+            raise CaptureError("--attention-weights: the attention returned no probabilities (eager attention needed)")
+        m = p.float().mean(1).sum(1).cpu()  # [B, S]: sum over queries i of P[i, j], mean over heads
+        self.total = m if self.total is None else self.total + m
+        self.layers += 1
+
+    def __enter__(self):
+        self.handles = [a.register_forward_hook(self._hook) for a in self.attn]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def weights(self, keep):
+        """Per kept position j: the mean over layers, query heads and positions i >= j of P[i, j], normalised to
+        mean 1 over the sequence's kept positions (docs/FORMATS.md). [B*S'] fp32."""
+        import torch
+        S = self.total.shape[1]
+        later = torch.arange(S, 0, -1, dtype=torch.float32)  # positions i >= j: S - j of them
+        w = (self.total / self.layers / later)[:, keep]
+        w = w / w.mean(1, keepdim=True)
+        return w.reshape(-1)
+
+
+def capture_sequences(model, ids, want_queries, stride, device=None, keep_calls=False, want_weights=False):
     """ids [B, S] -> keys, values [B*S', L, H, D] post-RoPE (S' = S / stride), queries [B*S', L, Hq, D] or None, as
     torch tensors where the model computed them, in its dtype; with keep_calls, the RoPE hook's (q_pre, k_pre, q_post,
-    k_post) per layer."""
+    k_post) per layer; with want_weights, also the attention weights [B*S'] (AttentionMass.weights) as a fifth."""
+    import contextlib
     import torch
     cfg = model.config
     L = cfg.num_hidden_layers
     keep = torch.arange(0, ids.shape[1], stride)
     hook = RopeHook(model, record=want_queries or keep_calls, pre=keep_calls)
-    with torch.no_grad(), hook:
+    mass = AttentionMass(model) if want_weights else None
+    with torch.no_grad(), hook, (mass or contextlib.nullcontext()):
         out = model(torch.as_tensor(ids, device=device or input_device(model)), use_cache=True)
     layers = cache_layers(out.past_key_values, L)
 
@@ -344,6 +390,11 @@ def capture_sequences(model, ids, want_queries, stride, device=None, keep_calls=
         if len(hook.calls) != L:
             raise CaptureError(f"expected {L} rotary calls in one forward pass, saw {len(hook.calls)}")
         q = rows([c[2] for c in hook.calls])
+    if want_weights:
+        if mass.layers != L:
+            raise CaptureError(f"--attention-weights: expected {L} attention calls in one forward pass, saw "
+                               f"{mass.layers}")
+        return k, v, q, hook.calls, mass.weights(keep)
     return k, v, q, hook.calls
 
 
@@ -431,6 +482,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="stored dtype")
     p.add_argument("--out", required=True, help="STORE/DOMAIN folder for shard-NNN.h5")
     p.add_argument("--queries", action="store_true", help="also store post-RoPE queries (for crosskv-eval)")
+    p.add_argument("--attention-weights", action="store_true",
+                   help="also store per-token 'weights': the attention each token receives (docs/FORMATS.md), for "
+                        "fit.weighting: dataset; runs the model's eager attention")
     p.add_argument("--shard-seqs", type=int, default=64, help="sequences per shard")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--device", default="auto",
@@ -450,7 +504,7 @@ def main(argv=None):
         part, parts, part_from = resolve_part(a.part)
         max_memory = parse_max_memory(a.max_memory)
         docs = read_documents(a.text)
-        tok, model = load(a.model, a.device, a.model_dtype, max_memory)
+        tok, model = load(a.model, a.device, a.model_dtype, max_memory, eager_attention=a.attention_weights)
         spec = kv_spec_from_config(model.config, f"--model {a.model}")
         model_dtype = str(model.dtype).replace("torch.", "")
         tokens = pack(tok, docs, a.seq_len, a.n_seq)
@@ -468,7 +522,7 @@ def main(argv=None):
             for stale in glob.glob(glob.escape(path_of(s)) + ".tmp-*"):
                 os.remove(stale)
         seqs_of = lambda s: len(tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs])  # noqa: E731
-        bpt = bytes_per_token(spec, a.dtype, a.queries)
+        bpt = bytes_per_token(spec, a.dtype, a.queries) + (4 if a.attention_weights else 0)
         part_tokens = sum(seqs_of(s) for s in shards) * len(keep)
         need = sum(seqs_of(s) for s in todo) * len(keep) * bpt
         free = shutil.disk_usage(a.out).free
@@ -490,11 +544,13 @@ def main(argv=None):
                 raise CaptureError(f"--out {a.out}: not enough disk left for {os.path.basename(path_of(s))}: it needs "
                                    f"{gib(shard_need)}, {gib(free)} is free; {len(todo) - todo.index(s)} shards remain")
             w = ShardWriter(path_of(s), name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
-                            np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype)
+                            np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype, a.attention_weights)
             try:
                 for b0 in range(0, m, a.batch):
-                    k, v, q, _ = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride)
-                    w.write(keys=k, values=v, queries=q)
+                    got = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride,
+                                            want_weights=a.attention_weights)
+                    k, v, q = got[:3]
+                    w.write(keys=k, values=v, queries=q, weights=got[4] if a.attention_weights else None)
                     prog.add(k.shape[0], k.shape[0] * bpt)
                 w.close()
             except BaseException as e:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The calibration studies of issue 25 on the small family of run_family.py, with crosskv's refits: structure
 (cross_head against per_head), direction (small to large and large to small), lambda over four orders of magnitude,
-calibration size (25/50/100% of the tokens) and domain (Shakespeare, then the Python standard library's own .py
-files). Every mapper is measured with the paper's prefix-perplexity protocol and the held-out diagnostics; every fit
+calibration size (25/50/100% of the tokens), domain (Shakespeare, then the Python standard library's own .py
+files), token weighting (uniform against the attention weights of crosskv-capture --attention-weights, issue 37) and
+residual MLPs (fit.mapper: auto). Every mapper is measured with the paper's prefix-perplexity protocol and the held-out diagnostics; every fit
 records how many tokens it read and in how many passes. Writes WORK/studies.md and WORK/studies.json.
 
     .venv-capture/bin/python tools/family/run_family.py WORK --build build      # the models and their captures
@@ -86,11 +87,20 @@ class Fits:
         subprocess.run([self.eval, "--mapper", mapper_dir, "--source", source_shard, "--target", target_shard,
                         "--json", j], check=True, capture_output=True)
         e = json.load(open(j))
-        return {x: e[x] for x in ("r2_k", "r2_v", "attention_cosine", "verdict")}
+        d = {x: e.get(x) for x in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration",
+                                   "verdict", "predicted_retention")}
+        d["mean_only_cosine"] = e["baselines"]["mean_only"]["attention_cosine"]
+        return d
 
 
 def manifest(d):
     return json.load(open(os.path.join(d, "manifest.json")))
+
+
+def in_sample_r2(m):
+    """The calibration (in-sample) R² the manifest records: head mean, then layer mean, of keys and values."""
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    return mean([mean([mean(l["r2_k"]), mean(l["r2_v"])]) for l in m["layers"]])
 
 
 def folders(out, ks, structures):
@@ -153,7 +163,8 @@ def main():
         for k, s, d in folders(out, ks, structures):
             m = manifest(d)
             ppl, rec = bench.recovered(d)
-            rows.append({"k": k, "structure": s, "params": m["fit"]["params"] + m["fit"]["bias_params"],
+            rows.append({"k": k, "structure": s, "mapper": d, "r2_in_sample": in_sample_r2(m),
+                         "params": m["fit"]["params"] + m["fit"]["bias_params"],
                          "bytes_fp32": 4 * (m["fit"]["params"] + m["fit"]["bias_params"]), "perplexity": ppl,
                          "recovered": rec, **fits.diagnose(d, *shards)})
         return rows
@@ -192,6 +203,20 @@ def main():
     res["domain"]["A+B, on B"] = measure(out, [1, 2, "all"], up["B"], held_b)
     fits.run("domain-AB-scratch", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {both}}}",
              domains=("cal", "code"))
+    # Token weighting (issue 37): the target's calibration captured again with --attention-weights (the same keys and
+    # values, plus `weights`), fitted with fit.weighting: dataset; uniform is the structure study's fit.
+    if not os.path.isdir("target-aw/cal"):
+        assert cap.main(["--model", "model-target", "--seq-len", str(a.seq), "--dtype", "fp32", "--batch", "8",
+                         "--shard-seqs", "64", "--name", "shakespeare-target", "--same-tokens-as", "model-source",
+                         "--text", "train.jsonl", "--n-seq", "256", "--out", "target-aw/cal",
+                         "--attention-weights"]) == 0
+    out = fits.run("weighting-attention", "source", "target-aw",
+                   f"{{k: [1, 2, all], lambda: 0.01, structure: {both}, weighting: dataset}}")
+    res["weighting"] = {"uniform": res["structure"], "attention": measure(out, [1, 2, "all"], up["A"], held_a)}
+    # Residual MLPs (fit.mapper: auto, the issue-15 settings), cross_head.
+    out = fits.run("mlp", "source", "target", "{k: [1, 2, all], lambda: 0.01, mapper: auto, "
+                   "mlp: {hidden: 256, epochs: 20}}")
+    res["mlp"] = measure(out, [1, 2, "all"], up["A"], held_a, structures=("cross_head",))
     with open("studies.json", "w") as f:
         json.dump(res, f, indent=2)
     write_markdown(res)
@@ -224,6 +249,10 @@ def write_markdown(res):
         lines += ["", f"## Calibration size {share}", ""] + table(rows)
     for name, rows in res["domain"].items():
         lines += ["", f"## Domain: {name}", ""] + table(rows)
+    for name, rows in res.get("weighting", {}).items():
+        lines += ["", f"## Token weighting: {name}", ""] + table(rows)
+    if "mlp" in res:
+        lines += ["", "## Residual MLPs (mapper: auto)", ""] + table(res["mlp"])
     open("studies.md", "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -12,6 +12,7 @@
 
 #include "scalar_oracle.hpp"
 #include "eval/report.hpp"
+#include "eval/retention.hpp"
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
@@ -188,3 +189,54 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   EXPECT_NE(both.find("<h2>k = 1, per_head</h2>"), std::string::npos);
 }
 
+
+TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
+  const RetentionModel& m = retention_model();
+  ASSERT_FALSE(m.terms.empty());
+  ASSERT_GT(m.half_width, 0.0);
+  // A diagnostics record whose predicted share is `share` (every feature the model reads is set from the cosine).
+  auto judged = [&](double cosine, double min_retention, double mean_only = 0.1) {
+    Evaluation ev;
+    ev.mapper.r2_k = ev.mapper.r2_v = 0.5;
+    ev.mapper.attention_cosine = cosine;
+    ev.mapper.k_concentration = 1.5;
+    ev.mean_only.attention_cosine = mean_only;
+    judge(ev, VerdictThresholds{min_retention});
+    return ev;
+  };
+  for (double cos : {0.6, 0.75, 0.85, 0.95}) {
+    const Evaluation ev = judged(cos, 0.8);
+    ASSERT_TRUE(ev.retention.has_value());
+    const auto want = predict_retention(ev.mapper, ev.mean_only);
+    EXPECT_DOUBLE_EQ(ev.retention->share, want->share);
+    EXPECT_NEAR(ev.retention->high - ev.retention->share, std::min(m.half_width, 1.0 - want->share), 1e-12);
+    EXPECT_EQ(ev.ok, ev.retention->share >= 0.8) << ev.verdict;
+    // The setting moves the verdict across the predicted share, and nothing else does.
+    EXPECT_TRUE(judged(cos, std::max(0.01, ev.retention->share - 1e-6)).ok);
+    if (ev.retention->share < 1.0) EXPECT_FALSE(judged(cos, ev.retention->share + 1e-6).ok);
+    EXPECT_NE(ev.verdict.find("predicted recovered share"), std::string::npos) << ev.verdict;
+    EXPECT_EQ(ev.json()["predicted_retention"]["share"], ev.retention->share);
+  }
+  // The predictor is monotone: a higher cosine never predicts less.
+  double last = -1e9;
+  for (double cos = 0.0; cos <= 1.0; cos += 0.05) {
+    const double s = judged(cos, 0.8).retention->share;
+    EXPECT_GE(s, last);
+    last = s;
+  }
+  // A cosine at or under the mean-only baseline's is NOT READY whatever the share.
+  EXPECT_FALSE(judged(0.99, 0.01, 0.99).ok);
+  // Negative held-out R² is NOT READY.
+  Evaluation neg = judged(0.99, 0.01);
+  neg.mapper.r2_v = -0.1;
+  judge(neg, VerdictThresholds{0.01});
+  EXPECT_FALSE(neg.ok);
+  // Without queries there is no share: UNCERTAIN at best, never ok.
+  Evaluation none;
+  none.mapper.r2_k = none.mapper.r2_v = 0.9;
+  judge(none);
+  EXPECT_FALSE(none.retention.has_value());
+  EXPECT_FALSE(none.ok);
+  EXPECT_EQ(none.verdict.rfind("UNCERTAIN", 0), 0u) << none.verdict;
+  EXPECT_TRUE(none.json()["predicted_retention"].is_null());
+}

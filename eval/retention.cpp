@@ -1,0 +1,67 @@
+#include "eval/retention.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace crosskv {
+
+const char* to_string(RetentionFeature f) {
+  switch (f) {
+    case RetentionFeature::attention_cosine: return "attention_cosine";
+    case RetentionFeature::cosine_margin: return "cosine_margin";
+    case RetentionFeature::r2_mean: return "r2_mean";
+    case RetentionFeature::k_concentration: return "k_concentration";
+  }
+  return "?";
+}
+
+nlohmann::json RetentionModel::json() const {
+  nlohmann::json c = nlohmann::json::object();
+  for (const auto& [f, w] : terms) c[to_string(f)] = w;
+  return {{"intercept", intercept}, {"coefficients", c},     {"half_width", half_width}, {"coverage", coverage},
+          {"loso_mae", loso_mae},   {"mappers", mappers},    {"calibrated_on", calibrated_on}};
+}
+
+const RetentionModel& retention_model() {
+  // tools/family/calibrate.py fit (docs/retention-calibration.json, "model"); ctest docs.retention_calibration.
+  static const RetentionModel m{
+      /*intercept=*/-0.991615,
+      /*terms=*/{{RetentionFeature::attention_cosine, 2.100221}},
+      /*half_width=*/0.175543,
+      /*coverage=*/0.9,
+      /*loso_mae=*/0.074665,
+      /*mappers=*/69,
+      "the small family of docs/RESULTS.md (two Qwen3-style models trained on Shakespeare, 4 and 8 layers); a real "
+      "pair may differ"};
+  return m;
+}
+
+std::optional<double> retention_feature(RetentionFeature f, const Diagnostics& mapper, const Diagnostics& mean_only) {
+  switch (f) {
+    case RetentionFeature::attention_cosine:
+      return mapper.attention_cosine;
+    case RetentionFeature::cosine_margin:
+      if (!mapper.attention_cosine || !mean_only.attention_cosine || *mean_only.attention_cosine >= 1.0)
+        return std::nullopt;
+      return (*mapper.attention_cosine - *mean_only.attention_cosine) / (1.0 - *mean_only.attention_cosine);
+    case RetentionFeature::r2_mean:
+      return 0.5 * (mapper.r2_k + mapper.r2_v);
+    case RetentionFeature::k_concentration:
+      return mapper.k_concentration;
+  }
+  return std::nullopt;
+}
+
+std::optional<RetentionEstimate> predict_retention(const Diagnostics& mapper, const Diagnostics& mean_only,
+                                                   const RetentionModel& model) {
+  double share = model.intercept;
+  for (const auto& [f, w] : model.terms) {
+    const std::optional<double> x = retention_feature(f, mapper, mean_only);
+    if (!x || !std::isfinite(*x)) return std::nullopt;
+    share += w * *x;
+  }
+  share = std::min(share, 1.0);
+  return RetentionEstimate{share, share - model.half_width, std::min(share + model.half_width, 1.0)};
+}
+
+}  // namespace crosskv

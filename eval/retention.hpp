@@ -1,0 +1,40 @@
+#pragma once
+// The retention predictor behind the verdict (issue 37): the share of the prefix's benefit a mapper keeps (the
+// family studies' perplexity protocol, docs/RESULTS.md), predicted from its held-out diagnostics by a small monotone
+// model fitted by tools/family/calibrate.py (docs/retention-calibration.json), with the interval that held 90% of
+// its errors when each study was left out. Calibrated on one small family: a real pair may differ.
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "eval/evaluation.hpp"
+
+namespace crosskv {
+
+enum class RetentionFeature { attention_cosine, cosine_margin, r2_mean, k_concentration };
+const char* to_string(RetentionFeature f);
+
+struct RetentionModel {
+  double intercept = 0;
+  std::vector<std::pair<RetentionFeature, double>> terms;  // recovered = intercept + Σ coefficient·feature (≤ 1)
+  double half_width = 0;                                   // the interval: ± this
+  double coverage = 0;                                     // of the held-out errors it covered
+  double loso_mae = 0;                                     // mean absolute error, leaving one study out
+  int mappers = 0;                                         // calibrated on
+  std::string calibrated_on;
+  nlohmann::json json() const;  // calibrate.py's "model" (crosskv-eval --print-retention-model)
+};
+
+// The model compiled in: docs/retention-calibration.json's (ctest docs.retention_calibration checks that they agree).
+const RetentionModel& retention_model();
+
+// A feature of a mapper's diagnostics; none where it needs attention figures the held-out shard could not give.
+std::optional<double> retention_feature(RetentionFeature f, const Diagnostics& mapper, const Diagnostics& mean_only);
+// The predicted share and its interval; none where a feature is missing.
+std::optional<RetentionEstimate> predict_retention(const Diagnostics& mapper, const Diagnostics& mean_only,
+                                                   const RetentionModel& model = retention_model());
+
+}  // namespace crosskv
