@@ -110,6 +110,41 @@ r = subprocess.run([fit_bin, "fit.yaml"], capture_output=True, text=True)
 check(r.returncode == 0 and os.path.exists("out/k1/manifest.json"), "crosskv-fit reads captured shards: " +
       (r.stderr.strip().splitlines() or ["ok"])[-1])
 
+# --attention-weights (docs/FORMATS.md): w_j = mean over layers, query heads and queries i >= j of P[i, j], normalised
+# to mean 1 per sequence over the kept positions; checked against HF's own output_attentions, computed here
+# independently, and read by the fit with fit.weighting: dataset.
+for stride in (1, 3):
+    out = f"store-aw{stride}/web"
+    rc = cap.main(["--model", "model-qwen3", "--text", "text.txt", "--seq-len", "96", "--n-seq", "3", "--stride",
+                   str(stride), "--dtype", "fp32", "--out", out, "--attention-weights", "--batch", "2"])
+    check(rc == 0, f"--attention-weights, stride {stride}: capture")
+    with h5py.File(f"{out}/shard-000.h5", "r") as f, h5py.File("store-qwen3-fp32/web/shard-000.h5", "r") as g:
+        w = f["weights"][()]
+        same_kv = stride > 1 or np.abs(f["keys"][()] - g["keys"][()]).max() <= 1e-5 * np.abs(g["keys"][()]).max()
+        check(f["weights"].dtype == np.float32 and f["weights"].fletcher32 and w.shape == f["token_ids"].shape,
+              f"stride {stride}: 'weights' is float32 [T], checksummed")
+    check(same_kv, "the eager attention's keys are the default attention's (fp32)")
+    eager = Qwen3ForCausalLM.from_pretrained("model-qwen3", attn_implementation="eager").eval()
+    seqs = cap.pack(byte_tokenizer(), cap.read_documents("text.txt"), 96, 3)
+    with torch.no_grad():
+        att = eager(torch.as_tensor(seqs), output_attentions=True).attentions  # per layer [B, Hq, S, S]
+    P = torch.stack(att).double().mean(dim=(0, 2))  # [B, S, S]: mean over layers and heads
+    S = P.shape[-1]
+    want = (P.sum(1) / torch.arange(S, 0, -1, dtype=torch.float64))[:, ::stride]  # mean over queries i >= j
+    want = (want / want.mean(1, keepdim=True)).reshape(-1).numpy()
+    d = np.abs(w - want).max()
+    check(d < 1e-5, f"stride {stride}: the weights are HF's attention mass as docs/FORMATS.md defines it "
+                    f"(max diff {d:.1e})")
+    check(np.allclose(w.reshape(3, -1).mean(1), 1.0, atol=1e-5), f"stride {stride}: mean 1 in every sequence")
+if os.path.isdir("store-aw1"):
+    with open("fit-aw.yaml", "w") as f:
+        f.write("source: {store: store-qwen3-fp32}\ntarget: {store: store-aw1}\n"
+                "fit: {k: [1], weighting: dataset}\noutput: {dir: out-aw}\n")
+    r = subprocess.run([fit_bin, "fit-aw.yaml"], capture_output=True, text=True)
+    m = json.load(open("out-aw/k1/manifest.json")) if r.returncode == 0 else {}
+    check(m.get("calibration", {}).get("token_weighting") == "dataset",
+          "crosskv-fit fits with the captured attention weights: " + (r.stderr.strip().splitlines() or ["ok"])[-1])
+
 # Refusals, before any work, one line each.
 torch.manual_seed(1)
 Qwen3ForCausalLM(Qwen3Config(**COMMON)).save_pretrained("model-other-tok")
