@@ -68,6 +68,8 @@ int main(int argc, char** argv) {
   app.add_option("--noise", o.noise, "family: layer-private noise level")->capture_default_str();
   app.add_option("--large-mean", o.large_mean, "offset of the large-mean key channels")->capture_default_str();
   app.add_flag("--with-queries", o.with_queries, "also write queries");
+  app.add_flag("--with-weights", o.with_weights,
+               "also write per-token weights into the target's shards (log-uniform over [0.1, 10]; fit.weighting: dataset)");
   app.add_flag("!--no-checksum", o.checksum, "datasets without Fletcher-32 checksums (as older writers made them)");
   app.add_flag("!--contiguous-positions", o.gapped_positions, "positions 0,1,2,... in every sequence");
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-synth")) return *rc;

@@ -279,6 +279,12 @@ int64_t write_shard_pair(const SynthOptions& o, const std::string& domain, const
     w->write_positions(w == &ws_ ? pos_s : pos_t);
     w->write_seq_offsets(offs);
   }
+  if (o.with_weights) {
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    std::vector<float> w(static_cast<size_t>(Tn));
+    for (auto& x : w) x = static_cast<float>(std::pow(10.0, u(rng)));
+    wt_.write_weights(w);
+  }
   std::vector<float> ks(S.width()), vs(S.width()), kt(T.width()), vt(T.width()), qs, qt;
   if (o.with_queries) {
     qs.resize(int64_t{Ls} * o.source.n_q_heads * o.source.head_dim);

@@ -34,6 +34,7 @@ struct SynthOptions {
   int large_mean_channels = 2;    // per head
   bool gapped_positions = true;   // random start offsets and steps of 1-3 (non-contiguous positions)
   bool with_queries = false;
+  bool with_weights = false;  // per-token `weights` in the target's shards (log-uniform over [0.1, 10])
   int64_t chunk_tokens = 256;
   bool checksum = true;  // Fletcher-32 on every dataset (false: shards as older writers made them)
 };
