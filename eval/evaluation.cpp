@@ -51,6 +51,8 @@ nlohmann::json Evaluation::json() const {
     const RetentionModel& m = retention_model();
     j["predicted_retention"] = {{"share", retention->share},     {"low", retention->low},
                                 {"high", retention->high},       {"min_retention", min_retention},
+                                {"extrapolated", !retention->outside.empty()},
+                                {"outside", retention->outside},
                                 {"coverage", m.coverage},        {"loso_mae", m.loso_mae},
                                 {"calibrated_on", m.calibrated_on}};
   } else {
@@ -83,6 +85,11 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
                   "cosine %.3f (needs above the mean-only %.3f); held-out R2 k %.3f, v %.3f (needs >= %.2f)",
                   ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", 100 * r.share, 100 * r.low, 100 * r.high,
                   100 * th.min_retention, implied.c_str(), c, c0, ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
+    if (!r.outside.empty()) {
+      ev.verdict = buf;
+      ev.verdict += "; an extrapolation: " + r.outside;
+      return;
+    }
   } else {
     ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
     std::snprintf(buf, sizeof buf,

@@ -30,6 +30,7 @@ struct Diagnostics {
 // The predicted share of the prefix's benefit a mapper keeps (eval/retention.hpp), with its interval.
 struct RetentionEstimate {
   double share = 0, low = 0, high = 0;
+  std::string outside;  // non-empty: the diagnostics lie outside the calibration's data (an extrapolation), and how
 };
 
 struct Evaluation {

@@ -272,7 +272,11 @@ std::string render_report(const ReportInput& in) {
         << fmt(100 * ev.min_retention, 0) << "%, <code>eval.min_retention</code>). The interval held "
         << fmt(100 * rm.coverage, 0) << "% of the predictor's errors on studies it was not fitted on (mean error "
         << fmt(100 * rm.loso_mae, 0) << " points); calibrated on " << esc(rm.calibrated_on)
-        << " (docs/RESULTS.md).</p>";
+        << " (docs/RESULTS.md).";
+      if (!ev.retention->outside.empty())
+        o << " <b>An extrapolation:</b> " << esc(ev.retention->outside)
+          << ", so the share is a guess beyond the data it was fitted on.";
+      o << "</p>";
     }
     o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
          "<th>K-concentration</th><th>V-concentration</th></tr>";

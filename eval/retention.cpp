@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 namespace crosskv {
 
@@ -18,8 +19,14 @@ const char* to_string(RetentionFeature f) {
 nlohmann::json RetentionModel::json() const {
   nlohmann::json c = nlohmann::json::object();
   for (const auto& [f, w] : terms) c[to_string(f)] = w;
-  return {{"intercept", intercept}, {"coefficients", c},     {"half_width", half_width}, {"coverage", coverage},
-          {"loso_mae", loso_mae},   {"mappers", mappers},    {"calibrated_on", calibrated_on}};
+  return {{"intercept", intercept},
+          {"coefficients", c},
+          {"half_width", half_width},
+          {"coverage", coverage},
+          {"loso_mae", loso_mae},
+          {"mappers", mappers},
+          {"ranges", {{"attention_cosine", {cosine_min, cosine_max}}, {"mean_only_cosine", {mean_only_min, mean_only_max}}}},
+          {"calibrated_on", calibrated_on}};
 }
 
 const RetentionModel& retention_model() {
@@ -31,6 +38,7 @@ const RetentionModel& retention_model() {
       /*coverage=*/0.9,
       /*loso_mae=*/0.074665,
       /*mappers=*/69,
+      /*cosine_min=*/0.328856, /*cosine_max=*/0.903242, /*mean_only_min=*/0.036163, /*mean_only_max=*/0.510046,
       "the small family of docs/RESULTS.md (two Qwen3-style models trained on Shakespeare, 4 and 8 layers); a real "
       "pair may differ"};
   return m;
@@ -61,7 +69,17 @@ std::optional<RetentionEstimate> predict_retention(const Diagnostics& mapper, co
     share += w * *x;
   }
   share = std::min(share, 1.0);
-  return RetentionEstimate{share, share - model.half_width, std::min(share + model.half_width, 1.0)};
+  RetentionEstimate e{share, share - model.half_width, std::min(share + model.half_width, 1.0), {}};
+  auto outside = [&](const char* what, std::optional<double> x, double lo, double hi) {
+    if (!x || (*x >= lo && *x <= hi)) return;
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%s%s %.3f is outside the calibration's %.3f to %.3f", e.outside.empty() ? "" : "; ",
+                  what, *x, lo, hi);
+    e.outside += buf;
+  };
+  outside("the attention cosine", mapper.attention_cosine, model.cosine_min, model.cosine_max);
+  outside("the mean-only cosine", mean_only.attention_cosine, model.mean_only_min, model.mean_only_max);
+  return e;
 }
 
 }  // namespace crosskv

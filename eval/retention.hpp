@@ -24,6 +24,8 @@ struct RetentionModel {
   double coverage = 0;                                     // of the held-out errors it covered
   double loso_mae = 0;                                     // mean absolute error, leaving one study out
   int mappers = 0;                                         // calibrated on
+  // Where the calibration has data: the mappers' attention cosines, and their mean-only baselines'.
+  double cosine_min = 0, cosine_max = 1, mean_only_min = 0, mean_only_max = 1;
   std::string calibrated_on;
   nlohmann::json json() const;  // calibrate.py's "model" (crosskv-eval --print-retention-model)
 };

@@ -164,8 +164,10 @@ def calibrate(rows):
                       "half_width": quantile([abs(e) for e in res], COVERAGE),
                       "in_sample_mae": sum(abs(r["recovered"] - predict((a, coefs), r)) for r in rows) / len(rows)})
     best = min(cands, key=lambda c: c["loso_mae"])
+    # Where the calibration has data: a mapper outside these ranges is an extrapolation (the verdict says so).
+    ranges = {f: [min(r[f] for r in rows), max(r[f] for r in rows)] for f in ("attention_cosine", "mean_only_cosine")}
     model = {"intercept": best["intercept"], "coefficients": best["coefficients"], "half_width": best["half_width"],
-             "coverage": COVERAGE, "loso_mae": best["loso_mae"], "mappers": len(rows),
+             "coverage": COVERAGE, "loso_mae": best["loso_mae"], "mappers": len(rows), "ranges": ranges,
              "studies": sorted({r["study"] for r in rows})}
     return {"correlations": corr, "paper": PAPER, "candidates": cands, "model": model}
 
@@ -213,8 +215,11 @@ def same_model(a, b, tol=5e-6):
     """Whether two models agree (the stored file keeps 6 decimals)."""
     if set(a["coefficients"]) != set(b["coefficients"]):
         return False
+    if set(a.get("ranges", {})) != set(b.get("ranges", {})):
+        return False
     pairs = [(a["intercept"], b["intercept"]), (a["half_width"], b["half_width"])]
     pairs += [(a["coefficients"][k], b["coefficients"][k]) for k in a["coefficients"]]
+    pairs += [(x, y) for k in a["ranges"] for x, y in zip(a["ranges"][k], b["ranges"][k])]
     return all(abs(x - y) <= tol for x, y in pairs)
 
 

@@ -224,6 +224,13 @@ TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
     EXPECT_GE(s, last);
     last = s;
   }
+  // Inside the calibration's data nothing is flagged; outside it, the verdict says it extrapolates.
+  EXPECT_TRUE(judged(0.6, 0.8, 0.1).retention->outside.empty());
+  const Evaluation far = judged(0.95, 0.8, 0.8);
+  EXPECT_NE(far.retention->outside.find("the mean-only cosine 0.800 is outside"), std::string::npos);
+  EXPECT_NE(far.retention->outside.find("the attention cosine 0.950 is outside"), std::string::npos);
+  EXPECT_NE(far.verdict.find("an extrapolation"), std::string::npos) << far.verdict;
+  EXPECT_EQ(far.json()["predicted_retention"]["extrapolated"], true);
   // A cosine at or under the mean-only baseline's is NOT READY whatever the share.
   EXPECT_FALSE(judged(0.99, 0.01, 0.99).ok);
   // Negative held-out R² is NOT READY.
