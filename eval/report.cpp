@@ -171,7 +171,7 @@ std::string sweep_summary(const ReportInput& in) {
     return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : nlohmann::json::object();
   };
   std::vector<MlpSummary> mlps(in.evaluations.size());
-  bool any_mlps = false;
+  bool any_mlps = false, any_outside = false;
   for (size_t i = 0; i < mlps.size() && i < in.manifests.size(); ++i) {
     const auto& m = in.manifests[i];
     if (!m.is_object() || !m.contains("layers") || !m["layers"].is_array()) continue;
@@ -221,7 +221,9 @@ std::string sweep_summary(const ReportInput& in) {
       << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
       << opt(ev.mapper.v_concentration) << "</td>"
       << (any_mlps ? "<td>" + esc(mlps[i].kept) + "</td>" : "") << "<td>" << share_text(ev)
+      << (ev.retention && !ev.retention->outside.empty() ? " &dagger;" : "")
       << "</td><td style='text-align:left'>" << esc(verdict) << "</td></tr>";
+    any_outside = any_outside || (ev.retention && !ev.retention->outside.empty());
   }
   o << "</table><p>&#9733; the best held-out " << (in.evaluations[best].mapper.attention_cosine ? "attention cosine"
                                                                                                : "R² (no queries)")
@@ -235,6 +237,8 @@ std::string sweep_summary(const ReportInput& in) {
     o << " per_head: target head h reads source head h alone (Ht&times; fewer parameters); cross_head: every head "
          "of the selected layers.";
   if (any_mlps) o << " Parameters and bytes count the kept residual MLPs (stored fp32) with the ridge.";
+  if (any_outside)
+    o << " &dagger; An extrapolation: these figures lie outside the data the predictor was calibrated on.";
   o << " Details per k below.</p>";
   return o.str();
 }
