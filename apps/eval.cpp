@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   app.add_flag("--require-ok", require_ok, "exit 4 when the verdict is not LIKELY TO TRANSFER");
   app.add_option("--min-retention", min_retention,
                  "the predicted share of the prefix's benefit kept that LIKELY TO TRANSFER needs (eval.min_retention)")
-      ->check(CLI::Range(0.0, 1.0).description("a share in (0, 1]"))
+      ->check(CLI::Range(1e-9, 1.0).description("a share in (0, 1]"))
       ->capture_default_str();
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-eval")) return *rc;
   const BlasKernels& blas = select_blas_kernels();  // before any BLAS call

@@ -108,7 +108,7 @@ std::string opt(const std::optional<double>& x) { return x ? fmt(*x) : "n/a"; }
 std::string share_text(const Evaluation& ev) {
   if (!ev.retention) return "n/a";
   const RetentionEstimate& r = *ev.retention;
-  return fmt(100 * r.share, 0) + "% (" + fmt(100 * r.low, 0) + "% to " + fmt(100 * r.high, 0) + "%)";
+  return fmt(100 * r.share, 1) + "% (" + fmt(100 * r.low, 0) + "% to " + fmt(100 * r.high, 0) + "%)";
 }
 
 // The attention cosine the verdict's share implies, where the predictor reads the cosine alone (else NaN: no line).

@@ -56,7 +56,7 @@ json.dump(manifest, open("out-noise/kall/manifest.json", "w"), indent=2)
 # A mapper whose held-out evaluation said NOT READY (eval-<k>.json beside it, as crosskv-fit writes it).
 shutil.rmtree("out-notready", ignore_errors=True)
 shutil.copytree("out/kall", "out-notready/kall")
-json.dump({"verdict": "NOT READY: predicted recovered share 41% (24% to 59%; needs >= 80%: attention_cosine >= "
+json.dump({"verdict": "NOT READY: predicted recovered share 41.0% (24% to 59%; needs >= 80%: attention_cosine >= "
                       "0.853); attention-output cosine 0.668 (needs above the mean-only 0.388); held-out R2 k 0.610, "
                       "v 0.640 (needs >= 0.00)",
            "predicted_retention": {"share": 0.41, "low": 0.24, "high": 0.59, "min_retention": 0.8},

@@ -7,7 +7,7 @@ residual MLPs (fit.mapper: auto). Every mapper is measured with the paper's pref
 records how many tokens it read and in how many passes. Writes WORK/studies.md and WORK/studies.json.
 
     .venv-capture/bin/python tools/family/run_family.py WORK --build build      # the models and their captures
-    .venv-capture/bin/python tools/family/studies.py WORK --build build         # ~5 min on 2 cores
+    .venv-capture/bin/python tools/family/studies.py WORK --build build         # ~11 min on 2 cores (5 of it the MLP)
 
 Not a CI test (it needs the trained models).
 """
