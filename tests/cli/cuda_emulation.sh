@@ -16,6 +16,8 @@ SMALL=(--source-layers 4 --target-layers 6 --source-heads 2 --target-heads 2 --s
 for dt in float32 bfloat16 float16; do
   "$SYNTH" --out "d-$dt" --dtype $dt --shards 3 --sequences 2 --seq-len 128 --with-queries "${SMALL[@]}" > /dev/null
 done
+"$SYNTH" --out d-weighted --dtype bfloat16 --with-weights --shards 2 --sequences 2 --seq-len 128 --seed 37 \
+  "${SMALL[@]}" > /dev/null
 "$SYNTH" --out d-mlp --relation nonlinear --shards 2 --sequences 4 --seq-len 128 --seed 31 "${SMALL[@]}" > /dev/null
 cfg() {  # NAME STORE DEVICE FIT_EXTRA RUNTIME_EXTRA [TOP_LEVEL_EXTRA]
   printf 'source: {store: %s/source}\ntarget: {store: %s/target}\nfit: {k: [1, 2, all]%s}\noutput: {dir: out-%s}\nruntime: {device: %s, block_tokens: 64%s}\n%s\n' \
@@ -30,6 +32,14 @@ close() {  # NAME_A NAME_B: every k within fp32 tolerance
 identical() {  # NAME_A NAME_B: the same bytes
   same_layers "out-$1" "out-$2" k1 k2 kall
 }
+
+# Per-token weights (fit.weighting: dataset): the device scales the rows as it prepares them, and weighs the column
+# sums; the weighted fit equals the CPU's, and differs from the uniform one.
+cfg cpu-weighted d-weighted cpu ", weighting: dataset" ""; fit "$FIT" cpu-weighted
+cfg gpu-weighted d-weighted cuda ", weighting: dataset" ""; fit "$EFIT" gpu-weighted
+cfg cpu-uniform d-weighted cpu "" ""; fit "$FIT" cpu-uniform
+close cpu-weighted gpu-weighted
+$CMP out-cpu-uniform/kall out-cpu-weighted/kall 1e-4 > /dev/null 2>&1 && die "the weighted fit equals the uniform one"
 
 # One pass, every stored dtype: the emulated GPU's fit equals the CPU's within fp32 tolerance.
 for dt in float32 bfloat16 float16; do
