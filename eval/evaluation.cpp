@@ -65,6 +65,7 @@ nlohmann::json Evaluation::json() const {
 
 void judge(Evaluation& ev, const VerdictThresholds& th) {
   char buf[640];
+  std::string extrapolated;
   ev.min_retention = th.min_retention;
   ev.retention = predict_retention(ev.mapper, ev.mean_only);
   if (ev.mapper.attention_cosine && ev.retention) {
@@ -85,11 +86,7 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
                   "cosine %.3f (needs above the mean-only %.3f); held-out R2 k %.3f, v %.3f (needs >= %.2f)",
                   ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", 100 * r.share, 100 * r.low, 100 * r.high,
                   100 * th.min_retention, implied.c_str(), c, c0, ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
-    if (!r.outside.empty()) {
-      ev.verdict = buf;
-      ev.verdict += "; an extrapolation: " + r.outside;
-      return;
-    }
+    if (!r.outside.empty()) extrapolated = "; an extrapolation: " + r.outside;
   } else {
     ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
     std::snprintf(buf, sizeof buf,
@@ -98,7 +95,7 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
                   ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
     ev.ok = false;  // without attention figures nothing says it transfers
   }
-  ev.verdict = buf;
+  ev.verdict = buf + extrapolated;
 }
 
 }  // namespace crosskv

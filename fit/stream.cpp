@@ -98,10 +98,10 @@ struct BlockShifts {
   const float *xk, *yk, *xk_raw, *yk_raw, *xv, *yv;
 };
 
-// Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair as stored; with `host`, also prepares
-// the moments' inputs on the host (raw keys only when want_raw).
+// Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair as stored, and with `weighted` the
+// target's token weights; with `host`, also prepares the moments' inputs on the host (raw keys only when want_raw).
 void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
-                bool want_raw, const BlockShifts* host, Block& b) {
+                bool want_raw, bool weighted, const BlockShifts* host, Block& b) {
   const int64_t stride = cal.cfg.token_stride, t0 = j0 * stride;
   const PairDims d = cal.dims();
   b.rows = rows;
@@ -119,7 +119,7 @@ void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibr
   side(r.target, d.G(), d.Lt, b.tk, b.tv, b.tpos);
   b.sqrt_w.clear();
   b.weight_sum = 0;
-  if (cal.cfg.weighting == Weighting::dataset) {
+  if (weighted) {
     b.sqrt_w.resize(static_cast<size_t>(rows));
     r.target.read_weights(t0, rows, stride, b.sqrt_w.data());
     for (int64_t t = 0; t < rows; ++t) {
@@ -236,9 +236,8 @@ Shifts compute_shifts(const Calibration& cal) {
   const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
   Block b;
   const BlockShifts none{};
-  Calibration unweighted = cal;  // any shift serves; this one does not depend on the weighting (or need weights)
-  unweighted.cfg.weighting = Weighting::uniform;
-  read_block(r, rs, rt, unweighted, 0, rows, true, &none, b);
+  // Any shift serves; this one does not depend on the weighting (or need the shift shard to carry weights).
+  read_block(r, rs, rt, cal, 0, rows, true, /*weighted=*/false, &none, b);
   const PairDims d = cal.dims();
   return {column_means(b.xk, rows, d.X()),     column_means(b.yk, rows, d.Y()), column_means(b.xk_raw, rows, d.X()),
           column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
@@ -347,7 +346,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
   const double bytes_per_token = 2.0 * (d.X() * 4 + d.Y() * 4);  // fp32 equivalent of K and V, both sides
   Progress progress(label, job_todo, bytes_per_token);
   Rope rs(cal.source, "source kv_spec"), rt(cal.target, "target kv_spec");
-  const bool want_raw = k_rope != nullptr;
+  const bool want_raw = k_rope != nullptr, weighted = cal.cfg.weighting == Weighting::dataset;
   const int64_t B = cal.cfg.block_tokens;
   // A device backend converts, strips RoPE and shifts on the device (half the bytes to copy, no host arithmetic);
   // otherwise the reader thread does it.
@@ -405,7 +404,8 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
           for (int64_t j = 0; j < p->used; j += B) {
             std::optional<Block> b = queue.take_free();
             if (!b) return;
-            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, on_device ? nullptr : &shifts, *b);
+            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, weighted, on_device ? nullptr : &shifts,
+                       *b);
             queue.push(std::move(b));
           }
         }

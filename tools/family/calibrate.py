@@ -254,12 +254,11 @@ def main():
         rows = []
         for path in a.studies:
             rows += rows_of(json.load(open(path)))
+        rows = rounded(rows)  # as stored: the stored model is the fit of exactly these
         cal = calibrate(rows)
         doc = {"format": "crosskv-retention-calibration", "version": 1, "calibrated_on": a.calibrated_on,
                "model": rounded(cal["model"]), "correlations": rounded(cal["correlations"], 4),
-               "candidates": rounded(cal["candidates"], 4), "paper": PAPER, "rows": rounded(rows)}
-        # The stored rows are rounded: the stored model is the refit of exactly them.
-        doc["model"] = rounded(calibrate(doc["rows"])["model"])
+               "candidates": rounded(cal["candidates"], 4), "paper": PAPER, "rows": rows}
         with open(a.out, "w") as fh:
             json.dump(doc, fh, indent=1)
             fh.write("\n")
