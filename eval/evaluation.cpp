@@ -74,11 +74,9 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
     ev.ok = r.share >= th.min_retention && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
     // With one feature, the threshold it implies on that feature.
     std::string implied;
-    const RetentionModel& m = retention_model();
-    if (m.terms.size() == 1 && m.terms[0].second != 0) {
+    if (const auto x = implied_threshold(th.min_retention)) {
       char t[128];
-      std::snprintf(t, sizeof t, ": %s >= %.3f", to_string(m.terms[0].first),
-                    (th.min_retention - m.intercept) / m.terms[0].second);
+      std::snprintf(t, sizeof t, ": %s >= %.3f", to_string(retention_model().terms[0].first), *x);
       implied = t;
     }
     std::snprintf(buf, sizeof buf,

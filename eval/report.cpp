@@ -113,9 +113,9 @@ std::string share_text(const Evaluation& ev) {
 
 // The attention cosine the verdict's share implies, where the predictor reads the cosine alone (else NaN: no line).
 double implied_cosine(double min_retention) {
-  const RetentionModel& m = retention_model();
-  if (m.terms.size() != 1 || m.terms[0].first != RetentionFeature::attention_cosine) return NAN;
-  return (min_retention - m.intercept) / m.terms[0].second;
+  const bool cosine = retention_model().terms.size() == 1 &&
+                      retention_model().terms[0].first == RetentionFeature::attention_cosine;
+  return cosine ? implied_threshold(min_retention).value_or(NAN) : NAN;
 }
 
 // A manifest's k as a person writes it: 4, all.

@@ -44,6 +44,11 @@ const RetentionModel& retention_model() {
   return m;
 }
 
+std::optional<double> implied_threshold(double share, const RetentionModel& model) {
+  if (model.terms.size() != 1 || model.terms[0].second == 0) return std::nullopt;
+  return (share - model.intercept) / model.terms[0].second;
+}
+
 std::optional<double> retention_feature(RetentionFeature f, const Diagnostics& mapper, const Diagnostics& mean_only) {
   switch (f) {
     case RetentionFeature::attention_cosine:

@@ -33,6 +33,9 @@ struct RetentionModel {
 // The model compiled in: docs/retention-calibration.json's (ctest docs.retention_calibration checks that they agree).
 const RetentionModel& retention_model();
 
+// Where the model reads one feature: the value of it at which the predicted share is `share` (none otherwise).
+std::optional<double> implied_threshold(double share, const RetentionModel& model = retention_model());
+
 // A feature of a mapper's diagnostics; none where it needs attention figures the held-out shard could not give.
 std::optional<double> retention_feature(RetentionFeature f, const Diagnostics& mapper, const Diagnostics& mean_only);
 // The predicted share and its interval; none where a feature is missing.
