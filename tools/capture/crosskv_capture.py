@@ -444,10 +444,11 @@ def resolve_part(arg, env=os.environ):
     return 0, 1, "one part"
 
 
-def bytes_per_token(spec, dtype, queries):
-    """A stored token's bytes: keys and values (and queries) in the stored dtype, its token id and position."""
+def bytes_per_token(spec, dtype, queries, weights=False):
+    """A stored token's bytes: keys and values (and queries) in the stored dtype, its token id and position (and its
+    float32 weight)."""
     per = spec["n_layers"] * spec["head_dim"] * STORED_BYTES[dtype]
-    return per * (2 * spec["n_kv_heads"] + (spec["n_q_heads"] if queries else 0)) + 8
+    return per * (2 * spec["n_kv_heads"] + (spec["n_q_heads"] if queries else 0)) + 8 + (4 if weights else 0)
 
 
 def gib(n):
@@ -522,7 +523,7 @@ def main(argv=None):
             for stale in glob.glob(glob.escape(path_of(s)) + ".tmp-*"):
                 os.remove(stale)
         seqs_of = lambda s: len(tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs])  # noqa: E731
-        bpt = bytes_per_token(spec, a.dtype, a.queries) + (4 if a.attention_weights else 0)
+        bpt = bytes_per_token(spec, a.dtype, a.queries, a.attention_weights)
         part_tokens = sum(seqs_of(s) for s in shards) * len(keep)
         need = sum(seqs_of(s) for s in todo) * len(keep) * bpt
         free = shutil.disk_usage(a.out).free
