@@ -1,6 +1,7 @@
 #include "io/shard.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/error.hpp"
 #include "core/half.hpp"
@@ -195,6 +196,10 @@ void ShardReader::read_weights(int64_t t0, int64_t count, int64_t stride, float*
   h5::Handle mspace(H5Screate_simple(1, &m, nullptr), H5Sclose);
   if (H5Dread(d, H5T_NATIVE_FLOAT, mspace, fspace, H5P_DEFAULT, out) < 0)
     throw InputError(h_.path + ": cannot read dataset 'weights' (truncated or corrupt file?)");
+  for (int64_t i = 0; i < count; ++i)
+    if (!(out[i] >= 0.0f) || !std::isfinite(out[i]))
+      throw InputError(h_.path + ": dataset 'weights' has " + std::to_string(out[i]) + " at token " +
+                       std::to_string(t0 + i * stride) + " (expected finite weights >= 0)");
 }
 
 ShardWriter::ShardWriter(const std::string& path, const std::string& model, const std::string& domain,

@@ -44,7 +44,8 @@ class ShardReader {
   void read_layer(const std::string& dataset, int layer, float* out, std::vector<uint16_t>& raw) const;
   // The same rows of `positions`.
   void read_positions(int64_t t0, int64_t count, int64_t stride, int32_t* out) const;
-  // The same rows of `weights` (InputError naming the file when it has none).
+  // The same rows of `weights`: InputError naming the file when it has none, and the value and its token where one
+  // is negative or not finite.
   void read_weights(int64_t t0, int64_t count, int64_t stride, float* out) const;
 
  private:
