@@ -52,7 +52,8 @@ def serve_turns(a):
         turns.append({"prompt": prompt, "answer": answer, "ttft_s": ttft,
                       "outcome": (head.kv_transfer_params or {}).get("crosskv")})
         history = prompt + answer
-    llm.llm_engine.step()  # a source engine saves its finished requests' KV on the next step
+    llm.llm_engine.step()  # a source engine hands its finished requests' KV to its saver on the next step
+    llm.llm_engine.engine_core.shutdown()  # and its saver writes them before the engine goes (a bounded drain)
     json.dump(turns, open(a.out, "w"))
 
 

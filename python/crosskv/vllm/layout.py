@@ -120,6 +120,7 @@ class PagedLayout:
         if not (torch.equal(per_block[:, 0], per_block[:, 1]) and torch.equal(per_block[:, 0], per_block[:, 2])):
             raise ValueError("the cache's blocks are not laid out alike")
         self.offsets = per_block[:, 0].to(kv_cache.device)  # [K|V, slot in block, head, dim]
+        self.cache_dtype = kv_cache.dtype
         self.block_stride, self.block_size = int(strides[bd]), block_size
 
     @staticmethod
@@ -141,6 +142,21 @@ class PagedLayout:
         if not torch.equal(torch.sort(code).values, torch.arange(n)):
             return None
         return where, code
+
+    @property
+    def stored_dtype(self) -> str:
+        """What the cache holds, by the store's name for it: float32, bfloat16, float16, float8_e4m3fn, float8_e5m2."""
+        return str(self.format if self.format is not None else self.cache_dtype).replace("torch.", "")
+
+    def read_raw(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [tokens, heads, dim] of the given slots exactly as the cache holds them (an fp8 cache's as bytes,
+        uint8), on the cache's device."""
+        slots = slots.to(kv_cache.device)
+        at = (slots // self.block_size * self.block_stride)[:, None, None] + self.offsets[:, slots % self.block_size]
+        flat = kv_cache.reshape(-1)
+        if self.format is not None:
+            flat = flat.view(torch.uint8)
+        return flat[at[0]], flat[at[1]]
 
     def read(self, kv_cache: torch.Tensor, slots: torch.Tensor, scales=(1.0, 1.0)) -> tuple[torch.Tensor,
                                                                                             torch.Tensor]:

@@ -1,8 +1,11 @@
 """The connector's metrics, through vLLM's connector-stats interface: the scheduler side counts requests by outcome
 (applied, each fallback class, local_prefix_cache, mapped_prefix_cache) and the tokens mapped; each worker records
-how long each prefix took to map. vLLM aggregates them across workers and steps, logs them, and publishes them on
-the OpenAI server's /metrics as vllm:crosskv_requests_total{outcome=...}, vllm:crosskv_mapped_tokens_total and
-vllm:crosskv_map_seconds."""
+how long each prefix took to map, and, on a source, each save's outcome (stored, shared, dropped, failed,
+abandoned), its seconds from the step to the store, and the bytes queued; both sides record the times their store was
+marked unhealthy. vLLM aggregates them across workers and steps, logs them, and publishes them on the OpenAI
+server's /metrics as vllm:crosskv_requests_total{outcome=...}, vllm:crosskv_mapped_tokens_total,
+vllm:crosskv_map_seconds, vllm:crosskv_saves_total{outcome=...}, vllm:crosskv_save_seconds and
+vllm:crosskv_store_unhealthy_total."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,12 +18,22 @@ class CrossKVStats(KVConnectorStats):
     """data: {"outcomes": {class: count}, "mapped_tokens": int, "map_s": [seconds per prefix and worker]}."""
 
     def __post_init__(self):
-        self.data.setdefault("outcomes", {})
-        self.data.setdefault("mapped_tokens", 0)
-        self.data.setdefault("map_s", [])
+        for key, empty in _EMPTY.items():
+            self.data.setdefault(key, empty())
 
     def reset(self):
-        self.data = {"outcomes": {}, "mapped_tokens": 0, "map_s": []}
+        self.data = {key: empty() for key, empty in _EMPTY.items()}
+
+    def record_saves(self, counts: dict, seconds: list, queued_bytes: int):
+        for k, n in counts.items():
+            self.data["saves"][k] = self.data["saves"].get(k, 0) + n
+        self.data["save_s"] += seconds
+        self.data["save_queue_bytes"] = max(self.data["save_queue_bytes"], queued_bytes)
+
+    def record_store(self, state: str, opened: int):
+        self.data["store_unhealthy"] += opened
+        if state != "healthy":
+            self.data["store_state"] = state
 
     def record_outcome(self, outcome_class: str, mapped_tokens: int = 0):
         self.data["outcomes"][outcome_class] = self.data["outcomes"].get(outcome_class, 0) + 1
@@ -30,22 +43,39 @@ class CrossKVStats(KVConnectorStats):
         self.data["map_s"].append(seconds)
 
     def aggregate(self, other):
-        out = {"outcomes": dict(self.data["outcomes"]), "mapped_tokens": self.data["mapped_tokens"],
-               "map_s": list(self.data["map_s"])}
-        for k, n in other.data.get("outcomes", {}).items():
-            out["outcomes"][k] = out["outcomes"].get(k, 0) + n
-        out["mapped_tokens"] += other.data.get("mapped_tokens", 0)
-        out["map_s"] += other.data.get("map_s", [])
+        a, b = self.data, {key: other.data.get(key, empty()) for key, empty in _EMPTY.items()}
+        out = {"outcomes": dict(a["outcomes"]), "saves": dict(a["saves"]),
+               "mapped_tokens": a["mapped_tokens"] + b["mapped_tokens"], "map_s": a["map_s"] + b["map_s"],
+               "save_s": a["save_s"] + b["save_s"], "store_unhealthy": a["store_unhealthy"] + b["store_unhealthy"],
+               "save_queue_bytes": max(a["save_queue_bytes"], b["save_queue_bytes"]),
+               "store_state": a["store_state"] or b["store_state"]}
+        for key in ("outcomes", "saves"):
+            for k, n in b[key].items():
+                out[key][k] = out[key].get(k, 0) + n
         return CrossKVStats(out)
 
     def reduce(self):
-        m = self.data["map_s"]
-        return {**{f"requests[{k}]": n for k, n in sorted(self.data["outcomes"].items())},
-                "mapped_tokens": self.data["mapped_tokens"], "maps": len(m),
-                "map_ms_mean": round(1e3 * sum(m) / len(m), 3) if m else 0.0}
+        m, s = self.data["map_s"], self.data["save_s"]
+        out = {**{f"requests[{k}]": n for k, n in sorted(self.data["outcomes"].items())},
+               "mapped_tokens": self.data["mapped_tokens"], "maps": len(m),
+               "map_ms_mean": round(1e3 * sum(m) / len(m), 3) if m else 0.0}
+        if self.data["saves"] or s:
+            out.update({f"saves[{k}]": n for k, n in sorted(self.data["saves"].items())})
+            out["save_ms_mean"] = round(1e3 * sum(s) / len(s), 3) if s else 0.0
+            out["save_queue_mib"] = round(self.data["save_queue_bytes"] / 2**20, 1)
+        if self.data["store_unhealthy"] or self.data["store_state"]:
+            out["store_unhealthy"] = self.data["store_unhealthy"]
+            out["store_state"] = self.data["store_state"] or "healthy"
+        return out
 
     def is_empty(self):
-        return not (self.data["outcomes"] or self.data["mapped_tokens"] or self.data["map_s"])
+        d = self.data
+        return not (d["outcomes"] or d["mapped_tokens"] or d["map_s"] or d["saves"] or d["save_s"]
+                    or d["store_unhealthy"] or d["store_state"])
+
+
+_EMPTY = {"outcomes": dict, "mapped_tokens": int, "map_s": list, "saves": dict, "save_s": list,
+          "save_queue_bytes": int, "store_unhealthy": int, "store_state": str}
 
 
 class CrossKVPromMetrics(KVConnectorPromMetrics):
@@ -65,6 +95,20 @@ class CrossKVPromMetrics(KVConnectorPromMetrics):
                                                    5.0],
                                           labelnames=labelnames)
 
+        self._saves = self._counter_cls(name="vllm:crosskv_saves",
+                                        documentation="Source requests' KV saves by outcome (stored, shared: every "
+                                                      "chunk already stored, dropped: the save queue was full, "
+                                                      "failed, abandoned at shutdown)",
+                                        labelnames=labelnames + ["outcome"])
+        self._save_s = self._histogram_cls(name="vllm:crosskv_save_seconds",
+                                           documentation="Seconds from a request's finish to its KV in the store, per "
+                                                         "saving worker",
+                                           buckets=[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0],
+                                           labelnames=labelnames)
+        self._unhealthy = self._counter_cls(name="vllm:crosskv_store_unhealthy",
+                                            documentation="Times the prefix store was marked unhealthy (not asked "
+                                                          "for a back-off period)", labelnames=labelnames)
+
     def observe(self, transfer_stats_data, engine_idx=0):
         labels = self.per_engine_labelvalues[engine_idx]
         for outcome, n in transfer_stats_data.get("outcomes", {}).items():
@@ -73,3 +117,9 @@ class CrossKVPromMetrics(KVConnectorPromMetrics):
             self._tokens.labels(*labels).inc(transfer_stats_data["mapped_tokens"])
         for s in transfer_stats_data.get("map_s", []):
             self._map_s.labels(*labels).observe(s)
+        for outcome, n in transfer_stats_data.get("saves", {}).items():
+            self._saves.labels(*labels, outcome).inc(n)
+        for s in transfer_stats_data.get("save_s", []):
+            self._save_s.labels(*labels).observe(s)
+        if transfer_stats_data.get("store_unhealthy"):
+            self._unhealthy.labels(*labels).inc(transfer_stats_data["store_unhealthy"])

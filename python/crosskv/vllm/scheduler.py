@@ -1,9 +1,15 @@
 """The connector's scheduler side: finds each new target request's longest run of stored chunks (cut before the first
 one that cannot feed the mapper), decides its outcome, keeps mapped KV out of the exact prefix cache (or within its
-namespace), and counts outcomes for the metrics. On the source engine it plans the saves of finished requests."""
+namespace), and counts outcomes for the metrics. On the source engine it plans the saves of finished requests.
+
+The lookup never holds up the scheduler's loop: it runs on the store guard's threads. While it is under way the
+request is asked about again on a later step (get_num_new_matched_tokens returns None: vLLM's "ask again later");
+past lookup_timeout_ms, or while the store is marked unhealthy, the request re-prefills (store_timeout,
+store_unhealthy)."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -11,6 +17,7 @@ import numpy as np
 from vllm.logger import init_logger
 
 from .context import EngineContext
+from .guard import StoreGuard
 from .layout import slots_of
 from .metadata import (APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan,
                        SavePlan, fallback, outcome_class, outcome_line)
@@ -32,6 +39,10 @@ class SchedulerSide:
         self._mapped_from: dict[str, int] = {}  # req_id -> its first block holding mapped KV (namespace policy)
         self._tainted: OrderedDict = OrderedDict()  # block hash -> None: blocks holding mapped KV, or KV after it
         self._stats = CrossKVStats()
+        st = ctx.settings
+        self.guard = StoreGuard(ctx.store.spec, st.breaker_failures, st.breaker_seconds)
+        self._guard_opened = 0
+        self._lookups: dict[str, tuple] = {}  # req_id -> (its lookup's future, when it started)
 
     # --------------------------------------------------------------------------------------------------- lookup
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -52,14 +63,14 @@ class SchedulerSide:
             return 0, False
         reused, tainted_from = self._mapped_cache_hit(request, num_computed_tokens)
         reused_outcome = {"status": MAPPED_CACHE, "tokens": reused, "local_tokens": num_computed_tokens}
-        tokens = list(request.prompt_token_ids or [])
-        salt = getattr(request, "cache_salt", None)
-        # The last prompt token is always computed: it gives the first output token's logits.
         try:
-            match, stopped = self._usable_run(ctx.store.match(tokens, len(tokens) - 1, salt))
-        except PrefixError as e:  # the store cannot be read (an unreachable server)
+            found = self._lookup(request)
+        except PrefixError as e:  # the store cannot be read, in time or at all
             self._outcomes[rid] = fallback(str(e), e.kind)
             return 0, False
+        if found is None:
+            return None, False  # under way: vLLM asks again on a later step
+        match, stopped = found
         n = match.tokens
         if n == 0 or n < ctx.settings.min_prefix_tokens:
             if stopped:
@@ -93,6 +104,33 @@ class SchedulerSide:
                                                                  else {}), **({"stopped": stopped[0]} if stopped
                                                                               else {})}
         return n - num_computed_tokens, False
+
+    def _lookup(self, request):
+        """(the usable run of stored chunks, why it stops) of the request's prompt; None while its lookup is under way;
+        PrefixError where the store did not answer in time, or is marked unhealthy."""
+        rid, timeout = request.request_id, self.ctx.settings.lookup_timeout_ms / 1e3
+        if rid not in self._lookups:
+            tokens = list(request.prompt_token_ids or [])
+            salt = getattr(request, "cache_salt", None)
+            self.guard.admit()
+            # The last prompt token is always computed: it gives the first output token's logits.
+            fut = self.guard.submit("be read", lambda: self._usable_run(self.ctx.store.match(tokens, len(tokens) - 1,
+                                                                                             salt)))
+            self._lookups[rid] = (fut, time.monotonic())
+            try:  # most lookups answer at once: no step is lost to asking again
+                fut.result(timeout=min(timeout, 0.01))
+            except Exception:
+                pass
+        fut, started = self._lookups[rid]
+        if not fut.done():
+            if time.monotonic() - started < timeout:
+                return None
+            del self._lookups[rid]
+            self.guard.failed(f"a lookup took over {timeout * 1e3:.0f} ms")
+            raise PrefixError(f"the store at {self.ctx.store.spec} did not answer the lookup within "
+                              f"{timeout * 1e3:.0f} ms (lookup_timeout_ms)", "store_timeout")
+        del self._lookups[rid]
+        return fut.result()
 
     def _usable_run(self, match: Match):
         """The run of chunks cut before the first whose parts are incomplete or disagree, or that cannot feed this
@@ -184,14 +222,16 @@ class SchedulerSide:
     def request_finished(self, request, block_ids):
         rid = request.request_id
         self._candidates.pop(rid, None)
+        self._lookups.pop(rid, None)
         if self.ctx.side == "source":
             n = request.num_computed_tokens
-            if n < self.ctx.settings.min_prefix_tokens or not block_ids:
+            if self.ctx.unusable or n < self.ctx.settings.min_prefix_tokens or not block_ids:
                 return False, None
             self._to_save.append(SavePlan(rid, list(request.all_token_ids[:n]),
                                           slots_of(block_ids, self.ctx.block_size, 0, n).tolist(),
                                           getattr(request, "cache_salt", None)))
-            return True, {"crosskv": {"status": "saved", "tokens": n}}  # blocks kept until the workers saved them
+            # The blocks are kept until the workers' savers have copied them out; the store write comes after.
+            return True, {"crosskv": {"status": "save_queued", "tokens": n}}
         outcome = self._outcomes.pop(rid, fallback("never scheduled through the connector", "other"))
         first_block = self._mapped_from.pop(rid, None)
         if first_block is not None and outcome["status"] != FALLBACK:  # every block it filled holds mapped KV
@@ -201,6 +241,8 @@ class SchedulerSide:
         return False, {"crosskv": outcome}
 
     def get_kv_connector_stats(self):
+        opened, self._guard_opened = self.guard.opened - self._guard_opened, self.guard.opened
+        self._stats.record_store(self.guard.state, opened)
         if self._stats.is_empty():
             return None
         out, self._stats = self._stats, CrossKVStats()

@@ -23,6 +23,7 @@ import json
 import os
 import sqlite3
 import struct
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -33,7 +34,13 @@ import numpy as np
 
 from .config import EXTRA, CrossKVConfigError, spec_mismatch
 
-CHUNK_FORMAT, CHUNK_VERSION = "crosskv-chunk", "1"
+CHUNK_FORMAT, CHUNK_VERSION = "crosskv-chunk", "2"
+READABLE_VERSIONS = ("1", "2")  # 1: float32 tensors (before the cache's own dtype was stored); still read
+# A chunk's tensors in the engine's KV-cache dtype: the stored dtype's name -> the numpy container of its bits. fp8
+# chunks carry each layer's K and V scales (k_scales, v_scales); a value is its fp8 code times its layer's scale.
+KV_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8,
+             "float8_e5m2": np.uint8}
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_NAMESPACE = "default"
 
@@ -94,9 +101,24 @@ class Match:
 class Chunk:
     """One chunk read back whole: every part's tensors checked against its checksum, heads side by side."""
     token_ids: np.ndarray  # [m] int32
-    keys: np.ndarray  # [m, L, H, D] float32, post-RoPE at the chunk's own positions in its prefix
+    keys: np.ndarray  # [m, L, H, D] float32 (raw: the stored bits), post-RoPE at the chunk's own positions
     values: np.ndarray
     meta: dict = field(default_factory=dict)
+
+
+def decode_kv(raw: np.ndarray, kv_dtype: str, scales=None) -> np.ndarray:
+    """Stored KV bits [m, L, h, D] as float32 values: exact for float32, float16 and bfloat16; an fp8 code times its
+    layer's scale (scales: one per layer), as vLLM's own fp8 cache is read."""
+    if kv_dtype in ("float32", "float16"):
+        return raw.astype(np.float32, copy=False)
+    if kv_dtype == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    import torch
+
+    fmt = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[kv_dtype]
+    x = torch.from_numpy(np.ascontiguousarray(raw)).view(fmt).to(torch.float32)
+    s = torch.tensor([float(v) for v in scales], dtype=torch.float32).reshape(1, -1, 1, 1)
+    return (x * s).numpy()
 
 
 def _checksum(*arrays) -> str:
@@ -171,9 +193,9 @@ class PrefixStore(ABC):
     def headers(self, refs: list[ChunkRef]) -> list[list[dict]]:
         return self._headers([r.key for r in refs])
 
-    def read(self, ref: ChunkRef, salt: Optional[str] = None) -> Chunk:
-        """One chunk, whole: every part, checksums verified, heads side by side; PrefixError naming the chunk
-        otherwise."""
+    def read(self, ref: ChunkRef, salt: Optional[str] = None, raw: bool = False) -> Chunk:
+        """One chunk, whole: every part, checksums verified, heads side by side, as float32 (raw: the stored bits,
+        in meta['kv_dtype']); PrefixError naming the chunk otherwise."""
         where = self.where(ref)
         blobs = self._blobs(ref.key)
         if not blobs:
@@ -206,10 +228,24 @@ class PrefixStore(ABC):
             if ids is not None and not np.array_equal(ids, t["token_ids"]):
                 raise PrefixError(f"{where}: its parts hold other tokens", "damaged")
             ids = t["token_ids"]
-            keys.append(t["keys"])
-            values.append(t["values"])
+            k, v = t["keys"], t["values"]
+            kv_dtype = p.get("kv_dtype", "float32")
+            if KV_DTYPES.get(kv_dtype) != k.dtype or k.dtype != v.dtype or k.ndim != 4 or k.shape != v.shape:
+                raise PrefixError(f"{where} part {n}: damaged (its tensors are {k.dtype} {list(k.shape)}, its header "
+                                  f"says {kv_dtype})", "damaged")
+            if not raw:
+                try:
+                    scales = [json.loads(p["k_scales"]), json.loads(p["v_scales"])] if kv_dtype in FP8_DTYPES \
+                        else [None, None]
+                    if scales[0] is not None and not (len(scales[0]) == len(scales[1]) == k.shape[1]):
+                        raise ValueError("one scale per layer expected")
+                except (KeyError, ValueError, TypeError) as e:
+                    raise PrefixError(f"{where} part {n}: its fp8 scales are damaged ({e})", "damaged") from None
+                k, v = decode_kv(k, kv_dtype, scales[0]), decode_kv(v, kv_dtype, scales[1])
+            keys.append(k)
+            values.append(v)
         cat = (lambda xs: xs[0]) if len(keys) == 1 else (lambda xs: np.concatenate(xs, axis=2))
-        return Chunk(ids, cat(keys), cat(values), meta)
+        return Chunk(ids, cat(keys), cat(values), {**meta, "kv_dtype": meta.get("kv_dtype") or "float32"})
 
     def touch(self, refs: list[ChunkRef]) -> None:
         """Marks chunks used now (one write for a whole load), so that least-recently-used eviction keeps them."""
@@ -223,8 +259,10 @@ class PrefixStore(ABC):
     def save(self, token_ids, first_head: int, heads: int, meta: dict, kv: Callable[[int, int], tuple],
              salt: Optional[str] = None) -> tuple[int, int]:
         """Stores the part [first_head, first_head + heads) of every chunk of token_ids not stored yet: whole chunks,
-        then the tail. kv(start, end) gives that part's keys and values [end - start, L, heads, D] float32, post-RoPE
-        at positions start..end-1. Returns (chunks written, chunks already stored)."""
+        then the tail. kv(start, end) gives that part's keys and values [end - start, L, heads, D], post-RoPE at
+        positions start..end-1, in the cache's own dtype meta['kv_dtype'] (KV_DTYPES' container: bfloat16 as its
+        uint16 bits, fp8 as its bytes with meta['k_scales'] and ['v_scales'], a JSON list per layer; float32 where
+        meta names none). Returns (chunks written, chunks already stored)."""
         ids = np.asarray(token_ids, dtype=np.int32)
         ns, C = self.ns(salt), self.chunk_tokens
         keys = chunk_keys(ids, C, ns)
@@ -241,9 +279,13 @@ class PrefixStore(ABC):
             if _covers(stored, first_head, heads):  # stored by another request (or another source's worker)
                 continue
             k, v = kv(ref.start, ref.end)
-            t = {"token_ids": np.ascontiguousarray(ids[ref.start:ref.end]), "keys": np.ascontiguousarray(k, np.float32),
-                 "values": np.ascontiguousarray(v, np.float32)}
-            header = {str(a): str(b) for a, b in meta.items()}
+            want = KV_DTYPES[meta.get("kv_dtype", "float32")]
+            assert k.dtype == want and v.dtype == want, f"kv() gave {k.dtype}, the chunk's dtype is {want}"
+            t = {"token_ids": np.ascontiguousarray(ids[ref.start:ref.end]), "keys": np.ascontiguousarray(k),
+                 "values": np.ascontiguousarray(v)}
+            header = {str(a): b if isinstance(b, str) else json.dumps(b) if isinstance(b, (dict, list)) else str(b)
+                      for a, b in meta.items()}
+            header.setdefault("kv_dtype", "float32")
             header.update(format=CHUNK_FORMAT, format_version=CHUNK_VERSION, namespace=ns, chunk_tokens=str(C),
                           index=str(i), start=str(ref.start), tokens=str(ref.end - ref.start), parent=parents[i],
                           first_head=str(first_head), part_heads=str(heads), part=part,
@@ -282,7 +324,7 @@ def whole_header(where: str, parts: list[dict]) -> dict:
         raise PrefixError(f"{where}: incomplete: no stored part holds source KV heads [{covered}, {heads}) (a source "
                           "worker has not saved its part, or it was lost)", "incomplete")
     identity = ("format", "format_version", "source_model", "n_layers", "n_kv_heads", "head_dim", "tokens", "start",
-                "rope_type", "rope_theta", "tokenizer", "namespace", "parent", "chunk_tokens")
+                "rope_type", "rope_theta", "rope", "tokenizer", "namespace", "parent", "chunk_tokens", "kv_dtype")
     for p in chosen[1:]:
         for k in identity:
             if p.get(k) != chosen[0].get(k):
@@ -304,13 +346,21 @@ def _covers(parts: list[dict], first: int, heads: int) -> bool:
 
 def header_mismatch(meta: dict, mapper_spec: dict, tokenizer: Optional[str]) -> Optional[str]:
     """Why a stored chunk cannot feed this mapper, or None."""
-    if meta.get("format") != CHUNK_FORMAT or meta.get("format_version") != CHUNK_VERSION:
-        return f"it is not a {CHUNK_FORMAT} v{CHUNK_VERSION} entry"
+    if meta.get("format") != CHUNK_FORMAT or meta.get("format_version") not in READABLE_VERSIONS:
+        return (f"it is not a {CHUNK_FORMAT} entry of a version this crosskv reads ({', '.join(READABLE_VERSIONS)}; "
+                f"got {meta.get('format')} {meta.get('format_version')})")
+    if meta.get("kv_dtype", "float32") not in KV_DTYPES:
+        return f"its KV dtype {meta.get('kv_dtype')!r} is not one this crosskv reads ({', '.join(KV_DTYPES)})"
     try:
+        if meta.get("rope"):  # every RoPE parameter (format 2)
+            rope = json.loads(meta["rope"])
+        else:  # format 1 recorded the type and theta alone: any other parameter the mapper's source has differs
+            theta = meta.get("rope_theta")
+            rope = {"type": meta.get("rope_type", "default"),
+                    "theta": float(theta) if theta not in (None, "None") else None}
         got = {"n_layers": int(meta["n_layers"]), "n_kv_heads": int(meta["n_kv_heads"]),
-               "head_dim": int(meta["head_dim"]), "rope_type": meta.get("rope_type", "default"),
-               "rope_theta": float(meta["rope_theta"]) if meta.get("rope_theta") not in (None, "None") else None}
-    except (KeyError, ValueError) as e:
+               "head_dim": int(meta["head_dim"]), "rope": rope}
+    except (KeyError, ValueError, TypeError) as e:
         return f"its metadata is damaged ({e})"
     why = spec_mismatch(mapper_spec, got, "source")
     if why:
@@ -341,12 +391,22 @@ class FolderStore(PrefixStore):
         self.root = os.path.join("/dev/shm", "crosskv", spec[4:]) if spec.startswith("shm:") else spec
         self.capacity_bytes = capacity_bytes
         os.makedirs(self.root, exist_ok=True)
-        self._db = sqlite3.connect(os.path.join(self.root, "index.sqlite3"), timeout=60, isolation_level=None,
-                                   check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA mmap_size=268435456")  # the index read through the page cache, not read() calls
+        self._local = threading.local()  # a connection per thread: the saver's writes and the loads run apart
+        self._connections: list = []
         self._db.executescript(_SCHEMA)
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(os.path.join(self.root, "index.sqlite3"), timeout=60, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA mmap_size=268435456")  # the index read through the page cache, not read() calls
+            self._local.db = db
+            self._connections.append(db)
+        return db
 
     def _path(self, key: str, part: str) -> str:
         return os.path.join(self.root, key[:2], f"{key}.{part}.safetensors")
@@ -437,7 +497,10 @@ class FolderStore(PrefixStore):
         return int(self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()[0])
 
     def close(self):
-        self._db.close()
+        for db in self._connections:
+            db.close()
+        self._connections.clear()
+        self._local = threading.local()
 
 
 # ------------------------------------------------------------------------------------------------------ Redis
@@ -447,7 +510,8 @@ class RedisStore(PrefixStore):
     takes a chunk whole, and nothing else is stored. Capacity and eviction are the
     server's (maxmemory, maxmemory-policy allkeys-lru; a chunk read counts as a use); ttl_seconds expires entries."""
 
-    def __init__(self, spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, ttl_seconds: Optional[int] = None):
+    def __init__(self, spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, ttl_seconds: Optional[int] = None,
+                 timeout_ms: int = 5000):
         u = urlparse(spec)
         namespace = u.path.strip("/") or DEFAULT_NAMESPACE
         super().__init__(spec, chunk_tokens, namespace)
@@ -455,7 +519,7 @@ class RedisStore(PrefixStore):
 
         self.ttl = ttl_seconds
         self._r = redis.Redis(host=u.hostname or "127.0.0.1", port=u.port or 6379, password=u.password,
-                              socket_timeout=10, socket_connect_timeout=5)
+                              socket_timeout=timeout_ms / 1e3, socket_connect_timeout=min(timeout_ms / 1e3, 5.0))
         self._prefix = f"crosskv:{namespace}:"
         self._errors = (redis.RedisError, OSError)
         self._run_script = self._r.register_script(self._RUN)
@@ -519,7 +583,7 @@ class RedisStore(PrefixStore):
 
 
 def open_store(spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, capacity_bytes: Optional[int] = None,
-               ttl_seconds: Optional[int] = None) -> PrefixStore:
+               ttl_seconds: Optional[int] = None, timeout_ms: int = 5000) -> PrefixStore:
     """The store a spec names; CrossKVConfigError naming the key where it cannot be used."""
     if spec.startswith("redis://"):
         if capacity_bytes is not None:
@@ -530,7 +594,7 @@ def open_store(spec: str, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, capacity_byt
         except ImportError:
             raise CrossKVConfigError(f"{EXTRA}.store: {spec} needs the redis Python package (pip install redis)") \
                 from None
-        return RedisStore(spec, chunk_tokens, ttl_seconds)
+        return RedisStore(spec, chunk_tokens, ttl_seconds, timeout_ms)
     if ttl_seconds is not None:
         raise CrossKVConfigError(f"{EXTRA}.ttl_seconds: only a Redis store expires entries; a folder store is bounded "
                                  "by capacity_bytes")

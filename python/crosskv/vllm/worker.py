@@ -5,6 +5,7 @@ scales). A source worker saves the KV heads it holds as one part of each finishe
 path takes the engine down: any failure makes that request's blocks a load error, recomputed, with the reason."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -20,10 +21,12 @@ from vllm.logger import init_logger
 from .. import Mapper, MapperError
 from .config import CrossKVConfigError
 from .context import EngineContext
+from .guard import StoreGuard
 from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
 from .metadata import APPLIED, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, SavePlan, fallback, failure_kind
 from .metrics import CrossKVStats
-from .store import PrefixError
+from .saver import Saver, SaveJob
+from .store import FP8_DTYPES, PrefixError
 
 logger = init_logger("vllm.crosskv")
 
@@ -142,8 +145,12 @@ class WorkerSide:
         self._outcomes: dict[str, dict] = {}
         self._failed: set[str] = set()  # this step's loads that failed (no later layer is written)
         self._invalid_blocks: set[int] = set()
-        self._saved: set[str] = set()
+        self._released: set[str] = set()  # saves that need no blocks held (dropped, or another replica's)
         self._stats = CrossKVStats()
+        st = ctx.settings
+        self.guard = StoreGuard(ctx.store.spec, st.breaker_failures, st.breaker_seconds)
+        self._guard_opened = 0
+        self.saver: Optional[Saver] = None
 
     # ----------------------------------------------------------------------------------------------- at start
     def register_kv_caches(self, kv_caches):
@@ -151,6 +158,8 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         ctx = self.ctx
+        if ctx.unusable_kind == "unmappable_model":  # a hybrid or sliding-window model: nothing to set up
+            return
         forward = self._vllm_config.compilation_config.static_forward_context
         names = sorted(kv_caches, key=extract_layer_index)
         self._kv_caches = {n: kv_caches[n] for n in names}
@@ -176,6 +185,14 @@ class WorkerSide:
         logger.info("crosskv: worker %s holds KV heads [%d, %d) of %d (replica %d); %s cache", self.placement,
                     self.placement.first, self.placement.first + self.placement.count, self.placement.total,
                     self.placement.replica, ctx.cache_dtype)
+        if ctx.side == "source" and not ctx.unusable and self.placement.replica == 0:
+            for name in names:  # every layer's layout now: the saver's thread reads them
+                self._layout(name)
+            limit = ctx.settings.save_queue_bytes or default_save_queue_bytes()
+            self.saver = Saver(limit, name=f"crosskv-saver-{self.placement.rank}")
+            atexit.register(self.shutdown)  # an engine that exits without shutting down still drains, bounded
+            logger.info("crosskv: worker %d saves in the background (%s chunks, queue limit %.1f MiB)",
+                        self.placement.rank, self._layout(names[0]).stored_dtype, limit / 2**20)
         if ctx.side == "target" and not self.unusable:
             cache = next(iter(kv_caches.values()))
             device = ctx.settings.mapper_device or (str(cache.device) if cache.is_cuda else "cpu")
@@ -235,10 +252,15 @@ class WorkerSide:
         if self._mapper is None:
             raise ValueError(self.unusable or "no mapper on this worker")
         t0 = time.perf_counter()
+        deadline = t0 + self.ctx.settings.load_timeout_ms / 1e3
         keys, values, stopped = [], [], None
         for ref in plan.chunks:
             try:
-                c = self.ctx.store.read(ref, plan.salt)
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise PrefixError(f"{self.ctx.store.where(ref)}: not read within the load's "
+                                      f"{self.ctx.settings.load_timeout_ms} ms", "store_timeout")
+                c = self.guard.call("be read", lambda: self.ctx.store.read(ref, plan.salt), left)
                 if c.token_ids.tolist() != plan.token_ids[ref.start:ref.end]:
                     raise PrefixError(f"{self.ctx.store.where(ref)}: holds other tokens than its key says", "damaged")
             except PrefixError as e:
@@ -253,7 +275,8 @@ class WorkerSide:
             lo, hi = max(plan.first, ref.start) - ref.start, min(plan.end, ref.end) - ref.start
             keys.append(c.keys[lo:hi])
             values.append(c.values[lo:hi])
-        self.ctx.store.touch(plan.chunks[:len(keys)])
+        used = plan.chunks[:len(keys)]
+        self.guard.submit("be marked used", lambda: self.ctx.store.touch(used))  # not waited for
         dev = next(iter(self._kv_caches.values())).device
         cat = (lambda xs: xs[0]) if len(keys) == 1 else np.concatenate
         pos = torch.arange(plan.first, plan.end, dtype=torch.int32, device=dev)
@@ -317,6 +340,7 @@ class WorkerSide:
 
     # ----------------------------------------------------------------------------------------- source: save
     def wait_for_save(self, meta):
+        """Hands each finished request's save to the background saver; never waits on the store."""
         try:
             self._finish_layer_by_layer()
         except Exception:
@@ -325,39 +349,79 @@ class WorkerSide:
         if not isinstance(meta, CrossKVMetadata):
             return
         for plan in meta.saves:
+            queued = False
             try:
-                if self.placement.replica == 0:  # one replica of each head range saves it
-                    self._save(plan)
+                if self.saver is not None:  # one replica of each head range saves it
+                    queued = self.saver.submit(self._save_job(plan))
+                    if not queued:
+                        continue  # dropped: the saver released it
             except Exception as e:  # an unsaved prefix only means a later re-prefill
                 logger.warning("crosskv: request %s: its KV was not saved: %s: %s", plan.req_id, type(e).__name__, e)
-            self._saved.add(plan.req_id)  # every worker reports it, so vLLM frees its blocks
+            if not queued:
+                self._released.add(plan.req_id)  # every worker reports it, so vLLM frees its blocks
 
-    def _save(self, plan: SavePlan):
-        """This worker's KV heads of the plan's chunks that the store does not hold yet (chunks another request
-        stored are shared), read from the paged cache chunk by chunk."""
+    def _save_job(self, plan: SavePlan) -> SaveJob:
+        """The plan's save: its KV read out of the paged cache on the saver's copy thread (on a GPU, on a side
+        stream after the step's own work, into pinned host memory), then written on its write thread."""
         slots = torch.as_tensor(plan.slots, dtype=torch.int64)
+        caches = list(self._kv_caches.items())
+        first = caches[0][1]
+        layout0 = self._layout(caches[0][0])
+        kv_dtype = layout0.stored_dtype
+        ready = None
+        if first.is_cuda:  # the copy starts after what the step has queued so far
+            ready = torch.cuda.Event()
+            ready.record()
+        nbytes = 2 * len(plan.slots) * len(caches) * self.placement.count * self.ctx.engine["head_dim"] * (
+            1 if kv_dtype in FP8_DTYPES else first.element_size())
 
-        def kv(start, end):
-            ks, vs = [], []
-            for name, cache in self._kv_caches.items():
-                k, v = self._layout(name).read(cache, slots[start:end], layer_scales(self._layers[name]))
-                ks.append(k.to("cpu", torch.float32))
-                vs.append(v.to("cpu", torch.float32))
-            return torch.stack(ks, 1).numpy(), torch.stack(vs, 1).numpy()
+        def snapshot():
+            side = torch.cuda.Stream(device=first.device) if ready is not None else None
+            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+                if side is not None:
+                    side.wait_event(ready)
+                ks, vs = zip(*(self._layout(name).read_raw(cache, slots) for name, cache in caches))
+                k, v = torch.stack(ks, 1), torch.stack(vs, 1)
+                if side is not None:
+                    hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+                    hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                    hk.copy_(k, non_blocking=True)
+                    hv.copy_(v, non_blocking=True)
+                    side.synchronize()
+                    k, v = hk, hv
+            scales = [layer_scales(self._layers[name]) for name, _ in caches] if kv_dtype in FP8_DTYPES else None
+            return (_host_bits(k), _host_bits(v)), scales
 
-        e = self.ctx.engine
-        meta = {"source_model": self.ctx.model_name, "n_layers": e["n_layers"], "n_kv_heads": e["n_kv_heads"],
-                "head_dim": e["head_dim"], "rope_type": e["rope_type"], "rope_theta": e["rope_theta"],
-                "tokenizer": self.ctx.tokenizer, "cache_dtype": self.ctx.cache_dtype}
-        written, shared = self.ctx.store.save(plan.token_ids, self.placement.first, self.placement.count, meta, kv,
-                                              plan.salt)
-        logger.info("crosskv: saved request %s's %d tokens, KV heads [%d, %d): %d chunks written, %d already stored",
-                    plan.req_id, len(plan.token_ids), self.placement.first, self.placement.first + self.placement.count,
-                    written, shared)
+        def write(kv, scales):
+            (k, v) = kv
+            e = self.ctx.engine
+            meta = {"source_model": self.ctx.model_name, "n_layers": e["n_layers"], "n_kv_heads": e["n_kv_heads"],
+                    "head_dim": e["head_dim"], "rope_type": e["rope"]["type"], "rope_theta": e["rope"]["theta"],
+                    "rope": e["rope"], "tokenizer": self.ctx.tokenizer, "cache_dtype": self.ctx.cache_dtype,
+                    "kv_dtype": kv_dtype}
+            if scales is not None:
+                meta.update(k_scales=[s[0] for s in scales], v_scales=[s[1] for s in scales])
+            written, shared = self.guard.call("be written", lambda: self.ctx.store.save(
+                plan.token_ids, self.placement.first, self.placement.count, meta, lambda a, b: (k[a:b], v[a:b]),
+                plan.salt), None)
+            logger.info("crosskv: saved request %s's %d tokens, KV heads [%d, %d), %s: %d chunks written, %d already "
+                        "stored", plan.req_id, len(plan.token_ids), self.placement.first,
+                        self.placement.first + self.placement.count, kv_dtype, written, shared)
+            return written, shared
+
+        return SaveJob(plan.req_id, nbytes, snapshot, write)
+
+    def shutdown(self):
+        """Drains the saver for at most save_drain_seconds, then abandons what is left (one log line)."""
+        if self.saver is not None:
+            self.saver.close(self.ctx.settings.save_drain_seconds)
+        self.guard.close()
 
     # ------------------------------------------------------------------------------------------ to the scheduler
     def get_finished(self, finished_req_ids):
-        done, self._saved = self._saved, set()
+        done, self._released = self._released, set()
+        if self.saver is not None:
+            done |= self.saver.take_released()
         return (done or None), None
 
     def get_block_ids_with_load_errors(self):
@@ -371,7 +435,27 @@ class WorkerSide:
         return out
 
     def get_kv_connector_stats(self):
+        if self.saver is not None:
+            counts, seconds = self.saver.take_counts()
+            self._stats.record_saves(counts, seconds, self.saver.queued_bytes)
+        opened, self._guard_opened = self.guard.opened - self._guard_opened, self.guard.opened
+        self._stats.record_store(self.guard.state, opened)
         if self._stats.is_empty():
             return None
         out, self._stats = self._stats, CrossKVStats()
         return out
+
+
+def default_save_queue_bytes() -> int:
+    """The save queue's default limit: 1/16 of the host's memory, for each saving worker."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16
+    except (ValueError, OSError):
+        return 1 << 30
+
+
+def _host_bits(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's elements as the numpy array the store keeps: bfloat16 as its uint16 bits, fp8 as bytes."""
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return t.contiguous().numpy()

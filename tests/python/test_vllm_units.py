@@ -1,0 +1,462 @@
+"""crosskv.vllm's parts that need no engine, under pytest in the vLLM environment: the connector against the installed
+vLLM's interface, its CUDA-graph declaration, the models it refuses, the one KV-spec reader, the store guard's
+deadlines and breaker, the background saver under faults, and chunks in the cache's own dtype.
+
+    .venv-vllm/bin/python -m pytest tests/python/test_vllm_units.py [-k NAME]
+"""
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from crosskv import kvspec
+from crosskv.vllm import config as cfg
+from crosskv.vllm import store as st
+from crosskv.vllm.api import api_mismatches
+from crosskv.vllm.connector import CrossKVConnector
+from crosskv.vllm.guard import HEALTHY, PROBING, UNHEALTHY, StoreGuard
+from crosskv.vllm.layout import PagedLayout, slots_of
+from crosskv.vllm.saver import ABANDONED, DROPPED, FAILED, SHARED, STORED, Saver, SaveJob
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+
+# ---------------------------------------------------------------------------------------------- the vLLM API
+def test_connector_fits_the_installed_base_class():
+    assert api_mismatches(CrossKVConnector, KVConnectorBase_V1) == []
+
+
+def test_api_check_catches_planted_bugs():
+    class MissingMethod(CrossKVConnector):
+        pass
+
+    MissingMethod.__abstractmethods__ = frozenset({"wait_for_save"})
+    MissingMethod.wait_for_save = KVConnectorBase_V1.wait_for_save
+
+    class WrongSignature(CrossKVConnector):
+        def get_finished(self, finished):  # the base names it finished_req_ids
+            return None, None
+
+    class TwoArgumentConstructor(CrossKVConnector):
+        def __init__(self, vllm_config, role):
+            pass
+
+    assert any("wait_for_save" in m for m in api_mismatches(MissingMethod, KVConnectorBase_V1))
+    assert any(m.startswith("get_finished: takes (self, finished)") for m in
+               api_mismatches(WrongSignature, KVConnectorBase_V1))
+    assert any(m.startswith("__init__:") for m in api_mismatches(TwoArgumentConstructor, KVConnectorBase_V1))
+
+
+@pytest.mark.parametrize("extra, want", [({}, True), (None, True), ({"layerwise": None}, True),
+                                         ({"layerwise": True}, True), ({"layerwise": False}, False),
+                                         ({"store": "s", "mapper": "m"}, True)])
+def test_piecewise_cudagraphs_whenever_loads_may_go_layer_by_layer(extra, want):
+    assert CrossKVConnector.requires_piecewise_for_cudagraph(extra) is want
+
+
+def test_best_effort_delivery():
+    assert CrossKVConnector.requires_kv_delivery.fget(None) is False
+
+
+# ----------------------------------------------------------------------------------- models it cannot map
+def _qwen3(**kw):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=257, hidden_size=64, intermediate_size=128, head_dim=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, **kw)
+
+
+def test_full_attention_models_are_mappable():
+    assert cfg.unmappable(_qwen3()) is None
+    full = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=_spec("FullAttentionSpec"))])
+    assert cfg.unmappable(_qwen3(), full) is None
+
+
+def _spec(name, **kw):
+    return type(name, (), kw)()
+
+
+@pytest.mark.parametrize("config, groups, want", [
+    (SimpleNamespace(layer_types=["sliding_attention", "full_attention"]), None,
+     "layer_types holds sliding_attention"),
+    (SimpleNamespace(layer_types=["mamba", "full_attention"]), None, "layer_types holds mamba"),
+    (SimpleNamespace(sliding_window=4096), None, "sliding-window attention (sliding_window 4096)"),
+    (SimpleNamespace(attention_chunk_size=8192), None, "chunked local attention"),
+    (SimpleNamespace(kv_lora_rank=512), None, "multi-head latent attention"),
+    (SimpleNamespace(), [_spec("FullAttentionSpec"), _spec("SlidingWindowSpec", sliding_window=512)],
+     "KV cache has 2 groups (FullAttentionSpec, SlidingWindowSpec)"),
+    (SimpleNamespace(), [_spec("MambaSpec")], "caches its layers as MambaSpec"),
+    (SimpleNamespace(), [_spec("FullAttentionSpec", sliding_window=1024)], "(sliding_window 1024)"),
+    (SimpleNamespace(), [_spec("MLAAttentionSpec")], "caches its layers as MLAAttentionSpec"),
+])
+def test_hybrid_and_windowed_models_are_refused_by_name(config, groups, want):
+    kv = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=g) for g in groups]) if groups else None
+    assert want in (cfg.unmappable(config, kv) or "")
+
+
+def test_qwen3_sliding_window_off_is_mappable():
+    assert cfg.unmappable(_qwen3(sliding_window=4096, use_sliding_window=False)) is None
+
+
+# ------------------------------------------------------------------------------------------- the spec reader
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+
+
+def test_reader_gives_every_rope_parameter():
+    s = kvspec.kv_spec_from_config(_qwen3(rope_parameters=dict(YARN)))
+    assert (s["n_layers"], s["n_kv_heads"], s["head_dim"]) == (2, 2, 32)
+    assert s["rope"]["type"] == "yarn" and s["rope"]["factor"] == 4.0 and s["rope"]["theta"] == 1e6
+    assert s["rope"]["original_max_position_embeddings"] == 1024.0 and s["rope"]["rotary_dim"] == 32
+    s = kvspec.kv_spec_from_config(_qwen3(rope_parameters=dict(LLAMA3)))
+    assert {k: s["rope"][k] for k in ("factor", "low_freq_factor", "high_freq_factor")} == {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def test_reader_refuses_dynamic_rope():
+    with pytest.raises(kvspec.KvSpecError, match="'dynamic' is not supported"):
+        kvspec.kv_spec_from_config(_qwen3(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                            "rope_theta": 1e6}))
+
+
+def _rope(**kw):
+    return kvspec.normal_rope({"type": "yarn", "theta": 1e6, "rotary_dim": 32, "factor": 4.0,
+                               "original_max_position_embeddings": 1024.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "mscale": 1.0, "mscale_all_dim": 0.0, "attention_factor": None,
+                               "low_freq_factor": None, "high_freq_factor": None, **kw})
+
+
+@pytest.mark.parametrize("key, value", [("type", "llama3"), ("theta", 5e5), ("rotary_dim", 16), ("factor", 8.0),
+                                        ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                                        ("original_max_position_embeddings", 4096.0), ("beta_fast", 16.0),
+                                        ("beta_slow", 2.0), ("mscale", 0.707), ("mscale_all_dim", 1.0),
+                                        ("attention_factor", 1.2), ("convention", "interleaved"),
+                                        ("truncate", False)])
+def test_every_rope_parameter_is_compared(key, value):
+    want = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 32, "rope": _rope()}
+    got = {**want, "rope": _rope(**{key: value})}
+    assert kvspec.spec_mismatch(want, want, "target") is None
+    why = kvspec.spec_mismatch(want, got, "target")
+    assert why and why.startswith(f"the mapper's target has RoPE {key} ")
+
+
+def test_engine_override_differs_from_capture():
+    """A target served with a YaRN override (hf_overrides), against a mapper captured without it, and one whose
+    factor differs: both named."""
+    plain = kvspec.kv_spec_from_config(_qwen3(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    yarn4 = kvspec.kv_spec_from_config(_qwen3(rope_parameters=dict(YARN)))
+    yarn2 = kvspec.kv_spec_from_config(_qwen3(rope_parameters={**YARN, "factor": 2.0}))
+    assert "RoPE type 'default', the model's 'yarn'" in kvspec.spec_mismatch(plain, yarn4, "target")
+    assert "RoPE factor 4.0, the model's 2.0" in kvspec.spec_mismatch(yarn4, yarn2, "target")
+
+
+# ---------------------------------------------------------------------------------------------- the guard
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_late_call_fails_by_its_deadline():
+    g = StoreGuard("redis://test", failures=3, seconds=30)
+    release = threading.Event()
+    t0 = time.perf_counter()
+    with pytest.raises(st.PrefixError) as e:
+        g.call("be read", release.wait, 0.05)
+    assert e.value.kind == "store_timeout" and "within 50 ms" in str(e.value)
+    assert time.perf_counter() - t0 < 0.5
+    release.set()
+    g.close()
+
+
+def test_the_breaker_opens_skips_probes_and_closes():
+    clock = Clock()
+    g = StoreGuard("redis://test", failures=3, seconds=30, clock=clock)
+
+    def down():
+        raise st.PrefixError("the store at redis://test cannot be read: ConnectionError", "store_unreachable")
+
+    for _ in range(3):
+        with pytest.raises(st.PrefixError):
+            g.call("be read", down, 1.0)
+    assert g.state == UNHEALTHY and g.opened == 1
+    asked = []
+    with pytest.raises(st.PrefixError) as e:
+        g.call("be read", lambda: asked.append(1), 1.0)
+    assert e.value.kind == "store_unhealthy" and not asked and "not asked for another 30 s" in str(e.value)
+    clock.t = 31
+    g.admit()  # the probe
+    assert g.state == PROBING
+    with pytest.raises(st.PrefixError, match="a probe is under way"):
+        g.admit()
+    g.failed("the probe failed")
+    assert g.state == UNHEALTHY and g.opened == 2
+    clock.t = 62
+    assert g.call("be read", lambda: 7, 1.0) == 7 and g.state == HEALTHY
+    g.close()
+
+
+def test_other_errors_do_not_open_the_breaker():
+    g = StoreGuard("s", failures=1, seconds=30)
+
+    def damaged():
+        raise st.PrefixError("chunk 0: damaged", "damaged")
+
+    with pytest.raises(st.PrefixError):
+        g.call("be read", damaged, 1.0)
+    assert g.state == HEALTHY
+    g.close()
+
+
+# ---------------------------------------------------------------------------------------------- the saver
+def _job(rid, nbytes=100, snapshot=None, write=None):
+    return SaveJob(rid, nbytes, snapshot or (lambda: ("k", "v")), write or (lambda k, v: (1, 0)))
+
+
+def _wait(pred, seconds=5.0):
+    t0 = time.time()
+    while not pred() and time.time() - t0 < seconds:
+        time.sleep(0.005)
+    return pred()
+
+
+def _released(saver, want):
+    got = set()
+    assert _wait(lambda: got.update(saver.take_released()) or want <= got)
+    return got
+
+
+def test_saves_are_written_and_released():
+    saver = Saver(1000)
+    written = []
+    assert saver.submit(_job("a", write=lambda k, v: written.append((k, v)) or (2, 0)))
+    assert saver.submit(_job("b", write=lambda k, v: (0, 3)))
+    _released(saver, {"a", "b"})
+    assert _wait(saver.idle) and written == [("k", "v")]
+    assert saver.take_counts()[0] == {STORED: 1, SHARED: 1}
+    assert saver.close(1.0)
+
+
+def test_a_store_that_raises_fails_that_save_and_no_other():
+    saver = Saver(1000)
+
+    def boom(k, v):
+        raise ConnectionError("the store is down")
+
+    saver.submit(_job("a", write=boom))
+    saver.submit(_job("b"))
+    _released(saver, {"a", "b"})
+    assert _wait(saver.idle) and saver.take_counts()[0] == {FAILED: 1, STORED: 1}
+    assert saver.queued_bytes == 0
+    saver.close(1.0)
+
+
+def test_a_hung_store_never_blocks_submit_and_a_full_queue_drops():
+    saver = Saver(250)
+    hang = threading.Event()
+    t0 = time.perf_counter()
+    for rid in ("a", "b"):  # a is written (hangs), b waits: 200 of 250 bytes
+        assert saver.submit(_job(rid, write=lambda k, v: hang.wait() and (1, 0)))
+    assert not saver.submit(_job("c"))  # 300 > 250: dropped, released at once
+    assert time.perf_counter() - t0 < 0.05
+    assert "c" in saver.take_released()
+    _released(saver, {"a", "b"})  # both copied out: their blocks are free while the store hangs
+    assert saver.take_counts()[0] == {DROPPED: 1}
+    hang.set()
+    assert _wait(saver.idle) and saver.take_counts()[0] == {STORED: 2}
+    saver.close(1.0)
+
+
+def test_shutdown_with_saves_in_flight_is_bounded():
+    saver = Saver(10_000)
+    hang = threading.Event()
+    for rid in "abc":
+        saver.submit(_job(rid, write=lambda k, v: hang.wait(5) and (1, 0)))
+    t0 = time.perf_counter()
+    assert saver.close(0.2) is False
+    assert time.perf_counter() - t0 < 1.0
+    counts = saver.take_counts()[0]
+    assert counts.get(ABANDONED) == 2  # one in the store's hands, two abandoned
+    assert saver.take_released() == {"a", "b", "c"}
+    assert not saver.submit(_job("d"))  # closed: dropped
+    hang.set()
+
+
+def test_a_dead_saver_releases_everything_and_drops_later_saves():
+    class Bug(BaseException):
+        pass
+
+    saver = Saver(10_000)
+    hang = threading.Event()
+    saver.submit(_job("a", write=lambda k, v: hang.wait(5) and (1, 0)))
+    saver.submit(_job("b", snapshot=lambda: (_ for _ in ()).throw(Bug("a bug in the copy"))))
+    assert _wait(lambda: saver.dead is not None)
+    assert "Bug" in saver.dead
+    assert not saver.submit(_job("c"))
+    assert {"b", "c"} <= _released(saver, {"b", "c"})
+    hang.set()
+
+
+def test_a_snapshot_that_fails_releases_the_blocks():
+    saver = Saver(1000)
+
+    def bad():
+        raise RuntimeError("CUDA error")
+
+    saver.submit(_job("a", snapshot=bad))
+    _released(saver, {"a"})
+    assert _wait(saver.idle) and saver.take_counts()[0] == {FAILED: 1}
+    saver.close(1.0)
+
+
+# ----------------------------------------------------------------------------------- the cache's own dtype
+BLOCK, NB, L, H, D = 16, 6, 3, 2, 32
+
+
+class _Impl:
+    def __init__(self, write):
+        self.do_kv_cache_update = write
+
+
+def _writer(quantize):
+    def write(layer, key, value, cache, slots):  # cache [blocks, 2, bs, H, D]
+        for i, s in enumerate(slots.tolist()):
+            cache[s // BLOCK, 0, s % BLOCK] = quantize(key[i], layer._k_scale_float)
+            cache[s // BLOCK, 1, s % BLOCK] = quantize(value[i], layer._v_scale_float)
+    return write
+
+
+CACHES = {  # stored dtype -> (cache dtype, the writer's quantization, the layers' k and v scales)
+    "bfloat16": (torch.bfloat16, lambda x, s: x.to(torch.bfloat16), (1.0, 1.0)),
+    "float16": (torch.float16, lambda x, s: x.to(torch.float16), (1.0, 1.0)),
+    "float8_e4m3fn": (torch.uint8, lambda x, s: (x.float() / s).to(torch.float8_e4m3fn).view(torch.uint8), (0.5, 2.0)),
+    "float8_e5m2": (torch.uint8, lambda x, s: (x.float() / s).to(torch.float8_e5m2).view(torch.uint8), (0.25, 4.0)),
+}
+
+
+def _paged(kv_dtype, tokens, seed=0):
+    """L layers' paged caches of one kind holding `tokens` tokens' random K and V; their layouts, slots, layers."""
+    dtype, quantize, (ks, vs) = CACHES[kv_dtype]
+    gen = torch.Generator().manual_seed(seed)
+    slots = slots_of([4, 1, 3], BLOCK, 0, tokens)
+    layers, caches, layouts = [], [], []
+    for li in range(L):
+        layer = SimpleNamespace(_k_scale_float=ks * (li + 1), _v_scale_float=vs * (li + 1))
+        layer.impl = _Impl(_writer(quantize))
+        cache = torch.zeros(NB, 2, BLOCK, H, D, dtype=dtype)
+        layout = PagedLayout(layer, cache, NB, BLOCK, H, D, input_dtype=torch.float32 if dtype == torch.uint8
+                             else dtype)
+        k, v = torch.randn(tokens, H, D, generator=gen), torch.randn(tokens, H, D, generator=gen)
+        layer.impl.do_kv_cache_update(layer, k.to(layout.input_dtype), v.to(layout.input_dtype), cache, slots)
+        layers.append(layer), caches.append(cache), layouts.append(layout)
+    return layers, caches, layouts, slots
+
+
+def _bits(t):
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+META = {"source_model": "m", "n_layers": L, "n_kv_heads": H, "head_dim": D, "rope_type": "default",
+        "rope_theta": 1e6, "rope": {"type": "default", "theta": 1e6, "rotary_dim": D}, "tokenizer": None}
+
+
+@pytest.mark.parametrize("kv_dtype", list(CACHES))
+def test_chunks_hold_the_cache_bytes_bit_exact(kv_dtype, tmp_path):
+    tokens = 40  # chunks of 16: two whole and a tail
+    layers, caches, layouts, slots = _paged(kv_dtype, tokens)
+    assert layouts[0].stored_dtype == kv_dtype
+    raw = [lay.read_raw(c, slots) for lay, c in zip(layouts, caches)]
+    k = np.stack([_bits(r[0]) for r in raw], 1)
+    v = np.stack([_bits(r[1]) for r in raw], 1)
+    meta = {**META, "kv_dtype": kv_dtype}
+    if kv_dtype.startswith("float8"):
+        meta.update(k_scales=[l._k_scale_float for l in layers], v_scales=[l._v_scale_float for l in layers])
+    store = st.FolderStore(str(tmp_path / "store"), BLOCK)
+    ids = list(range(1, tokens + 1))
+    assert store.save(ids, 0, H, meta, lambda a, b: (k[a:b], v[a:b])) == (3, 0)
+    m = store.match(ids, tokens)
+    got_raw = [store.read(r, raw=True) for r in m.chunks]
+    assert all(c.meta["kv_dtype"] == kv_dtype for c in got_raw)
+    assert np.concatenate([c.keys for c in got_raw]).tobytes() == k.tobytes()
+    assert np.concatenate([c.values for c in got_raw]).tobytes() == v.tobytes()
+    # decoded: exactly what the cache's own reader gives (fp8: code times the layer's scale)
+    want_k = torch.stack([lay.read(c, slots, (l._k_scale_float, l._v_scale_float))[0].float()
+                          for lay, c, l in zip(layouts, caches, layers)], 1).numpy()
+    got_k = np.concatenate([store.read(r).keys for r in m.chunks])
+    assert got_k.dtype == np.float32 and np.array_equal(got_k, want_k)
+    # bytes per stored token: the cache's, up to the header
+    per_token_cache = 2 * L * H * D * caches[0].element_size()
+    stored = store.stored_bytes() / tokens
+    assert per_token_cache <= stored <= per_token_cache * 1.6, (stored, per_token_cache)
+    store.close()
+
+
+def test_format_1_chunks_are_still_read(tmp_path):
+    from safetensors.numpy import save
+
+    store = st.FolderStore(str(tmp_path / "store"), BLOCK)
+    ids = np.arange(1, BLOCK + 1, dtype=np.int32)
+    k = np.random.default_rng(0).standard_normal((BLOCK, L, H, D)).astype(np.float32)
+    t = {"token_ids": ids, "keys": k, "values": -k}
+    key = st.chunk_keys(ids, BLOCK, store.namespace)[0]
+    header = {a: str(b) for a, b in META.items() if a != "rope"}
+    header.update(format=st.CHUNK_FORMAT, format_version="1", namespace=store.namespace, chunk_tokens=str(BLOCK),
+                  index="0", start="0", tokens=str(BLOCK), parent=st.chain_root(store.namespace, BLOCK),
+                  first_head="0", part_heads=str(H), part=st.part_name(0, H),
+                  checksum=st._checksum(ids, k, -k))
+    store._put([(key, st.part_name(0, H), header, save(t, metadata=header))])
+    m = store.match(ids.tolist(), BLOCK)
+    c = store.read(m.chunks[0])
+    assert c.meta["kv_dtype"] == "float32" and np.array_equal(c.keys, k)
+    source = {"n_layers": L, "n_kv_heads": H, "head_dim": D, "rope": {"type": "default", "theta": 1e6,
+                                                                      "rotary_dim": D}}
+    assert st.header_mismatch(store.headers(m.chunks)[0][0], source, None) is None
+    yarn = {**source, "rope": {"type": "yarn", "theta": 1e6, "factor": 4.0}}
+    assert "RoPE type 'yarn'" in st.header_mismatch(store.headers(m.chunks)[0][0], yarn, None)
+    store.close()
+
+
+def _put_v2(store, kv_dtype, keys):
+    """A format-2 chunk stored by hand: header kv_dtype, tensors `keys` (values = keys)."""
+    from safetensors.numpy import save
+
+    ids = np.arange(1, BLOCK + 1, dtype=np.int32)
+    t = {"token_ids": ids, "keys": keys, "values": keys}
+    header = {a: b if isinstance(b, str) else json.dumps(b) if isinstance(b, dict) else str(b) for a, b in META.items()}
+    header.update(format=st.CHUNK_FORMAT, format_version="2", namespace=store.namespace, chunk_tokens=str(BLOCK),
+                  index="0", start="0", tokens=str(BLOCK), parent=st.chain_root(store.namespace, BLOCK),
+                  first_head="0", part_heads=str(H), part=st.part_name(0, H), kv_dtype=kv_dtype,
+                  checksum=st._checksum(ids, keys, keys))
+    key = st.chunk_keys(ids, BLOCK, store.namespace)[0]
+    store._put([(key, st.part_name(0, H), header, save(t, metadata=header))])
+    return store.match(ids.tolist(), BLOCK).chunks[0]
+
+
+def test_a_chunk_whose_dtype_disagrees_with_its_tensors_is_damaged(tmp_path):
+    store = st.FolderStore(str(tmp_path / "store"), BLOCK)
+    ref = _put_v2(store, "float16", np.zeros((BLOCK, L, H, D), np.uint16))
+    with pytest.raises(st.PrefixError, match="its tensors are uint16 .* its header says float16") as e:
+        store.read(ref)
+    assert e.value.kind == "damaged"
+    store.close()
+
+
+def test_an_fp8_chunk_without_its_scales_is_damaged(tmp_path):
+    store = st.FolderStore(str(tmp_path / "store"), BLOCK)
+    ref = _put_v2(store, "float8_e4m3fn", np.zeros((BLOCK, L, H, D), np.uint8))
+    with pytest.raises(st.PrefixError, match="its fp8 scales are damaged") as e:
+        store.read(ref)
+    assert e.value.kind == "damaged"
+    assert store.read(ref, raw=True).keys.dtype == np.uint8  # the bits themselves are intact
+    store.close()
+
+
+def test_an_unknown_dtype_is_refused_by_name():
+    meta = {"format": st.CHUNK_FORMAT, "format_version": "2", "kv_dtype": "int4", "n_layers": "1"}
+    assert "KV dtype 'int4' is not one this crosskv reads" in st.header_mismatch(meta, {}, None)
