@@ -460,3 +460,88 @@ def test_an_fp8_chunk_without_its_scales_is_damaged(tmp_path):
 def test_an_unknown_dtype_is_refused_by_name():
     meta = {"format": st.CHUNK_FORMAT, "format_version": "2", "kv_dtype": "int4", "n_layers": "1"}
     assert "KV dtype 'int4' is not one this crosskv reads" in st.header_mismatch(meta, {}, None)
+
+
+# ------------------------------------------------------------------------------------- the scheduler's lookup
+class _SlowStore:
+    """A store wrapper whose lookups wait on `gate` (set: answer at once)."""
+
+    def __init__(self, store):
+        self.inner, self.gate = store, threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def match(self, *a, **kw):
+        if not self.gate.wait(10):
+            raise st.PrefixError("the test's store stayed blocked", "store_unreachable")
+        return self.inner.match(*a, **kw)
+
+
+def _scheduler(tmp_path, **settings):
+    from crosskv.vllm.context import EngineContext
+    from crosskv.vllm.scheduler import SchedulerSide
+
+    folder = st.FolderStore(str(tmp_path / "store"), BLOCK)
+    store = _SlowStore(folder)
+    spec = {"n_layers": L, "n_kv_heads": H, "head_dim": D, "rope": {"type": "default", "theta": 1e6,
+                                                                      "rotary_dim": D}}
+    ctx = EngineContext("target", cfg.Settings(store="x", mapper="m", **settings), store, BLOCK, spec, "t",
+                        torch.float32, "auto", None, False, manifest={"source": spec, "target": spec})
+    ids = list(range(1, 3 * BLOCK + 2))
+    k = np.zeros((len(ids), L, H, D), np.float32)
+    folder.save(ids[:3 * BLOCK], 0, H, {**META, "kv_dtype": "float32"}, lambda a, b: (k[a:b], k[a:b]))
+    return SchedulerSide(ctx), store, ids
+
+
+def _request(rid, ids):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=ids, cache_salt=None, block_hashes=[], num_tokens=len(ids),
+                           all_token_ids=ids)
+
+
+def test_a_lookup_that_answers_at_once_maps(tmp_path):
+    sched, _, ids = _scheduler(tmp_path)
+    assert sched.get_num_new_matched_tokens(_request("r", ids), 0) == (3 * BLOCK, False)
+    assert sched._outcomes["r"]["status"] == "applied"
+
+
+def test_a_slow_lookup_asks_again_later_then_maps(tmp_path):
+    sched, store, ids = _scheduler(tmp_path, lookup_timeout_ms=5000)
+    store.gate.clear()
+    t0 = time.perf_counter()
+    assert sched.get_num_new_matched_tokens(_request("r", ids), 0) == (None, False)  # vLLM asks again later
+    assert time.perf_counter() - t0 < 0.1  # the scheduler's loop waited no more than a moment
+    store.gate.set()
+    assert _wait(lambda: sched._lookups["r"][0].done())
+    assert sched.get_num_new_matched_tokens(_request("r", ids), 0) == (3 * BLOCK, False)
+
+
+def test_a_lookup_past_its_deadline_reprefills_and_the_breaker_opens(tmp_path):
+    sched, store, ids = _scheduler(tmp_path, lookup_timeout_ms=30, breaker_failures=2)
+    store.gate.clear()
+    for rid in ("a", "b"):
+        assert sched.get_num_new_matched_tokens(_request(rid, ids), 0) == (None, False)
+        time.sleep(0.05)
+        assert sched.get_num_new_matched_tokens(_request(rid, ids), 0) == (0, False)
+        assert sched._outcomes[rid]["kind"] == "store_timeout" and "within 30 ms" in sched._outcomes[rid]["reason"]
+    t0 = time.perf_counter()
+    assert sched.get_num_new_matched_tokens(_request("c", ids), 0) == (0, False)  # not asked at all
+    assert time.perf_counter() - t0 < 0.01 and sched._outcomes["c"]["kind"] == "store_unhealthy"
+    stats = sched.get_kv_connector_stats()
+    assert stats.data["store_unhealthy"] == 1 and stats.data["store_state"] == "unhealthy"
+    store.gate.set()
+    sched.guard.close()
+
+
+def test_a_late_answer_is_no_sign_of_health():
+    clock = Clock()
+    g = StoreGuard("s", failures=1, seconds=30, clock=clock)
+    gate = threading.Event()
+    with pytest.raises(st.PrefixError):
+        g.call("be read", gate.wait, 0.02)
+    assert g.state == UNHEALTHY
+    gate.set()
+    time.sleep(0.05)  # the late call has answered by now
+    assert g.state == UNHEALTHY
+    g.close()

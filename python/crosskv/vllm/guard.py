@@ -77,7 +77,7 @@ class StoreGuard:
         self.admit()
         if timeout_s is None:
             return self._run(what, fn)
-        fut = self.submit(what, fn)
+        fut = self.submit(what, fn, timeout_s)
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
@@ -85,11 +85,13 @@ class StoreGuard:
             raise PrefixError(f"the store at {self.where} did not {what} within {timeout_s * 1e3:.0f} ms",
                               "store_timeout") from None
 
-    def submit(self, what: str, fn: Callable) -> Future:
-        """fn() on a guard thread, its outcome counted by the breaker; the caller decides how long to wait."""
-        return self._pool.submit(self._run, what, fn)
+    def submit(self, what: str, fn: Callable, timeout_s: Optional[float] = None) -> Future:
+        """fn() on a guard thread, its outcome counted by the breaker (an answer later than timeout_s is no sign of
+        health: the caller counts it as a failure); the caller decides how long to wait."""
+        return self._pool.submit(self._run, what, fn, timeout_s)
 
-    def _run(self, what, fn):
+    def _run(self, what, fn, timeout_s=None):
+        t0 = time.monotonic()
         try:
             out = fn()
         except PrefixError as e:
@@ -100,7 +102,8 @@ class StoreGuard:
             self.failed(f"{type(e).__name__}: {e}")
             raise PrefixError(f"the store at {self.where} cannot {what}: {type(e).__name__}: {e}",
                               "store_unreachable") from None
-        self.succeeded()
+        if timeout_s is None or time.monotonic() - t0 <= timeout_s:
+            self.succeeded()
         return out
 
     def close(self) -> None:

@@ -183,6 +183,8 @@ class Saver:
         One log line says which."""
         t0 = time.monotonic()
         with self._cv:
+            if self._closing:  # closed already (vLLM's shutdown, then the exit's)
+                return self.idle_unlocked()
             self._closing = True
             self._cv.notify_all()
             pending = len(self._to_copy) + len(self._to_write) + self._busy
@@ -196,5 +198,6 @@ class Saver:
                 logger.warning("crosskv: shutdown: %d queued saves abandoned (%d bytes) after %.1f s; %d still being "
                                "written", n, nbytes, time.monotonic() - t0, busy)
             else:
-                logger.info("crosskv: shutdown: %d queued saves written in %.2f s", pending, time.monotonic() - t0)
+                logger.info("crosskv: shutdown: the save queue (%d saves) drained in %.2f s", pending,
+                            time.monotonic() - t0)
         return not (n or busy)

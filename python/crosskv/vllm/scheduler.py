@@ -71,7 +71,7 @@ class SchedulerSide:
         if found is None:
             return None, False  # under way: vLLM asks again on a later step
         match, stopped = found
-        n = match.tokens
+        n, salt = match.tokens, getattr(request, "cache_salt", None)
         if n == 0 or n < ctx.settings.min_prefix_tokens:
             if stopped:
                 self._outcomes[rid] = fallback(f"the stored prefix cannot be used: {stopped[0]}", stopped[1])
@@ -115,7 +115,7 @@ class SchedulerSide:
             self.guard.admit()
             # The last prompt token is always computed: it gives the first output token's logits.
             fut = self.guard.submit("be read", lambda: self._usable_run(self.ctx.store.match(tokens, len(tokens) - 1,
-                                                                                             salt)))
+                                                                                             salt)), timeout)
             self._lookups[rid] = (fut, time.monotonic())
             try:  # most lookups answer at once: no step is lost to asking again
                 fut.result(timeout=min(timeout, 0.01))

@@ -516,10 +516,15 @@ class RedisStore(PrefixStore):
         namespace = u.path.strip("/") or DEFAULT_NAMESPACE
         super().__init__(spec, chunk_tokens, namespace)
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         self.ttl = ttl_seconds
+        # No client retries: redis-py's default backs off and retries a refused connection for seconds; the guard
+        # (guard.py) decides what a failed call costs, and the breaker what the next one does.
         self._r = redis.Redis(host=u.hostname or "127.0.0.1", port=u.port or 6379, password=u.password,
-                              socket_timeout=timeout_ms / 1e3, socket_connect_timeout=min(timeout_ms / 1e3, 5.0))
+                              socket_timeout=timeout_ms / 1e3, socket_connect_timeout=min(timeout_ms / 1e3, 5.0),
+                              retry=Retry(NoBackoff(), 0))
         self._prefix = f"crosskv:{namespace}:"
         self._errors = (redis.RedisError, OSError)
         self._run_script = self._r.register_script(self._RUN)
