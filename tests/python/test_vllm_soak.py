@@ -30,7 +30,7 @@ MAPPER, CHUNK, N = "out/kall", 32, 200
 rng = np.random.default_rng(44)
 toks = lambda n: rng.integers(1, 256, n).tolist()  # noqa: E731
 
-server = RedisServer(work, maxmemory=256 << 20)
+server = RedisServer(work, maxmemory=256 << 20)  # allkeys-lru
 try:
     conn = {"store": server.url("soak"), "chunk_tokens": CHUNK}
     system = toks(2 * CHUNK)
@@ -43,21 +43,31 @@ try:
     convs = [p + o["tokens"] for p, o in zip(firsts, src)]
     store = cv.open_store(conn["store"], CHUNK)
 
-    # ---- damage: a byte flipped in one part of a middle chunk of 5 conversations
+    # ---- evictions: the server's own (maxmemory lowered under what is stored, allkeys-lru, filler written; then the
+    # limit restored), and the first chunk of 5 conversations deleted as an eviction takes it.
+    chunks = lambda: len(store._r.keys("crosskv:soak:c:*"))  # noqa: E731
+    before, used = chunks(), int(store._r.info("memory")["used_memory"])
+    store._r.config_set("maxmemory", str(used - (100 << 10)))
+    for i in range(64):
+        store._r.set(f"filler:{i}", b"x" * 1024)
+    store._r.config_set("maxmemory", str(256 << 20))
+    runs = lambda i: store.match(convs[i][:-1], len(convs[i]) - 1, salts[i]).chunks  # noqa: E731
+    for i in range(5, 40, 8):
+        if runs(i):
+            store._r.delete(store._c(runs(i)[0].key))
+    evicted = before - chunks()
+    check(evicted > 0, f"evictions: {evicted} of {before} chunks gone (the server's LRU, and 5 first chunks)")
+    # ---- damage: a byte flipped in one part of the second chunk of conversations whose run still has one
     damaged = 0
-    for i in range(1, 40, 8):
-        m = store.match(convs[i][:-1], len(convs[i]) - 1, salts[i])
-        if len(m.chunks) >= 2:
-            key = store._c(m.chunks[1].key)
+    for i in range(1, 40, 4):
+        run = runs(i)
+        if len(run) >= 2 and damaged < 5:
+            key = store._c(run[1].key)
             blob = bytearray(store._r.hget(key, "d:h1-2"))
             blob[-5] ^= 0x20
             store._r.hset(key, "d:h1-2", bytes(blob))
             damaged += 1
-    # ---- evictions: maxmemory lowered under what is stored, and filler written (allkeys-lru takes the oldest)
-    used = int(store._r.info("memory")["used_memory"])
-    store._r.config_set("maxmemory", str(int(used * 0.9)))
-    for i in range(64):
-        store._r.set(f"filler:{i}", b"x" * 4096)
+    check(damaged >= 1, f"{damaged} conversations with a damaged second chunk")
 
     # ---- 200 target requests
     prompts, kinds = [], []
@@ -83,8 +93,10 @@ try:
     outcomes = collections.Counter(
         o["kv"]["crosskv"]["status"] + (":" + o["kv"]["crosskv"].get("kind", "") if o["kv"]["crosskv"].get("kind")
                                         else "") for o in got)
-    print(f"     outcomes: {dict(outcomes)}; {damaged} damaged chunks; maxmemory {int(used * 0.9)} of {used}")
+    print(f"     outcomes: {dict(outcomes)}; {damaged} damaged chunks; {evicted} evicted")
     check(outcomes["applied"] >= N // 4, f"a good share mapped ({outcomes['applied']} of {N})")
+    cut = sum("checksum" in o["kv"]["crosskv"].get("stopped", "") for o in got)
+    check(cut >= 1, f"damaged chunks cut runs short: {cut} requests mapped up to a damaged chunk, the rest computed")
     check(sum(n for k, n in outcomes.items() if k.startswith("fallback_reprefill")) >= N // 5,
           "a good share re-prefilled (no prefix, another namespace, damaged, evicted)")
 

@@ -398,19 +398,10 @@ def test_chunks_hold_the_cache_bytes_bit_exact(kv_dtype, tmp_path):
 
 
 def test_format_1_chunks_are_still_read(tmp_path):
-    from safetensors.numpy import save
-
     store = st.FolderStore(str(tmp_path / "store"), BLOCK)
     ids = np.arange(1, BLOCK + 1, dtype=np.int32)
     k = np.random.default_rng(0).standard_normal((BLOCK, L, H, D)).astype(np.float32)
-    t = {"token_ids": ids, "keys": k, "values": -k}
-    key = st.chunk_keys(ids, BLOCK, store.namespace)[0]
-    header = {a: str(b) for a, b in META.items() if a != "rope"}
-    header.update(format=st.CHUNK_FORMAT, format_version="1", namespace=store.namespace, chunk_tokens=str(BLOCK),
-                  index="0", start="0", tokens=str(BLOCK), parent=st.chain_root(store.namespace, BLOCK),
-                  first_head="0", part_heads=str(H), part=st.part_name(0, H),
-                  checksum=st._checksum(ids, k, -k))
-    store._put([(key, st.part_name(0, H), header, save(t, metadata=header))])
+    _put_by_hand(store, k, version="1")
     m = store.match(ids.tolist(), BLOCK)
     c = store.read(m.chunks[0])
     assert c.meta["kv_dtype"] == "float32" and np.array_equal(c.keys, k)
@@ -422,17 +413,19 @@ def test_format_1_chunks_are_still_read(tmp_path):
     store.close()
 
 
-def _put_v2(store, kv_dtype, keys):
-    """A format-2 chunk stored by hand: header kv_dtype, tensors `keys` (values = keys)."""
+def _put_by_hand(store, keys, kv_dtype=None, version="2"):
+    """A chunk stored by hand: format `version`, header kv_dtype (none: as format 1 wrote), tensors `keys` (values =
+    -keys)."""
     from safetensors.numpy import save
 
     ids = np.arange(1, BLOCK + 1, dtype=np.int32)
-    t = {"token_ids": ids, "keys": keys, "values": keys}
-    header = {a: b if isinstance(b, str) else json.dumps(b) if isinstance(b, dict) else str(b) for a, b in META.items()}
-    header.update(format=st.CHUNK_FORMAT, format_version="2", namespace=store.namespace, chunk_tokens=str(BLOCK),
+    t = {"token_ids": ids, "keys": keys, "values": -keys if keys.dtype.kind == "f" else keys}
+    meta = META if version == "2" else {a: b for a, b in META.items() if a != "rope"}
+    header = {a: b if isinstance(b, str) else json.dumps(b) if isinstance(b, dict) else str(b) for a, b in meta.items()}
+    header.update(format=st.CHUNK_FORMAT, format_version=version, namespace=store.namespace, chunk_tokens=str(BLOCK),
                   index="0", start="0", tokens=str(BLOCK), parent=st.chain_root(store.namespace, BLOCK),
-                  first_head="0", part_heads=str(H), part=st.part_name(0, H), kv_dtype=kv_dtype,
-                  checksum=st._checksum(ids, keys, keys))
+                  first_head="0", part_heads=str(H), part=st.part_name(0, H),
+                  checksum=st._checksum(ids, t["keys"], t["values"]), **({"kv_dtype": kv_dtype} if kv_dtype else {}))
     key = st.chunk_keys(ids, BLOCK, store.namespace)[0]
     store._put([(key, st.part_name(0, H), header, save(t, metadata=header))])
     return store.match(ids.tolist(), BLOCK).chunks[0]
@@ -440,7 +433,7 @@ def _put_v2(store, kv_dtype, keys):
 
 def test_a_chunk_whose_dtype_disagrees_with_its_tensors_is_damaged(tmp_path):
     store = st.FolderStore(str(tmp_path / "store"), BLOCK)
-    ref = _put_v2(store, "float16", np.zeros((BLOCK, L, H, D), np.uint16))
+    ref = _put_by_hand(store, np.zeros((BLOCK, L, H, D), np.uint16), "float16")
     with pytest.raises(st.PrefixError, match="its tensors are uint16 .* its header says float16") as e:
         store.read(ref)
     assert e.value.kind == "damaged"
@@ -449,7 +442,7 @@ def test_a_chunk_whose_dtype_disagrees_with_its_tensors_is_damaged(tmp_path):
 
 def test_an_fp8_chunk_without_its_scales_is_damaged(tmp_path):
     store = st.FolderStore(str(tmp_path / "store"), BLOCK)
-    ref = _put_v2(store, "float8_e4m3fn", np.zeros((BLOCK, L, H, D), np.uint8))
+    ref = _put_by_hand(store, np.zeros((BLOCK, L, H, D), np.uint8), "float8_e4m3fn")
     with pytest.raises(st.PrefixError, match="its fp8 scales are damaged") as e:
         store.read(ref)
     assert e.value.kind == "damaged"
