@@ -43,6 +43,15 @@ nlohmann::json Diagnostics::json() const {
   return j;
 }
 
+const char* to_string(VerdictClass c) {
+  switch (c) {
+    case VerdictClass::likely: return "likely";
+    case VerdictClass::uncertain: return "uncertain";
+    case VerdictClass::not_ready: return "not_ready";
+  }
+  return "not_ready";
+}
+
 nlohmann::json Evaluation::json() const {
   nlohmann::json j = mapper.json();
   j["baselines"] = {{"mean_only", mean_only.json()}, {"no_target_rope", no_target_rope.json()}};
@@ -59,6 +68,7 @@ nlohmann::json Evaluation::json() const {
     j["predicted_retention"] = nullptr;
   }
   j["verdict"] = verdict;
+  j["verdict_class"] = to_string(verdict_class);
   j["ok"] = ok;
   return j;
 }
@@ -85,12 +95,14 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
                   ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", 100 * r.share, 100 * r.low, 100 * r.high,
                   100 * th.min_retention, implied.c_str(), c, c0, ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
     if (!r.outside.empty()) extrapolated = "; an extrapolation: " + r.outside;
+    ev.verdict_class = ev.ok ? VerdictClass::likely : VerdictClass::not_ready;
   } else {
     ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
     std::snprintf(buf, sizeof buf,
                   "%s (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
                   "v %.3f (needs >= %.2f)",
                   ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
+    ev.verdict_class = ev.ok ? VerdictClass::uncertain : VerdictClass::not_ready;
     ev.ok = false;  // without attention figures nothing says it transfers
   }
   ev.verdict = buf + extrapolated;

@@ -33,13 +33,19 @@ struct RetentionEstimate {
   std::string outside;  // non-empty: the diagnostics lie outside the calibration's data (an extrapolation), and how
 };
 
+// The verdict's class, as serving gates on it: likely (LIKELY TO TRANSFER), uncertain (only R² figures, which say
+// nothing of attention), not_ready (NOT READY).
+enum class VerdictClass { likely, uncertain, not_ready };
+const char* to_string(VerdictClass c);
+
 struct Evaluation {
   Diagnostics mapper, mean_only, no_target_rope;
   std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs (issue 15): the same without them
   std::optional<RetentionEstimate> retention;  // none without attention figures
   double min_retention = 0.8;                  // what the verdict asked of it
   std::string verdict;
-  bool ok = false;
+  VerdictClass verdict_class = VerdictClass::not_ready;
+  bool ok = false;  // verdict_class == likely
   nlohmann::json json() const;  // the mapper's figures at the top level, baselines and verdict beside them
 };
 

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The Python side (crosskv-capture and its Hugging Face conformity test): a virtualenv in .venv-capture with torch
-# and transformers from PyPI (pinned; a few GB). Failure is reported, not fatal: the capture tests then SKIP.
+# and transformers from PyPI (pinned; a few GB), and pytest. Failure is reported, not fatal: the capture tests then SKIP.
 # Usage: scripts/setup-capture.sh          env: CROSSKV_CAPTURE_VENV (default: <repo>/.venv-capture)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
-REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 tokenizers safetensors numpy h5py)
+REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null; then
   # accelerate (device_map="auto", --device auto) came later: added to an environment made before it.
   "$VENV/bin/python" -c "import accelerate" 2> /dev/null \
     || "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check accelerate==1.8.1 > /dev/null 2>&1 \
     || echo "[setup] could not install accelerate: crosskv-capture --device auto and its test will not work"
+  # pytest (the retention tests) came later too.
+  "$VENV/bin/python" -c "import pytest" 2> /dev/null \
+    || "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check pytest==9.2.0 > /dev/null 2>&1 \
+    || echo "[setup] could not install pytest: the retention tests will be SKIPPED"
   exit 0
 fi
 if ! python3 -c "import venv, ensurepip" 2> /dev/null; then

@@ -3,13 +3,14 @@
 #   scripts/setup.sh            everything the test suite needs (scripts/test.sh): the Debian packages of the build,
 #                               the tests and benchmarks, Slurm, munge, clang (libFuzzer) and redis-server; the whole
 #                               build in build/ (tests, benchmarks, the emulated CUDA build); the Python environments
-#                               (.venv-capture with the crosskv package, .venv-vllm)
+#                               (.venv-capture with the crosskv package, .venv-lmeval, .venv-vllm)
 #   scripts/setup.sh --demo     only what the programs need to build and run, and only the programs the demo runs
 #                               (crosskv-synth, -fit, -eval, -apply), in build-demo/ (the CPU backend; CUDA's too
 #                               when a GPU is present)
 #   scripts/setup.sh --capture  the capture environment (.venv-capture: torch, transformers) and the crosskv package
 #   scripts/setup.sh --vllm     vLLM for the CPU with the crosskv package (.venv-vllm)
-# Each step prints what it cost. env: CROSSKV_NO_CAPTURE=1 / CROSSKV_NO_VLLM=1 skip those environments in the full
+#   scripts/setup.sh --lmeval   lm-evaluation-harness over the capture environment (.venv-lmeval; after --capture)
+# Each step prints what it cost. env: CROSSKV_NO_CAPTURE=1 / CROSSKV_NO_VLLM=1 / CROSSKV_NO_LMEVAL=1 skip those environments in the full
 # setup (their tests then report SKIPPED).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,8 +19,9 @@ case "${1:-}" in
   --demo) MODE=demo ;;
   --capture) MODE=capture ;;
   --vllm) MODE=vllm ;;
+  --lmeval) MODE=lmeval ;;
   "") ;;
-  *) echo "usage: scripts/setup.sh [--demo | --capture | --vllm]" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh [--demo | --capture | --vllm | --lmeval]" >&2; exit 2 ;;
 esac
 step_start=$(date +%s)
 step() {  # step NAME: the previous step's cost, then this one's name
@@ -79,6 +81,11 @@ case $MODE in
     "$ROOT/scripts/setup-python-package.sh"
     step ""
     ;;
+  lmeval)
+    step "lm-eval environment (.venv-lmeval)"
+    "$ROOT/scripts/setup-lmeval.sh"
+    step ""
+    ;;
   vllm)
     step "vLLM environment (.venv-vllm)"
     "$ROOT/scripts/setup-vllm.sh"
@@ -100,6 +107,10 @@ case $MODE in
       "$ROOT/scripts/setup-capture.sh"
       step "crosskv Python package"
       "$ROOT/scripts/setup-python-package.sh"
+      if [ "${CROSSKV_NO_LMEVAL:-0}" != 1 ]; then
+        step "lm-eval environment (.venv-lmeval)"
+        "$ROOT/scripts/setup-lmeval.sh"
+      fi
       if [ "${CROSSKV_NO_VLLM:-0}" != 1 ]; then
         step "vLLM environment (.venv-vllm)"
         "$ROOT/scripts/setup-vllm.sh"

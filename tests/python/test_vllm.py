@@ -459,7 +459,7 @@ for name, spec, reason in (
         ("mismatch", {"model": "model-source", "connector": {**STORE, "mapper": MAPPER}},
          "the mapper does not match this engine's model: the mapper's target has 3 layers, the model has 2"),
         ("not_ready", {"model": "model-target", "connector": {**STORE, "mapper": "out-notready/kall"}},
-         "held-out verdict is NOT READY (predicted recovered share 41.0% (24% to 59%; needs >= 80%")):
+         "held-out verdict is not_ready (NOT READY: predicted recovered share 41.0% (24% to 59%; needs >= 80%")):
     res = engine(name, {**spec, "role": "kv_consumer", "prompts": [target_prompts["on_boundary"]]})
     kv = {"reason": "", **res[0]["kv"]["crosskv"]}
     ref = own["on_boundary"] if spec["model"] == "model-target" else None

@@ -163,6 +163,45 @@ class Clock:
         return self.t
 
 
+# ---- the held-out verdict's class gates serving
+def _eval_file(tmp_path, doc):
+    (tmp_path / "k2").mkdir()
+    (tmp_path / "eval-k2.json").write_text(json.dumps(doc))
+    return str(tmp_path / "k2")
+
+
+@pytest.mark.parametrize("doc,want", [
+    ({"verdict": "NOT READY: x", "verdict_class": "not_ready"}, "not_ready"),
+    ({"verdict": "UNCERTAIN (R2 only): x", "verdict_class": "uncertain"}, "uncertain"),
+    ({"verdict": "LIKELY TO TRANSFER: x", "verdict_class": "likely"}, "likely"),
+    ({"verdict": "UNCERTAIN (R2 only): written before verdict_class"}, "uncertain"),
+    ({"verdict": "NOT READY: written before verdict_class"}, "not_ready")])
+def test_the_verdict_class_is_read(tmp_path, doc, want):
+    assert cfg.mapper_verdict(_eval_file(tmp_path, doc)) == (want, doc["verdict"])
+
+
+@pytest.mark.parametrize("doc", [{"verdict": "LIKELY TO TRANSFER", "verdict_class": "probably"},
+                                 {"verdict": "MAYBE: a text without a class"}])
+def test_an_unknown_verdict_class_stops_the_engine(tmp_path, doc):
+    with pytest.raises(cfg.CrossKVConfigError, match="verdict_class: expected one of likely, uncertain, not_ready"):
+        cfg.mapper_verdict(_eval_file(tmp_path, doc))
+
+
+@pytest.mark.parametrize("cls,allow,refused", [("likely", {}, False), ("uncertain", {}, True),
+                                               ("not_ready", {}, True), ("uncertain", {"allow_uncertain": True}, False),
+                                               ("not_ready", {"allow_not_ready": True}, False),
+                                               ("not_ready", {"allow_uncertain": True}, True),
+                                               ("uncertain", {"allow_not_ready": True}, True)])
+def test_uncertain_and_not_ready_are_refused_each_by_name(cls, allow, refused):
+    from crosskv.vllm.context import verdict_refusal
+
+    got = verdict_refusal((cls, f"{cls.upper()}: text"), cfg.Settings(store="s", **allow))
+    assert bool(got) == refused
+    if refused:
+        assert got[1] == cls and f"verdict is {cls} ({cls.upper()}: text)" in got[0] and f"allow_{cls}" in got[0]
+    assert verdict_refusal(None, cfg.Settings(store="s")) is None  # no eval beside the mapper: served
+
+
 def test_a_late_call_fails_by_its_deadline():
     g = StoreGuard("redis://test", failures=3, seconds=30)
     release = threading.Event()

