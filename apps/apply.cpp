@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
   int64_t block = 4096;
   bool no_rope = false, resident = false;
   app.add_option("--mapper", mapper, "mapper artifact folder (k<K>/)")->required();
-  app.add_option("--source", source, "source model's shard (HDF5, SPEC §5)")->required();
+  app.add_option("--source", source, "source model's shard (HDF5, docs/FORMATS.md, Calibration shards)")->required();
   app.add_option("--out", out, "shard to write in the target's format")->required();
   app.add_option("--target-positions", positions_from,
                  "take the target's RoPE positions from this shard (default: the source shard's positions)");

@@ -1,5 +1,5 @@
 // crosskv-eval --mapper DIR --source SHARD.h5 --target SHARD.h5 --json OUT.json [--html OUT.html]: held-out
-// diagnostics of a mapper (SPEC §7) against the target's own capture of the same tokens, with baselines. Under
+// diagnostics of a mapper (docs/METHOD.md, Diagnostics) against the target's own capture of the same tokens, with baselines. Under
 // mpirun the target layers are shared out over the ranks; rank 0 writes the outputs.
 #include <cstdio>
 #include <filesystem>

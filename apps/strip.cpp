@@ -16,7 +16,7 @@ using namespace crosskv;
 int main(int argc, char** argv) {
   CLI::App app{"crosskv-strip: a shard's keys in RoPE-free content space"};
   std::string shard, out;
-  app.add_option("--shard", shard, "shard (SPEC §5)")->required();
+  app.add_option("--shard", shard, "shard (docs/FORMATS.md, Calibration shards)")->required();
   app.add_option("--out", out, "HDF5 file to write")->required();
   if (auto rc = parse_command_line(app, argc, argv, "crosskv-strip")) return *rc;
   return run_tool("crosskv-strip", [&]() -> int {

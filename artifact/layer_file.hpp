@@ -1,5 +1,5 @@
 #pragma once
-// A mapper's layer file (SPEC §6, docs/FORMATS.md), defined once: its name, its tensors' names and dtypes, and its
+// A mapper's layer file (docs/FORMATS.md, Mapper artifact), defined once: its name, its tensors' names and dtypes, and its
 // metadata, for the writers (the export, the residual-MLP rewrite) and the reader (artifact/mapper).
 #include <cstdint>
 #include <string>

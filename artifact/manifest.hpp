@@ -1,5 +1,5 @@
 #pragma once
-// A mapper folder's manifest (SPEC §6, docs/FORMATS.md), built and written here only: the export writes it, the
+// A mapper folder's manifest (docs/FORMATS.md, Mapper artifact), built and written here only: the export writes it, the
 // residual-MLP stage adds its decisions to it, artifact/mapper reads it back.
 #include <cstdint>
 #include <map>

@@ -1,5 +1,5 @@
 #pragma once
-// Reading a mapper artifact (SPEC §6) back, validated: a mapper is a file from elsewhere. Every problem is an
+// Reading a mapper artifact (docs/FORMATS.md, Mapper artifact) back, validated: a mapper is a file from elsewhere. Every problem is an
 // InputError naming the file and the field.
 #include <cstdint>
 #include <string>
@@ -39,7 +39,7 @@ struct MapperLayer {
   // cross_head: [k*F x G]; per_head: [Ht][k*Ds x Dt] (head h's rows: source head h of the layers, ascending).
   // Biases [G].
   std::vector<float> wk, bk, wv, bv;
-  // The residual MLPs kept for keys and values (issue 15: target = ridge + f(x) on the same features); empty
+  // The residual MLPs kept for keys and values (target = ridge + f(x) on the same features); empty
   // (no parameters) where the layer keeps ridge alone.
   MlpParams mlp_k, mlp_v;
 };

@@ -2,7 +2,7 @@
 // and values, 2 x [8192 x 1024] fp32 weights = 64 MiB), against the memory-bandwidth bound of streaming that
 // layer's weights once per batch, with the bandwidth measured in the same run. Prints one JSON object.
 //   crosskv-bench-apply [cpu|cuda] [k] [resident]   (resident: the layer's mapper held; else built per call)
-// The serving apply (issue 16): a Qwen3-14B -> 32B-shaped mapper (40 x 8 x 128 -> Lt x 8 x 128, k source layers per
+// The serving apply: a Qwen3-14B -> 32B-shaped mapper (40 x 8 x 128 -> Lt x 8 x 128, k source layers per
 // target layer), every target layer in one ServingMapper call on caches in the backend's memory, against the
 // same mapper applied a layer at a time (the streamed Transfer's loop of one-layer windows on host arrays, the
 // windows built once) and through host arrays,

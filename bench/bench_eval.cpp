@@ -1,4 +1,4 @@
-// Held-out diagnostics (issue 14), ratios in one run. Prints one JSON object.
+// Held-out diagnostics, ratios in one run. Prints one JSON object.
 //   crosskv-bench-eval demo [cpu|cuda] [WORK_DIR]
 //     The demo's pair (source 8 x 4 x 32, target 12 x 4 x 32, 8 query heads; 1,024 held-out tokens in 2 sequences)
 //     fitted for k = 1, 2, 4, all; per k the scalar oracle (evaluate(), whole caches) against the streamed GEMM

@@ -1,4 +1,4 @@
-// GPU benchmark (issue 4): moment accumulation through Moments on the CUDA backend against the cuBLAS SGEMM rate of
+// GPU benchmark: moment accumulation through Moments on the CUDA backend against the cuBLAS SGEMM rate of
 // the same backend on staged inputs, same run, same shapes: (1) fp32 inputs shifted on the host and copied; (2) the
 // fit's path, stored bf16 keys converted, RoPE-stripped and shifted on the device. Rates are steady state (sums
 // held); a round's end is timed apart (the fit pays it once per round, not per block): the fit's way since

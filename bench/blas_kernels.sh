@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BLAS kernels against each other in one run (issue 22): crosskv-fit at the benchmark's shapes (12x8x64 -> 16x8x64,
+# BLAS kernels against each other in one run: crosskv-fit at the benchmark's shapes (12x8x64 -> 16x8x64,
 # 16K bf16 tokens, k = 1, 2, 4, 8, all) and crosskv-eval (1,024 held-out tokens, k = 4), once per OpenBLAS core named
 # in CORES ("default" = as this machine runs it, with crosskv's own choice), the CPU and the kernels beside each row.
 # Usage: bench/blas_kernels.sh [OUT_DIR]    env: BUILD (build dir), CORES ("Prescott default")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What Fletcher-32 checksums cost (issue 26): the same synthetic stores written with and without the filter
+# What Fletcher-32 checksums cost: the same synthetic stores written with and without the filter
 # (crosskv-synth, timed), then crosskv-bench-stream (read, convert, strip RoPE, check finiteness) over each, ROUNDS
 # times alternating, in one run: the streaming rates and their ratio, the CPU and the BLAS kernels beside them.
 # Usage: bench/checksum_cost.sh [OUT_DIR]    env: BUILD (build dir), ROUNDS (3), DTYPE (bfloat16)

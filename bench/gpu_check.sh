@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 4, one prepared script for a bare GPU machine (nothing to install). On an H200 (2026-11-30):
+# The GPU check (docs/PERFORMANCE.md, GPU), one prepared script for a bare GPU machine (nothing to install). On an H200 (2026-11-30):
 # tests, the accumulation benchmark and the k = all factor 42 s; the paper-shaped fit (40x8x128 -> 64x8x128,
 # k = 1, 2, 4, 8, all, 2,048 tokens) 2m40s with its synthetic data; apply and tf32 about a minute more. Calls of the
 # device tool are limited to 10 minutes: run the fit in a call of its own (STEPS=fit).
@@ -12,7 +12,7 @@
 #                 path with the fused kernel), apply_gpu.json (apply throughput of one Qwen3-8B -> 32B layer, weights
 #                 copied per call and kept on the GPU), factor_gpu.json (the k = all system of one kind, 40960
 #                 features: assembled on the host and uploaded, against assembled on the device from fp32 blocks),
-#                 eval_gpu.json (issue 14's eval of one Qwen3-32B layer and the MLP's training rate, on the GPU),
+#                 eval_gpu.json (the held-out eval of one Qwen3-32B layer and the MLP's training rate, on the GPU),
 #                 fit_gpu.log (a paper-shaped fit on one GPU, TOKENS tokens, k = 1, 2, 4, 8, all, bf16), nvidia-smi.txt.
 # Every step has its own time limit, so one that hangs costs only its share.
 # Issue 16 (serving): STEPS="test serving" in one call, then STEPS=python in another (about 4 + 6 minutes):
@@ -81,7 +81,7 @@ if want apply; then
   note "  $(cat "$OUT/apply_gpu.json") $(tail -3 "$E")"
 fi
 
-if want eval; then  # issue 14: one Qwen3-32B-shaped layer's held-out diagnostics, and the MLP's training rate
+if want eval; then  # one Qwen3-32B-shaped layer's held-out diagnostics, and the MLP's training rate
   step eval_gpu 60 "$B/bin/crosskv-bench-eval" paper cuda 4096 > "$OUT/eval_gpu.json" 2> "$E"
   step mlp_gpu 30 "$B/bin/crosskv-bench-eval" mlp cuda 4 >> "$OUT/eval_gpu.json" 2>> "$E"
   note "  $(cat "$OUT/eval_gpu.json") $(tail -3 "$E")"
@@ -107,14 +107,14 @@ grep -E "flops:|memory:|== |pass [0-9]|factored|solve:|summary|\]   [a-z+-]+ +[0
 tail -1 "$OUT/fit_gpu.log" >> "$S"
 fi
 
-if want serving; then  # issue 16: the serving apply (all 64 target layers of a 14B -> 32B-shaped mapper, caches on the GPU)
+if want serving; then  # the serving apply (all 64 target layers of a 14B -> 32B-shaped mapper, caches on the GPU)
   step serving_gpu 150 "$B/bin/crosskv-bench-apply" cuda serving 64 4 > "$OUT/serving_gpu.json" 2> "$E"
   step serving_gpu_tf32 100 "$B/bin/crosskv-bench-apply" cuda serving 64 4 tf32 >> "$OUT/serving_gpu.json" 2>> "$E"
   step serving_gpu_kall 150 "$B/bin/crosskv-bench-apply" cuda serving 64 40 tf32 >> "$OUT/serving_gpu.json" 2>> "$E"
   note "  $(cat "$OUT/serving_gpu.json") $(tail -3 "$E")"
 fi
 
-if want python; then  # issue 16: the package on the GPU (CUDA tensors in place), and transfer vs prefill at real shapes
+if want python; then  # the package on the GPU (CUDA tensors in place), and transfer vs prefill at real shapes
   if [ -d "$B/python/crosskv" ]; then
     export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
     R=$(cd "$(dirname "$0")/.." && pwd)

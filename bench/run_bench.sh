@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU benchmark of issue 2, in one run: a paper-shaped fit scaled to this machine.
+# The CPU fit benchmark (docs/PERFORMANCE.md, The fit benchmark), in one run: a paper-shaped fit scaled to this machine.
 #   (a) moment accumulation GFLOP/s against OpenBLAS sgemm on the same shapes,
 #   (b) crosskv-fit wall time for the k sweep against plain numpy done the paper's way,
 #   (c) the streaming read rate.

@@ -13,7 +13,7 @@ import numpy as np
 
 
 def kv_spec(layers, kv_heads, head_dim, q_heads, theta, rope_type="default", **rope):
-    """A kv_spec as crosskv's manifests hold it (SPEC §1); rope: factor, low_freq_factor, ... for llama3 / yarn."""
+    """A kv_spec as crosskv's manifests hold it (docs/METHOD.md, The mapper); rope: factor, low_freq_factor, ... for llama3 / yarn."""
     r = dict(type=rope_type, theta=float(theta), rotary_dim=head_dim, convention="half", truncate=True)
     r.update({k: float(v) for k, v in rope.items()})
     return dict(n_layers=layers, n_kv_heads=kv_heads, head_dim=head_dim, n_q_heads=q_heads, rope=r)

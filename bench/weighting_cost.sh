@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What per-token weights cost the fit (issue 37): one synthetic store with `weights` in the target's shards, fitted
+# What per-token weights cost the fit: one synthetic store with `weights` in the target's shards, fitted
 # with fit.weighting: uniform and dataset, ROUNDS times alternating (--fresh: every fit reads the data), in one run:
 # the first pass's rate and the whole fit's time of each, their ratio, the CPU and the BLAS kernels beside them.
 # Usage: bench/weighting_cost.sh [OUT_DIR]    env: BUILD (build dir), ROUNDS (3)

@@ -130,12 +130,12 @@ class InputPreparation {
     Dtype dtype;
     int64_t rows, cols;
   };
-  // RoPE to strip from keys (SPEC §2): `rope` per head of every row, at the row's position (a staged int32 array).
+  // RoPE to strip from keys (docs/METHOD.md, RoPE): `rope` per head of every row, at the row's position (a staged int32 array).
   struct Strip {
     const Rope* rope;
     const int32_t* positions;
   };
-  // The moments' inputs from stored values in one pass (SPEC §2-3): fp32, RoPE stripped (strip may be null), minus
+  // The moments' inputs from stored values in one pass (docs/METHOD.md, RoPE; The fit): fp32, RoPE stripped (strip may be null), minus
   // shift[cols], times row_scale[t] (a staged array, sqrt of the token weights; null: 1). Returns the operand: `host`
   // (resized, filled) on a host backend, device memory on a device one.
   virtual const float* prepare(const StoredBlock& in, const Strip* strip, const float* shift, const float* row_scale,

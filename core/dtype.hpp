@@ -1,7 +1,7 @@
 #pragma once
 // The one element type of stored tensors: shards' keys, values and queries, the backend's staged blocks, and the
-// artifacts' weights. Its names: "float32" / "float16" / "bfloat16" in shards (SPEC §5), "fp32" / "fp16" / "bf16" in
-// configs and manifests (SPEC §6).
+// artifacts' weights. Its names: "float32" / "float16" / "bfloat16" in shards (docs/FORMATS.md, Calibration shards), "fp32" / "fp16" / "bf16" in
+// configs and manifests (docs/FORMATS.md, Mapper artifact).
 #include <cstddef>
 
 namespace crosskv {

@@ -39,7 +39,7 @@ void check_param(const std::optional<double>& v, const char* key, double min, bo
                      number_text(min) + " for rope type \"" + type + "\", got " + number_text(*v));
 }
 
-// Every parameter the rope type reads, so that no frequency comes out 0, negative, infinite or NaN (SPEC §2).
+// Every parameter the rope type reads, so that no frequency comes out 0, negative, infinite or NaN (docs/METHOD.md, RoPE).
 void validate_rope(const RopeSpec& r, const std::string& where) {
   const std::string& t = r.type;
   if (t == "none") return;

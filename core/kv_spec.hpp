@@ -1,5 +1,5 @@
 #pragma once
-// The model's KV layout and RoPE settings (SPEC §2, §5 kv_spec).
+// The model's KV layout and RoPE settings (docs/METHOD.md, RoPE and docs/FORMATS.md, Calibration shards kv_spec).
 #include <optional>
 #include <string>
 

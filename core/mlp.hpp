@@ -1,5 +1,5 @@
 #pragma once
-// The residual MLP of issue 15, per (target layer, kind): target = ridge(x) + f(x), with
+// The residual MLP (docs/RESULTS.md, Residual MLPs), per (target layer, kind): target = ridge(x) + f(x), with
 // f(x) = relu(relu(x W1 + b1) W2 + b2) W3 + b3 on the same content-space features as the ridge. W3 and b3 start at
 // zero, so training starts exactly at the ridge fit. fp32 parameters (the master weights), products through the
 // compute backend, Adam. The fit's stage (fit/mlp) trains one per (target layer, kind) and keeps it where it helps.

@@ -1,5 +1,5 @@
 #pragma once
-// Rotary position embedding (SPEC §2): inverse frequencies per rope type, and apply/strip on [T, L, H, D] blocks.
+// Rotary position embedding (docs/METHOD.md, RoPE): inverse frequencies per rope type, and apply/strip on [T, L, H, D] blocks.
 #include <cstdint>
 #include <vector>
 

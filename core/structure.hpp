@@ -1,5 +1,5 @@
 #pragma once
-// A mapper's structure (SPEC §3): what a target head reads. cross_head (the paper's): every KV head of the
+// A mapper's structure (docs/METHOD.md, The fit): what a target head reads. cross_head (the paper's): every KV head of the
 // selected source layers. per_head (head-matched): source head h of the selected layers alone for target head h,
 // which needs equal KV head counts on both sides.
 #include <algorithm>

@@ -1,5 +1,5 @@
 #pragma once
-// Held-out diagnostics of a mapper (SPEC §7), the product's types: held-out R² per layer and head, attention-output
+// Held-out diagnostics of a mapper (docs/METHOD.md, Diagnostics), the product's types: held-out R² per layer and head, attention-output
 // cosine, K- and V-concentration; a mapper's evaluation with its baselines, and its verdict.
 #include <cstdint>
 #include <optional>
@@ -24,7 +24,7 @@ struct Diagnostics {
   double r2_k = 0, r2_v = 0;
   std::optional<double> attention_cosine, k_concentration, v_concentration;
   int64_t tokens = 0;
-  nlohmann::json json() const;  // SPEC §9 keys: r2_k, r2_v, attention_cosine, k_concentration, v_concentration, layers
+  nlohmann::json json() const;  // docs/FORMATS.md keys: r2_k, r2_v, attention_cosine, k_concentration, v_concentration, layers
 };
 
 // The predicted share of the prefix's benefit a mapper keeps (eval/retention.hpp), with its interval.
@@ -40,7 +40,7 @@ const char* to_string(VerdictClass c);
 
 struct Evaluation {
   Diagnostics mapper, mean_only, no_target_rope;
-  std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs (issue 15): the same without them
+  std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs: the same without them
   std::optional<RetentionEstimate> retention;  // none without attention figures
   double min_retention = 0.8;                  // what the verdict asked of it
   std::string verdict;

@@ -1,5 +1,5 @@
 #pragma once
-// Stage 8: held-out diagnostics of mappers (SPEC §7), the same for crosskv-fit (eval.shards, every k) and
+// Stage 8: held-out diagnostics of mappers (docs/METHOD.md, Diagnostics), the same for crosskv-fit (eval.shards, every k) and
 // crosskv-eval (one mapper): per k a JSON of figures, and one report.html for a person to read.
 #include <string>
 #include <vector>

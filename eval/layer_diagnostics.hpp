@@ -1,5 +1,5 @@
 #pragma once
-// Held-out diagnostics of one target layer (SPEC §7) through the compute backend: causal attention per sequence and
+// Held-out diagnostics of one target layer (docs/METHOD.md, Diagnostics) through the compute backend: causal attention per sequence and
 // KV-head group as batched GEMMs (scores, softmax, outputs), the truth's side computed once and every prediction
 // (a mapper, a baseline, each k) diagnosed against it. The scalar diagnose() of tests/scalar_oracle is its oracle.
 #include <cstdint>

@@ -1,5 +1,5 @@
 #pragma once
-// The retention predictor behind the verdict (issue 37): the share of the prefix's benefit a mapper keeps (the
+// The retention predictor behind the verdict: the share of the prefix's benefit a mapper keeps (the
 // family studies' perplexity protocol, docs/RESULTS.md), predicted from its held-out diagnostics by a small monotone
 // model fitted by tools/family/calibrate.py (docs/retention-calibration.json), with the interval that held 90% of
 // its errors when each study was left out. Calibrated on one small family: a real pair may differ.

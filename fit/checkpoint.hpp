@@ -62,7 +62,7 @@ constexpr int kExitRequeue = 75;  // EX_TEMPFAIL: the batch script requeues
 
 class CheckpointStore {
  public:
-  // `stop` ends the pause_after_commit test hook (core/fault.hpp).
+  // `stop` ends the pause_after_commit test hook (runtime/fault.hpp).
   CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm, StopFlag stop = {});
   // The newest committed checkpoint that verifies on every rank. With a committed checkpoint of another identity:
   // UserError listing what differs, unless `fresh` (then everything is removed). With `cache`, a checkpoint that

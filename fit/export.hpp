@@ -1,5 +1,5 @@
 #pragma once
-// Stage 7: mapper artifacts (SPEC §6). Each k (and structure: "k<K>-per_head") is written into "<out>/k<K>.partial" layer by layer as the solves
+// Stage 7: mapper artifacts (docs/FORMATS.md, Mapper artifact). Each k (and structure: "k<K>-per_head") is written into "<out>/k<K>.partial" layer by layer as the solves
 // finish; the manifest is written last and the folder renamed to "<out>/k<K>", so a folder named k<K> with a
 // manifest is always complete.
 #include <condition_variable>

@@ -84,16 +84,6 @@ class StageClock {
     t.emplace_back("total", total);
     return t;
   }
-  nlohmann::json json() const {
-    nlohmann::json j = nlohmann::json::object();
-    double total = 0;
-    for (const auto& [n, s] : times_) {
-      j[n] = s;
-      total += s;
-    }
-    j["total"] = total;
-    return j;
-  }
   void summary() const {
     double total = 0;
     for (const auto& [n, s] : times_) total += s;
@@ -251,7 +241,6 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
       },
       /*publish=*/!with_mlps);
   // Every rank takes part in the stages after the export, on every k that rank 0 exported.
-  std::vector<std::string> artifacts;
   if (with_mlps) {
     clock.start("mlp");
     fit_residual_mlps(ctx, cal, on_every_rank(ctx.comm, res.artifacts), ckpt_dir, export_identity(cal, plan, P));
@@ -260,8 +249,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
       for (size_t i = 0; i < plan.slots(); ++i) res.artifacts.push_back(publish_artifact(cfg.output_dir, plan.slot_folder(i)));
     }
   }
-  if (!cal.eval_shards.empty()) artifacts = on_every_rank(ctx.comm, res.artifacts);
   if (!cal.eval_shards.empty()) {
+    const std::vector<std::string> artifacts = on_every_rank(ctx.comm, res.artifacts);
     clock.start("eval");
     res.report_path =
         evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm,

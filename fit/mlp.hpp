@@ -1,5 +1,5 @@
 #pragma once
-// Stage 7b (issue 15): residual MLPs on top of the ridge mappers (fit.mapper: mlp | auto), between the export's
+// Stage 7b: residual MLPs on top of the ridge mappers (fit.mapper: mlp | auto), between the export's
 // manifests (written into k<K>.partial) and their publication as k<K>.
 #include <string>
 #include <vector>

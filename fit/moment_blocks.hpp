@@ -1,5 +1,5 @@
 #pragma once
-// Storage of the fp32 moment blocks (SPEC §3): arenas carved into blocks and panels, which blocks are being
+// Storage of the fp32 moment blocks (docs/METHOD.md, The fit): arenas carved into blocks and panels, which blocks are being
 // accumulated, and the products that fill them. What the blocks mean (means, covariances, token counts) is Moments'.
 #include <cstddef>
 #include <cstdint>

@@ -1,5 +1,5 @@
 #pragma once
-// Moment accumulation (SPEC §3): fp32 Gram/cross blocks of shifted features and targets (stored in MomentBlocks),
+// Moment accumulation (docs/METHOD.md, The fit): fp32 Gram/cross blocks of shifted features and targets (stored in MomentBlocks),
 // fp64 token sums, and the centred covariances they give. Every later quantity (probe R², fits for any k and λ,
 // in-sample R²) is a function of these.
 #include <cstddef>
@@ -16,7 +16,7 @@ namespace crosskv {
 
 class Comm;
 
-// Per-token weights of one block of rows (fit.weighting: dataset, SPEC §3): the moments are Σ w x xᵀ, Σ w x yᵀ,
+// Per-token weights of one block of rows (fit.weighting: dataset, docs/METHOD.md, The fit): the moments are Σ w x xᵀ, Σ w x yᵀ,
 // Σ w x, Σ w y², N = Σ w. sqrt_w scales the shifted rows (prepare's row_scale) and weighs the column sums; it is a
 // staged operand. A null sqrt_w is the unweighted fit (every w = 1).
 struct RowWeights {

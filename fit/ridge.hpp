@@ -1,5 +1,5 @@
 #pragma once
-// Closed-form ridge in fp64 from stored moments (SPEC §3, §4): the k sweep and the R² probe (the fit's maths).
+// Closed-form ridge in fp64 from stored moments (docs/METHOD.md, The fit; Probe and selection): the k sweep and the R² probe (the fit's maths).
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -65,7 +65,7 @@ std::vector<LayerFit> fit_sweep(const Moments& m, DenseMaths& be, int l, const s
                                 const std::vector<int>& ks, double lambda, const std::string& what,
                                 const Factor* all_layers = nullptr, SolveWorkspace* workspace = nullptr);
 
-// The same for the head-matched structure (SPEC §3): per target head h, a system of width k*Ds over source head h of
+// The same for the head-matched structure (docs/METHOD.md, The fit): per target head h, a system of width k*Ds over source head h of
 // the selected layers, nested over k as above. k = Ls uses `all_layers` (one Factor per head over every source layer
 // in ascending order, filled here on first use and reused for the next target layer of the same kind) when given.
 std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
@@ -77,7 +77,7 @@ std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l
 // (a, l, -1) for the all-heads probe. Empty: all. Entries not computed are 0, so that the sum over ranks that
 // share the entries out is exact; probe_means() then recomputes the head averages.
 using ProbeShare = std::function<bool(int a, int l, int h)>;
-// Single-source probe (SPEC §4): target head h of l from source head h of a (same_head) or all heads of a.
+// Single-source probe (docs/METHOD.md, Probe and selection): target head h of l from source head h of a (same_head) or all heads of a.
 ProbeR2 probe_same_head(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
                         const ProbeShare& mine = {});
 ProbeR2 probe_all_heads(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,

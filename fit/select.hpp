@@ -1,5 +1,5 @@
 #pragma once
-// Source-layer selection (SPEC §4): score = (R²_k + R²_v)/2; top-k per target layer, ties to the lower index.
+// Source-layer selection (docs/METHOD.md, Probe and selection): score = (R²_k + R²_v)/2; top-k per target layer, ties to the lower index.
 #include <vector>
 
 namespace crosskv {

@@ -178,7 +178,7 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
   return {src, tgt_set};
 }
 
-// fit.weighting: dataset reads the target shard's `weights` (SPEC §5): present (in the target's shard, not only the
+// fit.weighting: dataset reads the target shard's `weights` (docs/FORMATS.md, Calibration shards): present (in the target's shard, not only the
 // source's), finite, >= 0, and not all zero over the tokens the fit uses.
 void check_weights(const FitConfig& cfg, const ShardPair& p, const ShardReader& s, const ShardReader& t) {
   if (cfg.weighting != Weighting::dataset) return;

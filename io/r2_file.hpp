@@ -1,5 +1,5 @@
 #pragma once
-// r2.h5 (SPEC §9): k_rope, k, v [Ls, Lt] float64 head-averaged; per_head/<name> [Ls, Lt, H].
+// r2.h5 (docs/FORMATS.md): k_rope, k, v [Ls, Lt] float64 head-averaged; per_head/<name> [Ls, Lt, H].
 #include <map>
 #include <string>
 

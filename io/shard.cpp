@@ -224,7 +224,7 @@ void ShardWriter::create_kv(const std::string& name, int heads, int64_t chunk_to
                       dims[3]};
   h5::Handle space(H5Screate_simple(4, dims, nullptr), H5Sclose);
   h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-  if (tokens_ > 0) {  // checksummed chunks: a flipped bit in the data fails its read (SPEC's shard format)
+  if (tokens_ > 0) {  // checksummed chunks: a flipped bit in the data fails its read (docs/FORMATS.md, Calibration shards)
     h5::check(H5Pset_chunk(dcpl, 4, chunk), "H5Pset_chunk", path_);
     if (checksum_) h5::check(H5Pset_fletcher32(dcpl), "H5Pset_fletcher32", path_ + ":" + name);
   }

@@ -1,5 +1,5 @@
 #pragma once
-// Calibration shards (SPEC §5): HDF5 files of [T, L, H, D] keys/values with token ids and positions.
+// Calibration shards (docs/FORMATS.md, Calibration shards): HDF5 files of [T, L, H, D] keys/values with token ids and positions.
 #include <cstdint>
 #include <functional>
 #include <string>

@@ -1,5 +1,5 @@
 #pragma once
-// The fit configuration (SPEC §9). Unknown keys, wrong types and out-of-range values are ConfigErrors
+// The fit configuration (docs/FORMATS.md). Unknown keys, wrong types and out-of-range values are ConfigErrors
 // that name the file, key and line.
 #include <cstdint>
 #include <map>
@@ -24,10 +24,10 @@ struct KChoice {
   std::string label() const;  // "4" or "all"
 };
 
-// What a mapper layer keeps (issue 15): ridge alone; ridge plus a residual MLP everywhere; or the MLP only where it
+// What a mapper layer keeps: ridge alone; ridge plus a residual MLP everywhere; or the MLP only where it
 // beats ridge on the validation split (auto).
 enum class MapperKind { ridge, mlp, auto_ };
-// fit.weighting: every token counts once, or by the target shards' `weights` dataset (SPEC §3).
+// fit.weighting: every token counts once, or by the target shards' `weights` dataset (docs/METHOD.md, The fit).
 enum class Weighting { uniform, dataset };
 const char* to_string(Weighting w);
 std::string mapper_kind_name(MapperKind k);

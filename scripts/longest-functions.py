@@ -6,8 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-LIBRARY = ("core", "backends", "artifact", "serve", "runtime", "io", "eval", "fit", "stages", "pipeline", "tools",
-           "apps")
+LIBRARY = ("core", "backends", "artifact", "serve", "runtime", "io", "eval", "fit", "tools", "apps", "python/src")
 
 
 def functions(path):
@@ -45,6 +44,9 @@ def main():
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 10
     found = []
+    missing = [f for f in LIBRARY if not (root / f).is_dir()]
+    if missing:  # a folder renamed or gone: the list above is stale
+        sys.exit(f"longest-functions.py: no folder {', '.join(missing)} under {root}; update LIBRARY")
     for folder in LIBRARY:
         for p in sorted((root / folder).rglob("*")):
             if p.suffix in (".cpp", ".cu") and "emulation" not in p.parts:

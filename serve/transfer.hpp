@@ -1,6 +1,6 @@
 #pragma once
 // Applying a mapper from its folder to host arrays — the library API that crosskv-apply and the Python streamed
-// mapper link: a source model's KV cache for a batch of tokens in, the target model's KV cache out (SPEC §2, §6). A
+// mapper link: a source model's KV cache for a batch of tokens in, the target model's KV cache out (docs/METHOD.md, RoPE and docs/FORMATS.md, Mapper artifact). A
 // window of the one apply (serve/serving_mapper): resident, one ServingMapper over every target layer for the
 // object's lifetime; streamed (the default), one target layer's ServingMapper at a time, so that the peak is one
 // layer's weights.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference implementation of applying a crosskv mapper, in numpy + h5py alone (SPEC §2, §5, §6).
+"""Reference implementation of applying a crosskv mapper, in numpy + h5py alone (docs/METHOD.md, RoPE and docs/FORMATS.md, Calibration shards; Mapper artifact).
 
 For users outside C++, and as an independent check of crosskv-apply: reads the artifact folder and a source shard,
 strips the source RoPE, maps each target layer (Y = X W + b over the selected source layers), applies the target
@@ -132,7 +132,7 @@ def load_mapper(mapper_dir):
 
 
 def residual_mlp(t, kind, x):
-    """A layer's residual MLP where it keeps one (issue 15): relu(relu(x W1 + b1) W2 + b2) W3 + b3, else 0."""
+    """A layer's residual MLP where it keeps one: relu(relu(x W1 + b1) W2 + b2) W3 + b3, else 0."""
     p = kind + ".mlp."
     if p + "w1" not in t:
         return 0.0

@@ -33,11 +33,11 @@ assert (f["positions"][()] == r["positions"]).all()
 PY
 done
 
-# Eval: the SPEC keys, the baselines catching the missing target RoPE, and a report.
+# Eval: the documented keys (docs/FORMATS.md), the baselines catching the missing target RoPE, and a report.
 "$EVAL" --mapper out-fp32/k2 --source $SRC --target $TGT --json eval.json --html report.html > eval.log 2>&1 \
   || { cat eval.log; die "crosskv-eval failed"; }
 expect_in "verdict:" eval.log
-"$PYTHON" - <<'PY' || die "eval.json is not as SPEC §9 says"
+"$PYTHON" - <<'PY' || die "eval.json is not as docs/FORMATS.md says"
 import json
 j = json.load(open("eval.json"))
 for k in ("r2_k", "r2_v", "attention_cosine", "k_concentration", "v_concentration", "layers"):

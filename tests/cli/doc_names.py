@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Every path and symbol a document names in backticks exists: a path as a file or folder of the repository (a bare
 file name anywhere in it), a C++ or Python identifier as a word of its sources. Prose, commands, options and names
-of things a run makes (build/, k<K>/, ...) are not checked. Usage: doc_names.py [DOC ...] (default:
-docs/ARCHITECTURE.md), or --self-test (a planted document). Exits 1 naming each missing one with its line."""
+of things a run makes (build/, k<K>/, ...) are not checked. And no document of the repository links outside it: a
+Markdown link to a web address or to a path that leaves the repository (`../`), or a path named that leaves it, is
+an error (a user's clone holds only the repository). Usage: doc_names.py [DOC ...] (default: docs/ARCHITECTURE.md
+for the names, every tracked .md file for the links), or --self-test (a planted document). Exits 1 naming each
+missing name and each outside link with its line."""
 import contextlib
 import io
 import os
@@ -24,7 +27,7 @@ def tracked():
     return [p for p in out.splitlines() if (ROOT / p).exists()]
 
 
-def main(docs):
+def main(docs, link_docs=None):
     files = tracked()
     paths = set(files)
     folders = {str(Path(p).parent) + "/" for p in files}
@@ -50,7 +53,34 @@ def main(docs):
         print("MISSING", m)
     checked = ", ".join(docs)
     print(f"{checked}: {'every named path and symbol exists' if not missing else f'{len(missing)} missing'}")
-    return 1 if missing else 0
+    outside = outside_links(link_docs if link_docs is not None else [p for p in files if p.endswith(".md")])
+    for o in outside:
+        print("LEAVES", o)
+    print(f"links: {'none leaves the repository' if not outside else f'{len(outside)} leave the repository'}")
+    return 1 if missing or outside else 0
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def outside_links(docs):
+    """Each Markdown link, or backticked path, of `docs` that leaves the repository: doc:line: target."""
+    out = []
+    for doc in docs:
+        path = ROOT / doc if not os.path.isabs(doc) else Path(doc)
+        base = path.parent
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            targets = LINK.findall(line) + [t for t in re.findall(r"`([^`\n ]+)`", line) if t.startswith("../")]
+            for t in targets:
+                if re.match(r"^[a-z][a-z0-9+.-]*://", t) or t.startswith("mailto:"):
+                    out.append(f"{doc}:{n}: {t}: a link outside the repository")
+                elif not t.startswith("#"):
+                    target = (base / t.split("#")[0]).resolve()
+                    if os.path.isabs(doc):  # a planted document: judged as if it sat in docs/
+                        target = (ROOT / "docs" / t.split("#")[0]).resolve()
+                    if ROOT not in target.parents and target != ROOT:
+                        out.append(f"{doc}:{n}: {t}: leaves the repository")
+    return out
 
 
 def check(tok, paths, folders, names, words):
@@ -61,7 +91,7 @@ def check(tok, paths, folders, names, words):
         return None  # an extension: `.cu`
     looks_like_path = "/" in tok or tok.endswith(PATH_EXT)
     if looks_like_path:
-        if tok.startswith(("http", "-", "crosskv.")) or "=" in tok or ":" in tok:
+        if tok.startswith(("http", "-", "crosskv.", "../")) or "=" in tok or ":" in tok:  # ../: the links' check
             return None
         p = tok.lstrip("./")
         if p in paths or p in folders or p.rstrip("/") in folders:
@@ -84,15 +114,19 @@ def check(tok, paths, folders, names, words):
 def self_test():
     """The checker catches planted names: a document naming two that exist and two that do not fails on those two."""
     with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
-        f.write("`core/backend.hpp` and `ServingMapper` exist;\n`core/no_such_file.hpp` and `no_such_symbol_xyz()` do not.\n")
+        f.write("`core/backend.hpp` and `ServingMapper` exist;\n`core/no_such_file.hpp` and `no_such_symbol_xyz()` do not.\n"
+                "[the method](METHOD.md) is inside; [the spec](../../shared/SPEC.md), [a site](https://example.com) "
+                "and `../../shared/seeds/` are not.\n")
     try:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = main([f.name])
+            rc = main([f.name], link_docs=[f.name])
         lines = [l for l in out.getvalue().splitlines() if l.startswith("MISSING")]
+        leaves = [l for l in out.getvalue().splitlines() if l.startswith("LEAVES")]
         ok = rc == 1 and len(lines) == 2 and "no_such_file" in lines[0] and "no_such_symbol_xyz" in lines[1]
+        ok = ok and len(leaves) == 3 and "SPEC.md" in leaves[0] and "example.com" in leaves[1] and "seeds" in leaves[2]
         print(out.getvalue(), end="")
-        print("self-test:", "the planted names are caught" if ok else "FAILED")
+        print("self-test:", "the planted names and outside links are caught" if ok else "FAILED")
         return 0 if ok else 1
     finally:
         os.unlink(f.name)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --plan on the paper's shapes (SPEC §8) shows the paper's mapper sizes: 1.07 B and 3.36 B parameters.
+# --plan on the paper's shapes (docs/METHOD.md, Reference figures) shows the paper's mapper sizes: 1.07 B and 3.36 B parameters.
 source "$(dirname "$0")/common.sh"
 "$SYNTH" --out qwen --shards 1 --sequences 1 --seq-len 16 \
   --source-layers 40 --source-heads 8 --source-head-dim 128 --source-theta 1000000 \

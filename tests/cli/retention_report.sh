@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The verdict from the retention predictor as a user meets it (issue 37): eval-k*.json's predicted share and its
+# The verdict from the retention predictor as a user meets it: eval-k*.json's predicted share and its
 # interval, eval.min_retention / --min-retention deciding the verdict, and (with `chromium`) the report's new line
 # as headless Chromium renders it, with a screenshot.
 #   retention_report.sh WORKDIR json      the JSON and the threshold (needs python3)

@@ -158,7 +158,7 @@ def expect_refused(call, want):
         check(want in str(e), f"refused with a MapperError naming it: {e}")
 
 
-# Bad input fails closed (issue 24): refused by name, never mapped to wrong KV; the same with the weights resident.
+# Bad input fails closed: refused by name, never mapped to wrong KV; the same with the weights resident.
 nan_keys = keys.copy()
 nan_keys[3, 1, 0, 5] = np.nan
 inf_values = values.copy()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""crosskv-capture: run a Hugging Face causal LM over a text corpus and write calibration shards (SPEC §5).
+"""crosskv-capture: run a Hugging Face causal LM over a text corpus and write calibration shards (docs/FORMATS.md, Calibration shards).
 
     crosskv-capture --model HF_ID_OR_LOCAL_PATH --text FILE(.txt|.jsonl) --seq-len 1024 --n-seq 500 --stride 4 \\
                     --dtype bf16 --out STORE/DOMAIN [--queries] [--same-tokens-as OTHER_MODEL_OR_STORE/DOMAIN] \\

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The retention predictor behind crosskv's verdict (issue 37): which held-out diagnostics predict the share of the
+"""The retention predictor behind crosskv's verdict: which held-out diagnostics predict the share of the
 prefix's benefit a mapper keeps (the family studies' perplexity protocol, docs/RESULTS.md), and a small monotone
 predictor of it, validated leaving one study out. Pure Python (no numpy): it runs in the tests.
 
@@ -57,6 +57,8 @@ def rows_of(studies):
                 seen.add(key)
                 out.append({"study": study, "label": f"{name} k={r['k']} {r['structure']}".strip(),
                             "recovered": r["recovered"],
+                            **{t: r[t][0] for t in ("content_share", "choice_retention", "recall_retention")
+                               if t in r},
                             **{x: r[x] for x in ("r2_k", "r2_v", "attention_cosine", "mean_only_cosine",
                                                  "k_concentration", "v_concentration", "r2_in_sample")
                                if x in r}})
@@ -104,13 +106,17 @@ def solve(A, b):
     return [M[i][n] / M[i][i] for i in range(n)]
 
 
+TARGETS = ("recovered", "content_share", "choice_retention")
+TARGET = "recovered"  # what the predictor predicts; `fit --target` and the calibration file's "target" set it
+
+
 def least_squares(rows, features):
-    """recovered ~ intercept + Σ coef·feature, each coefficient of its feature's sign (a feature whose coefficient
+    """TARGET ~ intercept + Σ coef·feature, each coefficient of its feature's sign (a feature whose coefficient
     would take the wrong sign is dropped: the predictor stays monotone). Returns (intercept, {feature: coef})."""
     feats = list(features)
     while True:
         X = [[1.0] + [FEATURES[f][0](r) for f in feats] for r in rows]
-        y = [r["recovered"] for r in rows]
+        y = [r[TARGET] for r in rows]
         p = len(feats) + 1
         A = [[sum(x[i] * x[j] for x in X) for j in range(p)] for i in range(p)]
         b = [sum(x[i] * t for x, t in zip(X, y)) for i in range(p)]
@@ -138,7 +144,7 @@ def leave_one_study_out(rows, features):
     per, residuals = {}, []
     for s in sorted({r["study"] for r in rows}):
         model = least_squares([r for r in rows if r["study"] != s], features)
-        res = [r["recovered"] - predict(model, r) for r in rows if r["study"] == s]
+        res = [r[TARGET] - predict(model, r) for r in rows if r["study"] == s]
         per[s] = {"mappers": len(res), "mae": sum(abs(e) for e in res) / len(res),
                   "bias": sum(res) / len(res)}
         residuals += res
@@ -146,7 +152,7 @@ def leave_one_study_out(rows, features):
 
 
 def calibrate(rows):
-    y = [r["recovered"] for r in rows]
+    y = [r[TARGET] for r in rows]
     corr = {}
     for f in list(FEATURES) + ["r2_k", "r2_v", "v_concentration", "r2_in_sample"]:
         if any(f not in FEATURES and f not in r for r in rows):
@@ -162,13 +168,13 @@ def calibrate(rows):
         cands.append({"features": feats, "kept": list(coefs), "intercept": a, "coefficients": coefs,
                       "loso_mae": sum(abs(e) for e in res) / len(res), "loso_by_study": per,
                       "half_width": quantile([abs(e) for e in res], COVERAGE),
-                      "in_sample_mae": sum(abs(r["recovered"] - predict((a, coefs), r)) for r in rows) / len(rows)})
+                      "in_sample_mae": sum(abs(r[TARGET] - predict((a, coefs), r)) for r in rows) / len(rows)})
     best = min(cands, key=lambda c: c["loso_mae"])
     # Where the calibration has data: a mapper outside these ranges is an extrapolation (the verdict says so).
     ranges = {f: [min(r[f] for r in rows), max(r[f] for r in rows)] for f in ("attention_cosine", "mean_only_cosine")}
     model = {"intercept": best["intercept"], "coefficients": best["coefficients"], "half_width": best["half_width"],
              "coverage": COVERAGE, "loso_mae": best["loso_mae"], "mappers": len(rows), "ranges": ranges,
-             "studies": sorted({r["study"] for r in rows})}
+             "studies": sorted({r["study"] for r in rows}), "target": TARGET}
     return {"correlations": corr, "paper": PAPER, "candidates": cands, "model": model}
 
 
@@ -201,7 +207,7 @@ def markdown(cal, rows):
         lines.append(f"| {s} | {v['mappers']} | {100 * v['mae']:.1f} points | {100 * v['bias']:+.1f} |")
     m = cal["model"]
     terms = " ".join(f"{c:+.4f}·{name}" for name, c in m["coefficients"].items())
-    lines += ["", f"model: recovered = {m['intercept']:+.4f} {terms} (at most 1), ± {m['half_width']:.3f} "
+    lines += ["", f"model: {TARGET} = {m['intercept']:+.4f} {terms} (at most 1), ± {m['half_width']:.3f} "
                   f"({100 * m['coverage']:.0f}% of held-out errors)"]
     return "\n".join(lines)
 
@@ -225,6 +231,8 @@ def same_model(a, b, tol=5e-6):
 
 def check(doc, binary=None):
     """Problems (empty when none): the stored model is not the refit of the stored rows, or crosskv-eval's is not."""
+    global TARGET
+    TARGET = doc.get("target", "recovered")
     problems = []
     refit = rounded(calibrate(doc["rows"])["model"])
     if not same_model(refit, doc["model"]):
@@ -243,6 +251,9 @@ def main():
     f = sub.add_parser("fit")
     f.add_argument("studies", nargs="+", help="studies.json of tools/family/studies.py")
     f.add_argument("--out", required=True)
+    f.add_argument("--target", default="recovered", choices=TARGETS,
+                   help="what the predictor predicts: the share of the prefix's gain (recovered), the content share "
+                        "(crosskv.retention: beyond the wrong-sequence control), or the choice task's retention")
     f.add_argument("--calibrated-on", default="the small family of docs/RESULTS.md (two Qwen3-style models trained on "
                                               "Shakespeare, 4 and 8 layers)")
     for name in ("check", "self-test"):
@@ -251,12 +262,15 @@ def main():
         c.add_argument("--binary")
     a = p.parse_args()
     if a.cmd == "fit":
+        global TARGET
+        TARGET = a.target
         rows = []
         for path in a.studies:
             rows += rows_of(json.load(open(path)))
         rows = rounded(rows)  # as stored: the stored model is the fit of exactly these
         cal = calibrate(rows)
         doc = {"format": "crosskv-retention-calibration", "version": 1, "calibrated_on": a.calibrated_on,
+               "target": TARGET,
                "model": rounded(cal["model"]), "correlations": rounded(cal["correlations"], 4),
                "candidates": rounded(cal["candidates"], 4), "paper": PAPER, "rows": rows}
         with open(a.out, "w") as fh:
@@ -280,7 +294,7 @@ def main():
     planted["model"]["coefficients"][name] += 0.01
     assert check(planted), "a changed coefficient was not caught"
     planted = json.loads(json.dumps(doc))
-    planted["rows"][0]["recovered"] += 0.2
+    planted["rows"][0][doc.get("target", "recovered")] += 0.2
     assert check(planted), "a changed row was not caught"
     print("calibrate.py self-test: a changed coefficient and a changed row are both caught")
     return 0

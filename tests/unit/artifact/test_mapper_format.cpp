@@ -142,7 +142,7 @@ TEST(HardenedManifest, ALayerFileLinkedFromOutsideTheFolderIsRefused) {
   EXPECT_NO_THROW(again.map_content(true, X.data(), 10, Y.data()));
 }
 
-// ---- Residual MLPs in artifacts (issue 15): optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
+// ---- Residual MLPs in artifacts: optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
 
 TEST(ResidualMlpArtifact, ApplyAddsTheMlpToRidgeLikeTheLoopReference) {
   Artifact a;

@@ -36,7 +36,7 @@ KvSpec spec_with(const std::string& type, int D = 128, int rotary = 128,
 
 }  // namespace
 
-// Expected values computed independently (plain Python, math module) from the formulas in SPEC §2 / HF.
+// Expected values computed independently (plain Python, math module) from the formulas in docs/METHOD.md, RoPE / HF.
 TEST(Rope, Llama3InvFreqMatchesIndependentValues) {
   Rope r(spec_with("llama3"));
   const std::vector<std::pair<int, double>> want = {{0, 1.0},

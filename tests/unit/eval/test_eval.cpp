@@ -259,7 +259,7 @@ TEST(HeldOutEval, MismatchedHeldOutShardsAreNamed) {
   });
 }
 
-// The nonlinear relation (issue 15's test pair): ridge finds the planted source layer and the linear part, and falls
+// The nonlinear relation (the planted nonlinear pair): ridge finds the planted source layer and the linear part, and falls
 // clearly short of R² 1 on held-out tokens, where the linear relation is recovered exactly.
 TEST(HeldOutEval, APlantedNonlinearityLeavesRidgeShort) {
   TempDir tmp;

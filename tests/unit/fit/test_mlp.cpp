@@ -1,4 +1,4 @@
-// The residual MLP's core (issue 15): gradients against finite differences of an fp64 reference, the zero-initialised
+// The residual MLP's core: gradients against finite differences of an fp64 reference, the zero-initialised
 // last layer (training starts at the ridge fit), determinism, and a planted non-linearity that ridge leaves short
 // and the MLP learns on held-out tokens.
 #include <cmath>

@@ -169,7 +169,7 @@ TEST(Transfer, ResidentOptionReadsEachLayerOnce) {
   }
 }
 
-// ---- The serving apply (issue 16): weights resident, every layer in one call, the caches in the backend's memory.
+// ---- The serving apply: weights resident, every layer in one call, the caches in the backend's memory.
 namespace {
 
 // Transfer::apply and ServingMapper (one call, and host arrays) on the same caches: the same bits on the CPU.
