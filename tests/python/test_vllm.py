@@ -304,8 +304,8 @@ for name, o in tp2.items():
 # ---- the planted bug: every TP-2 worker maps worker 0's heads. Labelled applied, and caught by the check above.
 bug = dict(zip(mapped_lengths, engine("target_tp2_bug", {"model": "model-target", "role": "kv_consumer", "tp": 2,
                                                          "prompts": [target_prompts[n] for n in mapped_lengths],
-                                                         "connector": {**STORE, "mapper": MAPPER}},
-                                      env={"CROSSKV_VLLM_FAULT": "rank0_heads"})))
+                                                         "connector": {**STORE, "mapper": MAPPER},
+                                                         "planted": "rank0_heads"})))
 check(any(not same_result(o, got[name]) for name, o in bug.items()),
       f"a planted bug (each worker maps worker 0's heads) is caught: {sum(not same_result(o, got[n]) for n, o in bug.items())} "
       f"of {len(bug)} results differ from the TP-1 target's")
@@ -359,7 +359,7 @@ for (name, _), o in zip(target_prompts.items(), noise):
 rounds = [[target_prompts["tp2_source_long"]], [target_prompts["on_boundary"]], [target_prompts["on_boundary"]],
           [shares_40]]
 pc = engine("prefix_none", {"model": "model-target", "role": "kv_consumer", "prefix_caching": True, "rounds": rounds,
-                            "connector": {**STORE, "mapper": MAPPER}}, env={"CROSSKV_VLLM_FAULT": "write:1"})
+                            "connector": {**STORE, "mapper": MAPPER}, "planted": "write_once"})
 kv = [o["kv"]["crosskv"] for o in pc]
 check(kv[0]["status"] == "fallback_reprefill" and "planted fault in the cache write" in kv[0].get("reason", "")
       and same_result(pc[0], own["tp2_source_long"]),

@@ -12,6 +12,7 @@ import sys
 import time
 
 BLOCK = 32
+HERE = os.path.dirname(os.path.abspath(__file__))  # planted_connector.py: the tests' own connectors
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
 failures = []
@@ -51,7 +52,8 @@ def engine(name, spec, expect_fail=False, env=None):
     t0 = time.time()
     json.dump(spec, open(f"{name}.spec.json", "w"))
     r = subprocess.run([sys.executable, os.path.abspath(__file__), f"{name}.spec.json", f"{name}.out.json"],
-                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV, **(env or {})})
+                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV, **(env or {}),
+                                                            "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))})
     open(f"{name}.log", "w").write(r.stdout + r.stderr)
     print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
     if expect_fail:
@@ -77,7 +79,12 @@ def engine_args(spec):
     if spec.get("kv_cache_memory_bytes"):
         args["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     if spec.get("connector"):
-        args["kv_transfer_config"] = {"kv_connector": "CrossKVConnector", "kv_connector_module_path": "crosskv.vllm",
+        # "planted": a connector of tests/python/planted_connector.py (a test's fault), else crosskv's own
+        from planted_connector import CONNECTORS
+
+        name, module = ((CONNECTORS[spec["planted"]], "planted_connector") if spec.get("planted")
+                        else ("CrossKVConnector", "crosskv.vllm"))
+        args["kv_transfer_config"] = {"kv_connector": name, "kv_connector_module_path": module,
                                       "kv_role": spec["role"], "kv_load_failure_policy": "recompute",
                                       "kv_connector_extra_config": spec["connector"]}
     return args

@@ -16,12 +16,14 @@ class CrossKVConnector(KVConnectorBase_V1):
     """kv_producer: the source model's engine, saving finished requests' KV. kv_consumer: the target's, mapping
     stored prefixes into its cache."""
 
+    worker_side = WorkerSide  # what a worker process runs (a test's connector plants its faults in a subclass)
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ctx = engine_context(vllm_config, kv_cache_config)
         self.side = ctx.side
         self._scheduler = SchedulerSide(ctx) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = WorkerSide(ctx, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
+        self._worker = self.worker_side(ctx, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -19,6 +19,12 @@ def fallback(reason: str, kind: str) -> dict:
     return {"status": FALLBACK, "reason": reason, "kind": kind}
 
 
+def applied(tokens: int, prefix_tokens: int, mapper: Optional[str], stopped: Optional[str] = None, **extra) -> dict:
+    """An applied outcome: `tokens` mapped, the prefix's end, the mapper; where the stored run was cut (`stopped`)."""
+    return {"status": APPLIED, "tokens": tokens, "prefix_tokens": prefix_tokens, "mapper": mapper, **extra,
+            **({"stopped": stopped} if stopped else {})}
+
+
 def failure_kind(e: BaseException) -> str:
     """The fallback class of an exception on the worker's path."""
     from .. import MapperError

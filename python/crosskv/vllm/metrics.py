@@ -78,6 +78,17 @@ _EMPTY = {"outcomes": dict, "mapped_tokens": int, "map_s": list, "saves": dict, 
           "save_queue_bytes": int, "store_unhealthy": int, "store_state": str}
 
 
+def take_stats(side) -> "CrossKVStats | None":
+    """A connector side's stats since the last call, with its store guard's state (None when there is nothing):
+    `side` holds `_stats`, `guard` and `_guard_opened` (the scheduler's and the workers' alike)."""
+    opened, side._guard_opened = side.guard.opened - side._guard_opened, side.guard.opened
+    side._stats.record_store(side.guard.state, opened)
+    if side._stats.is_empty():
+        return None
+    out, side._stats = side._stats, CrossKVStats()
+    return out
+
+
 class CrossKVPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

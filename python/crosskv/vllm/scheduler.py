@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 
@@ -20,9 +21,9 @@ from .context import EngineContext
 from .guard import StoreGuard
 from .layout import slots_of
 from .metadata import (APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan,
-                       SavePlan, fallback, outcome_class, outcome_line)
-from .metrics import CrossKVStats
-from .store import Match, PrefixError, header_mismatch, whole_header
+                       SavePlan, applied, fallback, outcome_class, outcome_line)
+from .metrics import CrossKVStats, take_stats
+from .store import ChunkRef, Match, PrefixError, header_mismatch, whole_header
 
 logger = init_logger("vllm.crosskv")
 
@@ -33,7 +34,8 @@ class SchedulerSide:
     def __init__(self, ctx: EngineContext):
         self.ctx = ctx
         self._outcomes: dict[str, dict] = {}
-        self._candidates: dict[str, tuple[str, int, int]] = {}  # req_id -> (key, first, end)
+        # req_id -> (its stored chunks, tokens computed locally, the mapped prefix's end, its cache_salt)
+        self._candidates: dict[str, tuple[list[ChunkRef], int, int, Optional[str]]] = {}
         self._to_load: dict[str, object] = {}
         self._to_save: list[SavePlan] = []
         self._mapped_from: dict[str, int] = {}  # req_id -> its first block holding mapped KV (namespace policy)
@@ -99,10 +101,9 @@ class SchedulerSide:
                 self._taint_later(rid, first_block if tainted_from is None else tainted_from)
         chunks = [c for c in match.chunks if c.end > num_computed_tokens]
         self._candidates[rid] = (chunks, num_computed_tokens, n, salt)
-        self._outcomes[rid] = {"status": APPLIED, "tokens": n - num_computed_tokens, "prefix_tokens": n,
-                               "mapper": ctx.settings.mapper, **({"mapped_prefix_cache_tokens": reused} if reused
-                                                                 else {}), **({"stopped": stopped[0]} if stopped
-                                                                              else {})}
+        self._outcomes[rid] = applied(n - num_computed_tokens, n, ctx.settings.mapper,
+                                      stopped[0] if stopped else None,
+                                      **({"mapped_prefix_cache_tokens": reused} if reused else {}))
         return n - num_computed_tokens, False
 
     def _lookup(self, request):
@@ -241,9 +242,4 @@ class SchedulerSide:
         return False, {"crosskv": outcome}
 
     def get_kv_connector_stats(self):
-        opened, self._guard_opened = self.guard.opened - self._guard_opened, self.guard.opened
-        self._stats.record_store(self.guard.state, opened)
-        if self._stats.is_empty():
-            return None
-        out, self._stats = self._stats, CrossKVStats()
-        return out
+        return take_stats(self)

@@ -23,32 +23,12 @@ from .config import CrossKVConfigError
 from .context import EngineContext
 from .guard import StoreGuard
 from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
-from .metadata import APPLIED, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, SavePlan, fallback, failure_kind
-from .metrics import CrossKVStats
+from .metadata import CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, SavePlan, applied, fallback, failure_kind
+from .metrics import CrossKVStats, take_stats
 from .saver import Saver, SaveJob
 from .store import FP8_DTYPES, PrefixError
 
 logger = init_logger("vllm.crosskv")
-
-
-# ------------------------------------------------------------------------------------------------- planted faults
-_faults: Optional[dict] = None
-
-
-def fault(name: str) -> bool:
-    """Whether the test-only fault `name` fires here: CROSSKV_VLLM_FAULT="name[:times],..." (without times: every
-    time). Read once per process."""
-    global _faults
-    if _faults is None:
-        _faults = {}
-        for item in filter(None, os.environ.get("CROSSKV_VLLM_FAULT", "").split(",")):
-            name_, _, times = item.partition(":")
-            _faults[name_] = int(times) if times else -1
-    left = _faults.get(name, 0)
-    if left == 0:
-        return False
-    _faults[name] = left - 1 if left > 0 else left
-    return True
 
 
 # --------------------------------------------------------------------------------------------------- the mapping
@@ -154,7 +134,6 @@ class WorkerSide:
 
     # ----------------------------------------------------------------------------------------------- at start
     def register_kv_caches(self, kv_caches):
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.model_executor.models.utils import extract_layer_index
 
         ctx = self.ctx
@@ -166,12 +145,9 @@ class WorkerSide:
         self._layers = {n: forward[n] for n in names}
         first = self._layers[names[0]]
         try:
-            self.placement = head_placement(ctx.engine["n_kv_heads"], int(first.num_kv_heads),
-                                            get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+            self.placement = self._placement(ctx.engine["n_kv_heads"], int(first.num_kv_heads))
         except ValueError as e:
             raise CrossKVConfigError(f"parallel_config.tensor_parallel_size: {e}") from None
-        if ctx.side == "target" and fault("rank0_heads"):  # a planted bug: every worker maps worker 0's heads
-            self.placement = replace(self.placement, first=0)
         if len(names) != ctx.engine["n_layers"]:
             raise CrossKVConfigError(f"the engine caches {len(names)} attention layers, its model config says "
                                      f"{ctx.engine['n_layers']}; crosskv maps every layer")
@@ -288,9 +264,8 @@ class WorkerSide:
         logger.info("crosskv: worker %d mapped request %s: %d tokens, %.3f ms (%.3f ms per layer)",
                     self.placement.rank, plan.req_id, plan.end - plan.first, seconds * 1e3,
                     seconds * 1e3 / len(self._layers))
-        self._outcomes[plan.req_id] = {"status": APPLIED, "tokens": plan.end - plan.first, "prefix_tokens": plan.end,
-                                       "mapper": self.ctx.settings.mapper, "map_ms": round(seconds * 1e3, 3),
-                                       **({"stopped": plan.stopped} if plan.stopped else {})}
+        self._outcomes[plan.req_id] = applied(plan.end - plan.first, plan.end, self.ctx.settings.mapper, plan.stopped,
+                                              map_ms=round(seconds * 1e3, 3))
 
     def _fail(self, plan: LoadPlan, reason: str, kind: str):
         logger.warning("crosskv: request %s re-prefills its prefix: %s", plan.req_id, reason)
@@ -317,13 +292,22 @@ class WorkerSide:
             if plan.req_id in self._failed:
                 continue
             try:
-                if fault("write"):
-                    raise RuntimeError("a planted fault in the cache write (CROSSKV_VLLM_FAULT=write)")
-                slots = torch.as_tensor(plan.slots, dtype=torch.int64, device=cache.device)
-                layer.impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), cache, slots)
+                self._write(layer, cache, plan, k.to(dtype).contiguous(), v.to(dtype).contiguous())
             except Exception as e:  # this request's blocks are recomputed; the engine goes on
                 self._fail(plan, f"writing its mapped KV into layer {li} failed: {type(e).__name__}: {e}",
                            "worker_error")
+
+    def _placement(self, engine_kv_heads: int, local_kv_heads: int):
+        """This worker's KV heads of the engine's (tests plant a wrong placement by overriding it)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return head_placement(engine_kv_heads, local_kv_heads, get_tensor_model_parallel_rank(),
+                              get_tensor_model_parallel_world_size())
+
+    def _write(self, layer, cache, plan: LoadPlan, k: torch.Tensor, v: torch.Tensor):
+        """A prefix's mapped KV into one layer's paged cache, by the attention backend's own writer."""
+        slots = torch.as_tensor(plan.slots, dtype=torch.int64, device=cache.device)
+        layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
 
     def _finish_layer_by_layer(self):
         """The step's layer-by-layer mapping joined, and each prefix's outcome recorded."""
@@ -438,12 +422,7 @@ class WorkerSide:
         if self.saver is not None:
             counts, seconds = self.saver.take_counts()
             self._stats.record_saves(counts, seconds, self.saver.queued_bytes)
-        opened, self._guard_opened = self.guard.opened - self._guard_opened, self.guard.opened
-        self._stats.record_store(self.guard.state, opened)
-        if self._stats.is_empty():
-            return None
-        out, self._stats = self._stats, CrossKVStats()
-        return out
+        return take_stats(self)
 
 
 def default_save_queue_bytes() -> int:
