@@ -63,7 +63,7 @@ nlohmann::json Evaluation::json() const {
                                 {"extrapolated", !retention->outside.empty()},
                                 {"outside", retention->outside},
                                 {"coverage", m.coverage},        {"loso_mae", m.loso_mae},
-                                {"calibrated_on", m.calibrated_on}};
+                                {"calibrated_on", m.calibrated_on}, {"target", m.target}};
   } else {
     j["predicted_retention"] = nullptr;
   }
@@ -90,9 +90,9 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
       implied = t;
     }
     std::snprintf(buf, sizeof buf,
-                  "%s: predicted recovered share %.1f%% (%.0f%% to %.0f%%; needs >= %.0f%%%s); attention-output "
+                  "%s: predicted %s %.1f%% (%.0f%% to %.0f%%; needs >= %.0f%%%s); attention-output "
                   "cosine %.3f (needs above the mean-only %.3f); held-out R2 k %.3f, v %.3f (needs >= %.2f)",
-                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", 100 * r.share, 100 * r.low, 100 * r.high,
+                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", target_name(retention_model()).c_str(), 100 * r.share, 100 * r.low, 100 * r.high,
                   100 * th.min_retention, implied.c_str(), c, c0, ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
     if (!r.outside.empty()) extrapolated = "; an extrapolation: " + r.outside;
     ev.verdict_class = ev.ok ? VerdictClass::likely : VerdictClass::not_ready;

@@ -104,7 +104,7 @@ std::vector<double> per_layer(const Diagnostics& d, double LayerDiagnostics::*f)
 
 std::string opt(const std::optional<double>& x) { return x ? fmt(*x) : "n/a"; }
 
-// "62% (47% to 77%)": the predicted recovered share and its interval.
+// "62% (47% to 77%)": the predicted share (recovered or content, as the model says) and its interval.
 std::string share_text(const Evaluation& ev) {
   if (!ev.retention) return "n/a";
   const RetentionEstimate& r = *ev.retention;
@@ -205,7 +205,7 @@ std::string sweep_summary(const ReportInput& in) {
        "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
        "<th>K-concentration</th><th>V-concentration</th>"
     << (any_mlps ? "<th>residual MLPs kept (keys / values)</th>" : "")
-    << "<th>predicted recovered share</th><th>verdict</th></tr>";
+    << "<th>predicted " << target_name(retention_model()) << "</th><th>verdict</th></tr>";
   for (size_t i : rows) {
     const Evaluation& ev = in.evaluations[i];
     const auto fit = fit_of(i);
@@ -271,8 +271,8 @@ std::string render_report(const ReportInput& in) {
       << esc(ev.verdict) << "</p>";
     if (ev.retention) {
       const RetentionModel& rm = retention_model();
-      o << "<p class='retention'><b>Predicted recovered share: " << share_text(ev) << "</b> of the prefix's "
-        << "benefit (the target's perplexity with its own prefill against none; LIKELY TO TRANSFER needs "
+      o << "<p class='retention'><b>Predicted " << target_name(rm) << ": " << share_text(ev) << "</b> "
+        << esc(target_meaning(rm)) << " (LIKELY TO TRANSFER needs "
         << fmt(100 * ev.min_retention, 0) << "%, <code>eval.min_retention</code>). The interval held "
         << fmt(100 * rm.coverage, 0) << "% of the predictor's errors on studies it was not fitted on (mean error "
         << fmt(100 * rm.loso_mae, 0) << " points); calibrated on " << esc(rm.calibrated_on)
@@ -355,8 +355,9 @@ std::string render_report(const ReportInput& in) {
     const double min_share = in.evaluations.empty() ? th.min_retention : in.evaluations.front().min_retention;
     std::string model = fmt(retention_model().intercept, 3);
     for (const auto& [f, w] : retention_model().terms) model += (w < 0 ? " - " : " + ") + fmt(std::fabs(w), 3) + "·" + to_string(f);
-    row("verdict thresholds", "predicted recovered share >= " + fmt(100 * min_share, 0) +
-                                  "% (recovered = " + model + "); attention-output cosine above the mean-only "
+    row("verdict thresholds", "predicted " + target_name(retention_model()) + " >= " + fmt(100 * min_share, 0) +
+                                  "% (" + target_name(retention_model()) + " = " + model +
+                                  "); attention-output cosine above the mean-only "
                                   "baseline; held-out R² of keys and values >= " + fmt(th.min_r2, 2));
     o << "</table>";
   }

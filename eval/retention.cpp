@@ -26,7 +26,19 @@ nlohmann::json RetentionModel::json() const {
           {"loso_mae", loso_mae},
           {"mappers", mappers},
           {"ranges", {{"attention_cosine", {cosine_min, cosine_max}}, {"mean_only_cosine", {mean_only_min, mean_only_max}}}},
-          {"calibrated_on", calibrated_on}};
+          {"calibrated_on", calibrated_on},
+          {"target", target}};
+}
+
+std::string target_name(const RetentionModel& model) {
+  return model.target == "content_share" ? "content share" : "recovered share";
+}
+
+std::string target_meaning(const RetentionModel& model) {
+  if (model.target == "content_share")
+    return "of what the target's own prefill gains over its own prefill of another text, gained by the mapped cache "
+           "over the mapper's cache of that text (a cache without this context's content scores 0)";
+  return "of the prefix's benefit (the target's perplexity with its own prefill against none)";
 }
 
 const RetentionModel& retention_model() {

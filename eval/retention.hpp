@@ -27,8 +27,13 @@ struct RetentionModel {
   // Where the calibration has data: the mappers' attention cosines, and their mean-only baselines'.
   double cosine_min = 0, cosine_max = 1, mean_only_min = 0, mean_only_max = 1;
   std::string calibrated_on;
+  std::string target = "recovered";  // what it predicts: "recovered" (the share of the prefix's gain) or "content_share"
   nlohmann::json json() const;  // calibrate.py's "model" (crosskv-eval --print-retention-model)
 };
+
+// The predicted figure's name in a sentence ("recovered share", "content share") and what it measures.
+std::string target_name(const RetentionModel& model);
+std::string target_meaning(const RetentionModel& model);
 
 // The model compiled in: docs/retention-calibration.json's (ctest docs.retention_calibration checks that they agree).
 const RetentionModel& retention_model();

@@ -221,6 +221,8 @@ def same_model(a, b, tol=5e-6):
     """Whether two models agree (the stored file keeps 6 decimals)."""
     if set(a["coefficients"]) != set(b["coefficients"]):
         return False
+    if a.get("target", "recovered") != b.get("target", "recovered"):
+        return False
     if set(a.get("ranges", {})) != set(b.get("ranges", {})):
         return False
     pairs = [(a["intercept"], b["intercept"]), (a["half_width"], b["half_width"])]
