@@ -305,7 +305,9 @@ void CheckpointStore::remove_stray_temporaries() const {
     spdlog::warn("removed {}: a temporary file of an interrupted checkpoint write", p);
 }
 
-std::optional<PassState> CheckpointStore::load(bool fresh, bool cache, bool defer) {
+std::optional<PassState> CheckpointStore::load(const LoadOptions& options) {
+  bool fresh = options.fresh;  // set below too: moments about another provisional shift are read again
+  const bool defer = options.defer_latest_sums;
   remove_stray_temporaries();
   // Commits that read, newest first: a damaged one is reported and the previous one used.
   std::vector<std::pair<int64_t, nlohmann::json>> commits;
@@ -319,7 +321,7 @@ std::optional<PassState> CheckpointStore::load(bool fresh, bool cache, bool defe
                    why);
     }
   }
-  if (cache && !fresh && !commits.empty()) {
+  if (options.reread_other_shift && !fresh && !commits.empty()) {
     // Moments about another provisional shift (an internal choice, e.g. after a domain that sorts first was added)
     // are re-read rather than refused.
     nlohmann::json theirs = commits.front().second["identity"], ours = identity_;

@@ -60,15 +60,20 @@ struct Interrupted : std::runtime_error {
 };
 constexpr int kExitRequeue = 75;  // EX_TEMPFAIL: the batch script requeues
 
+// What CheckpointStore::load may do beyond reading the newest committed checkpoint.
+struct LoadOptions {
+  bool fresh = false;               // a committed checkpoint of another identity is removed, not refused
+  bool reread_other_shift = false;  // one that differs only in its provisional shift is removed (the data read again)
+  bool defer_latest_sums = false;   // the latest pass's sums are verified but not read (PassState::deferred)
+};
+
 class CheckpointStore {
  public:
   // `stop` ends the pause_after_commit test hook (runtime/fault.hpp).
   CheckpointStore(std::string dir, nlohmann::json identity, Comm& comm, StopFlag stop = {});
   // The newest committed checkpoint that verifies on every rank. With a committed checkpoint of another identity:
-  // UserError listing what differs, unless `fresh` (then everything is removed). With `cache`, a checkpoint that
-  // differs only in its provisional shift is removed and the data read again.
-  // With `defer`, the sums of the state's latest pass are verified but not read (PassState::deferred).
-  std::optional<PassState> load(bool fresh, bool cache = false, bool defer = false);
+  // UserError listing what differs, unless the options say otherwise (LoadOptions).
+  std::optional<PassState> load(const LoadOptions& options = {});
   // Writes and commits `s`; with `live`, the sums of pass s.pass are read from there instead of s's vectors.
   void save(const PassState& s, const LiveSums* live = nullptr);
   const std::string& dir() const { return dir_; }

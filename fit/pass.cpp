@@ -246,7 +246,7 @@ PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& 
     id["shift_sha256"] = shift_sha;
     CheckpointStore ds((fs::path(moments_dir(ckpt_dir, cal.cfg)) / ("domain-" + dom)).string(), id, ctx.comm,
                        ctx.stop);
-    PassState st = ds.load(fresh, /*cache=*/true, one_reader).value_or(PassState{});
+    PassState st = ds.load({.fresh = fresh, .reread_other_shift = true, .defer_latest_sums = one_reader}).value_or(PassState{});
     FitMoments dm = pass1_moments(sh, d, *ctx.grid, full, pp);
     add_stats(stats, run_pass(1, sub, ctx, ds, st, {&dm.k, dm.k_raw.get(), &dm.v}, "pass 1/1 [domain " + dom + "]",
                               false));
@@ -293,7 +293,7 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
     p1.store = std::make_unique<CheckpointStore>(moments_dir(ckpt_dir, cal.cfg),
                                                  checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm,
                                                  ctx.stop);
-    p1.state = p1.store->load(fresh, false, one_reader).value_or(PassState{});
+    p1.state = p1.store->load({.fresh = fresh, .defer_latest_sums = one_reader}).value_or(PassState{});
     p1.stats = run_pass(1, cal, ctx, *p1.store, p1.state, {&p1.m.k, p1.m.k_raw.get(), &p1.m.v},
                         plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)", !plan.single_pass);
     // The share is committed and the moments hold it: only a second pass's checkpoints still need it.

@@ -658,7 +658,7 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
     std::vector<float> want;
     std::vector<double> wantd;
     pack_live(a, want, wantd);
-    auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+    auto got = CheckpointStore(dir.str("ck"), identity, *comm).load();
     ASSERT_TRUE(got.has_value());
     EXPECT_EQ(got->rounds_done, round + 1);
     ASSERT_EQ(got->pass1_f.size(), want.size());
@@ -672,7 +672,7 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
   std::vector<float> fb;
   std::vector<double> db;
   pack_live(b, fb, db);
-  auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false, false, /*defer=*/true);
+  auto got = CheckpointStore(dir.str("ck"), identity, *comm).load({.defer_latest_sums = true});
   ASSERT_TRUE(got.has_value() && got->deferred.has_value());
   EXPECT_TRUE(got->pass1_f.empty()) << "deferred sums are not read by load";
   Moments c(d, sx, sy);

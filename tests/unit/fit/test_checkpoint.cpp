@@ -31,7 +31,7 @@ TEST(Checkpoint, LiveSumsRoundTripWholeAndDeferred) {
   s.pass1_f = {1.0f, 2.0f, 3.0f};  // a complete pass 1, kept as vectors
   s.pass1_d = {4.0};
   CheckpointStore(dir.str("ck"), identity, *comm).save(s, &live);
-  auto whole = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+  auto whole = CheckpointStore(dir.str("ck"), identity, *comm).load();
   ASSERT_TRUE(whole.has_value());
   EXPECT_EQ(whole->pass, 2);
   EXPECT_EQ(whole->rounds_done, 5);
@@ -42,7 +42,7 @@ TEST(Checkpoint, LiveSumsRoundTripWholeAndDeferred) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(whole->pass2_f[r * cols + c], host[r * ld + c]) << r << "," << c;
   whole.reset();
-  auto deferred = CheckpointStore(dir.str("ck"), identity, *comm).load(false, false, /*defer=*/true);
+  auto deferred = CheckpointStore(dir.str("ck"), identity, *comm).load({.defer_latest_sums = true});
   ASSERT_TRUE(deferred.has_value() && deferred->deferred.has_value());
   EXPECT_TRUE(deferred->pass2_f.empty() && deferred->pass2_d.empty()) << "the latest pass's sums stay in the file";
   EXPECT_EQ(deferred->pass1_f, s.pass1_f) << "an earlier pass is read";
@@ -67,12 +67,12 @@ TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
   s.pass1_d = {1.0, 2.0, 3.0};
   {
     CheckpointStore store(dir.str("ck"), identity, *comm);
-    ASSERT_FALSE(store.load(false).has_value());
+    ASSERT_FALSE(store.load().has_value());
     store.save(s);
   }
   {
     CheckpointStore store(dir.str("ck"), identity, *comm);
-    auto got = store.load(false);
+    auto got = store.load();
     ASSERT_TRUE(got.has_value());
     EXPECT_EQ(got->rounds_done, 3);
     EXPECT_EQ(got->pass1_f, s.pass1_f);
@@ -88,7 +88,7 @@ TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
     f.put('\x7f');
   }
   CheckpointStore store(dir.str("ck"), identity, *comm);
-  EXPECT_FALSE(store.load(false).has_value());  // the only checkpoint does not verify: start over
+  EXPECT_FALSE(store.load().has_value());  // the only checkpoint does not verify: start over
   // A count that claims more values than the file holds is refused before anything is allocated for it.
   {
     CheckpointStore again(dir.str("ck2"), identity, *comm);
@@ -101,7 +101,7 @@ TEST(Checkpoint, LargeStateRoundTripsAndCorruptionInAnyChunkIsCaught) {
       f.put('\x40');
     }
   CheckpointStore bad(dir.str("ck2"), identity, *comm);
-  EXPECT_FALSE(bad.load(false).has_value());
+  EXPECT_FALSE(bad.load().has_value());
 }
 
 namespace {
@@ -139,7 +139,7 @@ TEST(Checkpoint, ADamagedCommitFallsBackToThePreviousOne) {
     auto previous = spdlog::default_logger();
     spdlog::set_default_logger(
         std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(log)));
-    auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+    auto got = CheckpointStore(dir.str("ck"), identity, *comm).load();
     spdlog::set_default_logger(previous);
     ASSERT_TRUE(got.has_value());
     EXPECT_EQ(got->rounds_done, 1);
@@ -158,13 +158,13 @@ TEST(Checkpoint, ACommitInconsistentWithItsStatesIsNotUsed) {
   auto commit = nlohmann::json::parse(read_all(dir.str("ck/commit-2.json")));
   commit["rounds_done"] = 5;
   write_text(dir.str("ck/commit-2.json"), commit.dump());
-  auto got = CheckpointStore(dir.str("ck"), identity, *comm).load(false);
+  auto got = CheckpointStore(dir.str("ck"), identity, *comm).load();
   ASSERT_TRUE(got.has_value());
   EXPECT_EQ(got->rounds_done, 1) << "the edited commit is passed over for the previous one";
   commit = nlohmann::json::parse(read_all(dir.str("ck/commit-1.json")));
   commit["pass"] = 2;
   write_text(dir.str("ck/commit-1.json"), commit.dump());
-  EXPECT_FALSE(CheckpointStore(dir.str("ck"), identity, *comm).load(false).has_value()) << "neither verifies";
+  EXPECT_FALSE(CheckpointStore(dir.str("ck"), identity, *comm).load().has_value()) << "neither verifies";
 }
 
 // Temporaries of interrupted writes are removed when the store is loaded (this rank's states, rank 0's commits).
@@ -175,7 +175,7 @@ TEST(Checkpoint, StrayTemporariesAreRemovedOnLoad) {
   two_commits(dir, identity, *comm);
   for (const char* name : {"state-3-rank0.bin.tmp-4242", "commit-3.json.tmp-4242", "notes.txt"})
     write_text(dir.str(std::string("ck/") + name), "x");
-  ASSERT_TRUE(CheckpointStore(dir.str("ck"), identity, *comm).load(false).has_value());
+  ASSERT_TRUE(CheckpointStore(dir.str("ck"), identity, *comm).load().has_value());
   EXPECT_FALSE(fs::exists(dir.str("ck/state-3-rank0.bin.tmp-4242")));
   EXPECT_FALSE(fs::exists(dir.str("ck/commit-3.json.tmp-4242")));
   EXPECT_TRUE(fs::exists(dir.str("ck/notes.txt"))) << "only temporaries of crosskv's own files are removed";

@@ -51,7 +51,7 @@ TEST(Checkpoint, EveryRankFallsBackWhenOneRanksNewestStateIsBad) {
     f.put('\x7f');
   }
   run_ranks(3, [&](Comm& comm) {
-    auto got = CheckpointStore(dir.str("ck"), identity, comm).load(false);
+    auto got = CheckpointStore(dir.str("ck"), identity, comm).load();
     ASSERT_TRUE(got.has_value());
     EXPECT_EQ(got->rounds_done, 1) << "rank " << comm.rank();
     EXPECT_EQ(got->pass1_f, std::vector<float>{static_cast<float>(comm.rank() + 1)});
