@@ -163,7 +163,7 @@ def main():
     old = old_store_module(work)
     server = None
     if not a.no_redis and shutil.which("redis-server"):
-        from test_prefix_store import RedisServer
+        from redis_server import RedisServer
 
         server = RedisServer(work)
     try:

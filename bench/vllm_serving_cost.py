@@ -107,7 +107,7 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
 
-    from test_prefix_store import RedisServer
+    from redis_server import RedisServer
     from vllm_engine import engine, family_workdir
 
     work, _, _ = family_workdir([None, a.work, a.capture_python, a.fit])  # enters WORK: the family, fitted

@@ -1,24 +1,26 @@
-"""crosskv.vllm's prefix store, without an engine: the same interface checks on every kind (a folder, shm:, Redis).
-Chunks of C tokens chained from the namespace, the longest run from a request's start and a stored tail after it,
-sharing between turns and branches, parts (head ranges) that must tile the source's heads, a damaged middle chunk,
-namespaces that never meet, two writers at once, and eviction under a small capacity (the folder's own
-capacity_bytes; Redis's maxmemory with allkeys-lru), plus the store's settings refused by name.
+"""crosskv.vllm's prefix store under pytest, without an engine: the same interface cases on every kind (a folder,
+shm:, Redis), each case on a store of its own. Chunks of C tokens chained from the namespace, the longest run from a
+request's start and a stored tail after it, sharing between turns and branches, parts (head ranges) that must tile
+the source's heads, a damaged middle chunk, namespaces that never meet, two writers at once; eviction under a small
+capacity (the folder's own capacity_bytes, least recently used first; Redis's maxmemory with allkeys-lru), Redis's
+expiry and a server that is down; the store's settings refused by name.
 
-    python test_prefix_store.py WORKDIR folder|redis        (redis: starts its own redis-server on a free port)
+    .venv-vllm/bin/python -m pytest tests/python/test_prefix_store.py [-k redis]   (Redis: a redis-server of its own)
 """
 import multiprocessing as mp
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from vllm_engine import check, finish  # noqa: E402
+from redis_server import RedisServer, free_port  # noqa: E402
+
 from crosskv.vllm import config as cfg  # noqa: E402
 from crosskv.vllm import store as st  # noqa: E402
 
@@ -48,37 +50,149 @@ def read_run(store, match, salt=None):
     return np.concatenate(ks)[:match.tokens] if ks else np.zeros((0, L, H, D), np.float32)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- the kinds: each gives fresh stores (make) and damages a stored chunk (corrupt)
+def _corrupt_file(store, key):
+    folder = os.path.join(store.root, key[:2])
+    path = [os.path.join(folder, f) for f in os.listdir(folder) if f.startswith(key)][0]
+    with open(path, "r+b") as f:  # one byte of the tensors flipped: still a readable file
+        f.seek(-7, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
 
 
-class RedisServer:
-    """A redis-server of the test's own on a loopback port (no persistence)."""
+def _corrupt_redis(store, key):
+    field = next(f for f in store._r.hkeys(store._c(key)) if f.startswith(b"d:"))
+    blob = bytearray(store._r.hget(store._c(key), field))
+    blob[-7] ^= 0x10
+    store._r.hset(store._c(key), field, bytes(blob))
 
-    def __init__(self, workdir, maxmemory=None):
-        self.port = free_port()
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", workdir]
-        if maxmemory:
-            args += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        t0 = time.time()
-        while time.time() - t0 < 20:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise SystemExit("redis-server did not start")
 
-    def url(self, ns):
-        return f"redis://127.0.0.1:{self.port}/{ns}"
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    if not shutil.which("redis-server"):
+        pytest.skip("redis-server is not installed (Debian's redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
 
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(10)
+
+class Kind:
+    def __init__(self, name, make, corrupt):
+        self.name, self.corrupt, self._make, self._opened = name, corrupt, make, []
+
+    def make(self, label="s"):
+        s = self._make(f"{label}-{len(self._opened)}")
+        self._opened.append(s)
+        return s
+
+    def close(self):
+        for s in self._opened:
+            s.close()
+
+
+@pytest.fixture(params=["folder", "shm", "redis"])
+def kind(request, tmp_path):
+    if request.param == "folder":
+        k = Kind("folder", lambda n: st.open_store(str(tmp_path / n), C), _corrupt_file)
+    elif request.param == "shm":
+        tag = f"crosskv-test-{os.getpid()}-{request.node.name.replace('[', '-').replace(']', '')}"
+        k = Kind("shm", lambda n: st.open_store(f"shm:{tag}-{n}", C), _corrupt_file)
+    else:
+        server = request.getfixturevalue("redis_server")
+        k = Kind("redis", lambda n: st.open_store(server.url(f"{request.node.name}-{n}"), C), _corrupt_redis)
+    yield k
+    k.close()
+    if request.param == "shm":
+        for d in os.listdir("/dev/shm/crosskv") if os.path.isdir("/dev/shm/crosskv") else []:
+            if d.startswith(f"crosskv-test-{os.getpid()}"):
+                shutil.rmtree(f"/dev/shm/crosskv/{d}", ignore_errors=True)
+
+
+IDS = np.random.default_rng(1).integers(1, 999, 3 * C + 5).tolist()  # 3 whole chunks and a tail of 5
+
+
+# ---- the interface, on every kind
+def test_a_prefix_is_its_chunks_and_a_tail(kind):
+    store = kind.make()
+    assert save(store, IDS) == (4, 0)
+    m = store.match(IDS + [7, 7, 7], len(IDS) + 2)
+    assert [(r.start, r.end) for r in m.chunks] == [(0, C), (C, 2 * C), (2 * C, 3 * C), (3 * C, 3 * C + 5)]
+    assert m.tokens == len(IDS)
+    assert np.array_equal(read_run(store, m), kv_of(IDS)[0])
+    m = store.match(IDS, len(IDS) - 1)  # the request itself, all but its last token: the tail in part
+    assert m.tokens == len(IDS) - 1 and len(m.chunks) == 4
+
+
+def test_partial_reuse_maps_what_is_shared(kind):
+    store = kind.make()
+    save(store, IDS)
+    rng = np.random.default_rng(2)
+    part = IDS[:2 * C] + rng.integers(1000, 2000, 2 * C).tolist()
+    m = store.match(part, len(part) - 1)
+    assert m.tokens == 2 * C and np.array_equal(read_run(store, m), kv_of(IDS)[0][:2 * C])
+    inside = IDS[:3 * C + 2] + [5000, 5001, 5002]  # departing inside the tail: whole chunks only
+    assert store.match(inside, len(inside) - 1).tokens == 3 * C
+    assert store.match(IDS[:C - 1], C - 2).tokens == 0  # shorter than a chunk, no tail of its own
+    assert store.match(rng.integers(3000, 4000, 4 * C).tolist(), 4 * C).chunks == []
+
+
+def test_branches_and_turns_share_chunks(kind):
+    store = kind.make()
+    save(store, IDS)
+    rng = np.random.default_rng(3)
+    branch = IDS[:C] + rng.integers(1, 999, 2 * C).tolist()
+    assert save(store, branch) == (2, 1)  # only its 2 new chunks; the shared one once
+    turn3 = IDS + [9] * 7 + rng.integers(1, 999, C).tolist()  # 5C + 4 tokens: the tail chunk grows whole
+    assert save(store, turn3) == (3, 3)
+    assert store.match(branch + [1], len(branch)).tokens == len(branch)
+
+
+def test_namespaces_never_meet(kind):
+    store = kind.make()
+    save(store, IDS)
+    assert store.match(IDS, len(IDS), salt="tenant-b").tokens == 0
+    save(store, IDS, salt="tenant-b")
+    ma, mb = store.match(IDS, len(IDS)), store.match(IDS, len(IDS), salt="tenant-b")
+    assert mb.tokens == len(IDS) and not {r.key for r in mb.chunks} & {r.key for r in ma.chunks}
+    assert store.read(mb.chunks[0], "tenant-b").meta["namespace"].endswith("/tenant-b")
+    with pytest.raises(st.PrefixError, match="belongs to namespace"):
+        store.read(mb.chunks[0])  # read as if it were of the store's default namespace
+
+
+def test_parts_must_tile_the_heads(kind):
+    store = kind.make()
+    ids = np.random.default_rng(4).integers(1, 999, 2 * C).tolist()
+    save(store, ids, heads=(1, 2))
+    m = store.match(ids, 2 * C)
+    with pytest.raises(st.PrefixError, match=r"no stored part holds source KV heads \[0, 2\)") as e:
+        store.read(m.chunks[0])
+    assert e.value.kind == "incomplete"
+    save(store, ids, heads=(0, 1))
+    got = store.read(m.chunks[1])
+    assert np.array_equal(got.keys, kv_of(ids)[0][C:]) and len(got.meta["parts"]) == 2
+    assert save(store, ids) == (0, 2)  # a whole source over chunks its parts already hold writes nothing
+
+
+def test_overlapping_parts_read_as_one_tiling(kind):
+    store = kind.make()
+    ids = np.random.default_rng(5).integers(1, 999, C).tolist()
+    save(store, ids, heads=(0, 1))  # a TP-2 source's first part, then a TP-1 source's whole chunk
+    assert save(store, ids) == (1, 0)
+    got = store.read(store.match(ids, C).chunks[0])
+    assert np.array_equal(got.keys, kv_of(ids)[0]) and [p["part"] for p in got.meta["parts"]] == ["h0-2"]
+
+
+def test_a_damaged_middle_chunk_is_named(kind):
+    store = kind.make()
+    ids = np.random.default_rng(6).integers(1, 999, 3 * C).tolist()
+    save(store, ids)
+    m = store.match(ids, 3 * C)
+    kind.corrupt(store, m.chunks[1].key)
+    with pytest.raises(st.PrefixError, match=f"chunk 1 \\(tokens {C}-{2 * C}") as e:
+        store.read(m.chunks[1])
+    assert e.value.kind == "damaged"
+    assert np.array_equal(store.read(m.chunks[0]).keys, kv_of(ids)[0][:C])  # the chunk before it reads
 
 
 def _writer(spec, seed, n, out):
@@ -87,258 +201,131 @@ def _writer(spec, seed, n, out):
     rng = np.random.default_rng(seed)
     common = list(range(1, 2 * C + 1))
     try:
-        for i in range(n):
+        for _ in range(n):
             save(store, common + rng.integers(1, 999, int(rng.integers(1, 4 * C))).tolist())
         out.put((seed, "ok"))
-    except Exception as e:  # reported to the parent, which fails the check
+    except Exception as e:  # reported to the parent
         out.put((seed, f"{type(e).__name__}: {e}"))
 
 
-def interface(kind, make, corrupt):
-    """The interface checks on one kind: make(name) opens a fresh store, corrupt(store, key) damages a chunk."""
-    rng = np.random.default_rng(1)
-    store = make("main")
-    ids = rng.integers(1, 999, 3 * C + 5).tolist()  # 3 whole chunks and a tail of 5
-    written, shared = save(store, ids)
-    check((written, shared) == (4, 0), f"{kind}: a prefix of 3 chunks and a tail is 4 chunks ({written}, {shared})")
-    m = store.match(ids + [7, 7, 7], len(ids) + 2)
-    check([(r.start, r.end) for r in m.chunks] == [(0, C), (C, 2 * C), (2 * C, 3 * C), (3 * C, 3 * C + 5)]
-          and m.tokens == len(ids), f"{kind}: the next turn matches the 3 chunks and the tail ({m.tokens} tokens)")
-    check(np.array_equal(read_run(store, m), kv_of(ids)[0]), f"{kind}: the chunks read back as the saved KV")
-    m = store.match(ids, len(ids) - 1)
-    check(m.tokens == len(ids) - 1 and len(m.chunks) == 4,
-          f"{kind}: the request itself, all but its last token: 3 chunks and the tail in part, {m.tokens} tokens")
-    # Partial reuse: a request sharing 2 of 3 chunks, then departing.
-    part = ids[:2 * C] + rng.integers(1000, 2000, 2 * C).tolist()
-    m = store.match(part, len(part) - 1)
-    check(m.tokens == 2 * C and np.array_equal(read_run(store, m), kv_of(ids)[0][:2 * C]),
-          f"{kind}: a request sharing 2 of 3 chunks maps those 2 ({m.tokens} tokens)")
-    # Departing inside the tail: the tail is not matched.
-    inside = ids[:3 * C + 2] + [5000, 5001, 5002]
-    check(store.match(inside, len(inside) - 1).tokens == 3 * C, f"{kind}: a request departing inside the tail maps "
-          f"the whole chunks only")
-    # A request shorter than one chunk, and one with nothing stored.
-    check(store.match(ids[:C - 1], C - 2).tokens == 0, f"{kind}: shorter than a chunk and no tail of its own: nothing")
-    check(store.match(rng.integers(3000, 4000, 4 * C).tolist(), 4 * C).chunks == [],
-          f"{kind}: a request with nothing stored matches nothing")
-    # Branching: a second conversation shares the first chunk; the third turn shares both turns' chunks.
-    branch = ids[:C] + rng.integers(1, 999, 2 * C).tolist()
-    check(save(store, branch) == (2, 1), f"{kind}: a branch stores only its 2 new chunks (the shared one once)")
-    turn3 = ids + [9] * 7 + rng.integers(1, 999, C).tolist()  # 3C + 5 + 7 + C = 5C + 4: the tail chunk grows whole
-    check(save(store, turn3) == (3, 3), f"{kind}: the next turn stores 3 chunks, shares 3")
-    check(store.match(branch + [1], len(branch)).tokens == len(branch), f"{kind}: the branch matches its own run")
-    # Namespaces: another cache_salt never sees these chunks; its own are its own.
-    check(store.match(ids, len(ids), salt="tenant-b").tokens == 0, f"{kind}: another namespace sees nothing")
-    save(store, ids, salt="tenant-b")
-    mb = store.match(ids, len(ids), salt="tenant-b")
-    check(mb.tokens == len(ids) and all(r.key not in {x.key for x in m.chunks} for r in mb.chunks)
-          and store.read(mb.chunks[0], "tenant-b").meta["namespace"].endswith("/tenant-b"),
-          f"{kind}: the same tokens in another namespace are other chunks, carrying their namespace")
-    try:
-        store.read(mb.chunks[0])  # a chunk read as if it were of the store's default namespace
-        check(False, f"{kind}: a chunk of another namespace is refused")
-    except st.PrefixError as e:
-        check("belongs to namespace" in str(e), f"{kind}: a chunk read in the wrong namespace is refused: {e}")
-    # Parts: heads [0, 1) alone are incomplete; with [1, 2) whole.
-    p_ids = rng.integers(1, 999, 2 * C).tolist()
-    save(store, p_ids, heads=(1, 2))
-    m = store.match(p_ids, 2 * C)
-    try:
-        store.read(m.chunks[0])
-        check(False, f"{kind}: a chunk missing a part is refused")
-    except st.PrefixError as e:
-        check(e.kind == "incomplete" and "no stored part holds source KV heads [0, 2)" in str(e),
-              f"{kind}: a chunk missing a part: {e}")
-    save(store, p_ids, heads=(0, 1))
-    got = store.read(m.chunks[1])
-    check(np.array_equal(got.keys, kv_of(p_ids)[0][C:]) and len(got.meta["parts"]) == 2,
-          f"{kind}: two parts (heads [0, 1) and [1, 2)) read back as the whole chunk")
-    check(save(store, p_ids) == (0, 2), f"{kind}: a whole source saving chunks its parts already hold writes nothing")
-    o_ids = rng.integers(1, 999, C).tolist()  # a TP-2 source's first part, then a TP-1 source's whole chunk
-    save(store, o_ids, heads=(0, 1))
-    check(save(store, o_ids) == (1, 0), f"{kind}: a whole part over a chunk that lacks heads is written")
-    got = store.read(store.match(o_ids, C).chunks[0])
-    check(np.array_equal(got.keys, kv_of(o_ids)[0]) and [p["part"] for p in got.meta["parts"]] == ["h0-2"],
-          f"{kind}: overlapping parts of two sources read as one tiling ({[p['part'] for p in got.meta['parts']]})")
-    # A damaged middle chunk: reading it names it; the chunks before it still read.
-    d_ids = rng.integers(1, 999, 3 * C).tolist()
-    save(store, d_ids)
-    m = store.match(d_ids, 3 * C)
-    corrupt(store, m.chunks[1].key)
-    try:
-        store.read(m.chunks[1])
-        check(False, f"{kind}: a damaged chunk is refused")
-    except st.PrefixError as e:
-        check(e.kind == "damaged" and f"chunk 1 (tokens {C}-{2 * C}" in str(e), f"{kind}: a damaged middle chunk is "
-              f"named: {e}")
-    check(np.array_equal(store.read(m.chunks[0]).keys, kv_of(d_ids)[0][:C]), f"{kind}: the chunk before it reads")
-    # Two writers at once, sharing chunks.
-    q = mp.get_context("spawn").Queue()
-    procs = [mp.get_context("spawn").Process(target=_writer, args=(store.spec, s, 15, q)) for s in (1, 2)]
+def test_two_writers_at_once(kind):
+    store = kind.make()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(store.spec, s, 15, q)) for s in (1, 2)]
     for p in procs:
         p.start()
     results = sorted(q.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(60)
-    check(results == [(1, "ok"), (2, "ok")], f"{kind}: two writers at once, sharing chunks, both succeed: {results}")
-    bad = []
+    assert results == [(1, "ok"), (2, "ok")]
     for seed in (1, 2):
         r2 = np.random.default_rng(seed)
         for _ in range(15):
             w = list(range(1, 2 * C + 1)) + r2.integers(1, 999, int(r2.integers(1, 4 * C))).tolist()
             mw = store.match(w, len(w))
-            if mw.tokens != len(w) or not np.array_equal(read_run(store, mw), kv_of(w)[0]):
-                bad.append(len(w))
-    check(not bad, f"{kind}: every prefix both writers saved reads back whole and exact ({len(bad)} not)")
-    store.close()
+            assert mw.tokens == len(w) and np.array_equal(read_run(store, mw), kv_of(w)[0])
 
 
-def eviction(kind, store, n=40, kv=kv_of, meta=META):
-    """Many prefixes into a small store: the oldest go, nothing errors, a recent one still matches, and a chunk
-    evicted since its lookup is refused with the reason."""
+# ---- eviction, per kind
+def evict(store, n=40, kv=kv_of, meta=META):
+    """Many prefixes into a small store: no write fails, the oldest goes, the newest stays, and a chunk evicted since
+    its lookup is refused with the reason. The prefixes."""
     rng = np.random.default_rng(2)
     prefixes = [rng.integers(1, 999, 4 * C).tolist() for _ in range(n)]
     first = None
-    errors = []
     for i, ids in enumerate(prefixes):
-        try:
-            save(store, ids, kv=kv, meta=meta)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
+        save(store, ids, kv=kv, meta=meta)
         if i == 0:
             first = store.match(ids, len(ids))
-    check(not errors, f"{kind}: {n} prefixes into a small store: no write fails ({errors[:1]})")
-    check(store.match(prefixes[0], 4 * C).tokens < 4 * C, f"{kind}: the oldest prefix was evicted "
-          f"({store.match(prefixes[0], 4 * C).tokens} of its {4 * C} tokens left)")
-    check(store.match(prefixes[-1], 4 * C).tokens == 4 * C, f"{kind}: the newest prefix is whole")
+    assert store.match(prefixes[0], 4 * C).tokens < 4 * C
+    assert store.match(prefixes[-1], 4 * C).tokens == 4 * C
     gone = []
     for ref in first.chunks:  # chunks looked up before they were evicted
         try:
             store.read(ref)
         except st.PrefixError as e:
             gone.append(e)
-    check(gone and all(e.kind == "evicted" and "no longer stored" in str(e) for e in gone),
-          f"{kind}: a chunk evicted since its lookup is refused with the reason: {gone[0] if gone else None}")
+    assert gone and all(e.kind == "evicted" and "no longer stored" in str(e) for e in gone), gone
     return prefixes
 
 
-def settings():
-    """The store's settings refused by name (as the engine's start runs them)."""
-    from types import SimpleNamespace
-
-    for extra, want in (
-            ({"store": "s", "chunk_tokens": 0}, "kv_connector_extra_config.chunk_tokens: expected >= 1, got 0"),
-            ({"store": "s", "capacity_bytes": -5}, "kv_connector_extra_config.capacity_bytes: expected >= 1"),
-            ({"store": "s", "ttl_seconds": "1"}, "kv_connector_extra_config.ttl_seconds: expected int, got '1'")):
-        try:
-            cfg.parse_settings(SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra,
-                                               kv_load_failure_policy="recompute"))
-            check(False, f"refused: {want}")
-        except cfg.CrossKVConfigError as e:
-            check(want in str(e), f"refused: {e}")
-    for spec, kw, want in (
-            ("redis://127.0.0.1:1/x", {"capacity_bytes": 10}, "capacity_bytes: a Redis store's capacity is the "
-                                                              "server's own"),
-            ("folder", {"ttl_seconds": 10}, "ttl_seconds: only a Redis store expires entries"),
-            ("http://host/x", {}, "store: 'http://host/x': expected a folder, shm:NAME or redis://"),
-            ("/proc/forbidden/x", {}, "store: cannot use '/proc/forbidden/x'")):
-        try:
-            st.open_store(spec, C, **kw)
-            check(False, f"refused: {want}")
-        except cfg.CrossKVConfigError as e:
-            check(want in str(e), f"refused: {e}")
+def test_a_folder_stays_within_its_capacity(tmp_path):
+    one = st.open_store(str(tmp_path / "one"), C)
+    save(one, list(range(1, 4 * C + 1)))
+    capacity = one.stored_bytes() * 5  # room for five prefixes of 4 chunks
+    small = st.open_store(str(tmp_path / "small"), C, capacity_bytes=capacity)
+    evict(small)
+    assert small.stored_bytes() <= capacity
+    files = sum(len(fs) for where, _, fs in os.walk(small.root) if where != small.root)
+    assert files == small._db.execute("SELECT COUNT(*) FROM parts").fetchone()[0]  # evicted files are removed
 
 
-def main():
-    work, kind = os.path.abspath(sys.argv[1]), sys.argv[2]
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    os.chdir(work)
-    if kind == "folder":
-        def corrupt_file(store, key):
-            path = [os.path.join(store.root, key[:2], f) for f in os.listdir(os.path.join(store.root, key[:2]))
-                    if f.startswith(key)][0]
-            with open(path, "r+b") as f:  # one byte of the tensors flipped: still a readable file
-                f.seek(-7, 2)
-                b = f.read(1)
-                f.seek(-1, 1)
-                f.write(bytes([b[0] ^ 0x10]))
-
-        interface("folder", lambda name: st.open_store(os.path.join(work, name), C), corrupt_file)
-        shm = f"crosskv-test-{os.getpid()}"
-        try:
-            interface("shm", lambda name: st.open_store(f"shm:{shm}-{name}", C), corrupt_file)
-        finally:
-            shutil.rmtree(f"/dev/shm/crosskv/{shm}-main", ignore_errors=True)
-        one = st.open_store(os.path.join(work, "one"), C)
-        save(one, list(range(1, 4 * C + 1)))
-        capacity = one.stored_bytes() * 5  # room for five prefixes of 4 chunks
-        small = st.open_store(os.path.join(work, "small"), C, capacity_bytes=capacity)
-        eviction("folder", small)
-        check(small.stored_bytes() <= capacity, f"folder: the store stays within capacity_bytes "
-              f"({small.stored_bytes()} <= {capacity})")
-        files = sum(len(fs) for where, _, fs in os.walk(small.root) if where != small.root)
-        check(files == small._db.execute("SELECT COUNT(*) FROM parts").fetchone()[0],
-              f"folder: evicted chunks' files are removed ({files} files for the indexed parts)")
-        # Least recently *used*: a prefix read since it was written outlives one written after it and not read.
-        lru = st.open_store(os.path.join(work, "lru"), C, capacity_bytes=capacity * 3 // 5)
-        a_ids, b_ids, c_ids, d_ids = (list(range(100 * i + 1, 100 * i + 1 + 4 * C)) for i in range(4))
-        for ids in (a_ids, b_ids, c_ids):
-            save(lru, ids)
-            time.sleep(0.01)
-        lru.touch(lru.match(a_ids, 4 * C).chunks)  # as a target's worker does after reading a load's chunks
-        save(lru, d_ids)
-        got = [lru.match(ids, 4 * C).tokens for ids in (a_ids, b_ids, c_ids, d_ids)]
-        check(got[0] == 4 * C and got[1] < 4 * C and got[3] == 4 * C,
-              f"folder: the prefix read since it was written stays, the least recently used goes (tokens {got})")
-        settings()
-    elif kind == "redis":
-        if not shutil.which("redis-server"):
-            print("SKIPPED: redis-server is not installed (Debian's redis-server)")
-            sys.exit(77)
-        server = RedisServer(work)
-        small = RedisServer(work, maxmemory=3 << 20)
-        try:
-            n = [0]
-
-            def make(name):
-                n[0] += 1
-                return st.open_store(server.url(f"ns{n[0]}"), C)
-
-            def corrupt_redis(store, key):
-                field = next(f for f in store._r.hkeys(store._c(key)) if f.startswith(b"d:"))
-                blob = bytearray(store._r.hget(store._c(key), field))
-                blob[-7] ^= 0x10
-                store._r.hset(store._c(key), field, bytes(blob))
-
-            interface("redis", make, corrupt_redis)
-            a, b = st.open_store(server.url("team-a"), C), st.open_store(server.url("team-b"), C)
-            save(a, list(range(1, 3 * C)))
-            check(b.match(list(range(1, 3 * C)), 3 * C).tokens == 0 and a.match(list(range(1, 3 * C)),
-                                                                                3 * C).tokens == 3 * C - 1,
-                  "redis: the URL's namespace keeps two stores on one server apart")
-            # ~200 KiB a chunk: 40 prefixes of 4 chunks are 32 MiB against 3 MiB of maxmemory
-            wide = 200
-            eviction("redis (maxmemory 3 MiB, allkeys-lru)", st.open_store(small.url("evict"), C),
-                     kv=lambda ids: tuple(np.repeat(x, wide, axis=3) for x in kv_of(ids)),
-                     meta={**META, "head_dim": D * wide})
-            ttl = st.open_store(server.url("ttl"), C, ttl_seconds=1)
-            save(ttl, list(range(1, 2 * C + 3)))
-            had = ttl.match(list(range(1, 2 * C + 3)), 2 * C + 2).tokens
-            time.sleep(2.2)
-            check(had == 2 * C + 2 and ttl.match(list(range(1, 2 * C + 3)), 2 * C + 2).tokens == 0,
-                  f"redis: ttl_seconds 1 expires the chunks ({had} tokens, then none)")
-        finally:
-            server.stop()
-            small.stop()
-        down = st.open_store(f"redis://127.0.0.1:{free_port()}/x", C)
-        try:
-            down.match(list(range(20)), 19)
-            check(False, "redis: a server that is down is reported")
-        except st.PrefixError as e:
-            check(e.kind == "store_unreachable" and "cannot be read" in str(e), f"redis: a server that is down: {e}")
-    finish(f"prefix store ({kind})")
+def test_a_folder_evicts_the_least_recently_used(tmp_path):
+    one = st.open_store(str(tmp_path / "one"), C)
+    save(one, list(range(1, 4 * C + 1)))
+    lru = st.open_store(str(tmp_path / "lru"), C, capacity_bytes=one.stored_bytes() * 3)
+    a_ids, b_ids, c_ids, d_ids = (list(range(100 * i + 1, 100 * i + 1 + 4 * C)) for i in range(4))
+    for ids in (a_ids, b_ids, c_ids):
+        save(lru, ids)
+        time.sleep(0.01)
+    lru.touch(lru.match(a_ids, 4 * C).chunks)  # as a target's worker does after reading a load's chunks
+    save(lru, d_ids)
+    got = [lru.match(ids, 4 * C).tokens for ids in (a_ids, b_ids, c_ids, d_ids)]
+    assert got[0] == 4 * C and got[1] < 4 * C and got[3] == 4 * C, got
 
 
-if __name__ == "__main__":
-    main()
+def test_redis_evicts_under_maxmemory(tmp_path):
+    if not shutil.which("redis-server"):
+        pytest.skip("redis-server is not installed (Debian's redis-server)")
+    small = RedisServer(tmp_path, maxmemory=3 << 20)
+    try:
+        wide = 200  # ~200 KiB a chunk: 40 prefixes of 4 chunks are 32 MiB against 3 MiB of maxmemory
+        evict(st.open_store(small.url("evict"), C), kv=lambda ids: tuple(np.repeat(x, wide, axis=3) for x in kv_of(ids)),
+              meta={**META, "head_dim": D * wide})
+    finally:
+        small.stop()
+
+
+def test_redis_url_namespaces_keep_stores_apart(redis_server):
+    a, b = st.open_store(redis_server.url("team-a"), C), st.open_store(redis_server.url("team-b"), C)
+    save(a, list(range(1, 3 * C)))
+    assert b.match(list(range(1, 3 * C)), 3 * C).tokens == 0
+    assert a.match(list(range(1, 3 * C)), 3 * C).tokens == 3 * C - 1
+
+
+def test_redis_ttl_expires_chunks(redis_server):
+    ttl = st.open_store(redis_server.url("ttl"), C, ttl_seconds=1)
+    ids = list(range(1, 2 * C + 3))
+    save(ttl, ids)
+    assert ttl.match(ids, 2 * C + 2).tokens == 2 * C + 2
+    time.sleep(2.2)
+    assert ttl.match(ids, 2 * C + 2).tokens == 0
+
+
+def test_a_redis_server_that_is_down_is_reported():
+    down = st.open_store(f"redis://127.0.0.1:{free_port()}/x", C)
+    with pytest.raises(st.PrefixError, match="cannot be read") as e:
+        down.match(list(range(20)), 19)
+    assert e.value.kind == "store_unreachable"
+
+
+# ---- settings refused by name (as the engine's start runs them)
+@pytest.mark.parametrize("extra,want", [
+    ({"store": "s", "chunk_tokens": 0}, "kv_connector_extra_config.chunk_tokens: expected >= 1, got 0"),
+    ({"store": "s", "capacity_bytes": -5}, "kv_connector_extra_config.capacity_bytes: expected >= 1"),
+    ({"store": "s", "ttl_seconds": "1"}, "kv_connector_extra_config.ttl_seconds: expected int, got '1'")])
+def test_bad_settings_are_refused_by_name(extra, want):
+    with pytest.raises(cfg.CrossKVConfigError, match=want.replace("(", r"\(")):
+        cfg.parse_settings(SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra,
+                                           kv_load_failure_policy="recompute"))
+
+
+@pytest.mark.parametrize("spec,kw,want", [
+    ("redis://127.0.0.1:1/x", {"capacity_bytes": 10}, "capacity_bytes: a Redis store's capacity is the server's own"),
+    ("folder", {"ttl_seconds": 10}, "ttl_seconds: only a Redis store expires entries"),
+    ("http://host/x", {}, "store: 'http://host/x': expected a folder, shm:NAME or redis://"),
+    ("/proc/forbidden/x", {}, "store: cannot use '/proc/forbidden/x'")])
+def test_bad_stores_are_refused_by_name(spec, kw, want):
+    with pytest.raises(cfg.CrossKVConfigError, match=want.replace("(", r"\(")):
+        st.open_store(spec, C, **kw)

@@ -393,7 +393,7 @@ check(kv[3]["status"] == "mapped_prefix_cache" and kv[3]["tokens"] == 32,
 # branches of one conversation, which store only their new chunks; the target maps every one from Redis.
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
-from test_prefix_store import RedisServer  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 redis_server = RedisServer(work)
 try:

@@ -15,7 +15,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_prefix_store import RedisServer, free_port  # noqa: E402
+from redis_server import RedisServer, free_port  # noqa: E402
 from vllm_engine import check, engine, family_workdir, finish  # noqa: E402
 
 work, capture_py, fit = family_workdir(sys.argv)

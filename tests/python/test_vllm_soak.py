@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 import crosskv  # noqa: E402
 import crosskv.hf  # noqa: E402
 import crosskv.vllm as cv  # noqa: E402
-from test_prefix_store import RedisServer  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 from vllm_engine import check, engine, family_workdir, finish  # noqa: E402
 
 work, capture_py, fit = family_workdir(sys.argv)
