@@ -24,13 +24,16 @@ output: {dir: out}
 eval: {shards: [heldout/shard-000.h5], min_retention: 0.8}
 YAML
 "$FIT" fit.yaml > fit.log 2>&1 || { cat fit.log; die "crosskv-fit failed"; }
-expect_in "predicted recovered share" fit.log
+# The predictor's target names the figure: "recovered share" or "content share" (crosskv-eval --print-retention-model).
+NAME=$("$EVAL" --print-retention-model | python3 -c "import json, sys
+print({'content_share': 'content share'}.get(json.load(sys.stdin).get('target'), 'recovered share'))")
+expect_in "predicted $NAME" fit.log
 [ -f out/report.html ] || die "no out/report.html"
 
 if [ "$MODE" = json ]; then
   SRC=held/source/heldout/shard-000.h5 TGT=held/target/heldout/shard-000.h5
-  python3 - <<'PY' || die "eval-k*.json's predicted_retention is not as docs/FORMATS.md says"
-import json
+  NAME="$NAME" python3 - <<'PY' || die "eval-k*.json's predicted_retention is not as docs/FORMATS.md says"
+import json, os
 for k in ("k1", "kall"):
     e = json.load(open(f"out/eval-{k}.json"))
     p = e["predicted_retention"]
@@ -38,7 +41,8 @@ for k in ("k1", "kall"):
     assert p["min_retention"] == 0.8 and 0 < p["coverage"] < 1 and p["loso_mae"] > 0, p
     assert "a real pair may differ" in p["calibrated_on"], p
     assert e["verdict"].startswith("LIKELY TO TRANSFER" if p["share"] >= 0.8 else "NOT READY"), e["verdict"]
-    assert "predicted recovered share" in e["verdict"] and "needs >= 80%" in e["verdict"], e["verdict"]
+    assert f"predicted {os.environ['NAME']}" in e["verdict"] and "needs >= 80%" in e["verdict"], e["verdict"]
+    assert p["target"] in ("recovered", "content_share"), p
     assert e["ok"] == e["verdict"].startswith("LIKELY TO TRANSFER") == (e["verdict_class"] == "likely"), e
     assert e["verdict_class"] in ("likely", "not_ready"), e  # with queries: never uncertain
     open(f"share-{k}", "w").write(str(p["share"]))
@@ -52,7 +56,7 @@ PY
     set +e; "$EVAL" --mapper out/kall --source $SRC --target $TGT --json hi.json --min-retention "$above" --require-ok \
       > hi.log 2>&1; rc=$?; set -e
     [ "$rc" = 4 ] || { cat hi.log; die "--min-retention $above (above the predicted $share): exit $rc, expected 4"; }
-    expect_in "NOT READY: predicted recovered share" hi.log
+    expect_in "NOT READY: predicted $NAME" hi.log
   fi
   # A share outside (0, 1] is refused by key.
   printf 'source: {store: cal/source}\ntarget: {store: cal/target}\nfit: {k: [1]}\noutput: {dir: bad}\neval: {min_retention: 1.5}\n' > bad.yaml
@@ -69,8 +73,8 @@ fi
 REPORT="file://$PWD/out/report.html"
 CHROME=(--headless --no-sandbox --disable-gpu --hide-scrollbars --no-first-run --user-data-dir="$PWD/chrome-profile")
 timeout 120 "$CHROMIUM" "${CHROME[@]}" --dump-dom "$REPORT" > dom.html 2> chrome.err || { cat chrome.err; die "chromium --dump-dom failed"; }
-expect_in "Predicted recovered share:" dom.html
-expect_in "<th>predicted recovered share</th>" dom.html
+expect_in "Predicted $NAME:" dom.html
+expect_in "<th>predicted $NAME</th>" dom.html
 expect_in "eval.min_retention" dom.html
 timeout 120 "$CHROMIUM" "${CHROME[@]}" --window-size=1280,2000 --screenshot="$PWD/report.png" "$REPORT" \
   > /dev/null 2>> chrome.err || { cat chrome.err; die "chromium --screenshot failed"; }

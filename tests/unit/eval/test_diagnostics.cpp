@@ -215,7 +215,7 @@ TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
     // The setting moves the verdict across the predicted share, and nothing else does.
     EXPECT_TRUE(judged(cos, std::max(0.01, ev.retention->share - 1e-6)).ok);
     if (ev.retention->share < 1.0) EXPECT_FALSE(judged(cos, ev.retention->share + 1e-6).ok);
-    EXPECT_NE(ev.verdict.find("predicted recovered share"), std::string::npos) << ev.verdict;
+    EXPECT_NE(ev.verdict.find("predicted " + target_name(retention_model())), std::string::npos) << ev.verdict;
     EXPECT_EQ(ev.json()["predicted_retention"]["share"], ev.retention->share);
   }
   // The predictor is monotone: a higher cosine never predicts less.
