@@ -110,6 +110,32 @@ LayerDiagnostics get_layer(ByteReader& in) {
   return d;
 }
 
+// What one target layer's evaluation of one mapper reduces, by name: the mapper's figures and its baselines'. Its
+// bytes carry whether ridge alone is there, so no reader decodes records by their position.
+struct LayerFigures {
+  LayerDiagnostics mapper, no_target_rope, mean_only;
+  std::optional<LayerDiagnostics> ridge_only;  // a mapper with residual MLPs: the same without them
+
+  void put(ByteWriter& out) const {
+    put_layer(out, mapper);
+    put_layer(out, no_target_rope);
+    put_layer(out, mean_only);
+    const uint8_t ridge = ridge_only.has_value();
+    out.put(&ridge, sizeof ridge);
+    if (ridge_only) put_layer(out, *ridge_only);
+  }
+  static LayerFigures get(ByteReader& in) {
+    LayerFigures f;
+    f.mapper = get_layer(in);
+    f.no_target_rope = get_layer(in);
+    f.mean_only = get_layer(in);
+    uint8_t ridge = 0;
+    in.get(&ridge, sizeof ridge);
+    if (ridge) f.ridge_only = get_layer(in);
+    return f;
+  }
+};
+
 // A mapper's layer l input: its selected source layers side by side, [T x k*F] per kind, and their means [k*F].
 void gather_sources(const std::vector<int>& selected, const std::map<int, SourceLayer>& src, int64_t T, int64_t F,
                     std::vector<float>& xk, std::vector<float>& xv, std::vector<float>& mk, std::vector<float>& mv) {
@@ -189,8 +215,8 @@ std::shared_ptr<EvalInputs> open_eval_inputs(const std::vector<std::string>& dir
   return inputs;
 }
 
-// The diagnostics of this rank's target layers, for every mapper and baseline, as bytes (put_layer) in layer order:
-// per layer and mapper, the mapper's, without the target RoPE, mean-only, and ridge alone where it has MLPs.
+// The diagnostics of this rank's target layers, for every mapper, as bytes in layer order: per layer and mapper, its
+// LayerFigures.
 class LayerEvaluator {
  public:
   LayerEvaluator(const EvalInputs& in, ComputeBackend& be, bool verify)
@@ -258,18 +284,18 @@ class LayerEvaluator {
       mapper.map_content_host(c);
     };
     const int32_t* pos = in_.tgt.positions.data();
-    LayerDiagnostics ridge_layer;
+    LayerFigures figures;
     if (has_mlps(m)) {  // ridge alone first
       map(xk_, xv_, T_, ck_.data(), cv_.data(), false);
       pk_ = ck_;
       tgt_rope_.apply_block(pk_.data(), T_, Tg_.n_kv_heads, pos);
-      ridge_layer = dg.diagnose(pk_.data(), cv_.data());
+      figures.ridge_only = dg.diagnose(pk_.data(), cv_.data());
     }
     map(xk_, xv_, T_, ck_.data(), cv_.data(), true);
     pk_ = ck_;
     tgt_rope_.apply_block(pk_.data(), T_, Tg_.n_kv_heads, pos);
-    put_layer(out_, dg.diagnose(pk_.data(), cv_.data()));
-    put_layer(out_, dg.diagnose(ck_.data(), cv_.data()));  // without the target RoPE
+    figures.mapper = dg.diagnose(pk_.data(), cv_.data());
+    figures.no_target_rope = dg.diagnose(ck_.data(), cv_.data());
     // Mean-only: layer l's mapping of the mean source content, for every token.
     map(mk_, mv_, 1, yk_.data(), yv_.data(), true);
     bk_.resize(T_ * G_), bv_.resize(T_ * G_);
@@ -278,8 +304,8 @@ class LayerEvaluator {
       std::copy(yv_.begin(), yv_.end(), bv_.begin() + t * G_);
     }
     tgt_rope_.apply_block(bk_.data(), T_, Tg_.n_kv_heads, pos);
-    put_layer(out_, dg.diagnose(bk_.data(), bv_.data()));
-    if (has_mlps(m)) put_layer(out_, ridge_layer);
+    figures.mean_only = dg.diagnose(bk_.data(), bv_.data());
+    figures.put(out_);
     for (int a : selected)
       if (--resident_[a].uses == 0) resident_.erase(a);
   }
@@ -301,22 +327,26 @@ std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::strin
                                                     const VerdictThresholds& th) {
   const int nm = static_cast<int>(dirs.size());
   const int64_t T = in.tgt.tokens;
-  std::vector<std::array<std::vector<LayerDiagnostics>, 4>> layers(nm);  // mapper, no RoPE, mean-only, ridge alone
+  std::vector<std::vector<LayerFigures>> layers(nm);  // per mapper, its target layers' figures
   for (int r = 0; r < ranks; ++r) {
     ByteReader rd(all[r], "a rank's diagnostics");
     for (int l = r; l < in.tgt.spec.n_layers; l += ranks)
-      for (int i = 0; i < nm; ++i)
-        for (int v = 0; v < (has_mlps(in.mappers[i]) ? 4 : 3); ++v) layers[i][v].push_back(get_layer(rd));
+      for (int i = 0; i < nm; ++i) layers[i].push_back(LayerFigures::get(rd));
   }
   std::vector<MapperEvaluation> out;
   for (int i = 0; i < nm; ++i) {
-    for (auto& v : layers[i])
-      std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.layer < b.layer; });
+    std::sort(layers[i].begin(), layers[i].end(),
+              [](const LayerFigures& a, const LayerFigures& b) { return a.mapper.layer < b.mapper.layer; });
+    auto column = [&](auto pick) {  // one figure of every layer, in layer order
+      std::vector<LayerDiagnostics> c;
+      for (const LayerFigures& f : layers[i]) c.push_back(pick(f));
+      return summarize_layers(std::move(c), T, in.tgt.queries);
+    };
     Evaluation ev;
-    ev.mapper = summarize_layers(std::move(layers[i][0]), T, in.tgt.queries);
-    ev.no_target_rope = summarize_layers(std::move(layers[i][1]), T, in.tgt.queries);
-    ev.mean_only = summarize_layers(std::move(layers[i][2]), T, in.tgt.queries);
-    if (has_mlps(in.mappers[i])) ev.ridge_only = summarize_layers(std::move(layers[i][3]), T, in.tgt.queries);
+    ev.mapper = column([](const LayerFigures& f) { return f.mapper; });
+    ev.no_target_rope = column([](const LayerFigures& f) { return f.no_target_rope; });
+    ev.mean_only = column([](const LayerFigures& f) { return f.mean_only; });
+    if (has_mlps(in.mappers[i])) ev.ridge_only = column([](const LayerFigures& f) { return f.ridge_only.value(); });
     judge(ev, th);
     const MapperManifest& m = in.mappers[i];
     out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});

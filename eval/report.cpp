@@ -272,8 +272,8 @@ std::string render_report(const ReportInput& in) {
     if (ev.retention) {
       const RetentionModel& rm = retention_model();
       o << "<p class='retention'><b>Predicted " << target_name(rm) << ": " << share_text(ev) << "</b> "
-        << esc(target_meaning(rm)) << " (LIKELY TO TRANSFER needs "
-        << fmt(100 * ev.min_retention, 0) << "%, <code>eval.min_retention</code>). The interval held "
+        << esc(target_meaning(rm)) << ". LIKELY TO TRANSFER needs " << fmt(100 * ev.min_retention, 0)
+        << "% (<code>eval.min_retention</code>). The interval held "
         << fmt(100 * rm.coverage, 0) << "% of the predictor's errors on studies it was not fitted on (mean error "
         << fmt(100 * rm.loso_mae, 0) << " points); calibrated on " << esc(rm.calibrated_on)
         << " (docs/RESULTS.md).";

@@ -37,8 +37,8 @@ std::string target_name(const RetentionModel& model) {
 std::string target_meaning(const RetentionModel& model) {
   if (model.target == "content_share")
     return "of what the target's own prefill gains over its own prefill of another text, gained by the mapped cache "
-           "over the mapper's cache of that text (a cache without this context's content scores 0)";
-  return "of the prefix's benefit (the target's perplexity with its own prefill against none)";
+           "over the mapper's cache of that text: a cache without this context's content scores 0";
+  return "of the prefix's benefit: the target's perplexity with its own prefill against none";
 }
 
 const RetentionModel& retention_model() {
