@@ -9,7 +9,7 @@ predictor of it, validated leaving one study out. Pure Python (no numpy): it run
 
 `fit` pairs every measured mapper's diagnostics with its recovered share, prints the correlations (with 95% Fisher
 intervals) beside the paper's, fits each candidate predictor, validates each leaving one study out, and keeps the
-one with the smallest held-out error. `check` refits from the rows stored in the file and fails unless the stored
+one with the smallest held-out error (fewer features win within half a point of it). `check` refits from the rows stored in the file and fails unless the stored
 model, and the one compiled into crosskv-eval (`--print-retention-model`), are that refit. `self-test` plants a
 changed coefficient and proves that `check` catches it.
 """
@@ -151,6 +151,17 @@ def leave_one_study_out(rows, features):
     return per, residuals
 
 
+SIMPLER_WITHIN = 0.005  # a candidate with fewer features wins when its held-out MAE is within half a point
+
+
+def chosen(cands):
+    """The candidate kept: the fewest features among those within SIMPLER_WITHIN of the best held-out MAE (a second
+    feature must earn its place held out), then the smallest held-out MAE."""
+    best = min(c["loso_mae"] for c in cands)
+    near = [c for c in cands if c["loso_mae"] <= best + SIMPLER_WITHIN]
+    return min(near, key=lambda c: (len(c["kept"]), c["loso_mae"]))
+
+
 def calibrate(rows):
     y = [r[TARGET] for r in rows]
     corr = {}
@@ -169,7 +180,7 @@ def calibrate(rows):
                       "loso_mae": sum(abs(e) for e in res) / len(res), "loso_by_study": per,
                       "half_width": quantile([abs(e) for e in res], COVERAGE),
                       "in_sample_mae": sum(abs(r[TARGET] - predict((a, coefs), r)) for r in rows) / len(rows)})
-    best = min(cands, key=lambda c: c["loso_mae"])
+    best = chosen(cands)
     # Where the calibration has data: a mapper outside these ranges is an extrapolation (the verdict says so).
     ranges = {f: [min(r[f] for r in rows), max(r[f] for r in rows)] for f in ("attention_cosine", "mean_only_cosine")}
     model = {"intercept": best["intercept"], "coefficients": best["coefficients"], "half_width": best["half_width"],
@@ -200,7 +211,7 @@ def markdown(cal, rows):
     for c in cal["candidates"]:
         lines.append(f"| {' + '.join(c['features'])} | {' + '.join(c['kept'])} | {100 * c['loso_mae']:.1f} points | "
                      f"{100 * c['in_sample_mae']:.1f} | {100 * c['half_width']:.1f} |")
-    best = min(cal["candidates"], key=lambda c: c["loso_mae"])
+    best = chosen(cal["candidates"])
     lines += ["", "held out, per study (the chosen predictor):", "", "| study | mappers | MAE | bias (measured - predicted) |",
               "|---|---|---|---|"]
     for s, v in best["loso_by_study"].items():
