@@ -163,6 +163,23 @@ class Clock:
         return self.t
 
 
+# ---- outcomes
+def test_an_outcome_reports_what_is_set():
+    from crosskv.vllm.metadata import CrossKVWorkerMetadata, applied, fallback
+
+    f = fallback("the store is down", "store_unreachable")
+    assert f.params() == {"status": "fallback_reprefill", "reason": "the store is down", "kind": "store_unreachable"}
+    assert f.klass == "fallback_reprefill:store_unreachable" and f.line() == "fallback_reprefill: the store is down"
+    a = applied(64, 96, "out/k2", stopped="chunk 2: damaged", map_ms=1.5)
+    assert a.params() == {"status": "applied", "tokens": 64, "prefix_tokens": 96, "mapper": "out/k2", "map_ms": 1.5,
+                          "stopped": "chunk 2: damaged"}
+    assert "64 tokens mapped by out/k2 (the stored run stops at chunk 2: damaged)" in a.line()
+    # two workers' outcomes: a failure fails the request, and the fewest tokens mapped win
+    merged = CrossKVWorkerMetadata({"r": a, "s": applied(32, 32, "m")}).aggregate(
+        CrossKVWorkerMetadata({"r": applied(48, 96, "out/k2"), "s": f}))
+    assert merged.outcomes["r"].tokens == 48 and merged.outcomes["s"].kind == "store_unreachable"
+
+
 # ---- the held-out verdict's class gates serving
 def _eval_file(tmp_path, doc):
     (tmp_path / "k2").mkdir()
@@ -535,7 +552,7 @@ def _request(rid, ids):
 def test_a_lookup_that_answers_at_once_maps(tmp_path):
     sched, _, ids = _scheduler(tmp_path)
     assert sched.get_num_new_matched_tokens(_request("r", ids), 0) == (3 * BLOCK, False)
-    assert sched._outcomes["r"]["status"] == "applied"
+    assert sched._outcomes["r"].status == "applied"
 
 
 def test_a_slow_lookup_asks_again_later_then_maps(tmp_path):
@@ -556,10 +573,10 @@ def test_a_lookup_past_its_deadline_reprefills_and_the_breaker_opens(tmp_path):
         assert sched.get_num_new_matched_tokens(_request(rid, ids), 0) == (None, False)
         time.sleep(0.05)
         assert sched.get_num_new_matched_tokens(_request(rid, ids), 0) == (0, False)
-        assert sched._outcomes[rid]["kind"] == "store_timeout" and "within 30 ms" in sched._outcomes[rid]["reason"]
+        assert sched._outcomes[rid].kind == "store_timeout" and "within 30 ms" in sched._outcomes[rid].reason
     t0 = time.perf_counter()
     assert sched.get_num_new_matched_tokens(_request("c", ids), 0) == (0, False)  # not asked at all
-    assert time.perf_counter() - t0 < 0.01 and sched._outcomes["c"]["kind"] == "store_unhealthy"
+    assert time.perf_counter() - t0 < 0.01 and sched._outcomes["c"].kind == "store_unhealthy"
     stats = sched.get_kv_connector_stats()
     assert stats.data["store_unhealthy"] == 1 and stats.data["store_state"] == "unhealthy"
     store.gate.set()

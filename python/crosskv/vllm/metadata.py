@@ -2,7 +2,7 @@
 request's outcome), and the outcomes themselves."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
@@ -13,16 +13,54 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 APPLIED, FALLBACK, LOCAL, MAPPED_CACHE = "applied", "fallback_reprefill", "local_prefix_cache", "mapped_prefix_cache"
 
 
-def fallback(reason: str, kind: str) -> dict:
+@dataclass
+class Outcome:
+    """A target request's outcome, as the log, the metrics and its kv_transfer_params["crosskv"] report it."""
+    status: str
+    tokens: int = 0  # mapped (applied), or held by the target's own cache (local, mapped cache)
+    reason: Optional[str] = None  # fallback: why
+    kind: Optional[str] = None  # fallback: the reason's class, for the metrics
+    prefix_tokens: Optional[int] = None  # applied, local: where the stored prefix ends
+    mapper: Optional[str] = None  # applied
+    map_ms: Optional[float] = None  # applied, from the worker that mapped it
+    stopped: Optional[str] = None  # applied: why the stored run was cut before its planned end
+    mapped_prefix_cache_tokens: Optional[int] = None  # applied after reusing mapped KV from the prefix cache
+    local_tokens: Optional[int] = None  # mapped cache: the tokens the target's cache held
+
+    def params(self) -> dict:
+        """The fields that are set, for kv_transfer_params (a fallback carries no token count)."""
+        return {k: v for k, v in asdict(self).items()
+                if v is not None and not (k == "tokens" and self.status == FALLBACK)}
+
+    @property
+    def klass(self) -> str:
+        """The metrics' class: the status, and a fallback's kind."""
+        return f"{FALLBACK}:{self.kind or 'other'}" if self.status == FALLBACK else self.status
+
+    def line(self) -> str:
+        """One line for the log."""
+        if self.status == APPLIED:
+            reused = (f" (after {self.mapped_prefix_cache_tokens} reused from the mapped prefix cache)"
+                      if self.mapped_prefix_cache_tokens else "")
+            stopped = f" (the stored run stops at {self.stopped})" if self.stopped else ""
+            return f"applied: {self.tokens} tokens mapped by {self.mapper}{reused}{stopped}"
+        if self.status == LOCAL:
+            return f"{LOCAL}: the target's own cache holds {self.tokens} tokens, the store {self.prefix_tokens}"
+        if self.status == MAPPED_CACHE:
+            return f"{MAPPED_CACHE}: {self.tokens} tokens of mapped KV reused from the target's prefix cache"
+        return f"{self.status}: {self.reason or ''}"
+
+
+def fallback(reason: str, kind: str) -> Outcome:
     """A re-prefill outcome; `kind` is the reason's class, for the metrics (no_prefix, missing, damaged, incomplete,
     other_source, not_finite, mapper, not_ready, uncertain, unmappable_model, prefix_cache, preempted, worker_error)."""
-    return {"status": FALLBACK, "reason": reason, "kind": kind}
+    return Outcome(FALLBACK, reason=reason, kind=kind)
 
 
-def applied(tokens: int, prefix_tokens: int, mapper: Optional[str], stopped: Optional[str] = None, **extra) -> dict:
+def applied(tokens: int, prefix_tokens: int, mapper: Optional[str], stopped: Optional[str] = None,
+            **extra) -> Outcome:
     """An applied outcome: `tokens` mapped, the prefix's end, the mapper; where the stored run was cut (`stopped`)."""
-    return {"status": APPLIED, "tokens": tokens, "prefix_tokens": prefix_tokens, "mapper": mapper, **extra,
-            **({"stopped": stopped} if stopped else {})}
+    return Outcome(APPLIED, tokens=tokens, prefix_tokens=prefix_tokens, mapper=mapper, stopped=stopped, **extra)
 
 
 def failure_kind(e: BaseException) -> str:
@@ -35,23 +73,6 @@ def failure_kind(e: BaseException) -> str:
     if isinstance(e, MapperError):
         return "not_finite" if ("NaN" in str(e) or "infinity" in str(e)) else "mapper"
     return "worker_error"
-
-
-def outcome_class(o: dict) -> str:
-    return f"{FALLBACK}:{o.get('kind', 'other')}" if o["status"] == FALLBACK else o["status"]
-
-
-def outcome_line(o: dict) -> str:
-    if o["status"] == APPLIED:
-        reused = f" (after {o['mapped_prefix_cache_tokens']} reused from the mapped prefix cache)" \
-            if o.get("mapped_prefix_cache_tokens") else ""
-        stopped = f" (the stored run stops at {o['stopped']})" if o.get("stopped") else ""
-        return f"applied: {o['tokens']} tokens mapped by {o.get('mapper')}{reused}{stopped}"
-    if o["status"] == LOCAL:
-        return f"{LOCAL}: the target's own cache holds {o['tokens']} tokens, the store {o['prefix_tokens']}"
-    if o["status"] == MAPPED_CACHE:
-        return f"{MAPPED_CACHE}: {o['tokens']} tokens of mapped KV reused from the target's prefix cache"
-    return f"{o['status']}: {o.get('reason', '')}"
 
 
 @dataclass
@@ -82,12 +103,12 @@ class CrossKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class CrossKVWorkerMetadata(KVConnectorWorkerMetadata):
-    outcomes: dict[str, dict] = field(default_factory=dict)  # req_id -> outcome
+    outcomes: dict[str, Outcome] = field(default_factory=dict)  # req_id -> outcome
 
     def aggregate(self, other):
         merged = dict(self.outcomes)
         for req, o in other.outcomes.items():  # one worker's failure fails the request; the fewest tokens mapped win
-            if req not in merged or o["status"] == FALLBACK or (
-                    o["status"] == merged[req]["status"] == APPLIED and o["tokens"] < merged[req]["tokens"]):
+            if req not in merged or o.status == FALLBACK or (
+                    o.status == merged[req].status == APPLIED and o.tokens < merged[req].tokens):
                 merged[req] = o
         return CrossKVWorkerMetadata(merged)

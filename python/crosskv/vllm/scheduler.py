@@ -21,7 +21,7 @@ from .context import EngineContext
 from .guard import StoreGuard
 from .layout import slots_of
 from .metadata import (APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan,
-                       SavePlan, applied, fallback, outcome_class, outcome_line)
+                       Outcome, SavePlan, applied, fallback)
 from .metrics import CrossKVStats, take_stats
 from .store import ChunkRef, Match, PrefixError, header_mismatch, whole_header
 
@@ -33,7 +33,7 @@ _TAINTED_CAP = 1 << 20  # block hashes remembered as holding mapped KV (namespac
 class SchedulerSide:
     def __init__(self, ctx: EngineContext):
         self.ctx = ctx
-        self._outcomes: dict[str, dict] = {}
+        self._outcomes: dict[str, Outcome] = {}
         # req_id -> (its stored chunks, tokens computed locally, the mapped prefix's end, its cache_salt)
         self._candidates: dict[str, tuple[list[ChunkRef], int, int, Optional[str]]] = {}
         self._to_load: dict[str, object] = {}
@@ -64,7 +64,7 @@ class SchedulerSide:
             self._outcomes[rid] = fallback(ctx.unusable, ctx.unusable_kind)
             return 0, False
         reused, tainted_from = self._mapped_cache_hit(request, num_computed_tokens)
-        reused_outcome = {"status": MAPPED_CACHE, "tokens": reused, "local_tokens": num_computed_tokens}
+        reused_outcome = Outcome(MAPPED_CACHE, tokens=reused, local_tokens=num_computed_tokens)
         try:
             found = self._lookup(request)
         except PrefixError as e:  # the store cannot be read, in time or at all
@@ -85,8 +85,8 @@ class SchedulerSide:
                 self._taint_later(rid, tainted_from)
             return 0, False
         if n <= num_computed_tokens:
-            self._outcomes[rid] = reused_outcome if reused else {"status": LOCAL, "tokens": num_computed_tokens,
-                                                                 "prefix_tokens": n}
+            self._outcomes[rid] = reused_outcome if reused else Outcome(LOCAL, tokens=num_computed_tokens,
+                                                                        prefix_tokens=n)
             self._taint_later(rid, tainted_from)
             return 0, False
         first_block = num_computed_tokens // ctx.block_size
@@ -235,11 +235,11 @@ class SchedulerSide:
             return True, {"crosskv": {"status": "save_queued", "tokens": n}}
         outcome = self._outcomes.pop(rid, fallback("never scheduled through the connector", "other"))
         first_block = self._mapped_from.pop(rid, None)
-        if first_block is not None and outcome["status"] != FALLBACK:  # every block it filled holds mapped KV
+        if first_block is not None and outcome.status != FALLBACK:  # every block it filled holds mapped KV
             self._taint(request.block_hashes[first_block:])
-        self._stats.record_outcome(outcome_class(outcome), outcome["tokens"] if outcome["status"] == APPLIED else 0)
-        logger.info("crosskv: request %s: %s", rid, outcome_line(outcome))
-        return False, {"crosskv": outcome}
+        self._stats.record_outcome(outcome.klass, outcome.tokens if outcome.status == APPLIED else 0)
+        logger.info("crosskv: request %s: %s", rid, outcome.line())
+        return False, {"crosskv": outcome.params()}
 
     def get_kv_connector_stats(self):
         return take_stats(self)

@@ -23,7 +23,8 @@ from .config import CrossKVConfigError
 from .context import EngineContext
 from .guard import StoreGuard
 from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
-from .metadata import CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, SavePlan, applied, fallback, failure_kind
+from .metadata import (CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, Outcome, SavePlan, applied, failure_kind,
+                       fallback)
 from .metrics import CrossKVStats, take_stats
 from .saver import Saver, SaveJob
 from .store import FP8_DTYPES, PrefixError
@@ -122,7 +123,7 @@ class WorkerSide:
         self._layouts: dict[str, PagedLayout] = {}
         self._mapped: list[tuple[LoadPlan, torch.Tensor, torch.Tensor]] = []
         self._by_layer: Optional[LayerByLayer] = None
-        self._outcomes: dict[str, dict] = {}
+        self._outcomes: dict[str, Outcome] = {}
         self._failed: set[str] = set()  # this step's loads that failed (no later layer is written)
         self._invalid_blocks: set[int] = set()
         self._released: set[str] = set()  # saves that need no blocks held (dropped, or another replica's)
