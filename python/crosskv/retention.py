@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .hf import cache_layers
+
 CONDITIONS = ("own", "mapped", "wrong_sequence", "own_wrong_sequence", "zero", "random", "mean_only", "none")
 TASKS = ("choice", "recall")
 COUNTS_ABOVE_CHANCE = 0.3
@@ -96,14 +98,6 @@ class Retention:
                 "counts": self.counts}
 
 
-def _layers(cache):
-    if hasattr(cache, "to_legacy_cache"):
-        return [(k, v) for k, v in cache.to_legacy_cache()]
-    if hasattr(cache, "layers"):
-        return [(l.keys, l.values) for l in cache.layers]
-    return [(k, v) for k, v in cache]
-
-
 def _cache(layers):
     from transformers import DynamicCache
 
@@ -117,7 +111,7 @@ def _cache(layers):
 def prefill(model, ids):
     """The model's cache of `ids` [B, T]: per layer (keys post-RoPE, values) [B, H, T, D]."""
     out = model(torch.as_tensor(ids), use_cache=True)
-    return _layers(out.past_key_values)
+    return cache_layers(out.past_key_values)
 
 
 @torch.no_grad()
@@ -139,9 +133,9 @@ def map_cache(mapper, source_layers):
     """The target's cache from the source's: a crosskv.Mapper, or any callable from layers to layers."""
     if callable(mapper) and not hasattr(mapper, "transfer"):
         return mapper(source_layers)
-    from .hf import cache_layers, transfer_cache
+    from .hf import transfer_cache
 
-    return [(k, v) for k, v in cache_layers(transfer_cache(mapper, _cache(source_layers)))]
+    return cache_layers(transfer_cache(mapper, _cache(source_layers)))
 
 
 def roll(layers, shift):

@@ -2,12 +2,10 @@
 # The Hugging Face conformity tests (tests/python/test_capture_conformity.py, pytest) in the capture virtualenv;
 # SKIPPED (77) with the reason where it is missing. env: CROSSKV_STRIP, CROSSKV_FIT. Extra arguments go to pytest.
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+source "$ROOT/tests/python/pytest_in.sh"
 PY=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/python}
 WORK=${1:?usage: $0 WORKDIR [PYTEST ARGS...]}
 shift
-[ -x "$PY" ] || { echo "SKIPPED: no capture environment at $PY (scripts/setup-capture.sh installs it)"; exit 77; }
-"$PY" -c "import torch, transformers, tokenizers, h5py, pytest" 2> /dev/null \
-  || { echo "SKIPPED: $PY lacks torch/transformers/tokenizers/h5py/pytest (scripts/setup-capture.sh)"; exit 77; }
 : "${CROSSKV_STRIP:?}" "${CROSSKV_FIT:?}"
-rm -rf "$WORK" && mkdir -p "$WORK"
-exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "$ROOT/tests/python/test_capture_conformity.py" "$@"
+pytest_in "$PY" scripts/setup-capture.sh "torch, transformers, tokenizers, h5py, pytest" test_capture_conformity.py \
+  "$WORK" "$@"
