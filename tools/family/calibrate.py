@@ -106,17 +106,16 @@ def solve(A, b):
     return [M[i][n] / M[i][i] for i in range(n)]
 
 
-TARGETS = ("recovered", "content_share", "choice_retention")
-TARGET = "recovered"  # what the predictor predicts; `fit --target` and the calibration file's "target" set it
+TARGETS = ("recovered", "content_share", "choice_retention")  # what a predictor may predict (`fit --target`)
 
 
-def least_squares(rows, features):
-    """TARGET ~ intercept + Σ coef·feature, each coefficient of its feature's sign (a feature whose coefficient
+def least_squares(rows, features, target):
+    """target ~ intercept + Σ coef·feature, each coefficient of its feature's sign (a feature whose coefficient
     would take the wrong sign is dropped: the predictor stays monotone). Returns (intercept, {feature: coef})."""
     feats = list(features)
     while True:
         X = [[1.0] + [FEATURES[f][0](r) for f in feats] for r in rows]
-        y = [r[TARGET] for r in rows]
+        y = [r[target] for r in rows]
         p = len(feats) + 1
         A = [[sum(x[i] * x[j] for x in X) for j in range(p)] for i in range(p)]
         b = [sum(x[i] * t for x, t in zip(X, y)) for i in range(p)]
@@ -139,12 +138,12 @@ def quantile(v, q):
     return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (i - lo)
 
 
-def leave_one_study_out(rows, features):
+def leave_one_study_out(rows, features, target):
     """Each study held out in turn: fitted on the others, its mappers predicted. Per study MAE, and every residual."""
     per, residuals = {}, []
     for s in sorted({r["study"] for r in rows}):
-        model = least_squares([r for r in rows if r["study"] != s], features)
-        res = [r[TARGET] - predict(model, r) for r in rows if r["study"] == s]
+        model = least_squares([r for r in rows if r["study"] != s], features, target)
+        res = [r[target] - predict(model, r) for r in rows if r["study"] == s]
         per[s] = {"mappers": len(res), "mae": sum(abs(e) for e in res) / len(res),
                   "bias": sum(res) / len(res)}
         residuals += res
@@ -162,8 +161,8 @@ def chosen(cands):
     return min(near, key=lambda c: (len(c["kept"]), c["loso_mae"]))
 
 
-def calibrate(rows):
-    y = [r[TARGET] for r in rows]
+def calibrate(rows, target="recovered"):
+    y = [r[target] for r in rows]
     corr = {}
     for f in list(FEATURES) + ["r2_k", "r2_v", "v_concentration", "r2_in_sample"]:
         if any(f not in FEATURES and f not in r for r in rows):
@@ -174,18 +173,18 @@ def calibrate(rows):
         corr[f] = {"pearson": r, "low": lo, "high": hi, "spearman": rho}
     cands = []
     for feats in CANDIDATES:
-        a, coefs = least_squares(rows, feats)
-        per, res = leave_one_study_out(rows, feats)
+        a, coefs = least_squares(rows, feats, target)
+        per, res = leave_one_study_out(rows, feats, target)
         cands.append({"features": feats, "kept": list(coefs), "intercept": a, "coefficients": coefs,
                       "loso_mae": sum(abs(e) for e in res) / len(res), "loso_by_study": per,
                       "half_width": quantile([abs(e) for e in res], COVERAGE),
-                      "in_sample_mae": sum(abs(r[TARGET] - predict((a, coefs), r)) for r in rows) / len(rows)})
+                      "in_sample_mae": sum(abs(r[target] - predict((a, coefs), r)) for r in rows) / len(rows)})
     best = chosen(cands)
     # Where the calibration has data: a mapper outside these ranges is an extrapolation (the verdict says so).
     ranges = {f: [min(r[f] for r in rows), max(r[f] for r in rows)] for f in ("attention_cosine", "mean_only_cosine")}
     model = {"intercept": best["intercept"], "coefficients": best["coefficients"], "half_width": best["half_width"],
              "coverage": COVERAGE, "loso_mae": best["loso_mae"], "mappers": len(rows), "ranges": ranges,
-             "studies": sorted({r["study"] for r in rows}), "target": TARGET}
+             "studies": sorted({r["study"] for r in rows}), "target": target}
     return {"correlations": corr, "paper": PAPER, "candidates": cands, "model": model}
 
 
@@ -218,7 +217,7 @@ def markdown(cal, rows):
         lines.append(f"| {s} | {v['mappers']} | {100 * v['mae']:.1f} points | {100 * v['bias']:+.1f} |")
     m = cal["model"]
     terms = " ".join(f"{c:+.4f}·{name}" for name, c in m["coefficients"].items())
-    lines += ["", f"model: {TARGET} = {m['intercept']:+.4f} {terms} (at most 1), ± {m['half_width']:.3f} "
+    lines += ["", f"model: {m['target']} = {m['intercept']:+.4f} {terms} (at most 1), ± {m['half_width']:.3f} "
                   f"({100 * m['coverage']:.0f}% of held-out errors)"]
     return "\n".join(lines)
 
@@ -244,10 +243,8 @@ def same_model(a, b, tol=5e-6):
 
 def check(doc, binary=None):
     """Problems (empty when none): the stored model is not the refit of the stored rows, or crosskv-eval's is not."""
-    global TARGET
-    TARGET = doc.get("target", "recovered")
     problems = []
-    refit = rounded(calibrate(doc["rows"])["model"])
+    refit = rounded(calibrate(doc["rows"], doc.get("target", "recovered"))["model"])
     if not same_model(refit, doc["model"]):
         problems.append(f"the stored model is not the refit of the stored rows: stored {doc['model']}, refit {refit}")
     if binary:
@@ -275,15 +272,13 @@ def main():
         c.add_argument("--binary")
     a = p.parse_args()
     if a.cmd == "fit":
-        global TARGET
-        TARGET = a.target
         rows = []
         for path in a.studies:
             rows += rows_of(json.load(open(path)))
         rows = rounded(rows)  # as stored: the stored model is the fit of exactly these
-        cal = calibrate(rows)
+        cal = calibrate(rows, a.target)
         doc = {"format": "crosskv-retention-calibration", "version": 1, "calibrated_on": a.calibrated_on,
-               "target": TARGET,
+               "target": a.target,
                "model": rounded(cal["model"]), "correlations": rounded(cal["correlations"], 4),
                "candidates": rounded(cal["candidates"], 4), "paper": PAPER, "rows": rows}
         with open(a.out, "w") as fh:
