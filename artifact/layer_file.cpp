@@ -23,9 +23,9 @@ bool is_layer_file_name(const std::string& name) {
   return std::regex_match(name, pattern);
 }
 
-std::string layer_tensor_name(char kind, const std::string& part) {
-  CROSSKV_ASSERT(kind == 'k' || kind == 'v', "a layer file holds keys (k) and values (v)");
-  return std::string(1, kind) + "." + part;
+std::string layer_tensor_name(Kind kind, const std::string& part) {
+  CROSSKV_ASSERT(kind != Kind::k_rope, "a layer file holds keys (k) and values (v)");
+  return std::string(kind_name(kind)) + "." + part;
 }
 
 void write_layer_file(const std::string& path, const LayerFileContent& c) {
@@ -35,7 +35,8 @@ void write_layer_file(const std::string& path, const LayerFileContent& c) {
   const std::vector<int64_t> wshape = c.heads ? std::vector<int64_t>{c.heads, c.features, c.G / c.heads}
                                               : std::vector<int64_t>{c.features, c.G};
   const std::vector<int64_t> bshape = {c.G};
-  for (auto [name, kind] : {std::pair{'k', &c.k}, std::pair{'v', &c.v}}) {
+  for (Kind name : kMappedKinds) {
+    const LayerFileKind* kind = &c.kinds[name];
     const size_t elem = kind->weight_dtype == "F32" ? 4 : 2;
     CROSSKV_ASSERT(kind->weight_dtype == "F32" || kind->weight_dtype == "BF16" || kind->weight_dtype == "F16",
                    "a weight dtype the format does not know");
@@ -44,7 +45,8 @@ void write_layer_file(const std::string& path, const LayerFileContent& c) {
     out.push_back({layer_tensor_name(name, "bias"), "F32", bshape, kind->bias, static_cast<size_t>(c.G) * 4});
   }
   // The MLPs after the ridge tensors, keys first (their order in the file is the format's).
-  for (auto [name, kind] : {std::pair{'k', &c.k}, std::pair{'v', &c.v}}) {
+  for (Kind name : kMappedKinds) {
+    const LayerFileKind* kind = &c.kinds[name];
     if (!kind->mlp) continue;
     const MlpParams& p = *kind->mlp;
     CROSSKV_ASSERT(p.shape.in == c.features && p.shape.out == c.G, "a residual MLP of another layer's shape");
@@ -68,12 +70,12 @@ void read_layer_file(const std::string& path, int target_layer, const std::vecto
   auto t = read_safetensors(path);
   LayerFileContent& c = out.content;
   c.target_layer = target_layer, c.source_layers = source_layers;
-  const std::vector<int64_t>& shape = t.at(layer_tensor_name('k', "weight")).shape;
+  const std::vector<int64_t>& shape = t.at(layer_tensor_name(Kind::k, "weight")).shape;
   CROSSKV_ASSERT(shape.size() == 2, path + ": a cross_head layer file");
   c.features = shape[0], c.G = shape[1];
-  for (int i = 0; i < 2; ++i) {
-    const char name = i == 0 ? 'k' : 'v';
-    LayerFileKind& kind = i == 0 ? c.k : c.v;
+  for (Kind i : kMappedKinds) {
+    const Kind name = i;
+    LayerFileKind& kind = c.kinds[i];
     TensorIn& w = t.at(layer_tensor_name(name, "weight"));
     out.weight[i] = std::move(w.values);
     out.bias[i] = std::move(t.at(layer_tensor_name(name, "bias")).values);

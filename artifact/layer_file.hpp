@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/kind.hpp"
 #include "core/mlp.hpp"
 
 namespace crosskv {
@@ -12,8 +13,8 @@ namespace crosskv {
 // "layer-007.safetensors" for target layer 7; and whether a manifest's file name is one of these.
 std::string layer_file_name(int target_layer);
 bool is_layer_file_name(const std::string& name);
-// A tensor of the file: "<kind>.<part>" (kind 'k' or 'v'; part "weight", "bias", or "mlp.<name>" of mlp_tensors).
-std::string layer_tensor_name(char kind, const std::string& part);
+// A tensor of the file: "<kind>.<part>" (kind k or v; part "weight", "bias", or "mlp.<name>" of mlp_tensors).
+std::string layer_tensor_name(Kind kind, const std::string& part);
 
 // What one kind (keys or values) of a target layer stores.
 struct LayerFileKind {
@@ -26,7 +27,7 @@ struct LayerFileContent {
   int target_layer = 0;
   std::vector<int> source_layers;  // ascending
   int64_t features = 0, G = 0;     // cross_head: features = source_layers.size() * F, weights [features x G]
-  LayerFileKind k, v;
+  ByKind<LayerFileKind> kinds;
   int heads = 0;                   // per_head: Ht, features = source_layers.size() * Ds, weights [Ht, features, Dt]
 };
 // Writes the layer file at `path`, whole or not at all.
@@ -36,8 +37,8 @@ void write_layer_file(const std::string& path, const LayerFileContent& c);
 // rewrites the file around them (the residual MLPs): `content` points into the object, which owns the values.
 struct StoredLayerFile {
   LayerFileContent content;
-  std::vector<float> weight[2], bias[2];  // k, v
-  std::vector<uint16_t> half[2];          // k, v: bf16 / fp16 weights' bits
+  ByKind<std::vector<float>> weight, bias;
+  ByKind<std::vector<uint16_t>> half;  // bf16 / fp16 weights' bits
   StoredLayerFile() = default;
   StoredLayerFile(const StoredLayerFile&) = delete;
   StoredLayerFile& operator=(const StoredLayerFile&) = delete;

@@ -95,7 +95,7 @@ nlohmann::json make_manifest(const std::string& source_model, const KvSpec& sour
 void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const std::vector<ManifestMlpDecision>& kinds) {
   nlohmann::json mlp = nlohmann::json::object();
   for (const ManifestMlpDecision& d : kinds) {
-    nlohmann::json& j = mlp[std::string(1, d.kind)];
+    nlohmann::json& j = mlp[kind_name(d.kind)];
     j = {{"kept", d.kept},
          {"val_mse_ridge", finite_or_null(d.val_mse_ridge)},
          {"val_mse_mlp", finite_or_null(d.val_mse_mlp)},

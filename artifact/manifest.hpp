@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/kind.hpp"
 #include "core/kv_spec.hpp"
 
 namespace crosskv {
@@ -60,7 +61,7 @@ struct ManifestMlpSettings {
   uint64_t seed = 0;
 };
 struct ManifestMlpDecision {
-  char kind = 'k';  // 'k' or 'v'
+  Kind kind = Kind::k;
   bool kept = false;
   double val_mse_ridge = 0, val_mse_mlp = 0, val_r2_ridge = 0, val_r2_mlp = 0;  // NaN or infinite as null
   int64_t hidden = 0;  // of the kept MLP

@@ -189,12 +189,12 @@ MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool ve
   l.target_layer = target_layer;
   l.source_layers = e.source_layers;
   l.structure = m.structure;
-  l.wk = take(layer_tensor_name('k', "weight"), wshape, true);
-  l.bk = take(layer_tensor_name('k', "bias"), {G}, false);
-  l.wv = take(layer_tensor_name('v', "weight"), wshape, true);
-  l.bv = take(layer_tensor_name('v', "bias"), {G}, false);
+  l.wk = take(layer_tensor_name(Kind::k, "weight"), wshape, true);
+  l.bk = take(layer_tensor_name(Kind::k, "bias"), {G}, false);
+  l.wv = take(layer_tensor_name(Kind::v, "weight"), wshape, true);
+  l.bv = take(layer_tensor_name(Kind::v, "bias"), {G}, false);
   // Optional residual MLPs: <kind>.mlp.{w1, b1, w2, b2, w3, b3}, F32, hidden width from w1.
-  for (auto [kind, mlp] : {std::pair{'k', &l.mlp_k}, std::pair{'v', &l.mlp_v}}) {
+  for (auto [kind, mlp] : {std::pair{Kind::k, &l.mlp_k}, std::pair{Kind::v, &l.mlp_v}}) {
     const std::string p = layer_tensor_name(kind, "mlp.");
     const auto w1 = t.find(p + "w1");
     if (w1 != t.end() && per_head)

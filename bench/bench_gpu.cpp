@@ -28,6 +28,7 @@
 #include "core/memory.hpp"
 #include "fit/moments.hpp"
 #include "fit/fit_pipeline.hpp"
+#include "fit/round.hpp"
 #include "fit/calibration.hpp"
 
 #include <spdlog/spdlog.h>
@@ -75,7 +76,7 @@ int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
   BigVector<double> A(n * n);
   const double lambda = 0.01;
   auto t0 = Clock::now();
-  m.cov_xx(all, A.data(), n);
+  m.covariances().cov_xx(all, A.data(), n);
   for (int64_t i = 0; i < n; ++i) A[i * n + i] += lambda;
   const double host_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
@@ -83,7 +84,7 @@ int factor_main(int Ls, int H, int D, int64_t rows, ComputeBackend& be) {
   const auto host_made = be.factor_system(n, A.data(), n);  // uploaded and factored
   const double host_factor_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  const auto terms = m.cov_xx_terms(all);
+  const auto terms = m.covariances().cov_xx_terms(all);
   const double dev_assemble_s = std::chrono::duration<double>(Clock::now() - t0).count();  // the terms only
   t0 = Clock::now();
   const auto dev_made = be.factor_cov(terms, lambda, diag.data());  // assembled where it is factored
@@ -209,7 +210,7 @@ int main(int argc, char** argv) {
   m.release_sums(true);
   const double flush_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  m.zero_live();
+  LiveState::zero(m);
   const double zero_s = std::chrono::duration<double>(Clock::now() - t0).count();
   const double Xw = static_cast<double>(d.X()), Yw = static_cast<double>(d.Y());
   const double acc_flops = blocks * 2.0 * rows * (Xw * (Xw + F) / 2.0 + Xw * Yw);  // syrk-equivalent + cross
@@ -249,14 +250,14 @@ int main(int argc, char** argv) {
   // zeroed where they are (on the device, staying resident).
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
-  m.live_pieces(fp, dp);
-  const int64_t share_n = static_cast<int64_t>(m.live_floats() / 8);
+  LiveState::pieces(m, fp, dp);
+  const int64_t share_n = static_cast<int64_t>(LiveState::floats(m) / 8);
   std::vector<float> share(share_n);
   t0 = Clock::now();
   be->copy_sums(fp, 0, share_n, share.data(), false);
   const double share_s = std::chrono::duration<double>(Clock::now() - t0).count();
   t0 = Clock::now();
-  m.zero_live();
+  LiveState::zero(m);
   checks(*be).synchronize();
   const double zero_resident_s = std::chrono::duration<double>(Clock::now() - t0).count();
   m.release_sums(true);

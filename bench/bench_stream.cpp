@@ -28,8 +28,8 @@ int main(int argc, char** argv) {
   Context ctx{*comm, *be};
   const PairDims d = cal.dims();
   Shifts s = compute_shifts(cal);
-  Moments k(d, s.xk, s.yk), raw(d, s.xk_raw, s.yk_raw), v(d, s.xv, s.yv);
-  PassStats st = stream_pass(cal, ctx, k, &raw, v, "read-only pass");
+  Moments k(d, s[Kind::k].x, s[Kind::k].y), raw(d, s[Kind::k_rope].x, s[Kind::k_rope].y), v(d, s[Kind::v].x, s[Kind::v].y);
+  PassStats st = stream_pass(cal, ctx, {k, &raw, v}, "read-only pass");
   std::printf("{\"tokens\": %lld, \"seconds\": %.3f, \"tokens_per_s\": %.1f, \"fp32_mb_per_s\": %.1f}\n",
               static_cast<long long>(st.tokens), st.seconds, st.tokens / st.seconds, st.bytes / st.seconds / 1e6);
   return 0;

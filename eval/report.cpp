@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "runtime/log.hpp"
+#include "core/kind.hpp"
 #include "core/mlp.hpp"
 #include "eval/retention.hpp"
 
@@ -178,18 +179,19 @@ std::string sweep_summary(const ReportInput& in) {
     const int64_t K = object(m, "fit").value("features", int64_t{0});
     const auto spec = object(object(m, "target"), "kv_spec");
     const int64_t G = spec.value("n_kv_heads", int64_t{0}) * spec.value("head_dim", int64_t{0});
-    int kept[2] = {0, 0}, n = 0;
+    ByKind<int> kept;
+    int n = 0;
     for (const auto& l : m["layers"]) {
       if (!l.is_object() || !l.contains("mlp") || !l["mlp"].is_object()) continue;
       ++n;
-      for (int kind = 0; kind < 2; ++kind) {
-        const auto d = object(l["mlp"], kind == 0 ? "k" : "v");
+      for (Kind kind : kMappedKinds) {
+        const auto d = object(l["mlp"], kind_name(kind));
         if (!d.value("kept", false)) continue;
         ++kept[kind];
         mlps[i].params += static_cast<double>(MlpShape{K, d.value("hidden", int64_t{0}), G}.parameters());
       }
     }
-    if (n) mlps[i].kept = std::to_string(kept[0]) + " / " + std::to_string(kept[1]) + " of " + std::to_string(n);
+    if (n) mlps[i].kept = std::to_string(kept.k) + " / " + std::to_string(kept.v) + " of " + std::to_string(n);
     any_mlps = any_mlps || n > 0;
   }
   // Every parameter of mapper i (biases and kept MLPs included), and the smallest mapper that passes.

@@ -212,8 +212,8 @@ void ArtifactWriter::write_job(const Job& job) {
       partial.write(wk, wbytes / 2);
       fault_kill();
     }
-    LayerFileContent content{l, fk.layers, plan_.slot_k(i).features_of(fk.structure), d.G(), {wdtype, wk, fk.b.data()},
-                             {wdtype, wv, fv.b.data()}};
+    LayerFileContent content{l, fk.layers, plan_.slot_k(i).features_of(fk.structure), d.G(), {{wdtype, wk, fk.b.data()},
+                             {wdtype, wv, fv.b.data()}}};
     if (fk.structure == Structure::per_head) content.heads = d.Ht;
     write_layer_file(path, content);
     written();

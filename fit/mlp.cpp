@@ -36,14 +36,15 @@ constexpr double kMinGain = 1e-3;
 
 // One (target layer, kind)'s outcome.
 struct Outcome {
-  int layer = 0, kind = 0;
+  int layer = 0;
+  Kind kind = Kind::k;
   bool kept = false;
   double mse_ridge = NAN, mse_mlp = NAN, r2_ridge = NAN, r2_mlp = NAN;
   MlpParams params;  // when kept: the standardisation folded into W1 and b1
 };
 
 void serialise(const Outcome& o, ByteWriter& w) {
-  const int32_t head[3] = {o.layer, o.kind, o.kept ? 1 : 0};
+  const int32_t head[3] = {o.layer, mapped_index(o.kind), o.kept ? 1 : 0};
   const int64_t shape[3] = {o.params.shape.in, o.params.shape.hidden, o.params.shape.out};
   w.put(head, sizeof head);
   w.put(&o.mse_ridge, 8), w.put(&o.mse_mlp, 8), w.put(&o.r2_ridge, 8), w.put(&o.r2_mlp, 8);
@@ -61,7 +62,7 @@ std::vector<Outcome> deserialise(const std::string& s) {
     r.get(head, sizeof head);
     r.get(&o.mse_ridge, 8), r.get(&o.mse_mlp, 8), r.get(&o.r2_ridge, 8), r.get(&o.r2_mlp, 8);
     r.get(shape, sizeof shape);
-    o.layer = head[0], o.kind = head[1], o.kept = head[2] != 0;
+    o.layer = head[0], o.kind = kMappedKinds.at(head[1] == 1 ? 1 : 0), o.kept = head[2] != 0;
     if (o.kept) {
       o.params = MlpParams(MlpShape{shape[0], shape[1], shape[2]});
       r.get(o.params.flat.data(), o.params.flat.size() * 4);
@@ -157,7 +158,7 @@ struct UnitContext {
 // Trains and judges (layer l, kind) of the ridge layer `w` on the group, from a checkpointed state if there is one.
 // `ridge` holds target layer l's ridge alone (the one apply), `selected` its source layers.
 Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& selected, int64_t G, int l,
-                 int kind) {
+                 Kind kind) {
   ComputeBackend& be = u.ctx.backend;
   const MlpConfig& c = u.cal.cfg.mlp;
   const int64_t K = static_cast<int64_t>(selected.size()) * u.cal.source.features_per_layer();
@@ -169,8 +170,8 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
     R[split].assign(n * G, 0.0f);
     ContentBatch cb;
     cb.rows = n, cb.layers = {l, 1}, cb.gathered = true, cb.residual_mlp = false;
-    (kind == 0 ? cb.keys : cb.values) = d.x[split].data();
-    (kind == 0 ? cb.out_keys : cb.out_values) = R[split].data();
+    (kind == Kind::k ? cb.keys : cb.values) = d.x[split].data();
+    (kind == Kind::k ? cb.out_keys : cb.out_values) = R[split].data();
     ridge.map_content_host(cb);
     for (int64_t i = 0; i < n * G; ++i) R[split][i] = d.y[split][i] - R[split][i];
   }
@@ -184,7 +185,7 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
         z[split][t * K + i] = static_cast<float>((z[split][t * K + i] - mean[i]) * inv_sd[i]);
   }
   MlpTraining t;
-  t.epochs = c.epochs, t.batch_tokens = c.batch_tokens, t.seed = c.seed * 1000003 + static_cast<uint64_t>(2 * l + kind);
+  t.epochs = c.epochs, t.batch_tokens = c.batch_tokens, t.seed = c.seed * 1000003 + static_cast<uint64_t>(2 * l + mapped_index(kind));
   t.adam.lr = c.lr, t.adam.weight_decay = c.weight_decay;
 
   const std::string state_file = u.ck.path(l, kind, "state");
@@ -192,7 +193,7 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
   if (const auto s = read_on_root(u.group, u.ck, state_file)) resume = deserialise_state(*s, shape);
   if (resume) {
     ++u.resumed;
-    spdlog::info("residual MLP of target layer {} ({}): resuming from epoch {} of {}", l, kind == 0 ? "keys" : "values",
+    spdlog::info("residual MLP of target layer {} ({}): resuming from epoch {} of {}", l, kind_dataset(kind),
                  resume->epoch_mse.size(), c.epochs);
     u.progress.add(static_cast<int64_t>(resume->epoch_mse.size()) * u.tokens_per_epoch);
   }
@@ -236,9 +237,9 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
   LayerFileContent& c = stored.content;
   std::vector<ManifestMlpDecision> decisions;
   for (const Outcome* o : kinds) {
-    decisions.push_back({o->kind == 0 ? 'k' : 'v', o->kept, o->mse_ridge, o->mse_mlp, o->r2_ridge, o->r2_mlp,
+    decisions.push_back({o->kind, o->kept, o->mse_ridge, o->mse_mlp, o->r2_ridge, o->r2_mlp,
                          o->kept ? o->params.shape.hidden : 0});
-    if (o->kept) (o->kind == 0 ? c.k : c.v).mlp = &o->params;
+    if (o->kept) c.kinds[o->kind].mlp = &o->params;
   }
   write_layer_file(file, c);
   add_layer_mlp(entry, sha256_file(file), decisions);
@@ -251,7 +252,7 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
                   int n_layers, double seconds, int64_t& rewritten) {
   nlohmann::json manifest = read_manifest_json(dir);
   CROSSKV_ASSERT(manifest.is_object() && manifest.contains("layers"), "residual MLPs for " + dir + " without its manifest");
-  int kept[2] = {0, 0};
+  ByKind<int> kept;
   for (auto& entry : manifest["layers"]) {
     std::vector<const Outcome*> kinds;
     for (const Outcome& o : outcomes)
@@ -263,8 +264,8 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
   add_fit_mlp(manifest, mapper_kind_name(cfg.mapper), mlp_settings(cfg.mlp), seconds);
   write_manifest(dir, manifest);
   const std::string k = fs::path(dir).filename().replace_extension().string();
-  spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept[0],
-               n_layers, kept[1], mapper_kind_name(cfg.mapper));
+  spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept.k,
+               n_layers, kept.v, mapper_kind_name(cfg.mapper));
 }
 
 }  // namespace
@@ -302,7 +303,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
       one.push_back(load_mapper_layer(m, l, /*verify=*/false));  // the ridge (any MLP in it is ignored)
       const std::vector<int> selected = one[0].source_layers;
       ServingMapper ridge(m, std::move(one), ctx.backend, {}, {l, 1});
-      for (int kind = 0; kind < 2; ++kind) {
+      for (Kind kind : kMappedKinds) {
         const std::string done_file = ck.path(l, kind, "outcome");
         std::optional<std::string> done = read_on_root(group, ck, done_file);
         Outcome o;

@@ -52,9 +52,9 @@ std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape
 MlpCheckpoint::MlpCheckpoint(const std::string& ckpt_dir, const std::string& k, const nlohmann::json& identity)
     : dir_((fs::path(ckpt_dir) / "mlp").string()), k_(k), job_(sha_of(identity.dump())) {}
 
-std::string MlpCheckpoint::path(int l, int kind, const char* what) const {
+std::string MlpCheckpoint::path(int l, Kind kind, const char* what) const {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "k%s-layer-%03d-%s.%s", k_.c_str(), l, kind == 0 ? "k" : "v", what);
+  std::snprintf(buf, sizeof buf, "k%s-layer-%03d-%s.%s", k_.c_str(), l, kind_name(kind), what);
   return (fs::path(dir_) / buf).string();
 }
 

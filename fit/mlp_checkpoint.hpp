@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/comm.hpp"
+#include "core/kind.hpp"
 #include "core/mlp.hpp"
 
 namespace crosskv {
@@ -21,7 +22,7 @@ std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape
 class MlpCheckpoint {
  public:
   MlpCheckpoint(const std::string& ckpt_dir, const std::string& k, const nlohmann::json& identity);
-  std::string path(int l, int kind, const char* what) const;
+  std::string path(int l, Kind kind, const char* what) const;
   void write(const std::string& file, const std::string& payload) const;
   std::optional<std::string> read(const std::string& file) const;
   const std::string& dir() const { return dir_; }

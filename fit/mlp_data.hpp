@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/kind.hpp"
 #include "runtime/config.hpp"
 #include "fit/calibration.hpp"
 
@@ -34,6 +35,6 @@ struct LayerData {
   int64_t rows[2] = {0, 0};
 };
 LayerData load_layer_data(const Calibration& cal, const std::vector<ShardRows>& share, const std::vector<int>& sources,
-                          int l, int kind);
+                          int l, Kind kind);
 
 }  // namespace crosskv

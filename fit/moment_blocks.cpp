@@ -203,19 +203,19 @@ void MomentBlocks::accumulate(ComputeBackend& be, const float* X, const float* Y
 template <class Fn>
 void MomentBlocks::for_each_live(Fn fn) const {
   for (size_t i = 0; i < gram_.size(); ++i)
-    if (gram_live_[i]) fn(i, Kind::gram);
+    if (gram_live_[i]) fn(i, BlockKind::gram);
   for (size_t i = 0; i < cross_.size(); ++i)
-    if (cross_live_[i]) fn(i, Kind::cross);
+    if (cross_live_[i]) fn(i, BlockKind::cross);
   if (head_live_) {
-    for (size_t i = 0; i < head_gram_.size(); ++i) fn(i, Kind::head_gram);
-    for (size_t i = 0; i < head_cross_.size(); ++i) fn(i, Kind::head_cross);
+    for (size_t i = 0; i < head_gram_.size(); ++i) fn(i, BlockKind::head_gram);
+    for (size_t i = 0; i < head_cross_.size(); ++i) fn(i, BlockKind::head_cross);
   }
 }
 
 std::vector<std::pair<const BlockRef*, int64_t>> MomentBlocks::live_layout() const {
   std::vector<std::pair<const BlockRef*, int64_t>> out;
   int64_t off = 0;
-  for_each_live([&](size_t i, Kind kind) {
+  for_each_live([&](size_t i, BlockKind kind) {
     const BlockRef& b = block(i, kind);
     out.emplace_back(&b, off);
     off += b.size();
@@ -278,12 +278,12 @@ void MomentBlocks::add(const MomentBlocks& o, float wf) {
   add_all(head_cross_, o.head_cross_);
 }
 
-const BlockRef& MomentBlocks::block(size_t i, Kind kind) const {
+const BlockRef& MomentBlocks::block(size_t i, BlockKind kind) const {
   switch (kind) {
-    case Kind::gram: return gram_[i];
-    case Kind::cross: return cross_[i];
-    case Kind::head_gram: return head_gram_[i];
-    case Kind::head_cross: return head_cross_[i];
+    case BlockKind::gram: return gram_[i];
+    case BlockKind::cross: return cross_[i];
+    case BlockKind::head_gram: return head_gram_[i];
+    case BlockKind::head_cross: return head_cross_[i];
   }
   CROSSKV_ASSERT(false, "unknown block kind");
 }

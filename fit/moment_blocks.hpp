@@ -67,7 +67,7 @@ struct MomentPlan {
 // blocks. Blocks added by a plan are live (accumulated in the current pass) until mark_complete().
 class MomentBlocks {
  public:
-  enum class Kind { gram, cross, head_gram, head_cross };
+  enum class BlockKind { gram, cross, head_gram, head_cross };
 
   MomentBlocks() = default;
   explicit MomentBlocks(const PairDims& d) : d_(d) {}
@@ -116,7 +116,7 @@ class MomentBlocks {
   int64_t floats() const;
 
  private:
-  const BlockRef& block(size_t i, Kind kind) const;
+  const BlockRef& block(size_t i, BlockKind kind) const;
   // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).
   std::vector<BlockRef> new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes);
   template <class Fn>

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/backend.hpp"
+#include "core/kind.hpp"
 #include "fit/moment_blocks.hpp"
 
 namespace crosskv {
@@ -24,6 +25,11 @@ struct RowWeights {
   double sum = 0;  // Σ w over the block's rows
 };
 
+class Covariances;
+
+// The sums being accumulated over one pass or more: fp32 blocks and fp64 token statistics about provisional shifts.
+// What they give (means, covariances) is read through covariances(); the reduction's access to the live sums is
+// fit/round.hpp's.
 class Moments {
  public:
   Moments() = default;
@@ -48,19 +54,6 @@ class Moments {
   // The held copies back to the host (write_back: the host moments are current from here on) or dropped (the caller
   // overwrites the host copies), and released. Read, pack or change the sums on the host only after this.
   void release_sums(bool write_back);
-  // The live state (this pass's blocks, and the token statistics in the first pass), flat in a fixed order: the
-  // layout of round reductions and checkpoints. Its sizes:
-  size_t live_floats() const;
-  size_t live_doubles() const;
-  // The live state as pieces in that order, appended to f and d after the pieces already there (so the pieces of
-  // several Moments, in turn, are their flat states back to back): for a reduction that reads the sums where they are
-  // current (ComputeBackend::copy_sums), and for gathering them back in place (place_sums, then unpack_live_doubles).
-  // Pieces name held copies only while they are held: make them again after hold_sums() or release_sums().
-  void live_pieces(std::vector<ComputeBackend::SumPiece<float>>& f, std::vector<ComputeBackend::SumPiece<double>>& d);
-  // The live doubles (token statistics), after the floats were written through live_pieces.
-  void unpack_live_doubles(const double* d);
-  // Zeroes the live state where it is current: held copies where they are held (they stay held), else the host's.
-  void zero_live();
   // Marks the live state complete without any reduction (the caller reduced it).
   void mark_pass_complete();
   // Adds complete moments of other tokens (another calibration domain) with the same shifts and blocks, each
@@ -77,11 +70,39 @@ class Moments {
   int64_t tokens() const { return static_cast<int64_t>(n_); }
   double weight_sum() const { return n_; }  // Σ w (the token count when unweighted)
   bool has_gram(int a, int b) const { return blocks_.has_gram(a, b); }
-  bool has_cross(int a, int l) const { return blocks_.has_cross(a, l); }
-  bool has_head_probe(int h) const { return blocks_.has_head_probe(h); }
   int64_t bytes() const;
+  const std::vector<float>& shift_x() const { return shift_x_; }
+  const std::vector<float>& shift_y() const { return shift_y_; }
 
-  // Centred covariances in fp64 (divided by N). Means are of the unshifted data.
+  // What the complete sums give, for the probe and the solve.
+  Covariances covariances() const;
+
+ private:
+  friend class Covariances;
+  friend struct LiveState;  // fit/round.hpp: the live sums, flat, for reductions and checkpoints
+
+  PairDims d_;
+  double n_ = 0;
+  std::vector<float> shift_x_, shift_y_;
+  std::vector<double> sum_x_, sum_y_, sq_y_;
+  std::vector<ComputeBackend::HeldSumsPtr<double>> held_stats_;  // of sum_x_, sum_y_, sq_y_ while held
+  bool stats_done_ = false;  // the token statistics are complete (after the first pass)
+  MomentBlocks blocks_;
+};
+
+// Centred covariances in fp64 (divided by N) of complete moments, read in place: a view that lives no longer than
+// its Moments. Means are of the unshifted data.
+class Covariances {
+ public:
+  explicit Covariances(const Moments& m) : m_(m) {}
+
+  const PairDims& dims() const { return m_.d_; }
+  int64_t tokens() const { return m_.tokens(); }
+  double weight_sum() const { return m_.n_; }
+  bool has_gram(int a, int b) const { return m_.blocks_.has_gram(a, b); }
+  bool has_cross(int a, int l) const { return m_.blocks_.has_cross(a, l); }
+  bool has_head_probe(int h) const { return m_.blocks_.has_head_probe(h); }
+
   std::vector<double> mean_x(int a) const;          // [F]
   std::vector<double> mean_y(int l) const;          // [G]
   std::vector<double> var_y(int l) const;           // diag of Cyy [G]
@@ -101,21 +122,27 @@ class Moments {
   void head_cov_xx(int a, int h, double* A) const;
   void head_cov_xy(int a, int h, double* B) const;
 
-  // Raw accessors, for checkpoints and tests.
-  const std::vector<float>& shift_x() const { return shift_x_; }
-  const std::vector<float>& shift_y() const { return shift_y_; }
-
  private:
-  double mx(int64_t col) const { return sum_x_[col] / n_; }
-  double my(int64_t col) const { return sum_y_[col] / n_; }
+  double mx(int64_t col) const { return m_.sum_x_[col] / m_.n_; }
+  double my(int64_t col) const { return m_.sum_y_[col] / m_.n_; }
+  const Moments& m_;
+};
 
-  PairDims d_;
-  double n_ = 0;
-  std::vector<float> shift_x_, shift_y_;
-  std::vector<double> sum_x_, sum_y_, sq_y_;
-  std::vector<ComputeBackend::HeldSumsPtr<double>> held_stats_;  // of sum_x_, sum_y_, sq_y_ while held
-  bool stats_done_ = false;  // the token statistics are complete (after the first pass)
-  MomentBlocks blocks_;
+inline Covariances Moments::covariances() const { return Covariances(*this); }
+
+// The moments one pass accumulates, by name: keys (RoPE-stripped), the raw keys when the pass keeps them (pass 1,
+// for the probe's k_rope matrix), values. Reductions and checkpoints lay their live sums back to back in this order.
+struct PassMoments {
+  Moments& k;
+  Moments* k_rope;
+  Moments& v;
+  // Null for raw keys the pass does not keep.
+  Moments* of(Kind kind) const { return kind == Kind::k ? &k : kind == Kind::v ? &v : k_rope; }
+  template <class F>
+  void each(F&& f) const {
+    for (Kind kind : kAllKinds)
+      if (Moments* m = of(kind)) f(*m);
+  }
 };
 
 }  // namespace crosskv

@@ -28,9 +28,9 @@ MomentPlan probe_plan(const PairDims& d, ProbeMode mode) {
 }
 
 // Every rank's memory, logged by rank 0: the moments it holds, plus `extra` bytes.
-void log_rank_memory(Context& ctx, const std::string& label, const std::vector<Moments*>& ms, double extra) {
+void log_rank_memory(Context& ctx, const std::string& label, const PassMoments& ms, double extra) {
   double mine = extra;
-  for (auto* m : ms) mine += static_cast<double>(m->bytes());
+  ms.each([&](Moments& m) { mine += static_cast<double>(m.bytes()); });
   std::vector<double> per_rank(ctx.comm.size(), 0.0);
   per_rank[ctx.comm.rank()] = mine;
   ctx.comm.allreduce_sum(per_rank.data(), per_rank.size());
@@ -40,168 +40,203 @@ void log_rank_memory(Context& ctx, const std::string& label, const std::vector<M
 
 namespace {
 
-// One streaming pass in rounds, checkpointed after each. Several readers reduce their round's sums (fixed order) into
-// this rank's share of the pass and gather the shares back into complete moments at the end. One reader's share is
-// its moments: nothing to reduce, and checkpoints read the sums where they are (a device's held copies), so the
-// sums are never held twice. With a checkpoint of this pass, reading resumes after its last round (or not at all if
-// the pass was complete). `keep_share`: a one-reader state keeps a copy of the pass's sums for a later pass's
-// checkpoints.
-class PassRun {
- public:
-  PassRun(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
-          const std::vector<Moments*>& ms, const std::string& label)
-      : pass_(pass), cal_(cal), ctx_(ctx), store_(store), state_(state), ms_(ms), label_(label),
-        base_f_(pass == 1 ? state.pass1_f : state.pass2_f), base_d_(pass == 1 ? state.pass1_d : state.pass2_d),
-        readers_(ctx.readers()), one_reader_(readers_.size() == 1), live_{&ctx.backend, {}, {}} {}
+// One streaming pass: its number, moments and label, the job's checkpoint store and state, and this rank's share of
+// the pass's sums (the state's vectors of this pass: empty, or what the checkpoints hold).
+struct PassScope {
+  int pass;
+  const Calibration& cal;
+  Context& ctx;
+  CheckpointStore& store;
+  PassState& state;
+  PassMoments ms;
+  std::string label;
+  std::vector<float>& share_f() { return pass == 1 ? state.pass1_f : state.pass2_f; }
+  std::vector<double>& share_d() { return pass == 1 ? state.pass1_d : state.pass2_d; }
+  bool has_share() { return !(share_f().empty() && share_d().empty()); }
+};
 
-  PassStats run(bool keep_share) {
-    if (state_.pass < pass_) {
-      state_.pass = pass_;
-      state_.rounds_done = 0;
-      base_f_.clear();
-      base_d_.clear();
-      state_.deferred.reset();
-    }
+// How a pass's sums are kept between its rounds and brought together at its end: the pass runs in rounds,
+// checkpointed after each (run_pass).
+class PassStrategy {
+ public:
+  explicit PassStrategy(PassScope& p) : p_(p), live_{&p.ctx.backend, {}, {}} {
     name_live();
     nf_ = static_cast<size_t>(flat_size(live_.f)), nd_ = static_cast<size_t>(flat_size(live_.d));
-    restore();
-    // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds) and keeps it
-    // for that pass's checkpoints; in this pass a reader's moments are current from here on.
-    const int64_t rounds = pass_rounds(cal_, readers_.size());
-    const bool was_complete = state_.pass > pass_ || state_.rounds_done == rounds;
-    if (one_reader_ && state_.pass == pass_) {
-      std::vector<float>().swap(base_f_);
-      std::vector<double>().swap(base_d_);
-    }
-    PassStats st;
-    if (!was_complete)
-      st = stream(rounds);
-    else
-      spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", label_, store_.dir());
-    end(keep_share, was_complete);
-    for (auto* m : ms_) m->mark_pass_complete();
-    double share = static_cast<double>(base_f_.size() * sizeof(float) + base_d_.size() * sizeof(double));
-    log_rank_memory(ctx_, label_ + " (moments + checkpointed share)", ms_, share);
-    return st;
   }
-
- private:
-  // The live sums as pieces where they are current: on the host, or the held copies while the moments hold them.
+  virtual ~PassStrategy() = default;
+  // Before streaming: a checkpoint's sums of this pass, where this strategy keeps them.
+  virtual void restore() = 0;
+  // After each round, the moments' sums held where they accumulate: reduced, and checkpointed unless it was the last.
+  virtual void end_round(int64_t round, int64_t rounds) = 0;
+  // After the last round, or at once when a checkpoint held the pass complete: the pass's complete moments on this
+  // rank, committed unless they came from a commit. `keep_share`: a later pass's checkpoints need this pass's sums.
+  virtual void end_pass(bool keep_share, bool was_complete) = 0;
+  // Names the live sums again (after the moments were held or released).
   void name_live() {
     live_.f.clear();
     live_.d.clear();
-    for (auto* m : ms_) m->live_pieces(live_.f, live_.d);
-  }
-  void unpack_doubles(const double* pd) {
-    for (auto* m : ms_) {
-      m->unpack_live_doubles(pd);
-      pd += m->live_doubles();
-    }
+    p_.ms.each([&](Moments& m) { LiveState::pieces(m, live_.f, live_.d); });
   }
 
-  // One reader's checkpointed sums of this pass into its moments (several readers restore their shares instead).
-  void restore() {
-    CROSSKV_ASSERT(one_reader_ || !state_.deferred, "only one reader defers a checkpoint's sums");
-    if (one_reader_ && state_.deferred && state_.pass == pass_) {  // the state's latest pass, straight in
-      const std::vector<double> d = read_deferred(*state_.deferred, live_.f);
-      check_state_size(state_.deferred->path, d.size(), nd_);
-      unpack_doubles(d.data());
-      state_.deferred.reset();
-    } else if (one_reader_ && !(base_f_.empty() && base_d_.empty())) {
-      check_state_size(store_.dir(), base_f_.size(), nf_);
-      check_state_size(store_.dir(), base_d_.size(), nd_);
-      place_sums(live_.f, 0, static_cast<int64_t>(nf_), base_f_.data());
-      unpack_doubles(base_d_.data());
-    }
+ protected:
+  void unpack_doubles(const double* d) {
+    p_.ms.each([&](Moments& m) {
+      LiveState::unpack_doubles(m, d);
+      d += LiveState::doubles(m);
+    });
   }
-
-  // The rounds left, each ended by a reduction (several readers) and a checkpoint.
-  PassStats stream(int64_t rounds) {
-    if (state_.rounds_done > 0) spdlog::info("{}: resuming after round {} of {}", label_, state_.rounds_done, rounds);
-    for (auto* m : ms_) m->hold_sums(ctx_.backend);  // the rounds reduce and checkpoint the held copies
-    name_live();
-    auto on_round = [&](int64_t round, int64_t R, bool abandoned) {
-      if (!ctx_.comm.all_ok(!abandoned))
-        throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
-                          std::to_string(pass_) + "; the last committed checkpoint in " + store_.dir() + " stands");
-      const auto t_round = std::chrono::steady_clock::now();
-      if (!one_reader_) reduce_round(ms_, ctx_.backend, readers_, base_f_, base_d_);
-      state_.rounds_done = round + 1;
-      const double reduce_s = seconds_since(t_round);
-      if (round + 1 < R) store_.save(state_, one_reader_ ? &live_ : nullptr);
-      const std::string ckpt =
-          round + 1 < R ? human_seconds(seconds_since(t_round) - reduce_s) : std::string("at the pass's end");
-      if (one_reader_)
-        spdlog::info("{}: round {}/{} ended: checkpoint {} (one reader: read from its moments)", label_, round + 1, R,
-                     ckpt);
-      else
-        spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", label_, round + 1, R,
-                     human_seconds(reduce_s), ckpt);
-    };
-    return stream_pass(cal_, ctx_, *ms_.front(), ms_.size() == 3 ? ms_[1] : nullptr, *ms_.back(), label_,
-                       state_.rounds_done, on_round);
-  }
-
-  // The pass's end: one reader's held sums to its host moments; several readers' shares gathered into theirs.
-  void end(bool keep_share, bool was_complete) {
-    const auto t_end = std::chrono::steady_clock::now();
-    double to_host_s = 0;
-    if (one_reader_) {
-      for (auto* m : ms_) m->release_sums(true);  // a device's sums to the host moments, once per pass
-      name_live();
-      to_host_s = seconds_since(t_end);
-      if (!was_complete) store_.save(state_, &live_);
-      if (keep_share && base_f_.empty() && base_d_.empty()) {
-        base_f_.resize(nf_);
-        base_d_.resize(nd_);
-        ctx_.backend.copy_sums(live_.f, 0, static_cast<int64_t>(nf_), base_f_.data(), false);
-        ctx_.backend.copy_sums(live_.d, 0, static_cast<int64_t>(nd_), base_d_.data(), false);
-      }
-    } else {
-      for (auto* m : ms_) m->release_sums(false);  // zeros after the last round's reduction: overwritten below
-      name_live();
-      // The shares gathered back a segment at a time straight into the blocks (no copy of all of them), then the
-      // token statistics (small).
-      readers_.allgather_drained(base_f_, nf_, [&](size_t off, size_t len, const float* values) {
-        place_sums(live_.f, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
-      });
-      std::vector<double> D(nd_);
-      readers_.allgather(base_d_, D.data(), nd_);
-      unpack_doubles(D.data());
-      to_host_s = seconds_since(t_end);
-      if (!was_complete) store_.save(state_);
-    }
-    if (!was_complete)
-      spdlog::info("{}: pass end: {} {}, checkpoint {}", label_,
-                   one_reader_ ? "sums to the host moments" : "shares gathered into the moments",
-                   human_seconds(to_host_s), human_seconds(seconds_since(t_end) - to_host_s));
-  }
-
-  const int pass_;
-  const Calibration& cal_;
-  Context& ctx_;
-  CheckpointStore& store_;
-  PassState& state_;
-  const std::vector<Moments*>& ms_;
-  const std::string& label_;
-  std::vector<float>& base_f_;
-  std::vector<double>& base_d_;
-  Comm& readers_;
-  const bool one_reader_;
-  LiveSums live_;
+  PassScope& p_;
+  LiveSums live_;  // the sums where they are current: on the host, or the held copies while the moments hold them
   size_t nf_ = 0, nd_ = 0;
 };
 
-PassStats run_pass(int pass, const Calibration& cal, Context& ctx, CheckpointStore& store, PassState& state,
-                   const std::vector<Moments*>& ms, const std::string& label, bool keep_share) {
-  return PassRun(pass, cal, ctx, store, state, ms, label).run(keep_share);
+// One reader: its share of the pass is its moments. Nothing to reduce, and checkpoints read the sums where they are
+// (a device's held copies), so the sums are never held twice.
+class OneReader final : public PassStrategy {
+ public:
+  using PassStrategy::PassStrategy;
+
+  void restore() override {
+    PassState& st = p_.state;
+    if (st.deferred && st.pass == p_.pass) {  // the state's latest pass, straight in
+      const std::vector<double> d = read_deferred(*st.deferred, live_.f);
+      check_state_size(st.deferred->path, d.size(), nd_);
+      unpack_doubles(d.data());
+      st.deferred.reset();
+    } else if (p_.has_share()) {
+      check_state_size(p_.store.dir(), p_.share_f().size(), nf_);
+      check_state_size(p_.store.dir(), p_.share_d().size(), nd_);
+      place_sums(live_.f, 0, static_cast<int64_t>(nf_), p_.share_f().data());
+      unpack_doubles(p_.share_d().data());
+    }
+    // A state of a later pass keeps this one for that pass's checkpoints; in this pass the moments are current.
+    if (st.pass == p_.pass) {
+      std::vector<float>().swap(p_.share_f());
+      std::vector<double>().swap(p_.share_d());
+    }
+  }
+
+  void end_round(int64_t round, int64_t rounds) override {
+    const auto t = std::chrono::steady_clock::now();
+    p_.state.rounds_done = round + 1;
+    if (round + 1 < rounds) p_.store.save(p_.state, &live_);
+    spdlog::info("{}: round {}/{} ended: checkpoint {} (one reader: read from its moments)", p_.label, round + 1,
+                 rounds, round + 1 < rounds ? human_seconds(seconds_since(t)) : std::string("at the pass's end"));
+  }
+
+  void end_pass(bool keep_share, bool was_complete) override {
+    const auto t = std::chrono::steady_clock::now();
+    p_.ms.each([](Moments& m) { m.release_sums(true); });  // a device's sums to the host moments, once per pass
+    name_live();
+    const double to_host_s = seconds_since(t);
+    if (!was_complete) p_.store.save(p_.state, &live_);
+    if (keep_share && !p_.has_share()) {
+      p_.share_f().resize(nf_);
+      p_.share_d().resize(nd_);
+      p_.ctx.backend.copy_sums(live_.f, 0, static_cast<int64_t>(nf_), p_.share_f().data(), false);
+      p_.ctx.backend.copy_sums(live_.d, 0, static_cast<int64_t>(nd_), p_.share_d().data(), false);
+    }
+    if (!was_complete)
+      spdlog::info("{}: pass end: sums to the host moments {}, checkpoint {}", p_.label, human_seconds(to_host_s),
+                   human_seconds(seconds_since(t) - to_host_s));
+  }
+};
+
+// Several readers reduce each round's sums (in a fixed order) into this rank's share of the pass, and gather the
+// shares back into complete moments at the pass's end.
+class ReaderGroup final : public PassStrategy {
+ public:
+  using PassStrategy::PassStrategy;
+
+  void restore() override {
+    CROSSKV_ASSERT(!p_.state.deferred, "only one reader defers a checkpoint's sums");
+  }
+
+  void end_round(int64_t round, int64_t rounds) override {
+    const auto t = std::chrono::steady_clock::now();
+    reduce_round(p_.ms, p_.ctx.backend, p_.ctx.readers(), p_.share_f(), p_.share_d());
+    p_.state.rounds_done = round + 1;
+    const double reduce_s = seconds_since(t);
+    if (round + 1 < rounds) p_.store.save(p_.state);
+    spdlog::info("{}: round {}/{} ended: reduced into the share {}, checkpoint {}", p_.label, round + 1, rounds,
+                 human_seconds(reduce_s),
+                 round + 1 < rounds ? human_seconds(seconds_since(t) - reduce_s) : std::string("at the pass's end"));
+  }
+
+  void end_pass(bool, bool was_complete) override {
+    const auto t = std::chrono::steady_clock::now();
+    p_.ms.each([](Moments& m) { m.release_sums(false); });  // zeros after the last reduction: overwritten below
+    name_live();
+    // The shares gathered back a segment at a time straight into the blocks (no copy of all of them), then the
+    // token statistics (small).
+    Comm& readers = p_.ctx.readers();
+    readers.allgather_drained(p_.share_f(), nf_, [&](size_t off, size_t len, const float* values) {
+      place_sums(live_.f, static_cast<int64_t>(off), static_cast<int64_t>(len), values);
+    });
+    std::vector<double> D(nd_);
+    readers.allgather(p_.share_d(), D.data(), nd_);
+    unpack_doubles(D.data());
+    const double gather_s = seconds_since(t);
+    if (was_complete) return;
+    p_.store.save(p_.state);
+    spdlog::info("{}: pass end: shares gathered into the moments {}, checkpoint {}", p_.label,
+                 human_seconds(gather_s), human_seconds(seconds_since(t) - gather_s));
+  }
+};
+
+// One streaming pass in rounds, checkpointed after each. With a checkpoint of this pass, reading resumes after its
+// last round (or not at all if the pass was complete).
+PassStats run_pass(PassScope scope, bool keep_share) {
+  PassState& state = scope.state;
+  if (state.pass < scope.pass) {
+    state.pass = scope.pass;
+    state.rounds_done = 0;
+    scope.share_f().clear();
+    scope.share_d().clear();
+    state.deferred.reset();
+  }
+  const bool one_reader = scope.ctx.readers().size() == 1;
+  std::unique_ptr<PassStrategy> strategy;
+  if (one_reader)
+    strategy = std::make_unique<OneReader>(scope);
+  else
+    strategy = std::make_unique<ReaderGroup>(scope);
+  strategy->restore();
+  // A state of a later pass holds this one complete (its rounds_done counts the later pass's rounds).
+  const int64_t rounds = ShardSchedule(scope.cal, scope.ctx.readers().size(), scope.ctx.readers().rank()).rounds();
+  const bool was_complete = state.pass > scope.pass || state.rounds_done == rounds;
+  PassStats st;
+  if (was_complete) {
+    spdlog::info("{}: restored from the committed checkpoint in {} (no calibration data read)", scope.label,
+                 scope.store.dir());
+  } else {
+    if (state.rounds_done > 0)
+      spdlog::info("{}: resuming after round {} of {}", scope.label, state.rounds_done, rounds);
+    scope.ms.each([&](Moments& m) { m.hold_sums(scope.ctx.backend); });  // rounds reduce and save the held copies
+    strategy->name_live();
+    st = stream_pass(scope.cal, scope.ctx, scope.ms, scope.label, state.rounds_done,
+                     [&](int64_t round, int64_t R, bool abandoned) {
+                       if (!scope.ctx.comm.all_ok(!abandoned))
+                         throw Interrupted("stopped by a signal in round " + std::to_string(round + 1) + " of pass " +
+                                           std::to_string(scope.pass) + "; the last committed checkpoint in " +
+                                           scope.store.dir() + " stands");
+                       strategy->end_round(round, R);
+                     });
+  }
+  strategy->end_pass(keep_share, was_complete);
+  scope.ms.each([](Moments& m) { m.mark_pass_complete(); });
+  const double share = static_cast<double>(scope.share_f().size() * sizeof(float) +
+                                           scope.share_d().size() * sizeof(double));
+  log_rank_memory(scope.ctx, scope.label + " (moments + checkpointed share)", scope.ms, share);
+  return st;
 }
 
 // The moments of one pass-1 accumulation over `plan`'s blocks (this rank's layer group's share of them).
 FitMoments pass1_moments(const Shifts& sh, const PairDims& d, const Grid& grid, const MomentPlan& blocks,
                          const MomentPlan& probe) {
-  FitMoments m{Moments(d, sh.xk, sh.yk), Moments(d, sh.xv, sh.yv), std::make_unique<Moments>(d, sh.xk_raw, sh.yk_raw)};
-  m.k_raw->add_plan(grid.share(probe, d));
+  auto of = [&](Kind kind) { return Moments(d, sh[kind].x, sh[kind].y); };
+  FitMoments m{of(Kind::k), of(Kind::v), std::make_unique<Moments>(of(Kind::k_rope))};
+  m.k_rope->add_plan(grid.share(probe, d));
   m.k.add_plan(grid.share(blocks, d));
   m.v.add_plan(grid.share(blocks, d));
   return m;
@@ -226,8 +261,8 @@ PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& 
                           FitMoments& into) {
   const PairDims d = cal.dims();
   Sha256 shift_hash;
-  for (const auto* v : {&sh.xk, &sh.yk, &sh.xk_raw, &sh.yk_raw, &sh.xv, &sh.yv})
-    shift_hash.update(v->data(), v->size() * sizeof(float));
+  for (const Shift& k : sh.by_kind)
+    for (const auto* v : {&k.x, &k.y}) shift_hash.update(v->data(), v->size() * sizeof(float));
   const std::string shift_sha = shift_hash.hex();
   const bool one_reader = ctx.readers().size() == 1;
   PassStats stats;
@@ -248,21 +283,20 @@ PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& 
                        ctx.stop);
     PassState st = ds.load({.fresh = fresh, .reread_other_shift = true, .defer_latest_sums = one_reader}).value_or(PassState{});
     FitMoments dm = pass1_moments(sh, d, *ctx.grid, full, pp);
-    add_stats(stats, run_pass(1, sub, ctx, ds, st, {&dm.k, dm.k_raw.get(), &dm.v}, "pass 1/1 [domain " + dom + "]",
-                              false));
+    add_stats(stats, run_pass({1, sub, ctx, ds, st, dm.with_raw_keys(), "pass 1/1 [domain " + dom + "]"}, false));
     const auto it = cal.cfg.weights.find(dom);
     const double w = it == cal.cfg.weights.end() ? 1.0 : it->second;
     if (first) {
       into.k = std::move(dm.k);
-      *into.k_raw = std::move(*dm.k_raw);
+      *into.k_rope = std::move(*dm.k_rope);
       into.v = std::move(dm.v);
       into.k.scale(w);
-      into.k_raw->scale(w);
+      into.k_rope->scale(w);
       into.v.scale(w);
       first = false;
     } else {
       into.k.add(dm.k, w);
-      into.k_raw->add(*dm.k_raw, w);
+      into.k_rope->add(*dm.k_rope, w);
       into.v.add(dm.v, w);
     }
   }
@@ -279,7 +313,7 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
   const MomentPlan& blocks = plan.single_pass ? full : pp;
   FirstPass p1{pass1_moments(sh, d, *ctx.grid, blocks, pp), {}, nullptr, {}};
   spdlog::info("memory: moments {} (keys) + {} (values) + {} (raw keys, probe only), input blocks and segments {}",
-               human_bytes(p1.m.k.bytes()), human_bytes(p1.m.v.bytes()), human_bytes(p1.m.k_raw->bytes()),
+               human_bytes(p1.m.k.bytes()), human_bytes(p1.m.v.bytes()), human_bytes(p1.m.k_rope->bytes()),
                human_bytes(plan.host.buffers));
   // max_tokens makes a domain's tokens depend on the others: such fits, and two-pass fits, are checkpointed whole.
   const bool per_domain = plan.single_pass && !cal.cfg.max_tokens;
@@ -294,15 +328,16 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
                                                  checkpoint_identity(cal, plan, ctx.comm.size()), ctx.comm,
                                                  ctx.stop);
     p1.state = p1.store->load({.fresh = fresh, .defer_latest_sums = one_reader}).value_or(PassState{});
-    p1.stats = run_pass(1, cal, ctx, *p1.store, p1.state, {&p1.m.k, p1.m.k_raw.get(), &p1.m.v},
-                        plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)", !plan.single_pass);
+    p1.stats = run_pass({1, cal, ctx, *p1.store, p1.state, p1.m.with_raw_keys(),
+                         plan.single_pass ? "pass 1/1" : "pass 1/2 (probe)"},
+                        !plan.single_pass);
     // The share is committed and the moments hold it: only a second pass's checkpoints still need it.
     if (plan.single_pass) p1.state = PassState{};
   }
-  share_gram(*ctx.grid, pp, *p1.m.k_raw);
+  share_gram(*ctx.grid, pp, *p1.m.k_rope);
   share_gram(*ctx.grid, blocks, p1.m.k);
   share_gram(*ctx.grid, blocks, p1.m.v);
-  if (ctx.grid->layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", {&p1.m.k, p1.m.k_raw.get(), &p1.m.v});
+  if (ctx.grid->layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", p1.m.with_raw_keys());
   if (plan.single_pass && cal.cfg.probe == ProbeMode::same_head) {
     p1.m.k.derive_head_probe();
     p1.m.v.derive_head_probe();
@@ -316,12 +351,11 @@ PassStats second_pass(const Calibration& cal, const MomentPlan& selected, Contex
   p1.m.v.add_plan(ctx.grid->share(selected, d));
   spdlog::info("second pass for the selected blocks; moments now {} + {}", human_bytes(p1.m.k.bytes()),
                human_bytes(p1.m.v.bytes()));
-  const PassStats st = run_pass(2, cal, ctx, *p1.store, p1.state, {&p1.m.k, &p1.m.v}, "pass 2/2 (selected blocks)",
-                                false);
+  const PassStats st = run_pass({2, cal, ctx, *p1.store, p1.state, p1.m.mapped(), "pass 2/2 (selected blocks)"}, false);
   p1.state = PassState{};  // committed, and held by the moments: the solve does not need the shares
   share_gram(*ctx.grid, selected, p1.m.k);
   share_gram(*ctx.grid, selected, p1.m.v);
-  if (ctx.grid->layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", {&p1.m.k, &p1.m.v});
+  if (ctx.grid->layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", p1.m.mapped());
   return st;
 }
 

@@ -15,10 +15,12 @@ namespace crosskv {
 
 struct Grid;
 
-// The fit's moments: RoPE-stripped keys, values, and raw keys (for the probe's k_rope matrix only).
+// The fit's moments: RoPE-stripped keys, values, and raw keys (for the probe's k_rope matrix only; freed after it).
 struct FitMoments {
   Moments k, v;
-  std::unique_ptr<Moments> k_raw;
+  std::unique_ptr<Moments> k_rope;
+  PassMoments with_raw_keys() { return {k, k_rope.get(), v}; }
+  PassMoments mapped() { return {k, nullptr, v}; }
 };
 
 // What pass 1 leaves: the moments (Gram blocks exchanged between layer groups), and for a second pass the job's
@@ -45,6 +47,6 @@ PassStats second_pass(const Calibration& cal, const MomentPlan& selected, Contex
 MomentPlan probe_plan(const PairDims& d, ProbeMode mode);
 
 // Every rank's memory, logged by rank 0: the moments it holds, plus `extra` bytes.
-void log_rank_memory(Context& ctx, const std::string& label, const std::vector<Moments*>& ms, double extra = 0);
+void log_rank_memory(Context& ctx, const std::string& label, const PassMoments& ms, double extra = 0);
 
 }  // namespace crosskv

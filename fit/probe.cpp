@@ -18,8 +18,7 @@ namespace {
 
 // The probe, shared out over every rank: entries of the layer group's targets (or, for same-head blocks accumulated
 // per head, of its heads), source layer a on the group's reader a mod T; then summed over the job.
-ProbeR2 run_probe(const Moments& m, Context& ctx, ProbeMode mode, double lambda, const std::string& kind,
-                  bool by_head) {
+ProbeR2 run_probe(const Covariances& m, Context& ctx, ProbeMode mode, double lambda, Kind kind, bool by_head) {
   const Grid& g = *ctx.grid;
   const ProbeShare mine = [&g, by_head](int a, int l, int h) {
     return (by_head ? g.owns_head(h) : g.owns_target(l)) && a % g.token_groups == g.token_group;
@@ -37,10 +36,11 @@ Probe run_probes(const Calibration& cal, const FitPlan& plan, Context& ctx, FitM
   const FitConfig& cfg = cal.cfg;
   const bool same_head = cfg.probe == ProbeMode::same_head;
   Probe p;
-  p.r2["k_rope"] = run_probe(*m.k_raw, ctx, cfg.probe, cfg.lambda, "k_rope", same_head);
-  m.k_raw.reset();
-  p.r2["k"] = run_probe(m.k, ctx, cfg.probe, cfg.lambda, "k", same_head && !plan.single_pass);
-  p.r2["v"] = run_probe(m.v, ctx, cfg.probe, cfg.lambda, "v", same_head && !plan.single_pass);
+  p.r2[Kind::k_rope] = run_probe(m.k_rope->covariances(), ctx, cfg.probe, cfg.lambda, Kind::k_rope, same_head);
+  m.k_rope.reset();
+  for (Kind kind : kMappedKinds)
+    p.r2[kind] = run_probe(m.mapped().of(kind)->covariances(), ctx, cfg.probe, cfg.lambda, kind,
+                           same_head && !plan.single_pass);
   p.r2_path = (fs::path(cfg.output_dir) / "r2.h5").string();
   p.heatmap_path = (fs::path(cfg.output_dir) / "r2_heatmap.svg").string();
   if (ctx.comm.rank() == 0) {
@@ -49,9 +49,9 @@ Probe run_probes(const Calibration& cal, const FitPlan& plan, Context& ctx, FitM
                    {"probe", to_string(cfg.probe)}, {"lambda", std::to_string(cfg.lambda)},
                    {"rows", "source layer"}, {"columns", "target layer"}});
     write_file_atomic(p.heatmap_path,
-                      render_heatmaps_svg({{"K_rope (raw keys)", &p.r2["k_rope"]},
-                                           {"K (RoPE-stripped)", &p.r2["k"]},
-                                           {"V", &p.r2["v"]}},
+                      render_heatmaps_svg({{"K_rope (raw keys)", &p.r2[Kind::k_rope]},
+                                           {"K (RoPE-stripped)", &p.r2[Kind::k]},
+                                           {"V", &p.r2[Kind::v]}},
                                           cal.source_model + " -> " + cal.target_model + ": head-averaged R² (" +
                                               to_string(cfg.probe) + " probe, " + std::to_string(cal.tokens_used) +
                                               " tokens)"));
@@ -60,7 +60,7 @@ Probe run_probes(const Calibration& cal, const FitPlan& plan, Context& ctx, FitM
 }
 
 std::vector<std::vector<int>> select_sources(const Probe& probe, const PairDims& d, int kmax) {
-  const auto rankings = rank_sources(probe.r2.at("k").mean, probe.r2.at("v").mean, d.Ls, d.Lt);
+  const auto rankings = rank_sources(probe.r2.at(Kind::k).mean, probe.r2.at(Kind::v).mean, d.Ls, d.Lt);
   for (int l = 0; l < d.Lt; ++l) {
     const auto top = top_k(rankings[l], std::min(kmax, 4));
     std::string s;

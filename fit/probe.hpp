@@ -12,7 +12,7 @@
 namespace crosskv {
 
 struct Probe {
-  std::map<std::string, ProbeR2> r2;  // k_rope (raw keys), k (RoPE-stripped), v
+  std::map<Kind, ProbeR2> r2;  // k_rope (raw keys), k (RoPE-stripped), v
   std::string r2_path, heatmap_path;  // <output.dir>/r2.h5 and r2_heatmap.svg (written by rank 0)
 };
 

@@ -90,13 +90,13 @@ std::vector<double> r2_from_sse(const std::vector<double>& sse, const std::vecto
   return r2;
 }
 
-Factor factor_layers(const Moments& m, DenseMaths& be, const std::vector<int>& order, double lambda) {
+Factor factor_layers(const Covariances& m, DenseMaths& be, const std::vector<int>& order, double lambda) {
   Factor f;
   factor_layers(m, be, order, lambda, f);
   return f;
 }
 
-void factor_layers(const Moments& m, DenseMaths& be, const std::vector<int>& order, double lambda, Factor& f,
+void factor_layers(const Covariances& m, DenseMaths& be, const std::vector<int>& order, double lambda, Factor& f,
                    SolveTimes* times) {
   Lap lap(times);
   f.order = order;
@@ -122,7 +122,7 @@ namespace {
 
 // R², bias and ascending row order for a solution W [k*F x G] over layers `top` (in factor order), in one pass over
 // W and Cxy: each column chunk's rows in order on one thread, so every sum is the serial loop's (the same bits).
-LayerFit finish_fit(const Moments& m, int l, const std::vector<int>& top, const double* W, const double* Cxy,
+LayerFit finish_fit(const Covariances& m, int l, const std::vector<int>& top, const double* W, const double* Cxy,
                     double lambda) {
   const int64_t F = m.dims().F(), G = m.dims().G();
   const int k = static_cast<int>(top.size());
@@ -210,7 +210,7 @@ void solve_whole(DenseMaths& be, const Factor& f, const BigVector<double>& Cxy, 
 
 }  // namespace
 
-std::vector<LayerFit> fit_sweep(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
+std::vector<LayerFit> fit_sweep(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
                                 const std::vector<int>& ks, double lambda, const std::string& what,
                                 const Factor* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
@@ -260,7 +260,7 @@ namespace {
 // Head h's share of a per-head fit: W_h [nk x Dt] over layers `top` (factor order) goes to f.W's head block in
 // ascending layer order; its columns' SSE/N (in `sse`) and biases b = ȳ - x̄ W (in `b`, fp64) are of the layer's
 // width G, so the heads fill them in turn.
-void finish_head(const Moments& m, int h, const std::vector<int>& top, const double* W, const double* Cxy,
+void finish_head(const Covariances& m, int h, const std::vector<int>& top, const double* W, const double* Cxy,
                  double lambda, LayerFit& f, std::vector<double>& sse, std::vector<double>& b) {
   const PairDims& d = m.dims();
   const int64_t Ds = d.Ds, Dt = d.Dt;
@@ -290,7 +290,7 @@ void finish_head(const Moments& m, int h, const std::vector<int>& top, const dou
 
 }  // namespace
 
-std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
+std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
                                          const std::vector<int>& ks, double lambda, const std::string& what,
                                          std::vector<Factor>* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
@@ -370,7 +370,7 @@ std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l
   return out;
 }
 
-ProbeR2 probe_same_head(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
+ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
                         const ProbeShare& mine) {
   const PairDims& d = m.dims();
   CROSSKV_ASSERT(d.Hs == d.Ht, "same-head probe needs equal head counts");
@@ -390,7 +390,7 @@ ProbeR2 probe_same_head(const Moments& m, DenseMaths& be, double lambda, const s
       int64_t bad = 0;
       const auto f = factor(be, A.data(), Ds, lambda, bad);
       if (bad > 0)
-        throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) + " head " + std::to_string(h) +
+        throw SolveError("probe (" + std::string(kind_name(kind)) + "), source layer " + std::to_string(a) + " head " + std::to_string(h) +
                          ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
       W = C;
       be.solve(*f, Ds, Y, W.data(), Y);
@@ -405,7 +405,7 @@ ProbeR2 probe_same_head(const Moments& m, DenseMaths& be, double lambda, const s
   return r;
 }
 
-ProbeR2 probe_all_heads(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
+ProbeR2 probe_all_heads(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
                         const ProbeShare& mine) {
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
@@ -420,7 +420,7 @@ ProbeR2 probe_all_heads(const Moments& m, DenseMaths& be, double lambda, const s
     int64_t bad = 0;
     const auto f = factor(be, A.data(), F, lambda, bad);
     if (bad > 0)
-      throw SolveError("probe (" + kind + "), source layer " + std::to_string(a) +
+      throw SolveError("probe (" + std::string(kind_name(kind)) + "), source layer " + std::to_string(a) +
                        ": Cxx + lambda*I is singular (lambda = " + std::to_string(lambda) + "); use fit.lambda > 0");
     for (int l = 0; l < d.Lt; ++l) {
       if (mine && !mine(a, l, -1)) continue;

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/kind.hpp"
 #include "core/backend.hpp"
 #include "core/memory.hpp"
 #include "core/r2.hpp"
@@ -12,7 +13,7 @@
 
 namespace crosskv {
 
-class Moments;
+class Covariances;
 
 struct LayerFit {
   int k = 0;                 // number of source layers used
@@ -43,9 +44,9 @@ struct Factor {
 struct SolveTimes {
   double assemble = 0, factor = 0, substitute = 0, finish = 0;
 };
-Factor factor_layers(const Moments& m, DenseMaths& be, const std::vector<int>& order, double lambda);
+Factor factor_layers(const Covariances& m, DenseMaths& be, const std::vector<int>& order, double lambda);
 // The same into `f`, reusing its memory.
-void factor_layers(const Moments& m, DenseMaths& be, const std::vector<int>& order, double lambda, Factor& f,
+void factor_layers(const Covariances& m, DenseMaths& be, const std::vector<int>& order, double lambda, Factor& f,
                    SolveTimes* times = nullptr);
 
 // Buffers fit_sweep reuses from one target layer to the next (at paper scale hundreds of MB each: allocating them
@@ -61,14 +62,14 @@ struct SolveWorkspace {
 // substitution serves every k; only the back substitution is per k. k = Ls: `all_layers` (a Factor over every source
 // layer in ascending order, the same system for every target layer) is used when given, else factored here.
 // Throws SolveError naming `what` (e.g. "target layer 3, keys") when a needed system is not positive definite.
-std::vector<LayerFit> fit_sweep(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
+std::vector<LayerFit> fit_sweep(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
                                 const std::vector<int>& ks, double lambda, const std::string& what,
                                 const Factor* all_layers = nullptr, SolveWorkspace* workspace = nullptr);
 
 // The same for the head-matched structure (docs/METHOD.md, The fit): per target head h, a system of width k*Ds over source head h of
 // the selected layers, nested over k as above. k = Ls uses `all_layers` (one Factor per head over every source layer
 // in ascending order, filled here on first use and reused for the next target layer of the same kind) when given.
-std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l, const std::vector<int>& ranking,
+std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
                                          const std::vector<int>& ks, double lambda, const std::string& what,
                                          std::vector<Factor>* all_layers = nullptr,
                                          SolveWorkspace* workspace = nullptr);
@@ -78,9 +79,9 @@ std::vector<LayerFit> fit_sweep_per_head(const Moments& m, DenseMaths& be, int l
 // share the entries out is exact; probe_means() then recomputes the head averages.
 using ProbeShare = std::function<bool(int a, int l, int h)>;
 // Single-source probe (docs/METHOD.md, Probe and selection): target head h of l from source head h of a (same_head) or all heads of a.
-ProbeR2 probe_same_head(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
+ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
                         const ProbeShare& mine = {});
-ProbeR2 probe_all_heads(const Moments& m, DenseMaths& be, double lambda, const std::string& kind,
+ProbeR2 probe_all_heads(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
                         const ProbeShare& mine = {});
 
 }  // namespace crosskv

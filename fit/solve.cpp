@@ -111,8 +111,8 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
     const auto t_factor = std::chrono::steady_clock::now();
     std::vector<int> asc(d.Ls);
     std::iota(asc.begin(), asc.end(), 0);
-    if (unit.solves_keys()) all_k = std::make_unique<Factor>(factor_layers(mk, ctx.backend, asc, lambda));
-    if (unit.solves_values()) all_v = std::make_unique<Factor>(factor_layers(mv, ctx.backend, asc, lambda));
+    if (unit.solves_keys()) all_k = std::make_unique<Factor>(factor_layers(mk.covariances(), ctx.backend, asc, lambda));
+    if (unit.solves_values()) all_v = std::make_unique<Factor>(factor_layers(mv.covariances(), ctx.backend, asc, lambda));
     spdlog::info("factored the k = all system {} ({} features) in {}",
                  unit.paired ? "of one kind (keys and values solved by a pair of ranks)" : "once per kind",
                  (all_k ? all_k : all_v)->n, human_seconds(seconds_since(t_factor)));
@@ -126,19 +126,19 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
     const std::string what = "target layer " + std::to_string(l);
     std::vector<LayerFit> fk, fv;
     // Every structure's fits, in the plan's slot order (structure-major).
-    auto sweep = [&](const Moments& m, const std::string& kind, const Factor* all, std::vector<Factor>& head_all,
+    auto sweep = [&](const Covariances& m, Kind kind, const Factor* all, std::vector<Factor>& head_all,
                      std::vector<LayerFit>& into) {
       for (const Structure s : ss) {
         std::vector<LayerFit> f =
             s == Structure::cross_head
-                ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind, all, &workspace)
-                : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind + ", per_head",
+                ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind_dataset(kind), all, &workspace)
+                : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind_dataset(kind) + ", per_head",
                                      &head_all, &workspace);
         for (auto& x : f) into.push_back(std::move(x));
       }
     };
-    if (unit.solves_keys()) sweep(mk, "keys", all_k.get(), head_all_k, fk);
-    if (unit.solves_values()) sweep(mv, "values", all_v.get(), head_all_v, fv);
+    if (unit.solves_keys()) sweep(mk.covariances(), Kind::k, all_k.get(), head_all_k, fk);
+    if (unit.solves_values()) sweep(mv.covariances(), Kind::v, all_v.get(), head_all_v, fv);
     if (unit.paired) {  // the member that does not write this layer sends its kind to the one that does
       const int from = writes ? 1 - unit.member : unit.member;
       send_fits(*unit.pair, from, from == 0 ? fk : fv);

@@ -47,15 +47,17 @@ struct Stored {
 };
 
 // A block of rows: stored keys and values of both sides and their positions; on a host backend also the moments'
-// inputs (fp32, keys RoPE-stripped, shifted), prepared by the reader thread.
+// inputs of each kind (fp32, keys RoPE-stripped, shifted), prepared by the reader thread.
 struct Block {
   int64_t rows = 0;
   Stored sk, sv, tk, tv;
   std::vector<int32_t> spos, tpos;
-  std::vector<float> xk, xk_raw, xv, yk, yk_raw, yv;
+  std::array<std::vector<float>, kAllKinds.size()> x, y;  // by kind_index
   std::vector<float> sqrt_w;  // fit.weighting: dataset: sqrt of the target's per-token weights
   double weight_sum = 0;
   RowWeights weights() const { return sqrt_w.empty() ? RowWeights{} : RowWeights{sqrt_w.data(), weight_sum}; }
+  const Stored& source(Kind k) const { return k == Kind::v ? sv : sk; }
+  const Stored& target(Kind k) const { return k == Kind::v ? tv : tk; }
 };
 
 struct ShardPairReader {
@@ -93,15 +95,15 @@ void check_finite(const Stored& s, int64_t rows, int64_t per_layer, const std::s
                    std::to_string(layer) + ", token " + std::to_string(t0 + t * stride));
 }
 
-// Shifts of the moments being accumulated (null: unshifted, for computing the shifts themselves).
-struct BlockShifts {
-  const float *xk, *yk, *xk_raw, *yk_raw, *xv, *yv;
+// The shifts each kind's inputs are prepared about (by kind_index); null: unshifted (the shifts' own read).
+struct InputShifts {
+  std::array<const float*, kAllKinds.size()> x{}, y{};
 };
 
 // Reads rows j0 .. j0+rows-1 of the strided token sequence of one shard pair as stored, and with `weighted` the
-// target's token weights; with `host`, also prepares the moments' inputs on the host (raw keys only when want_raw).
+// target's token weights; with `host`, also prepares the inputs of `kinds` on the host.
 void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
-                bool want_raw, bool weighted, const BlockShifts* host, Block& b) {
+                const std::vector<Kind>& kinds, bool weighted, const InputShifts* host, Block& b) {
   const int64_t stride = cal.cfg.token_stride, t0 = j0 * stride;
   const PairDims d = cal.dims();
   b.rows = rows;
@@ -130,14 +132,12 @@ void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibr
   if (!host) return;
   const float* scale = b.sqrt_w.empty() ? nullptr : b.sqrt_w.data();
   const ComputeBackend::Strip ss{&rs, b.spos.data()}, st{&rt, b.tpos.data()};
-  prepare_on_host(b.sk.block(rows), &ss, host->xk, scale, b.xk);
-  prepare_on_host(b.tk.block(rows), &st, host->yk, scale, b.yk);
-  if (want_raw) {
-    prepare_on_host(b.sk.block(rows), nullptr, host->xk_raw, scale, b.xk_raw);
-    prepare_on_host(b.tk.block(rows), nullptr, host->yk_raw, scale, b.yk_raw);
+  for (Kind kind : kinds) {
+    const size_t i = kind_index(kind);
+    const bool strip = strips_rope(kind);
+    prepare_on_host(b.source(kind).block(rows), strip ? &ss : nullptr, host->x[i], scale, b.x[i]);
+    prepare_on_host(b.target(kind).block(rows), strip ? &st : nullptr, host->y[i], scale, b.y[i]);
   }
-  prepare_on_host(b.sv.block(rows), nullptr, host->xv, scale, b.xv);
-  prepare_on_host(b.tv.block(rows), nullptr, host->yv, scale, b.yv);
 }
 
 // One producer thread reads blocks ahead; the consumer folds them in. HDF5 is only ever called from the producer.
@@ -231,12 +231,17 @@ Shifts compute_shifts(const Calibration& cal) {
   Rope rs(cal.source, p.source_path), rt(cal.target, p.target_path);
   const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
   Block b;
-  const BlockShifts none{};
+  const InputShifts none{};
   // Any shift serves; this one does not depend on the weighting (or need the shift shard to carry weights).
-  read_block(r, rs, rt, cal, 0, rows, true, /*weighted=*/false, &none, b);
+  const std::vector<Kind> kinds(kAllKinds.begin(), kAllKinds.end());
+  read_block(r, rs, rt, cal, 0, rows, kinds, /*weighted=*/false, &none, b);
   const PairDims d = cal.dims();
-  return {column_means(b.xk, rows, d.X()),     column_means(b.yk, rows, d.Y()), column_means(b.xk_raw, rows, d.X()),
-          column_means(b.yk_raw, rows, d.Y()), column_means(b.xv, rows, d.X()), column_means(b.yv, rows, d.Y())};
+  Shifts s;
+  for (Kind kind : kAllKinds) {
+    const size_t i = kind_index(kind);
+    s[kind] = {column_means(b.x[i], rows, d.X()), column_means(b.y[i], rows, d.Y())};
+  }
+  return s;
 }
 
 namespace {
@@ -249,12 +254,6 @@ nlohmann::json shift_identity(const Calibration& cal) {
           {"target", p.target_path}, {"used", p.used},
           {"stamps", {file_stamp(p.source_path), file_stamp(p.target_path)}}, {"block_tokens", cal.cfg.block_tokens},
           {"token_stride", cal.cfg.token_stride}};
-}
-
-// The six arrays in their file order.
-template <class S>
-auto parts_of(S& s) {
-  return std::array{&s.xk, &s.yk, &s.xk_raw, &s.yk_raw, &s.xv, &s.yv};
 }
 
 // The shifts in `path` when it holds those of `id`, whole; nullopt otherwise (missing, another shard, damaged).
@@ -273,26 +272,27 @@ std::optional<Shifts> read_kept_shifts(const std::string& path, const nlohmann::
   const nlohmann::json h = read_shifts_head(in);
   if (!h.is_object() || h.value("identity", nlohmann::json()) != id) return std::nullopt;
   Shifts s;
-  const int64_t sizes[6] = {d.X(), d.Y(), d.X(), d.Y(), d.X(), d.Y()};
   Sha256 sha;
-  int i = 0;
-  for (auto* v : parts_of(s)) {
-    v->resize(static_cast<size_t>(sizes[i++]));
-    in.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
-    if (!in) return std::nullopt;
-    sha.update(v->data(), v->size() * sizeof(float));
-  }
+  for (Shift& k : s.by_kind)
+    for (auto [v, size] : {std::pair{&k.x, d.X()}, std::pair{&k.y, d.Y()}}) {
+      v->resize(static_cast<size_t>(size));
+      in.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
+      if (!in) return std::nullopt;
+      sha.update(v->data(), v->size() * sizeof(float));
+    }
   if (in.peek() != std::char_traits<char>::eof() || sha.hex() != h.value("sha256", "")) return std::nullopt;
   return s;
 }
 
 void keep_shifts(const std::string& path, const nlohmann::json& id, const Shifts& s) {
   Sha256 sha;
-  for (auto* v : parts_of(s)) sha.update(v->data(), v->size() * sizeof(float));
+  for (const Shift& k : s.by_kind)
+    for (const auto* v : {&k.x, &k.y}) sha.update(v->data(), v->size() * sizeof(float));
   const std::string head = nlohmann::json{{"identity", id}, {"sha256", sha.hex()}}.dump() + "\n";
   AtomicFile f(path);
   f.write(head.data(), head.size());
-  for (auto* v : parts_of(s)) f.write(v->data(), v->size() * sizeof(float));
+  for (const Shift& k : s.by_kind)
+    for (const auto* v : {&k.x, &k.y}) f.write(v->data(), v->size() * sizeof(float));
   f.commit();
 }
 
@@ -324,73 +324,82 @@ Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, b
 
 Comm& Context::readers() const { return grid ? *grid->readers : comm; }
 
-int64_t pass_rounds(const Calibration& cal, int ranks) {
-  const int64_t per_round = int64_t{ranks} * cal.cfg.checkpoint_every_shards;
-  return (static_cast<int64_t>(cal.shards.size()) + per_round - 1) / per_round;
+ShardSchedule::ShardSchedule(const Calibration& cal, int readers, int reader)
+    : cal_(cal), readers_(readers), reader_(reader),
+      per_round_(int64_t{readers} * cal.cfg.checkpoint_every_shards) {}
+
+int64_t ShardSchedule::rounds() const {
+  return (static_cast<int64_t>(cal_.shards.size()) + per_round_ - 1) / per_round_;
 }
 
-PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments* k_rope, Moments& v,
-                      const std::string& label, int64_t start_round, const RoundHook& on_round) {
-  const int rank = ctx.readers().rank(), size = ctx.readers().size();
-  const int64_t rounds = pass_rounds(cal, size), per_round = int64_t{size} * cal.cfg.checkpoint_every_shards;
-  int64_t todo = 0, job_todo = 0;
-  for (size_t i = static_cast<size_t>(start_round * per_round); i < cal.shards.size(); ++i) {
-    job_todo += cal.shards[i].used;
-    if (static_cast<int>(i % size) == rank) todo += cal.shards[i].used;
-  }
+std::vector<const ShardPair*> ShardSchedule::shards(int64_t round) const {
+  std::vector<const ShardPair*> out;
+  const int64_t end = std::min<int64_t>((round + 1) * per_round_, static_cast<int64_t>(cal_.shards.size()));
+  for (int64_t i = round * per_round_; i < end; ++i)
+    if (mine(static_cast<size_t>(i)) && cal_.shards[i].used > 0) out.push_back(&cal_.shards[i]);
+  return out;
+}
+
+int64_t ShardSchedule::tokens(int64_t start_round, bool mine_only) const {
+  int64_t n = 0;
+  for (size_t i = static_cast<size_t>(start_round * per_round_); i < cal_.shards.size(); ++i)
+    if (!mine_only || mine(i)) n += cal_.shards[i].used;
+  return n;
+}
+
+PassStats stream_pass(const Calibration& cal, Context& ctx, const PassMoments& m, const std::string& label,
+                      int64_t start_round, const RoundHook& on_round) {
+  const ShardSchedule schedule(cal, ctx.readers().size(), ctx.readers().rank());
+  const int64_t rounds = schedule.rounds(), todo = schedule.my_tokens(start_round),
+                job_todo = schedule.job_tokens(start_round);
   const PairDims d = cal.dims();
   const double bytes_per_token = 2.0 * (d.X() * 4 + d.Y() * 4);  // fp32 equivalent of K and V, both sides
   Progress progress(label, job_todo, bytes_per_token);
   Rope rs(cal.source, "source kv_spec"), rt(cal.target, "target kv_spec");
-  const bool want_raw = k_rope != nullptr, weighted = cal.cfg.weighting == Weighting::dataset;
+  const bool weighted = cal.cfg.weighting == Weighting::dataset;
   const int64_t B = cal.cfg.block_tokens;
+  // The kinds this pass accumulates, each into its moments about their shifts.
+  std::vector<Kind> kinds;
+  std::array<Moments*, kAllKinds.size()> into{};
+  InputShifts shifts;
+  for (Kind kind : kAllKinds) {
+    Moments* mk = m.of(kind);
+    if (!mk) continue;
+    kinds.push_back(kind);
+    into[kind_index(kind)] = mk;
+    shifts.x[kind_index(kind)] = mk->shift_x().data();
+    shifts.y[kind_index(kind)] = mk->shift_y().data();
+  }
   // A device backend converts, strips RoPE and shifts on the device (half the bytes to copy, no host arithmetic);
   // otherwise the reader thread does it.
   ComputeBackend& be = ctx.backend;
   const bool on_device = be.prepares_on_device();
-  const BlockShifts shifts{k.shift_x().data(),
-                           k.shift_y().data(),
-                           want_raw ? k_rope->shift_x().data() : nullptr,
-                           want_raw ? k_rope->shift_y().data() : nullptr,
-                           v.shift_x().data(),
-                           v.shift_y().data()};
   auto fold = [&](Block& b) {
     be.begin_inputs();
     const int64_t n = b.rows;
     const RowWeights w = b.weights();
     if (w.sqrt_w) be.stage_inputs({ComputeBackend::floats(w.sqrt_w, n)});
-    if (!on_device) {
-      be.stage_inputs({ComputeBackend::floats(b.xk.data(), n * d.X()), ComputeBackend::floats(b.yk.data(), n * d.Y()),
-                       ComputeBackend::floats(b.xv.data(), n * d.X()), ComputeBackend::floats(b.yv.data(), n * d.Y())});
-      if (want_raw)
-        be.stage_inputs({ComputeBackend::floats(b.xk_raw.data(), n * d.X()),
-                         ComputeBackend::floats(b.yk_raw.data(), n * d.Y())});
-      k.accumulate_staged(be, b.xk.data(), b.yk.data(), n, w);
-      if (want_raw) k_rope->accumulate_staged(be, b.xk_raw.data(), b.yk_raw.data(), n, w);
-      v.accumulate_staged(be, b.xv.data(), b.yv.data(), n, w);
-      return;
-    }
-    be.stage_inputs({b.sk.span(), b.sv.span(), b.tk.span(), b.tv.span(),
-                     {b.spos.data(), n * 4}, {b.tpos.data(), n * 4}});
+    if (on_device)
+      be.stage_inputs({b.sk.span(), b.sv.span(), b.tk.span(), b.tv.span(), {b.spos.data(), n * 4},
+                       {b.tpos.data(), n * 4}});
     const ComputeBackend::Strip ss{&rs, b.spos.data()}, tt{&rt, b.tpos.data()};
-    const float* xk = be.prepare(b.sk.block(n), &ss, shifts.xk, w.sqrt_w, b.xk);
-    const float* yk = be.prepare(b.tk.block(n), &tt, shifts.yk, w.sqrt_w, b.yk);
-    k.accumulate_staged(be, xk, yk, n, w);
-    if (want_raw) {
-      const float* xr = be.prepare(b.sk.block(n), nullptr, shifts.xk_raw, w.sqrt_w, b.xk_raw);
-      const float* yr = be.prepare(b.tk.block(n), nullptr, shifts.yk_raw, w.sqrt_w, b.yk_raw);
-      k_rope->accumulate_staged(be, xr, yr, n, w);
+    for (Kind kind : kinds) {
+      const size_t i = kind_index(kind);
+      const float *x = b.x[i].data(), *y = b.y[i].data();  // prepared by the reader thread
+      if (on_device) {
+        const bool strip = strips_rope(kind);
+        x = be.prepare(b.source(kind).block(n), strip ? &ss : nullptr, shifts.x[i], w.sqrt_w, b.x[i]);
+        y = be.prepare(b.target(kind).block(n), strip ? &tt : nullptr, shifts.y[i], w.sqrt_w, b.y[i]);
+      } else {
+        be.stage_inputs({ComputeBackend::floats(x, n * d.X()), ComputeBackend::floats(y, n * d.Y())});
+      }
+      into[i]->accumulate_staged(be, x, y, n, w);
     }
-    const float* xv = be.prepare(b.sv.block(n), nullptr, shifts.xv, w.sqrt_w, b.xv);
-    const float* yv = be.prepare(b.tv.block(n), nullptr, shifts.yv, w.sqrt_w, b.yv);
-    v.accumulate_staged(be, xv, yv, n, w);
   };
   PassStats st;
   BlockQueue queue;
   for (int64_t round = start_round; round < rounds; ++round) {
-    std::vector<const ShardPair*> mine;
-    for (int64_t i = round * per_round; i < std::min<int64_t>((round + 1) * per_round, cal.shards.size()); ++i)
-      if (static_cast<int>(i % size) == rank && cal.shards[i].used > 0) mine.push_back(&cal.shards[i]);
+    const std::vector<const ShardPair*> mine = schedule.shards(round);
     bool abandoned = false;
     queue.next_round();
     std::thread producer([&] {
@@ -400,8 +409,7 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, Moments& k, Moments*
           for (int64_t j = 0; j < p->used; j += B) {
             std::optional<Block> b = queue.take_free();
             if (!b) return;
-            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), want_raw, weighted, on_device ? nullptr : &shifts,
-                       *b);
+            read_block(r, rs, rt, cal, j, std::min(B, p->used - j), kinds, weighted, on_device ? nullptr : &shifts, *b);
             queue.push(std::move(b));
           }
         }

@@ -3,12 +3,13 @@
 #include <map>
 #include <string>
 
+#include "core/kind.hpp"
 #include "core/r2.hpp"
 
 namespace crosskv {
 
-void write_r2_file(const std::string& path, const std::map<std::string, ProbeR2>& probes,
+void write_r2_file(const std::string& path, const std::map<Kind, ProbeR2>& probes,
                    const std::map<std::string, std::string>& attrs);
-std::map<std::string, ProbeR2> read_r2_file(const std::string& path);
+std::map<Kind, ProbeR2> read_r2_file(const std::string& path);
 
 }  // namespace crosskv

@@ -43,9 +43,11 @@ void Transfer::map_windows(const ContentBatch& b) {
   }
 }
 
-void Transfer::map_content(bool keys, const float* X, int64_t rows, float* out) {
+void Transfer::map_content(Kind kind, const float* X, int64_t rows, float* out) {
   ContentBatch c;
   c.rows = rows;
+  const bool keys = kind == Kind::k;
+  CROSSKV_ASSERT(kind != Kind::k_rope, "raw keys are never mapped");
   (keys ? c.keys : c.values) = X;
   (keys ? c.out_keys : c.out_values) = out;
   map_windows(c);

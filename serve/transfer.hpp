@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/kind.hpp"
 #include "serve/serving_mapper.hpp"
 
 namespace crosskv {
@@ -38,7 +39,7 @@ class Transfer {
   void apply(const float* keys, const float* values, const int32_t* src_pos, const int32_t* tgt_pos, int64_t rows,
              float* out_keys, float* out_values, TargetLayers layers = {});
   // Content space: X [rows, Ls*F] (RoPE-stripped keys, or values) -> out [rows, Lt*G]; no RoPE on either side.
-  void map_content(bool keys, const float* X, int64_t rows, float* out);
+  void map_content(Kind kind, const float* X, int64_t rows, float* out);
   // Both kinds at once (one read of each layer's weights).
   void map_content(const float* Xk, const float* Xv, int64_t rows, float* out_k, float* out_v,
                    TargetLayers layers = {});

@@ -19,6 +19,7 @@
 #include "core/error.hpp"
 #include "io/h5.hpp"
 #include "fit/fit_pipeline.hpp"
+#include "fit/round.hpp"
 #include "tools/synth.hpp"
 
 namespace crosskv::test {
@@ -149,7 +150,7 @@ inline FitResult fit_yaml(const std::string& yaml, const std::string& name = "cf
 inline void pack_live(const Moments& m, std::vector<float>& f, std::vector<double>& d) {
   std::vector<ComputeBackend::SumPiece<float>> pf;
   std::vector<ComputeBackend::SumPiece<double>> pd;
-  const_cast<Moments&>(m).live_pieces(pf, pd);
+  LiveState::pieces(const_cast<Moments&>(m), pf, pd);
   f.resize(static_cast<size_t>(flat_size(pf)));
   d.resize(static_cast<size_t>(flat_size(pd)));
   auto cpu = make_cpu_backend();
@@ -159,9 +160,9 @@ inline void pack_live(const Moments& m, std::vector<float>& f, std::vector<doubl
 inline void unpack_live(Moments& m, const float* f, const double* d) {
   std::vector<ComputeBackend::SumPiece<float>> pf;
   std::vector<ComputeBackend::SumPiece<double>> pd;
-  m.live_pieces(pf, pd);
+  LiveState::pieces(m, pf, pd);
   place_sums(pf, 0, flat_size(pf), f);
-  m.unpack_live_doubles(d);
+  LiveState::unpack_doubles(m, d);
 }
 
 // Runs fn, expects an exception of type E whose message contains every one of `parts`.

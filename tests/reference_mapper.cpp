@@ -17,7 +17,8 @@ MapperWeights load_mapper(const std::string& dir) {
   return m;
 }
 
-void map_content(const MapperWeights& m, bool keys, const float* X, int64_t rows, float* out) {
+void map_content(const MapperWeights& m, Kind kind, const float* X, int64_t rows, float* out) {
+  const bool keys = kind == Kind::k;
   const int64_t F = m.source.features_per_layer(), G = m.target.features_per_layer();
   const int64_t XW = m.source.n_layers * F, YW = m.target.n_layers * G;
   for (const auto& l : m.layers) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "artifact/mapper.hpp"
+#include "core/kind.hpp"
 
 namespace crosskv {
 
@@ -19,6 +20,6 @@ struct MapperWeights {
 MapperWeights load_mapper(const std::string& dir);
 
 // X: source content [rows x Ls*F] (RoPE-stripped keys, or values); out: target content [rows x Lt*G].
-void map_content(const MapperWeights& m, bool keys, const float* X, int64_t rows, float* out);
+void map_content(const MapperWeights& m, Kind kind, const float* X, int64_t rows, float* out);
 
 }  // namespace crosskv

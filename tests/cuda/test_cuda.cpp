@@ -384,8 +384,8 @@ void check_rounds_and_passes(ComputeBackend& dev) {
     for (size_t i = 0; i < da.size(); ++i) ASSERT_NEAR(da[i], db[i], 1e-12 * total * (1 + std::fabs(da[i]))) << what;
   };
   round(100, "round 1");
-  a.zero_live();
-  b.zero_live();
+  LiveState::zero(a);
+  LiveState::zero(b);
   round(200, "round 2 (after zero_live)");
   a.mark_pass_complete();
   b.mark_pass_complete();
@@ -449,8 +449,8 @@ void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool 
         pack_live(ka, uk, ukd);
         pack_live(va, uv, uvd);
       }
-      reduce_round({&ka, &va}, *cpu, host_comm, fa, da);
-      reduce_round({&kb, &vb}, dev, dev_comm, fb, db);
+      reduce_round({ka, nullptr, va}, *cpu, host_comm, fa, da);
+      reduce_round({kb, nullptr, vb}, dev, dev_comm, fb, db);
       ASSERT_EQ(fa.size(), fb.size()) << what;
       ASSERT_EQ(da.size(), db.size()) << what;
       ASSERT_GT(fa.size(), 0u) << what;
@@ -473,10 +473,10 @@ void check_round_end(ComputeBackend& dev, Comm& host_comm, Comm& dev_comm, bool 
   const int64_t n = 3 * d.F();
   for (auto [a, b] : {std::pair{&ka, &kb}, std::pair{&va, &vb}}) {
     std::vector<double> xa(n * n), xb(n * n), ya(n * d.G()), yb(n * d.G());
-    a->cov_xx(layers, xa.data(), n);
-    b->cov_xx(layers, xb.data(), n);
-    a->cov_xy(layers, 2, ya.data(), d.G());
-    b->cov_xy(layers, 2, yb.data(), d.G());
+    a->covariances().cov_xx(layers, xa.data(), n);
+    b->covariances().cov_xx(layers, xb.data(), n);
+    a->covariances().cov_xy(layers, 2, ya.data(), d.G());
+    b->covariances().cov_xy(layers, 2, yb.data(), d.G());
     ASSERT_EQ(xa, xb);
     ASSERT_EQ(ya, yb);
   }
@@ -517,7 +517,7 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
   pack_live(a, want, wantd);
   std::vector<ComputeBackend::SumPiece<float>> fp;
   std::vector<ComputeBackend::SumPiece<double>> dp;
-  b.live_pieces(fp, dp);
+  LiveState::pieces(b, fp, dp);
   const auto n = static_cast<int64_t>(want.size()), nd = static_cast<int64_t>(wantd.size());
   ASSERT_EQ(fp.back().at + fp.back().rows * fp.back().cols, n);
   ASSERT_EQ(dp.back().at + dp.back().rows * dp.back().cols, nd);
@@ -544,10 +544,10 @@ void check_copy_windows(ComputeBackend& dev, bool exact) {
   c.add_plan(plan);
   std::vector<ComputeBackend::SumPiece<float>> cp;
   std::vector<ComputeBackend::SumPiece<double>> cd;
-  c.live_pieces(cp, cd);
+  LiveState::pieces(c, cp, cd);
   for (int64_t off = 0, len = 1; off < n; off += len, len = 1 + static_cast<int64_t>(rng() % 97))
     place_sums(cp, off, std::min(len, n - off), want.data() + off);
-  c.unpack_live_doubles(wantd.data());
+  LiveState::unpack_doubles(c, wantd.data());
   EXPECT_EQ(packed(c), std::make_pair(want, wantd));
 }
 
@@ -570,10 +570,10 @@ void check_assembled_factor(ComputeBackend& dev, bool exact) {
   for (const std::vector<int>& order : {std::vector<int>{2, 0, 1}, std::vector<int>{1}, std::vector<int>{0, 2}}) {
     const int64_t n = static_cast<int64_t>(order.size()) * d.F(), nrhs = 5;
     std::vector<double> want(n * n);
-    m.cov_xx(order, want.data(), n);
+    m.covariances().cov_xx(order, want.data(), n);
     for (int64_t i = 0; i < n; ++i) want[i * n + i] += lambda;
     std::vector<double> diag(n);
-    const auto f = dev.factor_cov(m.cov_xx_terms(order), lambda, diag.data());
+    const auto f = dev.factor_cov(m.covariances().cov_xx_terms(order), lambda, diag.data());
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(want[i * n + i], diag[i]) << "diagonal " << i;
     ASSERT_EQ(checks(*cpu).cholesky(n, want.data(), n), 0);
     ASSERT_EQ(f->info, 0);
@@ -640,7 +640,7 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
   b.add_plan(plan);
   LiveSums live{&dev, {}, {}};
   b.hold_sums(dev);  // held first: the pieces name the held copies
-  b.live_pieces(live.f, live.d);
+  LiveState::pieces(b, live.f, live.d);
   CheckpointStore store(dir.str("ck"), identity, *comm);
   PassState state;
   int64_t total = 0;
@@ -678,15 +678,15 @@ void check_one_reader_checkpoints(ComputeBackend& dev, bool exact) {
   Moments c(d, sx, sy);
   c.add_plan(plan);
   LiveSums into;
-  c.live_pieces(into.f, into.d);
+  LiveState::pieces(c, into.f, into.d);
   const std::vector<double> doubles = read_deferred(*got->deferred, into.f);
-  c.unpack_live_doubles(doubles.data());
+  LiveState::unpack_doubles(c, doubles.data());
   EXPECT_EQ(packed(c), std::make_pair(fb, db));
   // Moments of another plan do not take the state: the error names the file and both counts.
   Moments e(d, sx, sy);
   e.add_plan(MomentPlan::full(d, false));
   LiveSums other;
-  e.live_pieces(other.f, other.d);
+  LiveState::pieces(e, other.f, other.d);
   try {
     read_deferred(*got->deferred, other.f);
     ADD_FAILURE() << "a state of another size was read";
@@ -793,9 +793,9 @@ TEST(DeviceContract, ResidentTransferReadsItsWeightsOnceAndMatchesTheCpu) {
   Transfer tc(mapper, *cpu, TransferOptions{true, true, true});
   Transfer ts(mapper, shadow, TransferOptions{true, true, true});
   for (int pass = 0; pass < 2; ++pass) {  // the second pass maps every layer with the weights already held
-    tc.map_content(true, X.data(), rows, want.data());
-    ts.map_content(false, X.data(), rows, got.data());
-    ts.map_content(true, X.data(), rows, got.data());
+    tc.map_content(Kind::k, X.data(), rows, want.data());
+    ts.map_content(Kind::v, X.data(), rows, got.data());
+    ts.map_content(Kind::k, X.data(), rows, got.data());
     ASSERT_EQ(want, got) << "pass " << pass;
   }
   EXPECT_EQ(ts.layer_loads(), m.target.n_layers);

@@ -64,7 +64,7 @@ TEST(HardenedManifest, EveryBadFieldIsNamed) {
   Transfer tr(a.dir, *be);
   std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
       Y(10 * tr.target().n_layers * tr.target().features_per_layer());
-  expect_error<InputError>([&] { tr.map_content(true, X.data(), 10, Y.data()); },
+  expect_error<InputError>([&] { tr.map_content(Kind::k, X.data(), 10, Y.data()); },
                            {"layer-003.safetensors", "SHA-256 does not match"});
 }
 
@@ -119,7 +119,7 @@ TEST(HardenedManifest, NonFiniteWeightsAreRefusedByLayerAndTensor) {
   Transfer tr(a.dir, *be);
   std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
       Y(10 * tr.target().n_layers * tr.target().features_per_layer());
-  expect_error<InputError>([&] { tr.map_content(false, X.data(), 10, Y.data()); },
+  expect_error<InputError>([&] { tr.map_content(Kind::v, X.data(), 10, Y.data()); },
                            {file, "target layer 4", "tensor 'v.bias'", "NaN", "element 3"});
 }
 
@@ -133,13 +133,13 @@ TEST(HardenedManifest, ALayerFileLinkedFromOutsideTheFolderIsRefused) {
   Transfer tr(a.dir, *be);
   std::vector<float> X(10 * tr.source().n_layers * tr.source().features_per_layer(), 0.0f),
       Y(10 * tr.target().n_layers * tr.target().features_per_layer());
-  expect_error<InputError>([&] { tr.map_content(true, X.data(), 10, Y.data()); },
+  expect_error<InputError>([&] { tr.map_content(Kind::k, X.data(), 10, Y.data()); },
                            {file, "symlink leaving the mapper folder", "elsewhere.safetensors"});
   fs::remove(file);
   fs::rename(outside, a.dir + "/moved.safetensors");
   fs::create_symlink("moved.safetensors", file);
   Transfer again(a.dir, *be);
-  EXPECT_NO_THROW(again.map_content(true, X.data(), 10, Y.data()));
+  EXPECT_NO_THROW(again.map_content(Kind::k, X.data(), 10, Y.data()));
 }
 
 // ---- Residual MLPs in artifacts: optional <kind>.mlp.* tensors of a layer, applied on top of ridge.
@@ -159,7 +159,7 @@ TEST(ResidualMlpArtifact, ApplyAddsTheMlpToRidgeLikeTheLoopReference) {
   std::normal_distribution<float> n(0, 1);
   std::vector<float> X(rows * XW);
   for (auto& x : X) x = n(rng);
-  for (bool keys : {true, false}) {
+  for (Kind keys : kMappedKinds) {
     std::vector<float> got(rows * YW), want(rows * YW), ridge(rows * YW);
     Transfer tr(a.dir, *be);
     tr.map_content(keys, X.data(), rows, got.data());
@@ -210,8 +210,8 @@ TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
       }
       const bool f32 = dtype == "F32";
       LayerFileContent c{l, layers, rows, G,
-                         {dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data(), mlps & 1 ? &mk : nullptr},
-                         {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data(), mlps & 2 ? &mv : nullptr}};
+                         {{dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data(), mlps & 1 ? &mk : nullptr},
+                          {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data(), mlps & 2 ? &mv : nullptr}}};
       const std::string file = a.dir + "/" + layer_file_name(l);
       write_layer_file(file, c);
       nlohmann::json m = a.manifest;
@@ -235,7 +235,7 @@ TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
       }
       std::set<std::string> names, want = {"k.weight", "k.bias", "v.weight", "v.bias"};
       for (const auto& [name, x] : read_safetensors(file)) names.insert(name);
-      for (auto [kind, on, p] : {std::tuple{'k', mlps & 1, &mk}, std::tuple{'v', mlps & 2, &mv}})
+      for (auto [kind, on, p] : {std::tuple{Kind::k, mlps & 1, &mk}, std::tuple{Kind::v, mlps & 2, &mv}})
         if (on)
           for (const MlpTensor& x : mlp_tensors(p->shape)) want.insert(layer_tensor_name(kind, std::string("mlp.") + x.name));
       EXPECT_EQ(names, want) << what;
@@ -259,8 +259,8 @@ TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
   run.timings_s = {{"total", 1.0}};
   run.ranks = 2, run.passes = 1, run.backend = "cpu";
   nlohmann::json m = make_manifest("src-model", m0.source, "tgt-model", m0.target, fit, layers, cal, run);
-  ManifestMlpDecision dropped{'k', false, 1.0, std::numeric_limits<double>::infinity(), 0.5, 0.4, 0};
-  ManifestMlpDecision kept{'v', true, 1.0, 0.5, 0.5, 0.75, 8};
+  ManifestMlpDecision dropped{Kind::k, false, 1.0, std::numeric_limits<double>::infinity(), 0.5, 0.4, 0};
+  ManifestMlpDecision kept{Kind::v, true, 1.0, 0.5, 0.5, 0.75, 8};
   add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {dropped, kept});
   ManifestMlpSettings settings;
   settings.hidden = 8;
@@ -353,8 +353,8 @@ TEST(PerHeadArtifact, WhatTheWriterStoresTheReaderReadsBackForEveryDtype) {
       hv[i] = dtype == "BF16" ? float_to_bf16(wv[i]) : float_to_fp16(wv[i]);
     }
     const bool f32 = dtype == "F32";
-    LayerFileContent c{l, layers, rows, G, {dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data()},
-                       {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data()}, H};
+    LayerFileContent c{l, layers, rows, G, {{dtype, f32 ? static_cast<const void*>(wk.data()) : hk.data(), bk.data()},
+                       {dtype, f32 ? static_cast<const void*>(wv.data()) : hv.data(), bv.data()}}, H};
     const std::string file = a.dir + "/" + layer_file_name(l);
     write_layer_file(file, c);
     EXPECT_EQ(read_safetensors(file).at("k.weight").shape, (std::vector<int64_t>{H, rows, Dt})) << dtype;

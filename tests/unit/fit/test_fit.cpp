@@ -54,8 +54,8 @@ Mapped map_pair(const MapperWeights& m, const std::string& src, const std::strin
   p.pos = s.positions();
   if (strip_at_apply)
     Rope(m.source).strip_block(xk.data(), p.T, int64_t{m.source.n_layers} * m.source.n_kv_heads, p.pos.data());
-  map_content(m, true, xk.data(), p.T, p.pk.data());
-  map_content(m, false, xv.data(), p.T, p.pv.data());
+  map_content(m, Kind::k, xk.data(), p.T, p.pk.data());
+  map_content(m, Kind::v, xv.data(), p.T, p.pv.data());
   return p;
 }
 
@@ -129,7 +129,7 @@ TEST(Fit, FamilyDataShowsTheDiagonalBandAndR2GrowsWithK) {
   FitResult r = fit_yaml(config_yaml(tmp.str(), "{k: [1, 2, 4, all], lambda: 0.01}"));
   ASSERT_EQ(r.artifacts.size(), 4u);
   auto probes = read_r2_file(r.r2_path);
-  const auto& k = probes["k"];
+  const auto& k = probes[Kind::k];
   // Each target layer's best source layer sits at a similar relative depth.
   for (int l = 0; l < k.Lt; ++l) {
     int best = 0;
@@ -141,7 +141,7 @@ TEST(Fit, FamilyDataShowsTheDiagonalBandAndR2GrowsWithK) {
   double best_k = 0, best_raw = 0;
   for (size_t i = 0; i < k.mean.size(); ++i) {
     best_k = std::max(best_k, k.mean[i]);
-    best_raw = std::max(best_raw, probes["k_rope"].mean[i]);
+    best_raw = std::max(best_raw, probes[Kind::k_rope].mean[i]);
   }
   EXPECT_GT(best_k, best_raw + 0.2);
   double prev = -1;

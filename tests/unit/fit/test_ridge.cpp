@@ -119,7 +119,7 @@ TEST(Ridge, MatchesIndependentSolverOnRandomData) {
   auto be = make_cpu_backend();
   const std::vector<int> ranking = {2, 0, 1};
   for (double lambda : {0.0, 0.01, 0.5}) {
-    auto fits = fit_sweep(m, *be, 1, ranking, {1, 2, 3}, lambda, "test");
+    auto fits = fit_sweep(m.covariances(), *be, 1, ranking, {1, 2, 3}, lambda, "test");
     ASSERT_EQ(fits.size(), 3u);
     for (const auto& f : fits) {
       RefFit ref = reference_ridge(data, f.layers, 1, lambda);
@@ -146,7 +146,7 @@ TEST(WeightedRidge, MatchesAnIndependentWeightedSolverPerTargetLayer) {
   auto be = make_cpu_backend();
   for (double lambda : {0.0, 0.01, 0.5})
     for (int l = 0; l < kDims.Lt; ++l) {
-      auto fits = fit_sweep(m, *be, l, {2, 0, 1}, {1, 3}, lambda, "test");
+      auto fits = fit_sweep(m.covariances(), *be, l, {2, 0, 1}, {1, 3}, lambda, "test");
       for (const auto& f : fits) {
         RefFit ref = reference_ridge(data, f.layers, l, lambda, w);
         for (size_t i = 0; i < f.W.size(); ++i)
@@ -168,8 +168,8 @@ TEST(WeightedRidge, WeightsOfOneGiveTheUnweightedBytes) {
   EXPECT_EQ(a.weight_sum(), b.weight_sum());
   auto be = make_cpu_backend();
   for (int l = 0; l < kDims.Lt; ++l) {
-    auto fa = fit_sweep(a, *be, l, {2, 0, 1}, {1, 2, 3}, 0.01, "test");
-    auto fb = fit_sweep(b, *be, l, {2, 0, 1}, {1, 2, 3}, 0.01, "test");
+    auto fa = fit_sweep(a.covariances(), *be, l, {2, 0, 1}, {1, 2, 3}, 0.01, "test");
+    auto fb = fit_sweep(b.covariances(), *be, l, {2, 0, 1}, {1, 2, 3}, 0.01, "test");
     for (size_t i = 0; i < fa.size(); ++i) {
       EXPECT_EQ(0, std::memcmp(fa[i].W.data(), fb[i].W.data(), fa[i].W.size() * sizeof(fa[i].W[0])));
       EXPECT_EQ(0, std::memcmp(fa[i].b.data(), fb[i].b.data(), fa[i].b.size() * sizeof(fa[i].b[0])));
@@ -190,8 +190,8 @@ TEST(WeightedRidge, ZeroWeightsRemoveTokensThatFollowAnotherMap) {
   Moments weighted = accumulate(mixed, 97, 1, &w), plain = accumulate(mixed), clean = accumulate(a);
   EXPECT_EQ(weighted.weight_sum(), 800.0);
   auto err = [&](const Moments& m) {
-    const LayerFit f = fit_sweep(m, *be, 0, {0, 1, 2}, {3}, 0.0, "test")[0];
-    const LayerFit want = fit_sweep(clean, *be, 0, {0, 1, 2}, {3}, 0.0, "test")[0];
+    const LayerFit f = fit_sweep(m.covariances(), *be, 0, {0, 1, 2}, {3}, 0.0, "test")[0];
+    const LayerFit want = fit_sweep(clean.covariances(), *be, 0, {0, 1, 2}, {3}, 0.0, "test")[0];
     double e = 0;
     for (size_t i = 0; i < f.W.size(); ++i) e = std::max(e, double(std::fabs(f.W[i] - want.W[i])));
     return e;
@@ -204,7 +204,7 @@ TEST(Ridge, InSampleR2MatchesDirectComputation) {
   Data data = planted_data(kDims, 500, 5, 0.5);
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
-  auto f = fit_sweep(m, *be, 0, {0, 1, 2}, {3}, 0.05, "test")[0];
+  auto f = fit_sweep(m.covariances(), *be, 0, {0, 1, 2}, {3}, 0.05, "test")[0];
   const int64_t F = kDims.F(), G = kDims.G();
   for (int h = 0; h < kDims.Ht; ++h) {
     long double sse = 0, sst = 0;
@@ -228,8 +228,8 @@ TEST(Ridge, LambdaIsOnTheCovarianceScale) {
   Moments once = accumulate(data), twice = accumulate(data, 97, 2);
   EXPECT_EQ(twice.tokens(), 2 * once.tokens());
   auto be = make_cpu_backend();
-  auto a = fit_sweep(once, *be, 1, {0, 1, 2}, {3}, 0.3, "t")[0];
-  auto b = fit_sweep(twice, *be, 1, {0, 1, 2}, {3}, 0.3, "t")[0];
+  auto a = fit_sweep(once.covariances(), *be, 1, {0, 1, 2}, {3}, 0.3, "t")[0];
+  auto b = fit_sweep(twice.covariances(), *be, 1, {0, 1, 2}, {3}, 0.3, "t")[0];
   for (size_t i = 0; i < a.W.size(); ++i) EXPECT_NEAR(a.W[i], b.W[i], 1e-6);
   for (size_t i = 0; i < a.b.size(); ++i) EXPECT_NEAR(a.b[i], b.b[i], 1e-6);
 }
@@ -238,16 +238,16 @@ TEST(Ridge, InterceptIsNotPenalised) {
   Data data = planted_data(kDims, 400, 13);
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
-  const auto ybar = m.mean_y(1);
+  const auto ybar = m.covariances().mean_y(1);
   // A huge λ shrinks W to ~0 but the intercept still carries the target's mean.
-  auto f = fit_sweep(m, *be, 1, {0, 1, 2}, {3}, 1e8, "t")[0];
+  auto f = fit_sweep(m.covariances(), *be, 1, {0, 1, 2}, {3}, 1e8, "t")[0];
   for (float w : f.W) EXPECT_NEAR(w, 0.0f, 1e-6);
   for (int64_t c = 0; c < kDims.G(); ++c) EXPECT_NEAR(f.b[c], ybar[c], 1e-4);
   // For any λ the fit passes through the means: x̄ W + b = ȳ.
-  auto g = fit_sweep(m, *be, 1, {0, 1, 2}, {3}, 0.7, "t")[0];
+  auto g = fit_sweep(m.covariances(), *be, 1, {0, 1, 2}, {3}, 0.7, "t")[0];
   std::vector<double> xbar;
   for (int a : g.layers) {
-    auto mx = m.mean_x(a);
+    auto mx = m.covariances().mean_x(a);
     xbar.insert(xbar.end(), mx.begin(), mx.end());
   }
   for (int64_t c = 0; c < kDims.G(); ++c) {
@@ -262,8 +262,8 @@ TEST(Ridge, LargeMeanChannelsKeepTheirAccuracy) {
   Data plain = planted_data(kDims, 500, 21, 0.1, 0.0), shifted = planted_data(kDims, 500, 21, 0.1, 3000.0);
   Moments mp = accumulate(plain), ms = accumulate(shifted);
   auto be = make_cpu_backend();
-  auto a = fit_sweep(mp, *be, 0, {0, 1, 2}, {3}, 0.01, "t")[0];
-  auto b = fit_sweep(ms, *be, 0, {0, 1, 2}, {3}, 0.01, "t")[0];
+  auto a = fit_sweep(mp.covariances(), *be, 0, {0, 1, 2}, {3}, 0.01, "t")[0];
+  auto b = fit_sweep(ms.covariances(), *be, 0, {0, 1, 2}, {3}, 0.01, "t")[0];
   for (size_t i = 0; i < a.W.size(); ++i) EXPECT_NEAR(a.W[i], b.W[i], 1e-3) << i;
   for (size_t h = 0; h < a.r2.size(); ++h) EXPECT_NEAR(a.r2[h], b.r2[h], 1e-4);
 }
@@ -273,9 +273,9 @@ TEST(Ridge, SweepEqualsSeparateSingleKFits) {
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
   const std::vector<int> ranking = {1, 2, 0};
-  auto sweep = fit_sweep(m, *be, 0, ranking, {1, 2, 3}, 0.02, "t");
+  auto sweep = fit_sweep(m.covariances(), *be, 0, ranking, {1, 2, 3}, 0.02, "t");
   for (int k : {1, 2, 3}) {
-    auto single = fit_sweep(m, *be, 0, ranking, {k}, 0.02, "t")[0];
+    auto single = fit_sweep(m.covariances(), *be, 0, ranking, {k}, 0.02, "t")[0];
     const auto& s = sweep[k - 1];
     EXPECT_EQ(single.layers, s.layers);
     for (size_t i = 0; i < s.W.size(); ++i) EXPECT_NEAR(single.W[i], s.W[i], 1e-6);
@@ -287,10 +287,10 @@ TEST(Ridge, SharedAllLayersFactorGivesTheSameFits) {
   Data data = planted_data(kDims, 300, 29);
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
-  const Factor all = factor_layers(m, *be, {0, 1, 2}, 0.05);
+  const Factor all = factor_layers(m.covariances(), *be, {0, 1, 2}, 0.05);
   for (int l = 0; l < kDims.Lt; ++l) {
-    auto a = fit_sweep(m, *be, l, {2, 0, 1}, {1, 3}, 0.05, "t", &all);
-    auto b = fit_sweep(m, *be, l, {2, 0, 1}, {1, 3}, 0.05, "t");
+    auto a = fit_sweep(m.covariances(), *be, l, {2, 0, 1}, {1, 3}, 0.05, "t", &all);
+    auto b = fit_sweep(m.covariances(), *be, l, {2, 0, 1}, {1, 3}, 0.05, "t");
     for (size_t i = 0; i < a[1].W.size(); ++i) EXPECT_NEAR(a[1].W[i], b[1].W[i], 1e-6);
     EXPECT_EQ(a[1].layers, (std::vector<int>{0, 1, 2}));
   }
@@ -303,10 +303,10 @@ TEST(Ridge, SingularSystemWithZeroLambdaIsReportedNotPerturbed) {
     for (int64_t c = 0; c < kDims.F(); ++c) data.X[t * kDims.X() + kDims.F() + c] = data.X[t * kDims.X() + c];
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
-  EXPECT_NO_THROW(fit_sweep(m, *be, 0, {0, 1, 2}, {1}, 0.0, "target layer 0, keys"));
-  expect_error<SolveError>([&] { fit_sweep(m, *be, 0, {0, 1, 2}, {1, 3}, 0.0, "target layer 0, keys"); },
+  EXPECT_NO_THROW(fit_sweep(m.covariances(), *be, 0, {0, 1, 2}, {1}, 0.0, "target layer 0, keys"));
+  expect_error<SolveError>([&] { fit_sweep(m.covariances(), *be, 0, {0, 1, 2}, {1, 3}, 0.0, "target layer 0, keys"); },
                            {"target layer 0, keys", "k = 3", "singular", "lambda"});
-  EXPECT_NO_THROW(fit_sweep(m, *be, 0, {0, 1, 2}, {3}, 0.01, "t"));
+  EXPECT_NO_THROW(fit_sweep(m.covariances(), *be, 0, {0, 1, 2}, {3}, 0.01, "t"));
 }
 
 TEST(Ridge, SameHeadProbeFindsThePlantedSourceLayer) {
@@ -335,14 +335,14 @@ TEST(Ridge, SameHeadProbeFindsThePlantedSourceLayer) {
     direct.mark_pass_complete();  // one rank: nothing to sum
   }
   m.derive_head_probe();
-  ProbeR2 a = probe_same_head(m, *be, 0.01, "k"), b = probe_same_head(direct, *be, 0.01, "k");
+  ProbeR2 a = probe_same_head(m.covariances(), *be, 0.01, Kind::k), b = probe_same_head(direct.covariances(), *be, 0.01, Kind::k);
   for (size_t i = 0; i < a.per_head.size(); ++i) EXPECT_NEAR(a.per_head[i], b.per_head[i], 1e-4);
   auto rankings = rank_sources(a.mean, a.mean, d.Ls, d.Lt);
   EXPECT_EQ(rankings[0][0], 2);
   EXPECT_EQ(rankings[1][0], 1);
   EXPECT_GT(a.mean[2 * d.Lt + 0], 0.99);
   EXPECT_LT(a.mean[0 * d.Lt + 0], 0.05);
-  ProbeR2 all = probe_all_heads(m, *be, 0.01, "k");
+  ProbeR2 all = probe_all_heads(m.covariances(), *be, 0.01, Kind::k);
   EXPECT_GT(all.mean[2 * d.Lt + 0], 0.99);
   EXPECT_GT(all.mean[1 * d.Lt + 1], 0.99);
 }
@@ -396,12 +396,12 @@ TEST(Moments, PanelsAndSingleBlocksGiveTheSameCovariances) {
     const int64_t n = static_cast<int64_t>(layers->size()) * d.F();
     std::vector<double> A(n * n), B(n * n), C(n * d.G()), D(n * d.G());
     for (const Moments* other : {&singles, &mixed}) {
-      panels.cov_xx(*layers, A.data(), n);
-      other->cov_xx(*layers, B.data(), n);
+      panels.covariances().cov_xx(*layers, A.data(), n);
+      other->covariances().cov_xx(*layers, B.data(), n);
       for (int64_t i = 0; i < n * n; ++i) ASSERT_NEAR(A[i], B[i], 1e-5 * (1 + std::fabs(A[i]))) << "Cxx " << i;
       for (int l = 0; l < d.Lt; ++l) {
-        panels.cov_xy(*layers, l, C.data(), d.G());
-        other->cov_xy(*layers, l, D.data(), d.G());
+        panels.covariances().cov_xy(*layers, l, C.data(), d.G());
+        other->covariances().cov_xy(*layers, l, D.data(), d.G());
         for (int64_t i = 0; i < n * d.G(); ++i)
           ASSERT_NEAR(C[i], D[i], 1e-5 * (1 + std::fabs(C[i]))) << "Cxy of target layer " << l << ", " << i;
       }
@@ -502,7 +502,7 @@ TEST(PerHead, MatchesAnIndependentSolvePerHead) {
   const int64_t Ds = kDims.Ds, Dt = kDims.Dt;
   for (double lambda : {0.0, 0.01, 0.5})
     for (int l = 0; l < kDims.Lt; ++l) {
-      auto fits = fit_sweep_per_head(m, *be, l, ranking, {1, 2, 3}, lambda, "test");
+      auto fits = fit_sweep_per_head(m.covariances(), *be, l, ranking, {1, 2, 3}, lambda, "test");
       ASSERT_EQ(fits.size(), 3u);
       for (const auto& f : fits) {
         EXPECT_EQ(f.structure, Structure::per_head);
@@ -527,10 +527,10 @@ TEST(PerHead, SweepAndSharedAllLayersFactorsEqualSeparateFits) {
   auto be = make_cpu_backend();
   std::vector<Factor> shared;
   for (int l = 0; l < kDims.Lt; ++l) {
-    auto sweep = fit_sweep_per_head(m, *be, l, {1, 2, 0}, {1, 2, 3}, 0.02, "t", &shared);
+    auto sweep = fit_sweep_per_head(m.covariances(), *be, l, {1, 2, 0}, {1, 2, 3}, 0.02, "t", &shared);
     EXPECT_EQ(shared.size(), static_cast<size_t>(kDims.Ht));
     for (int k : {1, 2, 3}) {
-      auto single = fit_sweep_per_head(m, *be, l, {1, 2, 0}, {k}, 0.02, "t")[0];
+      auto single = fit_sweep_per_head(m.covariances(), *be, l, {1, 2, 0}, {k}, 0.02, "t")[0];
       EXPECT_EQ(single.layers, sweep[k - 1].layers);
       for (size_t i = 0; i < single.W.size(); ++i) EXPECT_NEAR(single.W[i], sweep[k - 1].W[i], 1e-6);
       for (size_t i = 0; i < single.b.size(); ++i) EXPECT_NEAR(single.b[i], sweep[k - 1].b[i], 1e-6);
@@ -543,8 +543,8 @@ TEST(PerHead, RecoversAHeadMatchedPlantedMapExactly) {
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
   for (int l = 0; l < kDims.Lt; ++l) {
-    auto ph = fit_sweep_per_head(m, *be, l, {0, 1, 2}, {3}, 0.0, "t")[0];
-    auto ch = fit_sweep(m, *be, l, {0, 1, 2}, {3}, 0.0, "t")[0];
+    auto ph = fit_sweep_per_head(m.covariances(), *be, l, {0, 1, 2}, {3}, 0.0, "t")[0];
+    auto ch = fit_sweep(m.covariances(), *be, l, {0, 1, 2}, {3}, 0.0, "t")[0];
     for (double r : ph.r2) EXPECT_GT(r, 1.0 - 1e-6);
     for (double r : ch.r2) EXPECT_GT(r, 1.0 - 1e-6);
     // The cross-head fit finds the heads unmixed: its weights across heads vanish.
@@ -561,8 +561,8 @@ TEST(PerHead, FallsShortWhereThePlantedMapMixesHeads) {
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
   for (int l = 0; l < kDims.Lt; ++l) {
-    auto ph = fit_sweep_per_head(m, *be, l, {0, 1, 2}, {3}, 0.01, "t")[0];
-    auto ch = fit_sweep(m, *be, l, {0, 1, 2}, {3}, 0.01, "t")[0];
+    auto ph = fit_sweep_per_head(m.covariances(), *be, l, {0, 1, 2}, {3}, 0.01, "t")[0];
+    auto ch = fit_sweep(m.covariances(), *be, l, {0, 1, 2}, {3}, 0.01, "t")[0];
     for (int h = 0; h < kDims.Ht; ++h) {
       EXPECT_GT(ch.r2[h], 0.999);
       EXPECT_LT(ph.r2[h], 0.8) << "head " << h;  // about half the planted signal comes from the other head
@@ -577,7 +577,7 @@ TEST(PerHead, SingularSystemNamesTheHead) {
       data.X[t * kDims.X() + kDims.F() + kDims.Ds + p] = data.X[t * kDims.X() + kDims.Ds + p];
   Moments m = accumulate(data);
   auto be = make_cpu_backend();
-  expect_error<SolveError>([&] { fit_sweep_per_head(m, *be, 0, {0, 1, 2}, {3}, 0.0, "target layer 0, keys"); },
+  expect_error<SolveError>([&] { fit_sweep_per_head(m.covariances(), *be, 0, {0, 1, 2}, {3}, 0.0, "target layer 0, keys"); },
                            {"target layer 0, keys", "head 1", "k = 3", "singular"});
-  EXPECT_NO_THROW(fit_sweep_per_head(m, *be, 0, {0, 1, 2}, {3}, 0.01, "t"));
+  EXPECT_NO_THROW(fit_sweep_per_head(m.covariances(), *be, 0, {0, 1, 2}, {3}, 0.01, "t"));
 }

@@ -273,8 +273,8 @@ TEST(ServingMapper, PerHeadMappersEqualTransferAndTheReferenceForEveryK) {
     Rope(tr.source()).strip_block(xk.data(), s.tokens, int64_t{tr.source().n_layers} * tr.source().n_kv_heads,
                                   s.positions.data());
     tr.map_content(xk.data(), s.values.data(), s.tokens, yk.data(), yv.data());
-    map_content(ref, true, xk.data(), s.tokens, rk.data());
-    map_content(ref, false, s.values.data(), s.tokens, rv.data());
+    map_content(ref, Kind::k, xk.data(), s.tokens, rk.data());
+    map_content(ref, Kind::v, s.values.data(), s.tokens, rv.data());
     EXPECT_LT(max_abs_diff(yk, rk), 1e-5 * std::max(1.0, max_abs(rk))) << k;
     EXPECT_LT(max_abs_diff(yv, rv), 1e-5 * std::max(1.0, max_abs(rv))) << k;
     // The per_head weights as the cross_head mapper they equal (zeros across heads): the same outputs.
