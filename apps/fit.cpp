@@ -64,8 +64,8 @@ int main(int argc, char** argv) {
   try {
     // A mistake in the config (or a missing device) is every rank's: agreed on, reported by rank 0 alone.
     const FitConfig cfg = agreed(*comm, [&] { return load_fit_config(config_path); });
-    const int device = device_for_rank(cfg.device, mpi_local_rank());
-    std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] { return make_backend(device, comm->rank(), cfg.tf32); });
+    const int device = device_for_rank(cfg.runtime.device, mpi_local_rank());
+    std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] { return make_backend(device, comm->rank(), cfg.runtime.tf32); });
     // GPU ranks reduce over NCCL (the same fixed-order sums as MPI) when each has a GPU of its own on every node:
     // NCCL refuses two ranks of one communicator on one device.
     if (device >= 0 && comm->size() > 1 && nccl_compiled_in()) {

@@ -45,7 +45,7 @@ nlohmann::json calibration_json(const ManifestCalibration& c) {
           {"token_weighting", c.token_weighting}};
 }
 
-nlohmann::json mlp_settings_json(const ManifestMlpSettings& m) {
+nlohmann::json mlp_settings_json(const MlpSettings& m) {
   return {{"hidden", m.hidden},
           {"epochs", m.epochs},
           {"lr", m.lr},
@@ -107,7 +107,7 @@ void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const std::
   entry["mlp"] = mlp;
 }
 
-void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const ManifestMlpSettings& settings,
+void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const MlpSettings& settings,
                  double seconds) {
   manifest["fit"]["mapper"] = mapper_kind;
   manifest["fit"]["mlp"] = mlp_settings_json(settings);

@@ -11,6 +11,7 @@
 
 #include "core/kind.hpp"
 #include "core/kv_spec.hpp"
+#include "core/mlp.hpp"
 
 namespace crosskv {
 
@@ -53,13 +54,6 @@ struct ManifestRun {
 };
 
 // The residual MLPs' settings ("fit.mlp"), and one kind's decision of one layer ("layers[].mlp.k" / ".v").
-struct ManifestMlpSettings {
-  int hidden = 0, epochs = 0;
-  double lr = 0;
-  int64_t batch_tokens = 0;
-  double weight_decay = 0, val_fraction = 0;
-  uint64_t seed = 0;
-};
 struct ManifestMlpDecision {
   Kind kind = Kind::k;
   bool kept = false;
@@ -78,11 +72,11 @@ nlohmann::json make_manifest(const std::string& source_model, const KvSpec& sour
                              const KvSpec& target, const ManifestFit& fit, const nlohmann::json& layers,
                              const ManifestCalibration& calibration, const std::optional<ManifestRun>& run = {});
 nlohmann::json calibration_json(const ManifestCalibration& c);
-nlohmann::json mlp_settings_json(const ManifestMlpSettings& s);
+nlohmann::json mlp_settings_json(const MlpSettings& s);
 // The residual-MLP stage's additions: a layer's decisions (and its rewritten file's SHA-256), and the fit's mapper
 // kind, MLP settings and the stage's time.
 void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const std::vector<ManifestMlpDecision>& kinds);
-void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const ManifestMlpSettings& settings,
+void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const MlpSettings& settings,
                  double seconds);
 // Written whole or not at all (indented, one trailing newline), and read back as JSON (the caller checks it).
 void write_manifest(const std::string& dir, const nlohmann::json& m);

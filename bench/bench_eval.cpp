@@ -28,7 +28,7 @@
 #include "serve/transfer.hpp"
 #include "backends/backends.hpp"
 #include "core/comm.hpp"
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "runtime/log.hpp"
 #include "core/mlp.hpp"
 #include "fit/fit_pipeline.hpp"

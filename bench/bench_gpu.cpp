@@ -21,7 +21,7 @@
 #include "backends/checks.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "core/half.hpp"
 #include "core/kv_spec.hpp"
 #include "core/rope.hpp"
@@ -40,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 int fit_main(const std::string& config, const std::string& device) {
   spdlog::set_level(spdlog::level::info);
   FitConfig cfg = load_fit_config(config);
-  auto be = device == "cpu" ? make_cpu_backend() : make_cuda_backend(0, 0, cfg.tf32);
+  auto be = device == "cpu" ? make_cpu_backend() : make_cuda_backend(0, 0, cfg.runtime.tf32);
   auto comm = make_single_comm();
   Context ctx{*comm, *be};
   const auto t0 = Clock::now();

@@ -6,7 +6,7 @@
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "runtime/log.hpp"
 #include "fit/validate.hpp"
 #include "fit/stream.hpp"

@@ -11,6 +11,17 @@
 
 namespace crosskv {
 
+// How a residual MLP is trained (fit.mlp in a config, and in a manifest's fit).
+struct MlpSettings {
+  int hidden = 256;            // units of each of the two hidden layers
+  int epochs = 20;
+  double lr = 1e-3;            // Adam
+  int64_t batch_tokens = 1024;
+  double weight_decay = 1e-4;  // decoupled, on the matrices
+  double val_fraction = 0.1;   // of the calibration sequences, held back to decide (auto) and report
+  uint64_t seed = 0;
+};
+
 struct MlpShape {
   int64_t in = 0, hidden = 0, out = 0;
   int64_t parameters() const { return in * hidden + hidden + hidden * hidden + hidden + hidden * out + out; }

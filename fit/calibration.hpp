@@ -9,7 +9,7 @@
 
 #include "core/kv_spec.hpp"
 #include "fit/moments.hpp"
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "runtime/stop.hpp"
 
 namespace crosskv {

@@ -19,49 +19,17 @@
 #include "core/memory.hpp"
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"
+#include "core/sealed_file.hpp"
 
 namespace fs = std::filesystem;
 
 namespace crosskv {
 namespace {
 
-constexpr char kMagic[8] = {'C', 'K', 'V', 'S', 'T', 'A', 'T', '2'};
-
-// A state file is a header, then four vectors (each a count and its values: pass 1's floats and doubles, pass 2's),
-// then its checksum in hex: the SHA-256 of the SHA-256 digests of its 64 MiB chunks. Both ways the file goes through
-// a buffer of a few chunks, hashed in parallel (a state is as large as the job's moments).
-constexpr size_t kDigestChunk = size_t{64} << 20;
-constexpr size_t kHexDigest = 64;
-constexpr size_t kHead = sizeof(kMagic) + 8 + 8 + 4 + 8;
-
-size_t batch_bytes() { return kDigestChunk * static_cast<size_t>(std::clamp(omp_get_max_threads(), 1, 8)); }
-
-// Hashes `bytes` at `data` (whole chunks, but for a file's last) in parallel, appending one digest per chunk.
-void hash_chunks(const char* data, size_t bytes, std::vector<std::string>& digests) {
-  const auto n = static_cast<int64_t>((bytes + kDigestChunk - 1) / kDigestChunk);
-  const size_t first = digests.size();
-  digests.resize(first + n);
-  bool failed = false;
-#pragma omp parallel for schedule(dynamic) if (n > 1)
-  for (int64_t c = 0; c < n; ++c) {
-    try {
-      const size_t lo = c * kDigestChunk;
-      Sha256 h;
-      h.update(data + lo, std::min(kDigestChunk, bytes - lo));
-      digests[first + c] = h.hex();
-    } catch (...) {
-#pragma omp atomic write
-      failed = true;
-    }
-  }
-  if (failed) throw SystemError("SHA-256 of a checkpoint state failed");
-}
-
-std::string digest_of(const std::vector<std::string>& digests) {
-  Sha256 h;
-  for (const std::string& d : digests) h.update(d.data(), d.size());
-  return h.hex();
-}
+// A state file is sealed (core/sealed_file.hpp) with its sequence number and rank; its payload is the pass and the
+// rounds done (int64 each), then four vectors, each a count (uint64) and its values: pass 1's floats and doubles, pass
+// 2's. It goes through the sealed file's buffer both ways (a state is as large as the job's moments).
+SealId state_seal(int64_t seq, int rank) { return {"crosskv-checkpoint-state", 3, {{"seq", seq}, {"rank", rank}}}; }
 
 // The bytes of a state file in order: each part fills [off, off + len) of itself on demand.
 struct Part {
@@ -88,85 +56,15 @@ Part live_part(Residency& be, const std::vector<Residency::SumPiece<T>>& pieces)
           }};
 }
 
-// Reads the data bytes of a state file (all but its trailing checksum) in order, a batch of chunks at a time, and
-// hashes every chunk.
-class HashingReader {
- public:
-  HashingReader(std::ifstream& in, uint64_t bytes) : in_(in), left_(bytes), total_(bytes) {}
-  // The next n bytes to dst (null: skipped, still hashed). False if the file ends first.
-  bool read(void* dst, uint64_t n) {
-    auto* d = static_cast<char*>(dst);
-    while (n > 0) {
-      if (pos_ == len_ && !refill()) return false;
-      const size_t k = static_cast<size_t>(std::min<uint64_t>(n, len_ - pos_));
-      if (d) {
-        std::memcpy(d, buf_.data() + pos_, k);
-        d += k;
-      }
-      pos_ += k;
-      n -= k;
-    }
-    return true;
-  }
-  uint64_t offset() const { return total_ - left_ - (len_ - pos_); }  // of the next byte, in the file
-  uint64_t remaining() const { return left_ + (len_ - pos_); }
-  // The checksum, once every byte was read.
-  std::string finish() {
-    if (len_ > 0) hash_chunks(buf_.data(), len_, digests_);
-    len_ = pos_ = 0;
-    return digest_of(digests_);
-  }
-
- private:
-  bool refill() {
-    if (len_ > 0) hash_chunks(buf_.data(), len_, digests_);
-    len_ = pos_ = 0;
-    if (left_ == 0) return false;
-    if (buf_.empty()) buf_.resize(static_cast<size_t>(std::min<uint64_t>(batch_bytes(), total_)));
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf_.size(), left_));
-    if (!in_.read(buf_.data(), static_cast<std::streamsize>(n))) return false;
-    left_ -= n;
-    len_ = n;
-    return true;
-  }
-  std::ifstream& in_;
-  uint64_t left_, total_;
-  BigVector<char> buf_;
-  size_t len_ = 0, pos_ = 0;
-  std::vector<std::string> digests_;
-};
-
-template <class T>
-void put(std::string& b, const T& v) {
-  b.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
 // Reads a state file into `s` (the vectors of pass s.pass only located when `defer`), checking its checksum on the
 // way. Returns "" or what is wrong with the file.
 std::string read_state(const std::string& path, int64_t seq, int rank, bool defer, PassState& s) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "missing";
-  in.seekg(0, std::ios::end);
-  const uint64_t size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
-  if (size < kHead + kHexDigest) return "truncated";
-  HashingReader r(in, size - kHexDigest);
-  std::string head(kHead, '\0');
-  if (!r.read(head.data(), kHead)) return "unreadable";
-  if (std::memcmp(head.data(), kMagic, sizeof(kMagic)) != 0) return "not a state file of this crosskv version";
-  int64_t fseq = 0, frank = 0;
-  int32_t pass = 0;
-  size_t at = sizeof(kMagic);
-  auto field = [&](auto& v) {
-    std::memcpy(&v, head.data() + at, sizeof v);
-    at += sizeof v;
-  };
-  field(fseq);
-  field(frank);
-  field(pass);
-  field(s.rounds_done);
-  s.pass = pass;
-  if (fseq != seq || frank != rank) return "malformed (another sequence number or rank)";
+  SealedReader r(path, state_seal(seq, rank));
+  if (!r.ok()) return r.why();
+  int64_t pass = 0;
+  if (!r.read(&pass, sizeof pass) || !r.read(&s.rounds_done, sizeof s.rounds_done)) return "truncated";
+  if (pass != 1 && pass != 2) return "malformed (pass " + std::to_string(pass) + ")";
+  s.pass = static_cast<int>(pass);
   PassState::Deferred later{path};
   auto vec = [&](auto& v, bool skip, uint64_t& count, uint64_t& offset) {
     using T = typename std::decay_t<decltype(v)>::value_type;
@@ -183,13 +81,9 @@ std::string read_state(const std::string& path, int64_t seq, int rank, bool defe
   if (!vec(s.pass1_f, skip1, skip1 ? later.f_count : unused[0], skip1 ? later.f_at : unused[1]) ||
       !vec(s.pass1_d, skip1, skip1 ? later.d_count : unused[0], skip1 ? later.d_at : unused[1]) ||
       !vec(s.pass2_f, skip2, skip2 ? later.f_count : unused[0], skip2 ? later.f_at : unused[1]) ||
-      !vec(s.pass2_d, skip2, skip2 ? later.d_count : unused[0], skip2 ? later.d_at : unused[1]) ||
-      r.remaining() != 0)
+      !vec(s.pass2_d, skip2, skip2 ? later.d_count : unused[0], skip2 ? later.d_at : unused[1]))
     return "malformed";
-  const std::string digest = r.finish();
-  std::string hex(kHexDigest, '\0');
-  if (!in.read(hex.data(), kHexDigest)) return "truncated";
-  if (digest != hex) return "checksum mismatch";
+  if (std::string why = r.finish(); !why.empty()) return why;
   if (defer) s.deferred = later;
   return "";
 }
@@ -236,13 +130,13 @@ nlohmann::json checkpoint_identity(const Calibration& cal, const FitPlan& plan, 
   for (const auto& s : cal.shards)
     shards.push_back({s.rel, s.used, s.fingerprint, file_stamp(s.source_path), file_stamp(s.target_path)});
   const auto& c = cal.cfg;
-  nlohmann::json id = {{"source_store", c.source_store}, {"target_store", c.target_store}, {"domains", cal.domains},
-          {"token_stride", c.token_stride}, {"max_tokens", c.max_tokens ? nlohmann::json(*c.max_tokens) : nlohmann::json()},
-          {"block_tokens", c.block_tokens}, {"every_shards", c.checkpoint_every_shards},
-          {"probe", to_string(c.probe)}, {"single_pass", plan.single_pass}, {"ranks", ranks}, {"layer_groups", plan.layer_groups},
+  nlohmann::json id = {{"source_store", c.source.store}, {"target_store", c.target.store}, {"domains", cal.domains},
+          {"token_stride", c.calibration.token_stride}, {"max_tokens", c.calibration.max_tokens ? nlohmann::json(*c.calibration.max_tokens) : nlohmann::json()},
+          {"block_tokens", c.runtime.block_tokens}, {"every_shards", c.runtime.checkpoint.every_shards},
+          {"probe", to_string(c.fit.probe)}, {"single_pass", plan.single_pass}, {"ranks", ranks}, {"layer_groups", plan.layer_groups},
           {"shards", shards}};
   // Weighted moments are other moments (absent when uniform, so that checkpoints from before it stay valid).
-  if (c.weighting != Weighting::uniform) id["weighting"] = to_string(c.weighting);
+  if (c.fit.weighting != Weighting::uniform) id["weighting"] = to_string(c.fit.weighting);
   return id;
 }
 
@@ -389,11 +283,6 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
   std::string error;
   try {
     fs::create_directories(dir_);
-    std::string head(kMagic, sizeof(kMagic));
-    put<int64_t>(head, seq);
-    put<int64_t>(head, comm_.rank());
-    put<int32_t>(head, s.pass);
-    put<int64_t>(head, s.rounds_done);
     std::vector<Part> vectors = {memory_part(s.pass1_f.data(), s.pass1_f.size() * 4),
                                  memory_part(s.pass1_d.data(), s.pass1_d.size() * 8),
                                  memory_part(s.pass2_f.data(), s.pass2_f.size() * 4),
@@ -403,40 +292,21 @@ void CheckpointStore::save(const PassState& s, const LiveSums* live) {
       vectors[2 * (s.pass - 1)] = live_part(*live->backend, live->f);
       vectors[2 * (s.pass - 1) + 1] = live_part(*live->backend, live->d);
     }
-    uint64_t counts[4] = {vectors[0].bytes / 4, vectors[1].bytes / 8, vectors[2].bytes / 4, vectors[3].bytes / 8};
-    std::vector<Part> parts = {memory_part(head.data(), head.size())};
-    for (int i = 0; i < 4; ++i) {
-      parts.push_back(memory_part(&counts[i], 8));
-      parts.push_back(std::move(vectors[i]));
-    }
-    size_t total = 0;
-    for (const Part& p : parts) total += p.bytes;
     fault_point("fail_state_write", seq, comm_.rank());
-    const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // half the bytes, then SIGKILL
-    AtomicFile f(state_path(seq, comm_.rank()));
-    // A batch of chunks at a time: filled from the parts (a value run at most a chunk long), hashed, written.
-    BigVector<char> buf(std::min(total, batch_bytes()));
-    std::vector<std::string> digests;
-    size_t part = 0, in_part = 0;
-    for (size_t written = 0; written < total;) {
-      const size_t len = std::min(buf.size(), total - written);
-      for (size_t got = 0; got < len;) {
-        while (in_part == parts[part].bytes) ++part, in_part = 0;
-        const size_t n = std::min({len - got, parts[part].bytes - in_part, kDigestChunk});
-        parts[part].fill(in_part, n, buf.data() + got);
-        got += n;
-        in_part += n;
-      }
-      hash_chunks(buf.data(), len, digests);
-      if (kill_half && written + len >= total / 2) {
-        f.write(buf.data(), total / 2 - written);
+    const bool kill_half = fault("kill_in_state_write", seq, comm_.rank());  // pass 1's sums, unsealed, then SIGKILL
+    SealedWriter f(state_path(seq, comm_.rank()), state_seal(seq, comm_.rank()));
+    const int64_t pass = s.pass;
+    f.write(&pass, sizeof pass);
+    f.write(&s.rounds_done, sizeof s.rounds_done);
+    for (size_t i = 0; i < vectors.size(); ++i) {
+      const uint64_t count = vectors[i].bytes / (i % 2 == 0 ? 4 : 8);
+      f.write(&count, sizeof count);
+      f.write_from(vectors[i].bytes, vectors[i].fill);
+      if (kill_half && i == 1) {
+        f.flush();
         fault_kill();
       }
-      f.write(buf.data(), len);
-      written += len;
     }
-    const std::string hex = digest_of(digests);
-    f.write(hex.data(), hex.size());
     f.commit();
   } catch (const std::exception& e) {
     ok = false;

@@ -18,6 +18,7 @@
 #include "runtime/log.hpp"
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"
+#include "core/sealed_file.hpp"
 #include "artifact/layer_file.hpp"
 #include "artifact/manifest.hpp"
 
@@ -28,8 +29,15 @@ namespace crosskv {
 
 namespace {
 
-// Inside a k<K>.partial folder: the per-layer records of an export in progress (and its identity).
+// Inside a k<K>.partial folder: the per-layer records of an export in progress, and its identity (sealed files).
 fs::path records_in(const std::string& partial_dir) { return fs::path(partial_dir) / ".layers"; }
+std::string identity_file(const std::string& record_dir) { return (fs::path(record_dir) / "identity").string(); }
+// A layer file's record: its manifest entry (with the file's SHA-256).
+std::string record_file(const std::string& record_dir, const std::string& layer_file) {
+  return (fs::path(record_dir) / (layer_file + ".record")).string();
+}
+SealId export_seal(const nlohmann::json& identity) { return {"crosskv-export", 1, identity}; }
+SealId record_seal(const nlohmann::json& identity) { return {"crosskv-export-record", 1, identity}; }
 
 // Files an interrupted atomic write left ("<name>.tmp-<pid>").
 void remove_temporaries(const std::string& dir) {
@@ -55,7 +63,7 @@ ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int 
     : cal_(cal), plan_(plan), layers_(plan.slots(), nlohmann::json::array()), rank_(rank) {}
 
 std::string ArtifactWriter::final_dir(size_t slot) const {
-  return (fs::path(cal_.cfg.output_dir) / plan_.slot_folder(slot)).string();
+  return (fs::path(cal_.cfg.output.dir) / plan_.slot_folder(slot)).string();
 }
 std::string ArtifactWriter::partial_dir(size_t slot) const { return final_dir(slot) + ".partial"; }
 
@@ -66,12 +74,10 @@ void ArtifactWriter::written() {
 std::string ArtifactWriter::record_dir(size_t slot) const { return records_in(partial_dir(slot)).string(); }
 
 void ArtifactWriter::begin(const nlohmann::json& identity) {
-  const std::string id = identity.dump();
+  identity_ = identity;
   for (size_t slot = 0; slot < plan_.slots(); ++slot) {
-    const std::string idfile = (fs::path(record_dir(slot)) / "identity.json").string();
-    std::ifstream in(idfile);
-    const std::string old((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!old.empty() && old == id) {  // an interrupted export of this job: its layers stand, its temporaries go
+    const std::string idfile = identity_file(record_dir(slot));
+    if (read_sealed(idfile, export_seal(identity))) {  // an interrupted export of this job: its layers stand, its temporaries go
       remove_temporaries(partial_dir(slot));
       remove_temporaries(record_dir(slot));
       continue;
@@ -80,17 +86,16 @@ void ArtifactWriter::begin(const nlohmann::json& identity) {
     fs::remove_all(partial_dir(slot), ec);
     fs::create_directories(record_dir(slot), ec);
     if (ec) throw InputError("output.dir: cannot create " + record_dir(slot) + ": " + ec.message());
-    write_file_atomic(idfile, id);
+    write_sealed(idfile, export_seal(identity), "");
   }
 }
 
 bool ArtifactWriter::resume_layer(int l) {
   std::vector<nlohmann::json> entries;
   for (size_t slot = 0; slot < plan_.slots(); ++slot) {
-    const std::string rec = (fs::path(record_dir(slot)) / (layer_file_name(l) + ".json")).string();
-    std::ifstream in(rec);
-    if (!in) return false;
-    nlohmann::json e = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const auto rec = read_sealed(record_file(record_dir(slot), layer_file_name(l)), record_seal(identity_));
+    if (!rec) return false;
+    nlohmann::json e = nlohmann::json::parse(*rec, nullptr, /*allow_exceptions=*/false);
     if (!e.is_object() || !e.contains("sha256") || !e["sha256"].is_string() || e.value("target_layer", -1) != l)
       return false;
     const std::string file = (fs::path(partial_dir(slot)) / layer_file_name(l)).string();
@@ -187,13 +192,13 @@ nlohmann::json ArtifactWriter::layer_entries() const {
 void ArtifactWriter::write_job(const Job& job) {
   const PairDims d = plan_.dims;
   const int l = job.l;
-  const bool half = cal_.cfg.dtype != Dtype::f32;
-  const std::string wdtype = !half ? "F32" : cal_.cfg.dtype == Dtype::bf16 ? "BF16" : "F16";
+  const bool half = cal_.cfg.fit.dtype != Dtype::f32;
+  const std::string wdtype = !half ? "F32" : cal_.cfg.fit.dtype == Dtype::bf16 ? "BF16" : "F16";
   for (size_t i = 0; i < plan_.slots(); ++i) {
     const LayerFit &fk = job.fk[i], &fv = job.fv[i];
     if (half) {
       const auto c0 = std::chrono::steady_clock::now();
-      const bool bf16 = cal_.cfg.dtype == Dtype::bf16;
+      const bool bf16 = cal_.cfg.fit.dtype == Dtype::bf16;
       half_k_.resize(fk.W.size());
       half_v_.resize(fv.W.size());
       to_half_on_host(fk.W.data(), static_cast<int64_t>(fk.W.size()), bf16, half_k_.data());
@@ -219,7 +224,7 @@ void ArtifactWriter::write_job(const Job& job) {
     written();
     nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
     // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
-    write_file_atomic((fs::path(record_dir(i)) / (file + ".json")).string(), entry.dump());
+    write_sealed(record_file(record_dir(i), file), record_seal(identity_), entry.dump());
     std::lock_guard<std::mutex> lk(m_);
     layers_[i].push_back(std::move(entry));
   }
@@ -239,16 +244,16 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
   std::vector<std::string> out;
   const auto& c = cal_.cfg;
   ManifestCalibration calibration;
-  calibration.domains = cal_.domains, calibration.weights = c.weights;
+  calibration.domains = cal_.domains, calibration.weights = c.calibration.weights;
   for (const auto& s : cal_.shards) calibration.shards.push_back({s.rel, s.domain, s.fingerprint, s.rows, s.used});
-  calibration.tokens_used = cal_.tokens_used, calibration.token_stride = c.token_stride;
-  calibration.max_tokens = c.max_tokens;
-  calibration.token_weighting = to_string(c.weighting);
+  calibration.tokens_used = cal_.tokens_used, calibration.token_stride = c.calibration.token_stride;
+  calibration.max_tokens = c.calibration.max_tokens;
+  calibration.token_weighting = to_string(c.fit.weighting);
   for (size_t i = 0; i < plan_.slots(); ++i) {
     const KPlan& kp = plan_.slot_k(i);
     const Structure st = plan_.slot_structure(i);
-    const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.lambda,
-                          to_string(c.probe), weight_dtype_name(c.dtype), to_string(st)};
+    const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.fit.lambda,
+                          to_string(c.fit.probe), weight_dtype_name(c.fit.dtype), to_string(st)};
     const nlohmann::json m = make_manifest(cal_.source_model, cal_.source, cal_.target_model, cal_.target, fit,
                                            layers_[i], calibration, run);
     write_manifest(partial_dir(i), m);
@@ -256,14 +261,10 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
       out.push_back(partial_dir(i));
       continue;
     }
-    out.push_back(publish_artifact(c.output_dir, plan_.slot_folder(i)));
+    out.push_back(publish_artifact(c.output.dir, plan_.slot_folder(i)));
     written();
   }
   return out;
-}
-
-ManifestMlpSettings mlp_settings(const MlpConfig& m) {
-  return {m.hidden, m.epochs, m.lr, m.batch_tokens, m.weight_decay, m.val_fraction, m.seed};
 }
 
 std::string publish_artifact(const std::string& output_dir, const std::string& folder) {
@@ -283,7 +284,10 @@ std::string publish_artifact(const std::string& output_dir, const std::string& f
 }
 
 void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry) {
-  write_file_atomic((records_in(partial_dir) / (entry["file"].get<std::string>() + ".json")).string(), entry.dump());
+  const std::string dir = records_in(partial_dir).string();
+  const nlohmann::json seal = read_seal(identity_file(dir));
+  CROSSKV_ASSERT(seal.is_object(), "a rewritten layer's record without its export's identity in " + dir);
+  write_sealed(record_file(dir, entry["file"].get<std::string>()), record_seal(seal["identity"]), entry.dump());
 }
 
 }  // namespace crosskv

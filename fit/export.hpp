@@ -67,6 +67,7 @@ class ArtifactWriter {
   std::string final_dir(size_t slot) const;  // the artifact of plan slot `slot` (FitPlan::slot_folder)
   std::string partial_dir(size_t slot) const;
   std::string record_dir(size_t slot) const;  // inside partial_dir: per-layer records, removed by finish()
+  nlohmann::json identity_;                   // of the export (begin)
   const Calibration& cal_;
   const FitPlan& plan_;
   std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
@@ -82,8 +83,6 @@ class ArtifactWriter {
   std::thread thread_;
 };
 
-// fit.mlp as the manifests and identities record it.
-ManifestMlpSettings mlp_settings(const MlpConfig& m);
 
 // Moves "<output_dir>/<folder>.partial" (its manifest written) into place as <folder> ("k4", "k4-per_head"), holding
 // exactly the manifest's files. Returns the folder.

@@ -26,7 +26,7 @@ namespace {
 
 // The residual MLPs' size, training flops and memory (fit.mapper: mlp | auto), for --plan.
 std::string format_mlp_plan(const Calibration& cal, const FitPlan& plan) {
-  const MlpConfig& c = cal.cfg.mlp;
+  const MlpSettings& c = cal.cfg.fit.mlp;
   const int64_t G = cal.target.features_per_layer(), h = c.hidden, Lt = cal.target.n_layers;
   const double train_tokens = static_cast<double>(cal.tokens_used) * (1.0 - c.val_fraction);
   double flops = 0, params_total = 0;
@@ -45,7 +45,7 @@ std::string format_mlp_plan(const Calibration& cal, const FitPlan& plan) {
   std::snprintf(buf, sizeof buf,
                 "  residual MLPs (fit.mapper: %s): %d hidden, %s parameters over every k and kind if all are kept; "
                 "training %.3g flops (%d epochs); in memory per rank %s (one layer and kind, 1/%d of the tokens)\n",
-                mapper_kind_name(cal.cfg.mapper).c_str(), c.hidden, human_count(params_total).c_str(), flops, c.epochs,
+                mapper_kind_name(cal.cfg.fit.mapper).c_str(), c.hidden, human_count(params_total).c_str(), flops, c.epochs,
                 human_bytes(per_rank).c_str(), token_groups);
   return buf;
 }
@@ -166,8 +166,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   clock.start("validate");
   // Every rank validates the same files: a mistake is agreed on and reported once (by rank 0).
   const Calibration cal = agreed(world.comm, [&] {
-    if (cfg.layer_groups > 0 && planned % cfg.layer_groups != 0)
-      throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.layer_groups) +
+    if (cfg.runtime.layer_groups > 0 && planned % cfg.runtime.layer_groups != 0)
+      throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.runtime.layer_groups) +
                         " does not divide the job's " + std::to_string(planned) + " ranks");
     return validate(cfg, opts.fresh);
   });
@@ -175,7 +175,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     for (const auto& line : cal.skipped) spdlog::warn("{}", line);
   const PairDims d = cal.dims();
   spdlog::info("{} shard pairs in {} domain(s), {} tokens used (stride {}); source {} [{}x{}x{}], target {} [{}x{}x{}]",
-               cal.shards.size(), cal.domains.size(), cal.tokens_used, cfg.token_stride, cal.source_model, d.Ls, d.Hs,
+               cal.shards.size(), cal.domains.size(), cal.tokens_used, cfg.calibration.token_stride, cal.source_model, d.Ls, d.Hs,
                d.Ds, cal.target_model, d.Lt, d.Ht, d.Dt);
 
   clock.start("plan");
@@ -195,14 +195,14 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
                                             planned);
                      }).text() +
                      "\n";
-  if (cfg.mapper != MapperKind::ridge) res.plan_text += format_mlp_plan(cal, plan);
+  if (cfg.fit.mapper != MapperKind::ridge) res.plan_text += format_mlp_plan(cal, plan);
   log_lines(res.plan_text);
   if (opts.plan_only) return res;
   Grid grid = make_grid(world.comm, plan.layer_groups);
   Context ctx{world.comm, world.backend, &grid, world.stop};
   if (P > 1) spdlog::info("grid: {}", grid.describe());
   OutputLock lock;
-  lock_output(ctx, cfg.output_dir, lock);
+  lock_output(ctx, cfg.output.dir, lock);
   const std::string ckpt_dir =
       checkpoint_path(cfg);
 
@@ -223,16 +223,16 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     clock.start("gram-pass");
     const MomentPlan selected = selection_plan(rankings, kmax);
     const double sel_bytes = 2.0 * sizeof(float) * selected.floats(d);
-    if (sel_bytes > cfg.max_moment_gib * (1ull << 30))
+    if (sel_bytes > cfg.runtime.max_moment_gib * (1ull << 30))
       spdlog::warn("the selected blocks need {} (over runtime.max_moment_gib = {} GiB); k = {} needs them all",
-                   human_bytes(sel_bytes), cfg.max_moment_gib, plan.ks.back().label);
+                   human_bytes(sel_bytes), cfg.runtime.max_moment_gib, plan.ks.back().label);
     res.tokens_read += second_pass(cal, selected, ctx, p1).tokens;
     res.passes = 2;
   }
 
   clock.start("solve+export");
   // With residual MLPs the mappers are published after their stage: until then they stay in k<K>.partial.
-  const bool with_mlps = cfg.mapper != MapperKind::ridge;
+  const bool with_mlps = cfg.fit.mapper != MapperKind::ridge;
   res.artifacts = solve_and_export(
       ctx, cal, plan, p1.m.k, p1.m.v, rankings, ckpt_dir,
       [&] {
@@ -246,15 +246,15 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
     fit_residual_mlps(ctx, cal, on_every_rank(ctx.comm, res.artifacts), ckpt_dir, export_identity(cal, plan, P));
     if (root) {
       res.artifacts.clear();
-      for (size_t i = 0; i < plan.slots(); ++i) res.artifacts.push_back(publish_artifact(cfg.output_dir, plan.slot_folder(i)));
+      for (size_t i = 0; i < plan.slots(); ++i) res.artifacts.push_back(publish_artifact(cfg.output.dir, plan.slot_folder(i)));
     }
   }
   if (!cal.eval_shards.empty()) {
     const std::vector<std::string> artifacts = on_every_rank(ctx.comm, res.artifacts);
     clock.start("eval");
     res.report_path =
-        evaluate_held_out(held_out, artifacts, cfg.output_dir, res.heatmap_path, ctx.backend, ctx.comm,
-                          VerdictThresholds{cfg.min_retention});
+        evaluate_held_out(held_out, artifacts, cfg.output.dir, res.heatmap_path, ctx.backend, ctx.comm,
+                          VerdictThresholds{cfg.eval.min_retention});
   }
   clock.stop();
   ctx.comm.barrier();

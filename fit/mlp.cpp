@@ -160,7 +160,7 @@ struct UnitContext {
 Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& selected, int64_t G, int l,
                  Kind kind) {
   ComputeBackend& be = u.ctx.backend;
-  const MlpConfig& c = u.cal.cfg.mlp;
+  const MlpSettings& c = u.cal.cfg.fit.mlp;
   const int64_t K = static_cast<int64_t>(selected.size()) * u.cal.source.features_per_layer();
   const MlpShape shape{K, c.hidden, G};
   const LayerData d = load_layer_data(u.cal, u.share, selected, l, kind);
@@ -203,7 +203,7 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
     fault_point("term_in_mlp", ++u.epochs_run, u.ctx.comm.rank());
     stopped = !u.group.all_ok(!u.ctx.stop.requested());
     const double since = seconds_since(u.last_state);
-    if (u.group.rank() == 0 && (stopped || since >= static_cast<double>(u.cal.cfg.checkpoint_mlp_seconds))) {
+    if (u.group.rank() == 0 && (stopped || since >= static_cast<double>(u.cal.cfg.runtime.checkpoint.mlp_seconds))) {
       u.ck.write(state_file, serialise_state(now));
       u.last_state = std::chrono::steady_clock::now();
       fault_point("kill_in_mlp", ++u.states_written, u.ctx.comm.rank());
@@ -219,7 +219,7 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
   Outcome o;
   o.layer = l, o.kind = kind;
   validation_scores(u.group, be, trained.params, z[1], R[1], d.y[1], d.rows[1], G, o);
-  o.kept = u.cal.cfg.mapper == MapperKind::mlp || (o.r2_mlp >= o.r2_ridge + kMinGain);
+  o.kept = u.cal.cfg.fit.mapper == MapperKind::mlp || (o.r2_mlp >= o.r2_ridge + kMinGain);
   if (o.kept) {
     fold_standardisation(trained.params, mean, inv_sd);
     o.params = std::move(trained.params);
@@ -261,11 +261,11 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
     write_layer(dir, entry, kinds);
     fault_point("kill_in_mlp_rewrite", ++rewritten, 0);
   }
-  add_fit_mlp(manifest, mapper_kind_name(cfg.mapper), mlp_settings(cfg.mlp), seconds);
+  add_fit_mlp(manifest, mapper_kind_name(cfg.fit.mapper), cfg.fit.mlp, seconds);
   write_manifest(dir, manifest);
   const std::string k = fs::path(dir).filename().replace_extension().string();
   spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept.k,
-               n_layers, kept.v, mapper_kind_name(cfg.mapper));
+               n_layers, kept.v, mapper_kind_name(cfg.fit.mapper));
 }
 
 }  // namespace
@@ -273,7 +273,7 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
 void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<std::string>& partial_dirs,
                        const std::string& ckpt_dir, const nlohmann::json& export_identity) {
   const FitConfig& cfg = cal.cfg;
-  if (cfg.mapper == MapperKind::ridge) return;
+  if (cfg.fit.mapper == MapperKind::ridge) return;
   Comm& group = ctx.readers();
   const int G = ctx.grid ? ctx.grid->layer_groups : 1, me = ctx.grid ? ctx.grid->layer_group : 0;
   const std::vector<ShardRows> share = agreed(ctx.comm, [&] { return plan_rows(cal, group.size(), group.rank()); });
@@ -294,7 +294,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
     std::vector<int> layers;
     for (int l = me; l < m.target.n_layers; l += G) layers.push_back(l);
     Progress progress(G > 1 ? "residual MLPs " + k + " (this layer group's layers)" : "residual MLPs " + k,
-                      static_cast<int64_t>(layers.size()) * 2 * cfg.mlp.epochs * tokens_per_epoch, 0);
+                      static_cast<int64_t>(layers.size()) * 2 * cfg.fit.mlp.epochs * tokens_per_epoch, 0);
     UnitContext u{ctx, group, cal, share, ck, progress, tokens_per_epoch};
     ByteWriter bytes;
     int taken_over = 0;
@@ -312,7 +312,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
           CROSSKV_ASSERT(all.size() == 1 && all[0].layer == l && all[0].kind == kind, done_file + ": another unit");
           o = std::move(all[0]);
           ++taken_over;
-          progress.add(int64_t{cfg.mlp.epochs} * u.tokens_per_epoch);
+          progress.add(int64_t{cfg.fit.mlp.epochs} * u.tokens_per_epoch);
         } else {
           o = fit_unit(u, ridge, selected, G_feat, l, kind);
           if (group.rank() == 0) {

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "core/atomic_file.hpp"
+#include "core/sealed_file.hpp"
 #include "core/bytes.hpp"
 #include "core/error.hpp"
 #include "core/sha256.hpp"
@@ -16,11 +16,8 @@ namespace fs = std::filesystem;
 namespace crosskv {
 namespace {
 
-std::string sha_of(const std::string& s) {
-  Sha256 h;
-  h.update(s.data(), s.size());
-  return h.hex();
-}
+constexpr const char* kFormat = "crosskv-mlp-checkpoint";
+constexpr int kVersion = 2;
 
 }  // namespace
 
@@ -50,7 +47,7 @@ std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape
 }
 
 MlpCheckpoint::MlpCheckpoint(const std::string& ckpt_dir, const std::string& k, const nlohmann::json& identity)
-    : dir_((fs::path(ckpt_dir) / "mlp").string()), k_(k), job_(sha_of(identity.dump())) {}
+    : dir_((fs::path(ckpt_dir) / "mlp").string()), k_(k), identity_(identity) {}
 
 std::string MlpCheckpoint::path(int l, Kind kind, const char* what) const {
   char buf[64];
@@ -62,22 +59,14 @@ void MlpCheckpoint::write(const std::string& file, const std::string& payload) c
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) throw SystemError("cannot create " + dir_ + ": " + ec.message());
-  std::string s = "crosskv-mlp-checkpoint 1 " + job_ + "\n" + payload;
-  s += sha_of(s);
-  write_file_atomic(file, s);
+  write_sealed(file, {kFormat, kVersion, identity_}, payload);
 }
 
 std::optional<std::string> MlpCheckpoint::read(const std::string& file) const {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) return std::nullopt;
-  const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const std::string head = "crosskv-mlp-checkpoint 1 " + job_ + "\n";
-  if (s.size() < head.size() + 64 || s.compare(0, head.size(), head) != 0) return std::nullopt;
-  if (sha_of(s.substr(0, s.size() - 64)) != s.substr(s.size() - 64)) {
-    spdlog::warn("{}: damaged (its SHA-256 does not match); not used", file);
-    return std::nullopt;
-  }
-  return s.substr(head.size(), s.size() - 64 - head.size());
+  std::string why;
+  std::optional<std::string> payload = read_sealed(file, {kFormat, kVersion, identity_}, &why);
+  if (!payload && why != "missing" && why != "of another identity") spdlog::warn("{}: {}; not used", file, why);
+  return payload;
 }
 
 std::optional<std::string> read_on_root(Comm& comm, const MlpCheckpoint& ck, const std::string& file) {

@@ -17,8 +17,8 @@ namespace crosskv {
 std::string serialise_state(const MlpTrained& t);
 std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape& shape);
 
-// The stage's checkpoint files: "<what>" after a line naming the format and the job's identity, sealed by the
-// SHA-256 of all before it. A file that does not verify, or of another job, reads as absent.
+// The stage's checkpoint files, sealed with the job's identity (core/sealed_file.hpp). A file that does not verify,
+// or of another job, reads as absent.
 class MlpCheckpoint {
  public:
   MlpCheckpoint(const std::string& ckpt_dir, const std::string& k, const nlohmann::json& identity);
@@ -28,7 +28,8 @@ class MlpCheckpoint {
   const std::string& dir() const { return dir_; }
 
  private:
-  std::string dir_, k_, job_;
+  std::string dir_, k_;
+  nlohmann::json identity_;
 };
 
 // Rank 0's file, read there and broadcast to the comm: the ranks need not see the same file system.

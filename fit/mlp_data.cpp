@@ -23,14 +23,14 @@ uint64_t fnv1a(const std::string& s) {
 
 }  // namespace
 
-bool validation_sequence(const std::string& rel, int64_t s, const MlpConfig& c) {
+bool validation_sequence(const std::string& rel, int64_t s, const MlpSettings& c) {
   const uint64_t z = splitmix(fnv1a(rel) ^ splitmix(static_cast<uint64_t>(s) * 0x100000001b3ull + c.seed));
   return static_cast<double>(z >> 11) / static_cast<double>(uint64_t{1} << 53) < c.val_fraction;
 }
 
 std::vector<ShardRows> plan_rows(const Calibration& cal, int T, int token_group) {
   std::vector<ShardRows> out;
-  const int64_t stride = cal.cfg.token_stride;
+  const int64_t stride = cal.cfg.calibration.token_stride;
   size_t i = 0;
   for (const ShardPair& sh : cal.shards) {
     if (static_cast<int>(i++ % T) != token_group) continue;
@@ -41,7 +41,7 @@ std::vector<ShardRows> plan_rows(const Calibration& cal, int T, int token_group)
       const int64_t t = u * stride;
       const auto s = std::upper_bound(offs.begin(), offs.end(), t) - offs.begin() - 1;
       r.rows.push_back(t);
-      r.validation.push_back(validation_sequence(sh.rel, s, cal.cfg.mlp) ? 1 : 0);
+      r.validation.push_back(validation_sequence(sh.rel, s, cal.cfg.fit.mlp) ? 1 : 0);
     }
     out.push_back(std::move(r));
   }

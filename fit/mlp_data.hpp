@@ -6,14 +6,14 @@
 #include <vector>
 
 #include "core/kind.hpp"
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "fit/calibration.hpp"
 
 namespace crosskv {
 
 // Whether sequence s of calibration shard `rel` is held back for validation: a function of the shard's name, the
 // sequence and fit.mlp.seed alone, so that it does not depend on which rank reads the shard.
-bool validation_sequence(const std::string& rel, int64_t s, const MlpConfig& c);
+bool validation_sequence(const std::string& rel, int64_t s, const MlpSettings& c);
 
 // The rows of one shard pair that a rank reads, for each whether it is for validation, and both sides' positions
 // (read once: every (layer, kind) strips RoPE with them).

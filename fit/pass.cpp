@@ -251,7 +251,7 @@ void add_stats(PassStats& to, const PassStats& s) {
 // Where moments of this weighting are committed: <ckpt_dir> for uniform ones, <ckpt_dir>/weighted for weighted ones
 // (kept apart: a refit that switches the weighting back reads nothing). The provisional shifts stay in <ckpt_dir>.
 std::string moments_dir(const std::string& ckpt_dir, const FitConfig& c) {
-  return c.weighting == Weighting::uniform ? ckpt_dir : (fs::path(ckpt_dir) / "weighted").string();
+  return c.fit.weighting == Weighting::uniform ? ckpt_dir : (fs::path(ckpt_dir) / "weighted").string();
 }
 
 // Pass 1 domain by domain, each with complete moments of its own (<moments_dir>/domain-<name>) over `full` and the
@@ -284,8 +284,8 @@ PassStats per_domain_pass(const Calibration& cal, const FitPlan& plan, Context& 
     PassState st = ds.load({.fresh = fresh, .reread_other_shift = true, .defer_latest_sums = one_reader}).value_or(PassState{});
     FitMoments dm = pass1_moments(sh, d, *ctx.grid, full, pp);
     add_stats(stats, run_pass({1, sub, ctx, ds, st, dm.with_raw_keys(), "pass 1/1 [domain " + dom + "]"}, false));
-    const auto it = cal.cfg.weights.find(dom);
-    const double w = it == cal.cfg.weights.end() ? 1.0 : it->second;
+    const auto it = cal.cfg.calibration.weights.find(dom);
+    const double w = it == cal.cfg.calibration.weights.end() ? 1.0 : it->second;
     if (first) {
       into.k = std::move(dm.k);
       *into.k_rope = std::move(*dm.k_rope);
@@ -309,15 +309,15 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
                      bool fresh) {
   const PairDims d = cal.dims();
   const Shifts sh = provisional_shifts(cal, ckpt_dir, ctx.comm.rank() == 0, fresh);  // kept: a refit reads nothing
-  const MomentPlan pp = probe_plan(d, cal.cfg.probe), full = MomentPlan::full(d, false);
+  const MomentPlan pp = probe_plan(d, cal.cfg.fit.probe), full = MomentPlan::full(d, false);
   const MomentPlan& blocks = plan.single_pass ? full : pp;
   FirstPass p1{pass1_moments(sh, d, *ctx.grid, blocks, pp), {}, nullptr, {}};
   spdlog::info("memory: moments {} (keys) + {} (values) + {} (raw keys, probe only), input blocks and segments {}",
                human_bytes(p1.m.k.bytes()), human_bytes(p1.m.v.bytes()), human_bytes(p1.m.k_rope->bytes()),
                human_bytes(plan.host.buffers));
   // max_tokens makes a domain's tokens depend on the others: such fits, and two-pass fits, are checkpointed whole.
-  const bool per_domain = plan.single_pass && !cal.cfg.max_tokens;
-  if (!cal.cfg.weights.empty() && !per_domain)
+  const bool per_domain = plan.single_pass && !cal.cfg.calibration.max_tokens;
+  if (!cal.cfg.calibration.weights.empty() && !per_domain)
     throw ConfigError(cal.cfg.config_path +
                       ": calibration.weights needs a single-pass fit (raise runtime.max_moment_gib)");
   if (per_domain) {
@@ -338,7 +338,7 @@ FirstPass first_pass(const Calibration& cal, const FitPlan& plan, Context& ctx, 
   share_gram(*ctx.grid, blocks, p1.m.k);
   share_gram(*ctx.grid, blocks, p1.m.v);
   if (ctx.grid->layer_groups > 1) log_rank_memory(ctx, "after the Gram exchange", p1.m.with_raw_keys());
-  if (plan.single_pass && cal.cfg.probe == ProbeMode::same_head) {
+  if (plan.single_pass && cal.cfg.fit.probe == ProbeMode::same_head) {
     p1.m.k.derive_head_probe();
     p1.m.v.derive_head_probe();
   }

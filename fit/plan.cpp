@@ -203,13 +203,13 @@ FitPlan plan_job(const Calibration& cal, Context& ctx, int ranks, bool plan_only
     least_free_gib = *std::min_element(free_gib.begin(), free_gib.end());
   }
   return agreed(ctx.comm, [&] {
-    double max_gib = cfg.max_moment_gib, device_gib = -1;
+    double max_gib = cfg.runtime.max_moment_gib, device_gib = -1;
     const double least = least_free_gib;  // GiB, -1 for host backends
     if (least >= 0) {
-      const double inputs_gib = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0 / (1ull << 30);
+      const double inputs_gib = 2.0 * cfg.runtime.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0 / (1ull << 30);
       device_gib = 0.9 * least - inputs_gib;
       if (device_gib <= 0)
-        throw ConfigError(cfg.config_path + ": runtime.block_tokens: " + std::to_string(cfg.block_tokens) +
+        throw ConfigError(cfg.config_path + ": runtime.block_tokens: " + std::to_string(cfg.runtime.block_tokens) +
                           " tokens per block need " + human_bytes(inputs_gib * (1ull << 30)) +
                           " of device memory for inputs alone; the device has " + human_bytes(least * (1ull << 30)) +
                           " free");
@@ -217,18 +217,18 @@ FitPlan plan_job(const Calibration& cal, Context& ctx, int ranks, bool plan_only
         spdlog::info("moments per rank capped at {} by the device's free memory ({} free, {} for two rounds of "
                      "inputs; runtime.max_moment_gib is {} GiB)",
                      human_bytes(device_gib * (1ull << 30)), human_bytes(least * (1ull << 30)),
-                     human_bytes(inputs_gib * (1ull << 30)), cfg.max_moment_gib);
+                     human_bytes(inputs_gib * (1ull << 30)), cfg.runtime.max_moment_gib);
         max_gib = device_gib;
       }
     }
-    FitPlan p = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, max_gib, cal.stored_bytes_per_token, ranks,
-                          cfg.layer_groups, cfg.structures);
+    FitPlan p = make_plan(d, cal.tokens_used, cfg.fit.ks, cfg.fit.probe, max_gib, cal.stored_bytes_per_token, ranks,
+                          cfg.runtime.layer_groups, cfg.fit.structures);
     if (device_gib >= 0 && p.rank_moment_bytes > device_gib * (1ull << 30))
       throw ConfigError(cfg.config_path + ": runtime.layer_groups: a rank's moments need " +
                         human_bytes(static_cast<double>(p.rank_moment_bytes)) + " but the device has room for " +
                         human_bytes(device_gib * (1ull << 30)) + " beside its inputs; use more layer groups (or " +
                         "auto), more ranks, or smaller runtime.block_tokens");
-    p.host = estimate_host_memory(p, cfg.block_tokens, cal.stored_bytes_per_token, ctx.backend.prepares_on_device());
+    p.host = estimate_host_memory(p, cfg.runtime.block_tokens, cal.stored_bytes_per_token, ctx.backend.prepares_on_device());
     return p;
   });
 }

@@ -34,26 +34,26 @@ ProbeR2 run_probe(const Covariances& m, Context& ctx, ProbeMode mode, double lam
 
 Probe run_probes(const Calibration& cal, const FitPlan& plan, Context& ctx, FitMoments& m) {
   const FitConfig& cfg = cal.cfg;
-  const bool same_head = cfg.probe == ProbeMode::same_head;
+  const bool same_head = cfg.fit.probe == ProbeMode::same_head;
   Probe p;
-  p.r2[Kind::k_rope] = run_probe(m.k_rope->covariances(), ctx, cfg.probe, cfg.lambda, Kind::k_rope, same_head);
+  p.r2[Kind::k_rope] = run_probe(m.k_rope->covariances(), ctx, cfg.fit.probe, cfg.fit.lambda, Kind::k_rope, same_head);
   m.k_rope.reset();
   for (Kind kind : kMappedKinds)
-    p.r2[kind] = run_probe(m.mapped().of(kind)->covariances(), ctx, cfg.probe, cfg.lambda, kind,
+    p.r2[kind] = run_probe(m.mapped().of(kind)->covariances(), ctx, cfg.fit.probe, cfg.fit.lambda, kind,
                            same_head && !plan.single_pass);
-  p.r2_path = (fs::path(cfg.output_dir) / "r2.h5").string();
-  p.heatmap_path = (fs::path(cfg.output_dir) / "r2_heatmap.svg").string();
+  p.r2_path = (fs::path(cfg.output.dir) / "r2.h5").string();
+  p.heatmap_path = (fs::path(cfg.output.dir) / "r2_heatmap.svg").string();
   if (ctx.comm.rank() == 0) {
     write_r2_file(p.r2_path, p.r2,
                   {{"source_model", cal.source_model}, {"target_model", cal.target_model},
-                   {"probe", to_string(cfg.probe)}, {"lambda", std::to_string(cfg.lambda)},
+                   {"probe", to_string(cfg.fit.probe)}, {"lambda", std::to_string(cfg.fit.lambda)},
                    {"rows", "source layer"}, {"columns", "target layer"}});
     write_file_atomic(p.heatmap_path,
                       render_heatmaps_svg({{"K_rope (raw keys)", &p.r2[Kind::k_rope]},
                                            {"K (RoPE-stripped)", &p.r2[Kind::k]},
                                            {"V", &p.r2[Kind::v]}},
                                           cal.source_model + " -> " + cal.target_model + ": head-averaged R² (" +
-                                              to_string(cfg.probe) + " probe, " + std::to_string(cal.tokens_used) +
+                                              to_string(cfg.fit.probe) + " probe, " + std::to_string(cal.tokens_used) +
                                               " tokens)"));
   }
   return p;

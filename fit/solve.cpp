@@ -162,8 +162,8 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
   nlohmann::json id = checkpoint_identity(cal, plan, ranks);
-  id["fit"] = {{"k", counts}, {"lambda", cfg.lambda}, {"dtype", weight_dtype_name(cfg.dtype)},
-               {"weights", cfg.weights}, {"version", CROSSKV_VERSION}};
+  id["fit"] = {{"k", counts}, {"lambda", cfg.fit.lambda}, {"dtype", weight_dtype_name(cfg.fit.dtype)},
+               {"weights", cfg.calibration.weights}, {"version", CROSSKV_VERSION}};
   // Recorded only when it differs from the paper's, so that an export interrupted before this field resumes.
   if (plan.structures != std::vector<Structure>{Structure::cross_head}) {
     nlohmann::json s = nlohmann::json::array();
@@ -172,9 +172,9 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
   }
   // The residual-MLP stage rewrites layer files before they are published: an interrupted export of another
   // mapper setting is another job's (its rewritten layers carry MLPs).
-  if (cfg.mapper != MapperKind::ridge) {
-    id["fit"]["mapper"] = mapper_kind_name(cfg.mapper);
-    id["fit"]["mlp"] = mlp_settings_json(mlp_settings(cfg.mlp));
+  if (cfg.fit.mapper != MapperKind::ridge) {
+    id["fit"]["mapper"] = mapper_kind_name(cfg.fit.mapper);
+    id["fit"]["mlp"] = mlp_settings_json(cfg.fit.mlp);
     nlohmann::json held = nlohmann::json::array();
     for (const auto& e : cal.eval_shards) held.push_back(e.rel);
     id["fit"]["mlp"]["eval_shards"] = held;
@@ -189,7 +189,7 @@ std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, 
   ArtifactWriter writer(cal, plan, ctx.comm.rank());
   if (ctx.comm.rank() == 0) writer.begin(export_identity(cal, plan, ctx.comm.size()));
   ctx.comm.barrier();
-  solve_layers(ctx, plan, mk, mv, rankings, cal.cfg.lambda, writer, ckpt_dir);
+  solve_layers(ctx, plan, mk, mv, rankings, cal.cfg.fit.lambda, writer, ckpt_dir);
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (ctx.comm.rank() != 0) return {};
   for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));

@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/atomic_file.hpp"
+#include "core/sealed_file.hpp"
 #include "core/backend.hpp"
 #include "core/host_kernels.hpp"
 #include "core/comm.hpp"
@@ -104,7 +104,7 @@ struct InputShifts {
 // target's token weights; with `host`, also prepares the inputs of `kinds` on the host.
 void read_block(ShardPairReader& r, const Rope& rs, const Rope& rt, const Calibration& cal, int64_t j0, int64_t rows,
                 const std::vector<Kind>& kinds, bool weighted, const InputShifts* host, Block& b) {
-  const int64_t stride = cal.cfg.token_stride, t0 = j0 * stride;
+  const int64_t stride = cal.cfg.calibration.token_stride, t0 = j0 * stride;
   const PairDims d = cal.dims();
   b.rows = rows;
   auto side = [&](ShardReader& sr, int64_t per_layer, int layers, Stored& k, Stored& v, std::vector<int32_t>& pos) {
@@ -229,7 +229,7 @@ Shifts compute_shifts(const Calibration& cal) {
   const ShardPair& p = cal.shift_shard;
   ShardPairReader r{&p, ShardReader(p.source_path), ShardReader(p.target_path)};
   Rope rs(cal.source, p.source_path), rt(cal.target, p.target_path);
-  const int64_t rows = std::min<int64_t>(cal.cfg.block_tokens, p.used);
+  const int64_t rows = std::min<int64_t>(cal.cfg.runtime.block_tokens, p.used);
   Block b;
   const InputShifts none{};
   // Any shift serves; this one does not depend on the weighting (or need the shift shard to carry weights).
@@ -248,49 +248,37 @@ namespace {
 
 namespace fs = std::filesystem;
 
-nlohmann::json shift_identity(const Calibration& cal) {
+// shifts.bin: a sealed file (core/sealed_file.hpp) of the shift shard's identity; its payload is each kind's source
+// and target shifts (fp32), in kAllKinds order.
+SealId shift_seal(const Calibration& cal) {
   const ShardPair& p = cal.shift_shard;
-  return {{"format", "crosskv-shifts"}, {"version", 1}, {"shard", p.rel}, {"source", p.source_path},
-          {"target", p.target_path}, {"used", p.used},
-          {"stamps", {file_stamp(p.source_path), file_stamp(p.target_path)}}, {"block_tokens", cal.cfg.block_tokens},
-          {"token_stride", cal.cfg.token_stride}};
+  return {"crosskv-shifts", 2,
+          {{"shard", p.rel}, {"source", p.source_path}, {"target", p.target_path}, {"used", p.used},
+           {"stamps", {file_stamp(p.source_path), file_stamp(p.target_path)}}, {"block_tokens", cal.cfg.runtime.block_tokens},
+           {"token_stride", cal.cfg.calibration.token_stride}}};
 }
 
-// The shifts in `path` when it holds those of `id`, whole; nullopt otherwise (missing, another shard, damaged).
 std::string shifts_file(const std::string& ckpt_dir) { return (fs::path(ckpt_dir) / "shifts.bin").string(); }
 
-// The file's first line (its identity and SHA-256) as JSON, or null; `in` is left after it.
-nlohmann::json read_shifts_head(std::ifstream& in) {
-  std::string head;
-  if (!in || !std::getline(in, head)) return nullptr;
-  const nlohmann::json h = nlohmann::json::parse(head, nullptr, false);
-  return h.is_object() ? h : nullptr;
-}
-
-std::optional<Shifts> read_kept_shifts(const std::string& path, const nlohmann::json& id, const PairDims& d) {
-  std::ifstream in(path, std::ios::binary);
-  const nlohmann::json h = read_shifts_head(in);
-  if (!h.is_object() || h.value("identity", nlohmann::json()) != id) return std::nullopt;
+// The shifts in `path` when it holds those of this shard, whole; nullopt otherwise (missing, another shard, damaged).
+std::optional<Shifts> read_kept_shifts(const std::string& path, const SealId& id, const PairDims& d) {
+  SealedReader in(path, id);
+  if (!in.ok()) return std::nullopt;
   Shifts s;
-  Sha256 sha;
   for (Shift& k : s.by_kind)
     for (auto [v, size] : {std::pair{&k.x, d.X()}, std::pair{&k.y, d.Y()}}) {
       v->resize(static_cast<size_t>(size));
-      in.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float)));
-      if (!in) return std::nullopt;
-      sha.update(v->data(), v->size() * sizeof(float));
+      if (!in.read(v->data(), v->size() * sizeof(float))) return std::nullopt;
     }
-  if (in.peek() != std::char_traits<char>::eof() || sha.hex() != h.value("sha256", "")) return std::nullopt;
+  if (const std::string why = in.finish(); !why.empty()) {
+    spdlog::warn("{}: {}; the shifts are computed again", path, why);
+    return std::nullopt;
+  }
   return s;
 }
 
-void keep_shifts(const std::string& path, const nlohmann::json& id, const Shifts& s) {
-  Sha256 sha;
-  for (const Shift& k : s.by_kind)
-    for (const auto* v : {&k.x, &k.y}) sha.update(v->data(), v->size() * sizeof(float));
-  const std::string head = nlohmann::json{{"identity", id}, {"sha256", sha.hex()}}.dump() + "\n";
-  AtomicFile f(path);
-  f.write(head.data(), head.size());
+void keep_shifts(const std::string& path, const SealId& id, const Shifts& s) {
+  SealedWriter f(path, id);
   for (const Shift& k : s.by_kind)
     for (const auto* v : {&k.x, &k.y}) f.write(v->data(), v->size() * sizeof(float));
   f.commit();
@@ -299,15 +287,14 @@ void keep_shifts(const std::string& path, const nlohmann::json& id, const Shifts
 }  // namespace
 
 std::string kept_shift_shard(const std::string& ckpt_dir) {
-  std::ifstream in(shifts_file(ckpt_dir), std::ios::binary);
-  const nlohmann::json h = read_shifts_head(in);
-  const nlohmann::json id = h.is_object() ? h.value("identity", nlohmann::json()) : nlohmann::json();
+  const nlohmann::json h = read_seal(shifts_file(ckpt_dir));
+  const nlohmann::json id = h.is_object() ? h["identity"] : nlohmann::json();
   return id.is_object() && id.contains("shard") && id["shard"].is_string() ? id["shard"].get<std::string>() : "";
 }
 
 Shifts provisional_shifts(const Calibration& cal, const std::string& ckpt_dir, bool writer, bool fresh) {
   const std::string path = shifts_file(ckpt_dir);
-  const nlohmann::json id = shift_identity(cal);
+  const SealId id = shift_seal(cal);
   if (auto kept = fresh ? std::nullopt : read_kept_shifts(path, id, cal.dims())) return *kept;
   Shifts s = compute_shifts(cal);
   if (writer) {
@@ -326,7 +313,7 @@ Comm& Context::readers() const { return grid ? *grid->readers : comm; }
 
 ShardSchedule::ShardSchedule(const Calibration& cal, int readers, int reader)
     : cal_(cal), readers_(readers), reader_(reader),
-      per_round_(int64_t{readers} * cal.cfg.checkpoint_every_shards) {}
+      per_round_(int64_t{readers} * cal.cfg.runtime.checkpoint.every_shards) {}
 
 int64_t ShardSchedule::rounds() const {
   return (static_cast<int64_t>(cal_.shards.size()) + per_round_ - 1) / per_round_;
@@ -356,8 +343,8 @@ PassStats stream_pass(const Calibration& cal, Context& ctx, const PassMoments& m
   const double bytes_per_token = 2.0 * (d.X() * 4 + d.Y() * 4);  // fp32 equivalent of K and V, both sides
   Progress progress(label, job_todo, bytes_per_token);
   Rope rs(cal.source, "source kv_spec"), rt(cal.target, "target kv_spec");
-  const bool weighted = cal.cfg.weighting == Weighting::dataset;
-  const int64_t B = cal.cfg.block_tokens;
+  const bool weighted = cal.cfg.fit.weighting == Weighting::dataset;
+  const int64_t B = cal.cfg.runtime.block_tokens;
   // The kinds this pass accumulates, each into its moments about their shifts.
   std::vector<Kind> kinds;
   std::array<Moments*, kAllKinds.size()> into{};

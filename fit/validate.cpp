@@ -45,10 +45,10 @@ void check_output_writable(const std::string& dir) {
 
 // The export replaces "<out>/k<K>" and "<out>/k<K>.partial" folders; anything else under those names is the user's.
 void check_artifact_names(const FitConfig& cfg) {
-  for (const auto& k : cfg.ks)
-    for (const Structure s : cfg.structures)
+  for (const auto& k : cfg.fit.ks)
+    for (const Structure s : cfg.fit.structures)
       for (const std::string suffix : {"", ".partial"}) {
-        const fs::path p = fs::path(cfg.output_dir) / (mapper_folder_name(k.label(), s) + suffix);
+        const fs::path p = fs::path(cfg.output.dir) / (mapper_folder_name(k.label(), s) + suffix);
         std::error_code ec;
         const auto st = fs::symlink_status(p, ec);
         if (!fs::exists(st) || fs::is_directory(st)) continue;
@@ -72,17 +72,17 @@ bool same_place(const std::string& a, const std::string& b, bool inside = false)
 
 // The fit's outputs never land in a store it reads: a second fit would take r2.h5 and the rest for shards.
 void check_output_outside_stores(const FitConfig& cfg) {
-  for (const auto& [key, store] : {std::pair{"source", cfg.source_store}, std::pair{"target", cfg.target_store}})
-    if (same_place(cfg.output_dir, store, true))
-      throw InputError("output.dir: " + cfg.output_dir + " is inside the " + key + " store " + store +
+  for (const auto& [key, store] : {std::pair{"source", cfg.source.store}, std::pair{"target", cfg.target.store}})
+    if (same_place(cfg.output.dir, store, true))
+      throw InputError("output.dir: " + cfg.output.dir + " is inside the " + key + " store " + store +
                        "; the fit's outputs must live outside the stores it reads");
 }
 
 void check_checkpoint_dir(const FitConfig& cfg) {
-  if (cfg.checkpoint_dir.empty()) return;
+  if (cfg.runtime.checkpoint.dir.empty()) return;
   std::error_code ec;
-  if (fs::exists(cfg.checkpoint_dir, ec) && !fs::is_directory(cfg.checkpoint_dir, ec))
-    throw InputError("runtime.checkpoint.dir: " + cfg.checkpoint_dir + " exists and is not a folder");
+  if (fs::exists(cfg.runtime.checkpoint.dir, ec) && !fs::is_directory(cfg.runtime.checkpoint.dir, ec))
+    throw InputError("runtime.checkpoint.dir: " + cfg.runtime.checkpoint.dir + " exists and is not a folder");
 }
 
 struct Listed {
@@ -92,23 +92,23 @@ struct Listed {
 
 // The stores listed, the domains chosen, every shard paired by relative path (held-out shards apart).
 Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
-  if (same_place(cfg.source_store, cfg.target_store))
-    throw InputError("source.store and target.store: the two stores are one (" + cfg.source_store + " and " +
-                     cfg.target_store + "); the source and target models' shards need a store each");
-  StoreListing src_list = list_store(cfg.source_store, "source.store");
-  StoreListing tgt_list = list_store(cfg.target_store, "target.store");
+  if (same_place(cfg.source.store, cfg.target.store))
+    throw InputError("source.store and target.store: the two stores are one (" + cfg.source.store + " and " +
+                     cfg.target.store + "); the source and target models' shards need a store each");
+  StoreListing src_list = list_store(cfg.source.store, "source.store");
+  StoreListing tgt_list = list_store(cfg.target.store, "target.store");
   const std::vector<std::string>& src = src_list.shards;
   const std::vector<std::string>& tgt = tgt_list.shards;
   cal.skipped = src_list.skipped;
   cal.skipped.insert(cal.skipped.end(), tgt_list.skipped.begin(), tgt_list.skipped.end());
   const std::set<std::string> src_set(src.begin(), src.end()), tgt_set(tgt.begin(), tgt.end());
   // Domains with shards left for the fit (held-out shards, eval.shards, are not read by it).
-  const std::set<std::string> eval_set(cfg.eval_shards.begin(), cfg.eval_shards.end());
+  const std::set<std::string> eval_set(cfg.eval.shards.begin(), cfg.eval.shards.end());
   std::set<std::string> found_domains;
   for (const auto* side : {&src, &tgt})
     for (const auto& r : *side)
       if (!eval_set.count(r)) found_domains.insert(shard_domain(r));
-  std::vector<std::string> domains = cfg.domains;
+  std::vector<std::string> domains = cfg.calibration.domains;
   if (domains.empty()) domains.assign(found_domains.begin(), found_domains.end());
   auto held_out_domain = [&](const std::string& d) {
     return std::any_of(src.begin(), src.end(), [&](const std::string& r) { return shard_domain(r) == d; });
@@ -117,14 +117,14 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
     if (!found_domains.count(d) && !eval_set.empty() && held_out_domain(d))
       throw InputError("eval.shards: holds out every shard of domain \"" + d + "\"; it left nothing of it to fit on");
   if (found_domains.empty() && !eval_set.empty() && !src.empty())
-    throw InputError("eval.shards: holds out every shard of " + cfg.source_store + " (" +
+    throw InputError("eval.shards: holds out every shard of " + cfg.source.store + " (" +
                      std::to_string(eval_set.size()) + "); it left nothing to fit on");
   for (const auto& d : domains)
     if (!found_domains.count(d))
-      throw InputError("calibration.domains: domain \"" + d + "\" has no shards in " + cfg.source_store + " or " +
-                       cfg.target_store);
+      throw InputError("calibration.domains: domain \"" + d + "\" has no shards in " + cfg.source.store + " or " +
+                       cfg.target.store);
   cal.domains = domains;
-  for (const auto& [dom, w] : cfg.weights)
+  for (const auto& [dom, w] : cfg.calibration.weights)
     if (std::find(domains.begin(), domains.end(), dom) == domains.end())
       throw ConfigError(cfg.config_path + ": calibration.weights: domain \"" + dom + "\" is not among the fit's domains");
   const std::set<std::string> want(domains.begin(), domains.end());
@@ -134,22 +134,22 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
       if (!want.count(shard_domain(r))) continue;
       if (!side.second->count(r)) {
         const bool in_source = side.first == &src;
-        throw InputError((in_source ? cfg.source_store : cfg.target_store) + "/" + r + ": unpaired shard (no " + r +
+        throw InputError((in_source ? cfg.source.store : cfg.target.store) + "/" + r + ": unpaired shard (no " + r +
                          " in the " + (in_source ? "target" : "source") + " store " +
-                         (in_source ? cfg.target_store : cfg.source_store) + ")");
+                         (in_source ? cfg.target.store : cfg.source.store) + ")");
       }
     }
   }
-  const std::set<std::string> held(cfg.eval_shards.begin(), cfg.eval_shards.end());
-  for (const auto& r : cfg.eval_shards) {
+  const std::set<std::string> held(cfg.eval.shards.begin(), cfg.eval.shards.end());
+  for (const auto& r : cfg.eval.shards) {
     if (!src_set.count(r) || !tgt_set.count(r))
-      throw InputError("eval.shards: \"" + r + "\" is not a shard of both " + cfg.source_store + " and " +
-                       cfg.target_store);
+      throw InputError("eval.shards: \"" + r + "\" is not a shard of both " + cfg.source.store + " and " +
+                       cfg.target.store);
     ShardPair p;
     p.rel = r;
     p.domain = shard_domain(r);
-    p.source_path = (fs::path(cfg.source_store) / r).string();
-    p.target_path = (fs::path(cfg.target_store) / r).string();
+    p.source_path = (fs::path(cfg.source.store) / r).string();
+    p.target_path = (fs::path(cfg.target.store) / r).string();
     cal.eval_shards.push_back(std::move(p));
   }
   for (const auto& r : src) {
@@ -158,9 +158,9 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
     p.rel = r;
     p.domain = shard_domain(r);
     if (p.domain.empty())
-      throw InputError(cfg.source_store + "/" + r + ": shard is not inside a domain folder (expected <domain>/<name>.h5)");
-    p.source_path = (fs::path(cfg.source_store) / r).string();
-    p.target_path = (fs::path(cfg.target_store) / r).string();
+      throw InputError(cfg.source.store + "/" + r + ": shard is not inside a domain folder (expected <domain>/<name>.h5)");
+    p.source_path = (fs::path(cfg.source.store) / r).string();
+    p.target_path = (fs::path(cfg.target.store) / r).string();
     for (const auto& path : {p.source_path, p.target_path}) {
       std::error_code ec;
       auto c = fs::weakly_canonical(path, ec).string();
@@ -173,7 +173,7 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
     bool any = std::any_of(cal.shards.begin(), cal.shards.end(), [&](const ShardPair& s) { return s.domain == d; });
     if (!any) throw InputError("calibration.domains: domain \"" + d + "\" has no paired shards");
   }
-  if (cal.shards.empty()) throw InputError("source.store: no shards (*.h5) found in " + cfg.source_store);
+  if (cal.shards.empty()) throw InputError("source.store: no shards (*.h5) found in " + cfg.source.store);
 
   return {src, tgt_set};
 }
@@ -181,14 +181,14 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
 // fit.weighting: dataset reads the target shard's `weights` (docs/FORMATS.md, Calibration shards): present (in the target's shard, not only the
 // source's), finite, >= 0, and not all zero over the tokens the fit uses.
 void check_weights(const FitConfig& cfg, const ShardPair& p, const ShardReader& s, const ShardReader& t) {
-  if (cfg.weighting != Weighting::dataset) return;
+  if (cfg.fit.weighting != Weighting::dataset) return;
   if (!t.header().has_weights)
     throw InputError(p.target_path + ": no dataset 'weights' (fit.weighting: dataset reads per-token weights from the "
                      "target's shards" + (s.header().has_weights ? "; " + p.source_path + " has one, but the source's "
                      "are not read: write them into the target's shard" : "") + ")");
-  const int64_t used = (t.header().tokens + cfg.token_stride - 1) / cfg.token_stride;
+  const int64_t used = (t.header().tokens + cfg.calibration.token_stride - 1) / cfg.calibration.token_stride;
   std::vector<float> w(static_cast<size_t>(used));
-  t.read_weights(0, used, cfg.token_stride, w.data());
+  t.read_weights(0, used, cfg.calibration.token_stride, w.data());
   double sum = 0;
   for (float x : w) sum += x;  // read_weights refused negative and non-finite ones
   if (!(sum > 0))
@@ -198,7 +198,7 @@ void check_weights(const FitConfig& cfg, const ShardPair& p, const ShardReader& 
 
 // Each pair's headers, token ids and positions checked against each other and the first pair; tokens counted.
 void read_pairs(const FitConfig& cfg, Calibration& cal) {
-  int64_t budget = cfg.max_tokens.value_or(INT64_MAX);
+  int64_t budget = cfg.calibration.max_tokens.value_or(INT64_MAX);
   std::map<std::string, std::string> fingerprints;  // a shard pair's fingerprint -> its source path
   bool first = true;
   for (auto& p : cal.shards) {
@@ -258,7 +258,7 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
       throw InputError(p.source_path + ": the same token_ids and positions as " + it->second +
                        " (the same data under two names: its tokens would be counted twice); remove one");
     p.rows = hs.tokens;
-    const int64_t available = (p.rows + cfg.token_stride - 1) / cfg.token_stride;
+    const int64_t available = (p.rows + cfg.calibration.token_stride - 1) / cfg.calibration.token_stride;
     p.used = std::min(available, budget);
     budget -= p.used;
     cal.tokens_used += p.used;
@@ -275,7 +275,7 @@ void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration&
     if (!listed.target.count(r) || shard_domain(r).empty()) return false;
     if (r == cal.shift_shard.rel) return true;
     try {
-      ShardReader s((fs::path(cfg.source_store) / r).string()), t((fs::path(cfg.target_store) / r).string());
+      ShardReader s((fs::path(cfg.source.store) / r).string()), t((fs::path(cfg.target.store) / r).string());
       if (!(s.header().spec == cal.source && t.header().spec == cal.target && s.header().tokens > 0 &&
             s.header().tokens == t.header().tokens))
         return false;
@@ -284,7 +284,7 @@ void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration&
       cal.shift_shard.source_path = s.header().path;
       cal.shift_shard.target_path = t.header().path;
       cal.shift_shard.rows = s.header().tokens;
-      cal.shift_shard.used = (s.header().tokens + cfg.token_stride - 1) / cfg.token_stride;
+      cal.shift_shard.used = (s.header().tokens + cfg.calibration.token_stride - 1) / cfg.calibration.token_stride;
       return true;
     } catch (const UserError&) {
       return false;  // not usable for the shift
@@ -304,23 +304,23 @@ void choose_shift_shard(const FitConfig& cfg, const Listed& listed, Calibration&
 // What the config asks of the shapes the shards have.
 void check_fit_against_shapes(const FitConfig& cfg, const Calibration& cal) {
   if (cal.tokens_used < 2) throw InputError("calibration: fewer than 2 tokens selected (check max_tokens and the shards)");
-  const bool per_head = has_structure(cfg.structures, Structure::per_head);
+  const bool per_head = has_structure(cfg.fit.structures, Structure::per_head);
   if (per_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
     throw ConfigError(cfg.config_path + ": fit.structure: per_head needs equal KV head counts (source " +
                       std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
                       "): head matching is undefined between them; use structure: cross_head with probe: all_heads");
-  if (cfg.probe == ProbeMode::same_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
+  if (cfg.fit.probe == ProbeMode::same_head && cal.source.n_kv_heads != cal.target.n_kv_heads)
     throw ConfigError(cfg.config_path + ": fit.probe: same_head needs equal KV head counts (source " +
                       std::to_string(cal.source.n_kv_heads) + ", target " + std::to_string(cal.target.n_kv_heads) +
                       "); use probe: all_heads");
-  const bool has_all = std::any_of(cfg.ks.begin(), cfg.ks.end(), [](const KChoice& k) { return k.is_all(); });
-  if (!cfg.weights.empty() && cfg.max_tokens)
+  const bool has_all = std::any_of(cfg.fit.ks.begin(), cfg.fit.ks.end(), [](const KChoice& k) { return k.is_all(); });
+  if (!cfg.calibration.weights.empty() && cfg.calibration.max_tokens)
     throw ConfigError(cfg.config_path + ": calibration.weights cannot be combined with max_tokens");
-  for (const auto& k : cfg.ks)
+  for (const auto& k : cfg.fit.ks)
     if (has_all && k.value == cal.source.n_layers)
       throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " and k = all are the same fit for a " +
                         std::to_string(cal.source.n_layers) + "-layer source; list one of them");
-  for (const auto& k : cfg.ks)
+  for (const auto& k : cfg.fit.ks)
     if (!k.is_all() && k.value > cal.source.n_layers)
       throw ConfigError(cfg.config_path + ": fit.k: k = " + k.label() + " exceeds the source's " +
                         std::to_string(cal.source.n_layers) + " layers");
@@ -331,7 +331,7 @@ void check_fit_against_shapes(const FitConfig& cfg, const Calibration& cal) {
 Calibration validate(const FitConfig& cfg, bool fresh) {
   Calibration cal;
   cal.cfg = cfg;
-  check_output_writable(cfg.output_dir);
+  check_output_writable(cfg.output.dir);
   check_artifact_names(cfg);
   check_checkpoint_dir(cfg);
   check_output_outside_stores(cfg);

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "fit/calibration.hpp"
 
 namespace crosskv {

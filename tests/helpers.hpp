@@ -15,7 +15,7 @@
 #include "backends/backends.hpp"
 #include "core/backend.hpp"
 #include "core/comm.hpp"
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "core/error.hpp"
 #include "io/h5.hpp"
 #include "fit/fit_pipeline.hpp"

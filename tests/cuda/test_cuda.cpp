@@ -863,12 +863,12 @@ TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
   const Calibration cal = validate(cfg);
   const PairDims d = cal.dims();
   const double read_bpt = 2.0 * (d.X() + d.Y()) * 4.0;
-  const FitPlan one = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, 1e9, read_bpt);
-  const FitPlan two = make_plan(d, cal.tokens_used, cfg.ks, cfg.probe, 1e-9, read_bpt);
+  const FitPlan one = make_plan(d, cal.tokens_used, cfg.fit.ks, cfg.fit.probe, 1e9, read_bpt);
+  const FitPlan two = make_plan(d, cal.tokens_used, cfg.fit.ks, cfg.fit.probe, 1e-9, read_bpt);
   ASSERT_TRUE(one.single_pass);
   ASSERT_FALSE(two.single_pass);
   ASSERT_LT(two.rank_moment_bytes, one.rank_moment_bytes);
-  const double inputs = 2.0 * cfg.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0;
+  const double inputs = 2.0 * cfg.runtime.block_tokens * static_cast<double>(d.X() + d.Y()) * 16.0;
   ShadowBackend shadow;
   shadow.free_bytes = static_cast<int64_t>((inputs + (one.rank_moment_bytes + two.rank_moment_bytes) / 2.0) / 0.9);
   auto comm = make_single_comm();
@@ -877,7 +877,7 @@ TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
   const FitResult r = run_fit(cfg, FitOptions{}, ctx);
   EXPECT_EQ(r.passes, 2);
   FitConfig cpu_cfg = parse_fit_config(config_yaml(dir.str(), "{k: [1, all]}", "cpu"), "cfg.yaml");
-  cpu_cfg.max_moment_gib = 1e-9;  // two passes on the CPU too
+  cpu_cfg.runtime.max_moment_gib = 1e-9;  // two passes on the CPU too
   auto cpu = make_cpu_backend();
   Context cctx{*comm, *cpu};
   run_fit(cpu_cfg, FitOptions{}, cctx);
@@ -890,7 +890,7 @@ TEST(DeviceContract, TheDevicesFreeMemoryShapesThePlan) {
     }
   }
   FitConfig small = cfg;
-  small.output_dir = dir.str("small");
+  small.output.dir = dir.str("small");
   shadow.free_bytes = 1000;
   expect_error<ConfigError>([&] { run_fit(small, FitOptions{}, ctx); },
                             {"cfg.yaml: runtime.block_tokens: 200 tokens per block need",

@@ -262,7 +262,7 @@ TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
   ManifestMlpDecision dropped{Kind::k, false, 1.0, std::numeric_limits<double>::infinity(), 0.5, 0.4, 0};
   ManifestMlpDecision kept{Kind::v, true, 1.0, 0.5, 0.5, 0.75, 8};
   add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {dropped, kept});
-  ManifestMlpSettings settings;
+  MlpSettings settings;
   settings.hidden = 8;
   add_fit_mlp(m, "auto", settings, 2.5);
   write_manifest(a.dir, m);

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "core/threads.hpp"
 #include "helpers.hpp"
 

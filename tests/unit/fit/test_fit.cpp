@@ -332,8 +332,8 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
   TempDir dir;
   for (bool sabotage : {false, true}) {
     Calibration cal;
-    cal.cfg.output_dir = dir.str(sabotage ? "bad" : "good");
-    cal.cfg.dtype = Dtype::bf16;
+    cal.cfg.output.dir = dir.str(sabotage ? "bad" : "good");
+    cal.cfg.fit.dtype = Dtype::bf16;
     FitPlan plan;
     plan.dims = PairDims{3, 2, 4, 5, 2, 4};
     for (int k : {1, 3}) plan.ks.push_back(KPlan{k == 3 ? "all" : "1", k, k * plan.dims.F(), 0, 0});
@@ -354,8 +354,8 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
     ArtifactWriter w(cal, plan);
     w.begin({{"job", "export test"}});
     if (sabotage) {  // k1.partial becomes a file: the first layer's first write fails
-      std::filesystem::remove_all(cal.cfg.output_dir + "/k1.partial");
-      std::ofstream(cal.cfg.output_dir + "/k1.partial") << "in the way";
+      std::filesystem::remove_all(cal.cfg.output.dir + "/k1.partial");
+      std::ofstream(cal.cfg.output.dir + "/k1.partial") << "in the way";
     }
     auto write_all = [&] {
       for (int l = 0; l < plan.dims.Lt; ++l) w.write_layer(l, fits(l, 1.0f), fits(l, 2.0f));
@@ -376,7 +376,7 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
     for (size_t i = 0; i < plan.ks.size(); ++i) {
       ASSERT_EQ(entries[i].size(), static_cast<size_t>(plan.dims.Lt));
       for (const auto& e : entries[i]) {
-        const std::string path = cal.cfg.output_dir + "/k" + plan.ks[i].label + ".partial/" + e["file"].get<std::string>();
+        const std::string path = cal.cfg.output.dir + "/k" + plan.ks[i].label + ".partial/" + e["file"].get<std::string>();
         EXPECT_EQ(e["sha256"], sha256_file(path)) << path;
         const auto t = read_safetensors(path);
         EXPECT_EQ(t.at("k.weight").values.front(), 1.0f + e["target_layer"].get<int>()) << path;

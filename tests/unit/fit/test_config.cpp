@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "runtime/config.hpp"
+#include "fit/config.hpp"
 #include "core/threads.hpp"
 #include "helpers.hpp"
 
@@ -17,15 +17,15 @@ const std::string kBase = "source: {store: s}\ntarget: {store: t}\noutput: {dir:
 
 TEST(Config, DefaultsFollowTheSpec) {
   FitConfig c = parse_fit_config(kBase, "/x/cfg.yaml");
-  EXPECT_EQ(c.source_store, "/x/s");
-  EXPECT_EQ(c.output_dir, "/x/o");
-  EXPECT_DOUBLE_EQ(c.lambda, 0.01);
-  ASSERT_EQ(c.ks.size(), 5u);
-  EXPECT_TRUE(c.ks.back().is_all());
-  EXPECT_EQ(c.probe, ProbeMode::same_head);
-  EXPECT_EQ(c.dtype, Dtype::f32);
-  EXPECT_EQ(c.block_tokens, 4096);
-  EXPECT_EQ(c.token_stride, 1);
+  EXPECT_EQ(c.source.store, "/x/s");
+  EXPECT_EQ(c.output.dir, "/x/o");
+  EXPECT_DOUBLE_EQ(c.fit.lambda, 0.01);
+  ASSERT_EQ(c.fit.ks.size(), 5u);
+  EXPECT_TRUE(c.fit.ks.back().is_all());
+  EXPECT_EQ(c.fit.probe, ProbeMode::same_head);
+  EXPECT_EQ(c.fit.dtype, Dtype::f32);
+  EXPECT_EQ(c.runtime.block_tokens, 4096);
+  EXPECT_EQ(c.calibration.token_stride, 1);
 }
 
 TEST(Config, FullConfigParses) {
@@ -34,22 +34,22 @@ TEST(Config, FullConfigParses) {
                                      "fit: {k: [1, 4, all], lambda: 0, probe: all_heads, dtype: bf16}\n"
                                      "runtime: {device: cpu, block_tokens: 512, checkpoint: {dir: ck, every_shards: 2}}\n",
                                  "cfg.yaml");
-  EXPECT_EQ(c.domains, (std::vector<std::string>{"web", "code"}));
-  EXPECT_EQ(c.token_stride, 4);
-  EXPECT_EQ(*c.max_tokens, 1000);
-  EXPECT_EQ(c.ks.size(), 3u);
-  EXPECT_DOUBLE_EQ(c.lambda, 0.0);
-  EXPECT_EQ(c.probe, ProbeMode::all_heads);
-  EXPECT_EQ(c.dtype, Dtype::bf16);
-  EXPECT_EQ(c.device, DeviceKind::cpu);
-  EXPECT_EQ(c.checkpoint_every_shards, 2);
-  EXPECT_EQ(c.checkpoint_mlp_seconds, 300);  // the default
+  EXPECT_EQ(c.calibration.domains, (std::vector<std::string>{"web", "code"}));
+  EXPECT_EQ(c.calibration.token_stride, 4);
+  EXPECT_EQ(*c.calibration.max_tokens, 1000);
+  EXPECT_EQ(c.fit.ks.size(), 3u);
+  EXPECT_DOUBLE_EQ(c.fit.lambda, 0.0);
+  EXPECT_EQ(c.fit.probe, ProbeMode::all_heads);
+  EXPECT_EQ(c.fit.dtype, Dtype::bf16);
+  EXPECT_EQ(c.runtime.device, DeviceKind::cpu);
+  EXPECT_EQ(c.runtime.checkpoint.every_shards, 2);
+  EXPECT_EQ(c.runtime.checkpoint.mlp_seconds, 300);  // the default
 }
 
 TEST(Config, SingleKNumber) {
   FitConfig c = parse_fit_config(kBase + "fit: {k: 8}\n", "cfg.yaml");
-  ASSERT_EQ(c.ks.size(), 1u);
-  EXPECT_EQ(c.ks[0].value, 8);
+  ASSERT_EQ(c.fit.ks.size(), 1u);
+  EXPECT_EQ(c.fit.ks[0].value, 8);
 }
 
 TEST(Config, UnknownKeyNamesKeyAndLine) {
@@ -107,9 +107,9 @@ TEST(Config, DuplicateKeyIsAnError) {
 }
 
 TEST(Config, LayerGroups) {
-  EXPECT_EQ(parse_fit_config(kBase, "c.yaml").layer_groups, 0);  // auto
-  EXPECT_EQ(parse_fit_config(kBase + "runtime: {layer_groups: auto}\n", "c.yaml").layer_groups, 0);
-  EXPECT_EQ(parse_fit_config(kBase + "runtime: {layer_groups: 4}\n", "c.yaml").layer_groups, 4);
+  EXPECT_EQ(parse_fit_config(kBase, "c.yaml").runtime.layer_groups, 0);  // auto
+  EXPECT_EQ(parse_fit_config(kBase + "runtime: {layer_groups: auto}\n", "c.yaml").runtime.layer_groups, 0);
+  EXPECT_EQ(parse_fit_config(kBase + "runtime: {layer_groups: 4}\n", "c.yaml").runtime.layer_groups, 4);
   expect_error<ConfigError>([] { parse_fit_config(kBase + "runtime: {layer_groups: 0}\n", "my.yaml"); },
                             {"my.yaml:4", "runtime.layer_groups", "expected auto or an integer >= 1", "\"0\""});
   expect_error<ConfigError>([] { parse_fit_config(kBase + "runtime: {layer_groups: many}\n", "my.yaml"); },
@@ -132,21 +132,21 @@ TEST(Config, NonFiniteNumbersAreErrors) {
 
 TEST(Config, MapperAndMlpSettings) {
   const FitConfig d = parse_fit_config(kBase, "my.yaml");
-  EXPECT_EQ(d.mapper, MapperKind::ridge);  // ridge unless asked
-  EXPECT_EQ(d.mlp.hidden, 256);
+  EXPECT_EQ(d.fit.mapper, MapperKind::ridge);  // ridge unless asked
+  EXPECT_EQ(d.fit.mlp.hidden, 256);
   const FitConfig c = parse_fit_config(
       kBase + "fit: {mapper: auto, mlp: {hidden: 64, epochs: 3, lr: 0.01, batch_tokens: 512, weight_decay: 0, "
               "val_fraction: 0.25, seed: 9}}\n",
       "my.yaml");
-  EXPECT_EQ(c.mapper, MapperKind::auto_);
-  EXPECT_EQ(c.mlp.hidden, 64);
-  EXPECT_EQ(c.mlp.epochs, 3);
-  EXPECT_DOUBLE_EQ(c.mlp.lr, 0.01);
-  EXPECT_EQ(c.mlp.batch_tokens, 512);
-  EXPECT_DOUBLE_EQ(c.mlp.weight_decay, 0.0);
-  EXPECT_DOUBLE_EQ(c.mlp.val_fraction, 0.25);
-  EXPECT_EQ(c.mlp.seed, 9u);
-  EXPECT_EQ(parse_fit_config(kBase + "fit: {mapper: mlp}\n", "my.yaml").mapper, MapperKind::mlp);
+  EXPECT_EQ(c.fit.mapper, MapperKind::auto_);
+  EXPECT_EQ(c.fit.mlp.hidden, 64);
+  EXPECT_EQ(c.fit.mlp.epochs, 3);
+  EXPECT_DOUBLE_EQ(c.fit.mlp.lr, 0.01);
+  EXPECT_EQ(c.fit.mlp.batch_tokens, 512);
+  EXPECT_DOUBLE_EQ(c.fit.mlp.weight_decay, 0.0);
+  EXPECT_DOUBLE_EQ(c.fit.mlp.val_fraction, 0.25);
+  EXPECT_EQ(c.fit.mlp.seed, 9u);
+  EXPECT_EQ(parse_fit_config(kBase + "fit: {mapper: mlp}\n", "my.yaml").fit.mapper, MapperKind::mlp);
   for (const auto& [yaml, parts] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"fit: {mapper: mlp2}\n", {"my.yaml:4", "fit.mapper", "expected ridge, mlp or auto, got \"mlp2\""}},
            {"fit: {mlp: {hiden: 3}}\n", {"my.yaml:4", "hiden", "unknown key"}},
