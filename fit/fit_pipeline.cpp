@@ -60,9 +60,6 @@ HeldOut held_out_shards(const Calibration& cal) {
   return h;
 }
 
-}  // namespace
-namespace {
-
 class StageClock {
  public:
   void start(const std::string& name) {
@@ -154,6 +151,43 @@ std::vector<std::string> on_every_rank(Comm& comm, const std::vector<std::string
   return out;
 }
 
+// Every rank validates the same files: a mistake is agreed on and reported once (by rank 0), as are the store
+// entries passed over.
+Calibration validate_on_every_rank(const FitConfig& cfg, bool fresh, Comm& comm, int planned) {
+  const Calibration cal = agreed(comm, [&] {
+    if (cfg.runtime.layer_groups > 0 && planned % cfg.runtime.layer_groups != 0)
+      throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.runtime.layer_groups) +
+                        " does not divide the job's " + std::to_string(planned) + " ranks");
+    return validate(cfg, fresh);
+  });
+  if (comm.rank() == 0)
+    for (const auto& line : cal.skipped) spdlog::warn("{}", line);
+  const PairDims d = cal.dims();
+  spdlog::info("{} shard pairs in {} domain(s), {} tokens used (stride {}); source {} [{}x{}x{}], target {} [{}x{}x{}]",
+               cal.shards.size(), cal.domains.size(), cal.tokens_used, cfg.calibration.token_stride, cal.source_model,
+               d.Ls, d.Hs, d.Ds, cal.target_model, d.Lt, d.Ht, d.Dt);
+  return cal;
+}
+
+// The plan as --plan prints it and the run logs it: passes, grid, memory, the shards' checksums, the held-out eval's
+// cost and the residual MLPs'.
+std::string plan_text(const Calibration& cal, const FitPlan& plan, const HeldOut& held_out, Comm& comm, int planned) {
+  std::string text = format_plan(plan) + format_host_memory(plan.host);
+  text += cal.unchecked_files == 0
+              ? "  checksums: all " + std::to_string(cal.shard_files) + " shard files (Fletcher-32)\n"
+              : "  checksums: " + std::to_string(cal.unchecked_files) + " of " + std::to_string(cal.shard_files) +
+                    " shard files unchecked (no Fletcher-32 on keys/values: damage to their data goes "
+                    "unnoticed; crosskv-capture and crosskv-synth write checksummed shards)\n";
+  if (!cal.eval_shards.empty())
+    text += "  held-out eval (every k): " +
+            agreed(comm, [&] {
+              return held_out_cost(held_out, cal.source, cal.target, static_cast<int>(plan.slots()), planned);
+            }).text() +
+            "\n";
+  if (cal.cfg.fit.mapper != MapperKind::ridge) text += format_mlp_plan(cal, plan);
+  return text;
+}
+
 }  // namespace
 
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) {
@@ -164,38 +198,13 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   const int planned = opts.plan_only && opts.plan_ranks > 0 ? opts.plan_ranks : P;
 
   clock.start("validate");
-  // Every rank validates the same files: a mistake is agreed on and reported once (by rank 0).
-  const Calibration cal = agreed(world.comm, [&] {
-    if (cfg.runtime.layer_groups > 0 && planned % cfg.runtime.layer_groups != 0)
-      throw ConfigError(cfg.config_path + ": runtime.layer_groups: " + std::to_string(cfg.runtime.layer_groups) +
-                        " does not divide the job's " + std::to_string(planned) + " ranks");
-    return validate(cfg, opts.fresh);
-  });
-  if (root)
-    for (const auto& line : cal.skipped) spdlog::warn("{}", line);
+  const Calibration cal = validate_on_every_rank(cfg, opts.fresh, world.comm, planned);
   const PairDims d = cal.dims();
-  spdlog::info("{} shard pairs in {} domain(s), {} tokens used (stride {}); source {} [{}x{}x{}], target {} [{}x{}x{}]",
-               cal.shards.size(), cal.domains.size(), cal.tokens_used, cfg.calibration.token_stride, cal.source_model, d.Ls, d.Hs,
-               d.Ds, cal.target_model, d.Lt, d.Ht, d.Dt);
 
   clock.start("plan");
   const FitPlan plan = plan_job(cal, world, planned, opts.plan_only);
-  res.plan_text = format_plan(plan) + format_host_memory(plan.host);
-  res.plan_text += cal.unchecked_files == 0
-                       ? "  checksums: all " + std::to_string(cal.shard_files) + " shard files (Fletcher-32)\n"
-                       : "  checksums: " + std::to_string(cal.unchecked_files) + " of " +
-                             std::to_string(cal.shard_files) +
-                             " shard files unchecked (no Fletcher-32 on keys/values: damage to their data goes "
-                             "unnoticed; crosskv-capture and crosskv-synth write checksummed shards)\n";
   const HeldOut held_out = held_out_shards(cal);
-  if (!cal.eval_shards.empty())
-    res.plan_text += "  held-out eval (every k): " +
-                     agreed(world.comm, [&] {
-                       return held_out_cost(held_out, cal.source, cal.target, static_cast<int>(plan.slots()),
-                                            planned);
-                     }).text() +
-                     "\n";
-  if (cfg.fit.mapper != MapperKind::ridge) res.plan_text += format_mlp_plan(cal, plan);
+  res.plan_text = plan_text(cal, plan, held_out, world.comm, planned);
   log_lines(res.plan_text);
   if (opts.plan_only) return res;
   Grid grid = make_grid(world.comm, plan.layer_groups);
@@ -203,8 +212,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   if (P > 1) spdlog::info("grid: {}", grid.describe());
   OutputLock lock;
   lock_output(ctx, cfg.output.dir, lock);
-  const std::string ckpt_dir =
-      checkpoint_path(cfg);
+  const std::string ckpt_dir = checkpoint_path(cfg);
 
   clock.start("probe-pass");
   FirstPass p1 = first_pass(cal, plan, ctx, ckpt_dir, opts.fresh);

@@ -15,6 +15,36 @@ namespace crosskv {
 
 double weight_bytes(Dtype d) { return d == Dtype::f32 ? 4.0 : 2.0; }
 
+namespace {
+
+// The solve's flops per kind: k < Ls share one rank-ordered factor and forward substitution per target layer; k = Ls
+// shares one factor across every target layer. Head-matched systems: Ht of width count*Ds per target layer.
+void set_solve_flops(FitPlan& p, const std::vector<Structure>& structures) {
+  const PairDims& d = p.dims;
+  double nested_max = 0, back = 0, all = 0;
+  for (const auto& k : p.ks) {
+    const double n = static_cast<double>(k.features);
+    if (k.count < d.Ls) {
+      nested_max = n;
+      back += n * n * d.G();
+    } else {
+      all = n;
+    }
+  }
+  const double per_layer = nested_max * nested_max * nested_max / 3.0 + nested_max * nested_max * d.G() + back +
+                           (all > 0 ? 2.0 * all * all * d.G() : 0.0);
+  p.solve_flops = has_structure(structures, Structure::cross_head) ? 2.0 * (d.Lt * per_layer + all * all * all / 3.0) : 0.0;
+  if (has_structure(structures, Structure::per_head)) {
+    // Ht systems of width count*Ds per target layer (Dt right-hand sides); k = Ls: one factor per head for all.
+    const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (static_cast<double>(d.Hs) * d.Hs * d.Ht);
+    const double head_layer = nm * nm * nm / 3.0 + nm * nm * d.Dt + bk + (a > 0 ? 2.0 * a * a * d.Dt : 0.0);
+    p.head_solve_flops = 2.0 * h * (d.Lt * head_layer + a * a * a / 3.0);
+    p.solve_flops += p.head_solve_flops;
+  }
+}
+
+}  // namespace
+
 FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>& ks, ProbeMode probe,
                   double max_moment_gib, double read_bytes_per_token, int ranks, int layer_groups,
                   const std::vector<Structure>& structures) {
@@ -81,28 +111,7 @@ FitPlan make_plan(const PairDims& d, int64_t tokens, const std::vector<KChoice>&
   const double kmax_features = static_cast<double>(p.ks.back().features);
   const double sel_flops = d.Lt * (2.0 * kmax_features * d.G()) + std::min(X * X, d.Lt * kmax_features * kmax_features);
   p.accumulate_flops = tokens * (p.single_pass ? 2 * full_flops + head_flops : 3 * head_flops + 2 * sel_flops);
-  // Per kind: k < Ls share one rank-ordered factor and forward substitution per target layer; k = Ls shares one
-  // factor across every target layer.
-  double nested_max = 0, back = 0, all = 0;
-  for (const auto& k : p.ks) {
-    const double n = static_cast<double>(k.features);
-    if (k.count < d.Ls) {
-      nested_max = n;
-      back += n * n * d.G();
-    } else {
-      all = n;
-    }
-  }
-  const double per_layer = nested_max * nested_max * nested_max / 3.0 + nested_max * nested_max * d.G() + back +
-                           (all > 0 ? 2.0 * all * all * d.G() : 0.0);
-  p.solve_flops = has_structure(structures, Structure::cross_head) ? 2.0 * (d.Lt * per_layer + all * all * all / 3.0) : 0.0;
-  if (has_structure(structures, Structure::per_head)) {
-    // Ht systems of width count*Ds per target layer (Dt right-hand sides); k = Ls: one factor per head for all.
-    const double h = d.Ht, nm = nested_max / d.Hs, a = all / d.Hs, bk = back / (static_cast<double>(d.Hs) * d.Hs * d.Ht);
-    const double head_layer = nm * nm * nm / 3.0 + nm * nm * d.Dt + bk + (a > 0 ? 2.0 * a * a * d.Dt : 0.0);
-    p.head_solve_flops = 2.0 * h * (d.Lt * head_layer + a * a * a / 3.0);
-    p.solve_flops += p.head_solve_flops;
-  }
+  set_solve_flops(p, structures);
   return p;
 }
 

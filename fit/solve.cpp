@@ -71,6 +71,31 @@ void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
   CROSSKV_ASSERT(r.done(), "a pair's fits have bytes left over");
 }
 
+// This unit's target layers still to solve, each with whether this rank writes it: layers an interrupted run already
+// wrote are checked by the rank that writes them, and a pair agrees.
+std::vector<std::pair<int, bool>> layers_to_solve(const SolveUnit& unit, const Grid& grid, const PairDims& d,
+                                                  ArtifactWriter& writer) {
+  std::vector<int> unit_layers;
+  for (int l = 0, j = 0; l < d.Lt; ++l)
+    if (grid.owns_target(l) && j++ % unit.units == unit.index) unit_layers.push_back(l);
+  std::vector<char> written(unit_layers.size(), 0);
+  for (size_t i = 0; i < unit_layers.size(); ++i)
+    if (unit.writes(i)) written[i] = writer.resume_layer(unit_layers[i]) ? 1 : 0;
+  for (int from = 0; unit.paired && from < 2; ++from) {
+    std::vector<char> theirs = written;
+    unit.pair->broadcast(theirs.data(), theirs.size(), from);
+    for (size_t i = 0; i < theirs.size(); ++i)
+      if (static_cast<int>(i % 2) == from) written[i] = theirs[i];
+  }
+  std::vector<std::pair<int, bool>> todo;
+  for (size_t i = 0; i < unit_layers.size(); ++i)
+    if (!written[i]) todo.emplace_back(unit_layers[i], unit.writes(i));
+  if (todo.size() < unit_layers.size())
+    spdlog::info("export: {} target layer(s) already written by an interrupted run of this job; solving {}",
+                 unit_layers.size() - todo.size(), todo.size());
+  return todo;
+}
+
 }  // namespace
 
 void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
@@ -81,25 +106,7 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
   const SolveUnit unit(grid, ctx.comm);
-  std::vector<int> unit_layers;
-  for (int l = 0, j = 0; l < d.Lt; ++l)
-    if (grid.owns_target(l) && j++ % unit.units == unit.index) unit_layers.push_back(l);
-  // Layers already written by an interrupted run: each is checked by the rank that writes it, and a pair agrees.
-  std::vector<char> written(unit_layers.size(), 0);
-  for (size_t i = 0; i < unit_layers.size(); ++i)
-    if (unit.writes(i)) written[i] = writer.resume_layer(unit_layers[i]) ? 1 : 0;
-  for (int from = 0; unit.paired && from < 2; ++from) {
-    std::vector<char> theirs = written;
-    unit.pair->broadcast(theirs.data(), theirs.size(), from);
-    for (size_t i = 0; i < theirs.size(); ++i)
-      if (static_cast<int>(i % 2) == from) written[i] = theirs[i];
-  }
-  std::vector<std::pair<int, bool>> todo;  // target layer, written here
-  for (size_t i = 0; i < unit_layers.size(); ++i)
-    if (!written[i]) todo.emplace_back(unit_layers[i], unit.writes(i));
-  if (todo.size() < unit_layers.size())
-    spdlog::info("export: {} target layer(s) already written by an interrupted run of this job; solving {}",
-                 unit_layers.size() - todo.size(), todo.size());
+  const std::vector<std::pair<int, bool>> todo = layers_to_solve(unit, grid, d, writer);
   // A pair member solves one kind: the other kind's moments are not needed here any more.
   if (unit.paired) (unit.solves_keys() ? mv : mk) = Moments{};
   const auto& ss = plan.structures;

@@ -90,19 +90,10 @@ struct Listed {
   std::set<std::string> target;
 };
 
-// The stores listed, the domains chosen, every shard paired by relative path (held-out shards apart).
-Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
-  if (same_place(cfg.source.store, cfg.target.store))
-    throw InputError("source.store and target.store: the two stores are one (" + cfg.source.store + " and " +
-                     cfg.target.store + "); the source and target models' shards need a store each");
-  StoreListing src_list = list_store(cfg.source.store, "source.store");
-  StoreListing tgt_list = list_store(cfg.target.store, "target.store");
-  const std::vector<std::string>& src = src_list.shards;
-  const std::vector<std::string>& tgt = tgt_list.shards;
-  cal.skipped = src_list.skipped;
-  cal.skipped.insert(cal.skipped.end(), tgt_list.skipped.begin(), tgt_list.skipped.end());
-  const std::set<std::string> src_set(src.begin(), src.end()), tgt_set(tgt.begin(), tgt.end());
-  // Domains with shards left for the fit (held-out shards, eval.shards, are not read by it).
+// The fit's domains: calibration.domains, or every domain with shards left for the fit (held-out shards,
+// eval.shards, are not read by it); each must have such shards, and calibration.weights may name only these.
+std::vector<std::string> fit_domains(const FitConfig& cfg, const std::vector<std::string>& src,
+                                     const std::vector<std::string>& tgt) {
   const std::set<std::string> eval_set(cfg.eval.shards.begin(), cfg.eval.shards.end());
   std::set<std::string> found_domains;
   for (const auto* side : {&src, &tgt})
@@ -123,10 +114,26 @@ Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
     if (!found_domains.count(d))
       throw InputError("calibration.domains: domain \"" + d + "\" has no shards in " + cfg.source.store + " or " +
                        cfg.target.store);
-  cal.domains = domains;
   for (const auto& [dom, w] : cfg.calibration.weights)
     if (std::find(domains.begin(), domains.end(), dom) == domains.end())
       throw ConfigError(cfg.config_path + ": calibration.weights: domain \"" + dom + "\" is not among the fit's domains");
+  return domains;
+}
+
+// The stores listed, the domains chosen, every shard paired by relative path (held-out shards apart).
+Listed pair_shards(const FitConfig& cfg, Calibration& cal) {
+  if (same_place(cfg.source.store, cfg.target.store))
+    throw InputError("source.store and target.store: the two stores are one (" + cfg.source.store + " and " +
+                     cfg.target.store + "); the source and target models' shards need a store each");
+  StoreListing src_list = list_store(cfg.source.store, "source.store");
+  StoreListing tgt_list = list_store(cfg.target.store, "target.store");
+  const std::vector<std::string>& src = src_list.shards;
+  const std::vector<std::string>& tgt = tgt_list.shards;
+  cal.skipped = src_list.skipped;
+  cal.skipped.insert(cal.skipped.end(), tgt_list.skipped.begin(), tgt_list.skipped.end());
+  const std::set<std::string> src_set(src.begin(), src.end()), tgt_set(tgt.begin(), tgt.end());
+  const std::vector<std::string> domains = fit_domains(cfg, src, tgt);
+  cal.domains = domains;
   const std::set<std::string> want(domains.begin(), domains.end());
   std::map<std::string, std::string> canonical;  // resolved path -> the path it was first seen under
   for (const auto& side : {std::make_pair(&src, &tgt_set), std::make_pair(&tgt, &src_set)}) {

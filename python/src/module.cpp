@@ -278,7 +278,7 @@ NB_MODULE(_crosskv, m) {
                              "] and biases [" + std::to_string(G) + "]");
           LayerFileContent c;
           c.target_layer = l, c.source_layers = sel, c.features = K, c.G = G;
-          c.k.weight = wk.data(), c.k.bias = bk.data(), c.v.weight = wv.data(), c.v.bias = bv.data();
+          c.kinds.k.weight = wk.data(), c.kinds.k.bias = bk.data(), c.kinds.v.weight = wv.data(), c.kinds.v.bias = bv.data();
           const std::string file = layer_file_name(l), path = dir + "/" + file;
           write_layer_file(path, c);
           entries.push_back(manifest_layer_entry(l, sel, file, sha256_file(path), {}, {}));
