@@ -108,9 +108,9 @@ def main():
     a = ap.parse_args()
 
     from redis_server import RedisServer
-    from vllm_engine import engine, family_workdir
+    from vllm_engine import engine, make_family
 
-    work, _, _ = family_workdir([None, a.work, a.capture_python, a.fit])  # enters WORK: the family, fitted
+    work = make_family(a.work, a.capture_python, a.fit)  # enters WORK: the family, fitted
     print(cpu_line(), flush=True)
     big_source("model-big", a.layers, a.kv_heads)
     rng = np.random.default_rng(3)

@@ -36,7 +36,7 @@ RUN_PKGS=(build-essential cmake ninja-build pkg-config libopenmpi-dev openmpi-bi
 # The tests and benchmarks: GoogleTest, Google Benchmark, the numpy/h5py consumer checks, Python venvs; and, where
 # they can be installed (their tests report SKIPPED with the reason otherwise), the single-node Slurm of the array
 # tests, libFuzzer, the Redis prefix store, headless Chromium (the report as a browser renders it).
-TEST_PKGS=(hdf5-tools libgtest-dev libgmock-dev libbenchmark-dev python3-numpy python3-h5py python3-yaml python3-venv)
+TEST_PKGS=(hdf5-tools libgtest-dev libgmock-dev libbenchmark-dev python3-numpy python3-h5py python3-pytest python3-yaml python3-venv)
 TEST_SERVICES=(slurm-wlm munge clang redis-server)
 TEST_BROWSER=(chromium)  # its own step: a failure to install it must not take the services' tests with it
 

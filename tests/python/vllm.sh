@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# crosskv.vllm against real vLLM engines (tests/python/test_vllm.py, or the script named) in .venv-vllm, with the family made in the
-# capture environment; SKIPPED (77) with the reason where either is missing.
+# crosskv.vllm against real vLLM engines (tests/python/test_vllm.py, or the test file named) under pytest in .venv-vllm,
+# with the family made in the capture environment; SKIPPED (77) with the reason where either is missing. Further
+# arguments go to pytest (-k NAME runs one case).
+#   tests/python/vllm.sh WORKDIR [TEST_FILE [PYTEST ARGS...]]
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python
 CAP=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/python}
@@ -16,4 +18,12 @@ if [ "$TEST" != test_vllm_fp8.py ] && ! command -v redis-server > /dev/null; the
   echo "SKIPPED: redis-server is not installed (Debian's redis-server): the test's engines meet through a Redis store"
   exit 77
 fi
-exec "$PY" "$ROOT/tests/python/$TEST" "$WORK" "$CAP" "${CROSSKV_FIT:?}"
+if [ "$TEST" = test_vllm_fp8.py ] && ! "$PY" -c "import torch, sys; sys.exit(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()))"; then
+  echo "SKIPPED: vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX, and this CPU has neither"
+  exit 77
+fi
+shift $(( $# < 2 ? $# : 2 ))
+# pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.
+mkdir -p "$WORK"
+export CROSSKV_TEST_WORK="$WORK/family" CROSSKV_CAPTURE_PYTHON="$CAP" CROSSKV_FIT="${CROSSKV_FIT:?}"
+exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "$ROOT/tests/python/$TEST" "$@"

@@ -1,6 +1,6 @@
 """One vLLM engine for the crosskv.vllm tests (vLLM keeps one KV connector per process): the spec's prompts, greedy,
 results to OUT.json. Its own module, with a main guard, since a tensor-parallel engine's workers are spawned and
-import the main module again. The tests start engines with engine() and count their checks with check().
+import the main module again. The tests start engines with engine(), in the family's folder (make_family).
 
     python vllm_engine.py SPEC.json OUT.json
 """
@@ -15,35 +15,24 @@ BLOCK = 32
 HERE = os.path.dirname(os.path.abspath(__file__))  # planted_connector.py: the tests' own connectors
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
               "VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false"}
-failures = []
 
 
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def finish(what):
-    if failures:
-        print(f"{len(failures)} check(s) failed")
-        sys.exit(1)
-    print(f"{what} OK")
-
-
-def family_workdir(argv):
-    """(work, capture_py, fit) from a test's arguments WORKDIR CAPTURE_PYTHON CROSSKV_FIT: the folder made afresh and
-    entered, and the test's family made in it (vllm_family.py, in the capture environment)."""
-    work, capture_py, fit = os.path.abspath(argv[1]), argv[2], argv[3]
+def make_family(work, capture_py, fit):
+    """The test's family in WORK, made afresh and entered (vllm_family.py, in the capture environment): two tiny
+    models, their captures and a fitted mapper (out/kall). Returns WORK."""
+    work = os.path.abspath(work)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     os.chdir(work)
-    here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([capture_py, os.path.join(here, "vllm_family.py"), work, fit], capture_output=True, text=True)
-    print(r.stdout[-2000:], r.stderr[-2000:] if r.returncode else "")
+    r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
     if r.returncode != 0:
-        raise SystemExit("the family (models, capture, fit) failed")
-    return work, capture_py, fit
+        raise RuntimeError(f"the family (models, capture, fit) failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return work
+
+
+def log(name):
+    """An engine's log (NAME.log in the current folder)."""
+    return open(f"{name}.log").read()
 
 
 def engine(name, spec, expect_fail=False, env=None):
@@ -60,7 +49,7 @@ def engine(name, spec, expect_fail=False, env=None):
         return r
     if r.returncode != 0:
         print(r.stderr[-3000:])
-        raise SystemExit(f"engine {name} failed (see {os.getcwd()}/{name}.log)")
+        raise RuntimeError(f"engine {name} failed (see {os.getcwd()}/{name}.log)")
     return json.load(open(f"{name}.out.json"))
 
 

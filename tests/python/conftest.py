@@ -1,0 +1,23 @@
+"""Fixtures shared by the Python tests. `family`: the engine tests' model family (tests/python/vllm_family.py: two
+tiny models, their captures and a fitted mapper), made once per run in CROSSKV_TEST_WORK with the capture
+environment's python (CROSSKV_CAPTURE_PYTHON) and crosskv-fit (CROSSKV_FIT); the tests' engines run in that folder.
+tests/python/vllm.sh sets all three."""
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def family():
+    missing = [v for v in ("CROSSKV_TEST_WORK", "CROSSKV_CAPTURE_PYTHON", "CROSSKV_FIT") if not os.environ.get(v)]
+    if missing:
+        pytest.skip(f"the engine tests' family needs {', '.join(missing)} (tests/python/vllm.sh sets them)")
+    from vllm_engine import make_family
+
+    work = make_family(os.environ["CROSSKV_TEST_WORK"], os.environ["CROSSKV_CAPTURE_PYTHON"], os.environ["CROSSKV_FIT"])
+    return SimpleNamespace(work=work, mapper="out/kall", capture_py=os.environ["CROSSKV_CAPTURE_PYTHON"],
+                           fit=os.environ["CROSSKV_FIT"])
