@@ -224,7 +224,20 @@ void LayerDiagnoser::attention_unit(int g, int64_t s, const float* keys, const f
 LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values) {
   LayerDiagnostics ld;
   ld.layer = t_.layer;
-  // R² per KV head in content space.
+  r2_per_head(keys, values, ld);
+  if (!attention_) return ld;
+  cosine_per_query_head(keys, values, ld);
+  errors(keys, values);
+  project_key_error();
+  concentrations(ld);
+  ld.cosine_mean = mean_ignoring_nan(ld.cosine);
+  ld.k_concentration_mean = mean_ignoring_nan(ld.k_concentration);
+  ld.v_concentration_mean = mean_ignoring_nan(ld.v_concentration);
+  return ld;
+}
+
+// R² per KV head in content space.
+void LayerDiagnoser::r2_per_head(const float* keys, const float* values, LayerDiagnostics& ld) {
   scratch_.assign(keys, keys + T_ * G_);
   Rope(t_.spec).strip_block(scratch_.data(), T_, H_, t_.positions);
   ld.r2_k.assign(H_, kNaN), ld.r2_v.assign(H_, kNaN);
@@ -243,9 +256,11 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
   }
   ld.r2_k_mean = mean_ignoring_nan(ld.r2_k);
   ld.r2_v_mean = mean_ignoring_nan(ld.r2_v);
-  if (!attention_) return ld;
-  const int64_t QW = int64_t{Hq_} * D_, DD = int64_t{D_} * D_;
-  // Attention-output cosine per query head, averaged over tokens.
+}
+
+// Attention-output cosine per query head, averaged over tokens.
+void LayerDiagnoser::cosine_per_query_head(const float* keys, const float* values, LayerDiagnostics& ld) {
+  const int64_t QW = int64_t{Hq_} * D_;
   pred_out_.assign(T_ * QW, 0.0f);
   attention(keys, values, pred_out_.data(), nullptr);
   ld.cosine.assign(Hq_, 0.0);
@@ -264,39 +279,52 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
     }
     ld.cosine[j] = sum / static_cast<double>(T_);
   }
-  // K-concentration: the key error's covariance C_g = dK^T dK / T along the eigenvectors v_i of each query head's
-  // covariance, E_i = v_i^T C_g v_i, weighted by the eigenvalues.
-  std::vector<float>&dk = dk_, &C = cov_, &W = proj_;  // kept between calls: no fresh pages per prediction
-  std::vector<double>& e2 = e2_;                       // squared value error per KV head and token
-  dk.resize(T_ * G_), C.resize(H_ * DD), W.resize(Hq_ * DD), e2.assign(H_ * T_, 0.0);
+}
+
+// The key error dk_ = keys - truth, and the squared value error e2_ per KV head and token.
+void LayerDiagnoser::errors(const float* keys, const float* values) {
+  dk_.resize(T_ * G_), e2_.assign(H_ * T_, 0.0);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T_; ++t) {
-    for (int64_t c = 0; c < G_; ++c) dk[t * G_ + c] = keys[t * G_ + c] - t_.keys[t * G_ + c];
+    for (int64_t c = 0; c < G_; ++c) dk_[t * G_ + c] = keys[t * G_ + c] - t_.keys[t * G_ + c];
     for (int h = 0; h < H_; ++h) {
       double e = 0;
       for (int64_t c = int64_t{h} * D_; c < int64_t{h + 1} * D_; ++c) {
         const double d = static_cast<double>(values[t * G_ + c]) - t_.values[t * G_ + c];
         e += d * d;
       }
-      e2[h * T_ + t] = e;
+      e2_[h * T_ + t] = e;
     }
   }
+}
+
+// The key error's covariance per KV head, C_g = dK^T dK / T (cov_), and W_j = C_g V_j for each of the group's
+// query heads (proj_), V_j the eigenvectors of the query head's covariance.
+void LayerDiagnoser::project_key_error() {
+  const int64_t DD = int64_t{D_} * D_;
+  cov_.resize(H_ * DD), proj_.resize(Hq_ * DD);
   DenseMaths::BatchedGemm cg;
   cg.trans_a = true, cg.m = D_, cg.n = D_, cg.k = T_, cg.alpha = static_cast<float>(1.0 / static_cast<double>(T_));
-  cg.A = dk.data(), cg.lda = G_, cg.stride_a = D_, cg.B = dk.data(), cg.ldb = G_, cg.stride_b = D_;
-  cg.C = C.data(), cg.ldc = D_, cg.stride_c = DD, cg.batch = H_;
+  cg.A = dk_.data(), cg.lda = G_, cg.stride_a = D_, cg.B = dk_.data(), cg.ldb = G_, cg.stride_b = D_;
+  cg.C = cov_.data(), cg.ldc = D_, cg.stride_c = DD, cg.batch = H_;
   be_.gemm_batched(cg);
   for (int g = 0; g < H_; ++g) {
-    DenseMaths::BatchedGemm cv;  // W_j = C_g V_j for the group's query heads
+    DenseMaths::BatchedGemm cv;
     cv.m = D_, cv.n = D_, cv.k = D_;
-    cv.A = C.data() + g * DD, cv.lda = D_, cv.stride_a = 0;
+    cv.A = cov_.data() + g * DD, cv.lda = D_, cv.stride_a = 0;
     cv.B = vecs_.data() + int64_t{g} * group_ * DD, cv.ldb = D_, cv.stride_b = DD;
-    cv.C = W.data() + int64_t{g} * group_ * DD, cv.ldc = D_, cv.stride_c = DD, cv.batch = group_;
+    cv.C = proj_.data() + int64_t{g} * group_ * DD, cv.ldc = D_, cv.stride_c = DD, cv.batch = group_;
     be_.gemm_batched(cv);
   }
+}
+
+// K-concentration: the key error along the eigenvectors v_i of each query head's covariance, E_i = v_i^T C_g v_i,
+// weighted by the eigenvalues; V-concentration: the value error where the true attention reads.
+void LayerDiagnoser::concentrations(LayerDiagnostics& ld) const {
+  const int64_t DD = int64_t{D_} * D_;
   ld.k_concentration.assign(Hq_, 1.0), ld.v_concentration.assign(Hq_, 1.0);
   for (int j = 0; j < Hq_; ++j) {
-    const float *V = vecs_.data() + j * DD, *Wj = W.data() + j * DD;
+    const float *V = vecs_.data() + j * DD, *Wj = proj_.data() + j * DD;
     const double* sig2 = sig2_.data() + int64_t{j} * D_;
     double num_k = 0, den_k = 0, mean_e = 0;
     for (int i = 0; i < D_; ++i) {
@@ -307,8 +335,7 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
       mean_e += E / D_;
     }
     ld.k_concentration[j] = mean_e > 0 && den_k > 0 ? (num_k / den_k) / mean_e : 1.0;
-    // V-concentration: the value error where the true attention reads.
-    const double *w = wsq_.data() + int64_t{j} * T_, *e = e2.data() + int64_t{j / group_} * T_;
+    const double *w = wsq_.data() + int64_t{j} * T_, *e = e2_.data() + int64_t{j / group_} * T_;
     double num_v = 0, den_v = 0, mean_v = 0;
     for (int64_t t = 0; t < T_; ++t) {
       num_v += w[t] * e[t];
@@ -317,10 +344,6 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
     }
     ld.v_concentration[j] = mean_v > 0 && den_v > 0 ? (num_v / den_v) / mean_v : 1.0;
   }
-  ld.cosine_mean = mean_ignoring_nan(ld.cosine);
-  ld.k_concentration_mean = mean_ignoring_nan(ld.k_concentration);
-  ld.v_concentration_mean = mean_ignoring_nan(ld.v_concentration);
-  return ld;
 }
 
 Diagnostics summarize_layers(std::vector<LayerDiagnostics> layers, int64_t tokens, bool attention) {

@@ -47,6 +47,12 @@ class LayerDiagnoser {
   // One KV head's group of query heads over sequence s, in row tiles (scores: the unit's scratch).
   void attention_unit(int g, int64_t s, const float* keys, const float* values, float* out, double* wsq,
                       std::vector<float>& scores);
+  // The steps of diagnose(), in order; the last three only with queries.
+  void r2_per_head(const float* keys, const float* values, LayerDiagnostics& ld);
+  void cosine_per_query_head(const float* keys, const float* values, LayerDiagnostics& ld);
+  void errors(const float* keys, const float* values);
+  void project_key_error();
+  void concentrations(LayerDiagnostics& ld) const;
 
   DenseMaths& be_;
   const LayerTruth& t_;
@@ -60,8 +66,11 @@ class LayerDiagnoser {
   std::vector<double> wsq_;                  // [Hq x T]: sum over queries of the squared true attention weight
   std::vector<double> sig2_;                 // [Hq x D] eigenvalues of Q_j^T Q_j
   std::vector<float> vecs_;                  // [Hq x D x D] their eigenvectors (columns)
-  std::vector<float> pred_out_, scratch_, dk_, cov_, proj_;
-  std::vector<double> e2_;
+  // Kept between calls, so no fresh pages per prediction.
+  std::vector<float> pred_out_, scratch_;
+  std::vector<float> dk_;                    // [T x H*D] the key error
+  std::vector<float> cov_, proj_;            // [H x D x D] its covariance per KV head; [Hq x D x D] that times V_j
+  std::vector<double> e2_;                   // [H x T] the squared value error
 };
 
 // The per-layer figures of a prediction over every layer, averaged as diagnose() does.

@@ -134,114 +134,295 @@ std::string mapper_label(const nlohmann::json& fit) {
   return k_label(fit) + (s == "cross_head" ? "" : ", " + s);
 }
 
+nlohmann::json object_at(const nlohmann::json& j, const char* key) {
+  return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : nlohmann::json::object();
+}
+
+// With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one per kind, and the kept ones'
+// parameters (always fp32 in the files).
+struct MlpSummary {
+  std::string kept;  // "k / v of n", or empty without MLPs
+  double params = 0;
+};
+
+MlpSummary mlp_summary(const nlohmann::json& m) {
+  MlpSummary s;
+  if (!m.is_object() || !m.contains("layers") || !m["layers"].is_array()) return s;
+  const int64_t K = object_at(m, "fit").value("features", int64_t{0});
+  const auto spec = object_at(object_at(m, "target"), "kv_spec");
+  const int64_t G = spec.value("n_kv_heads", int64_t{0}) * spec.value("head_dim", int64_t{0});
+  ByKind<int> kept;
+  int n = 0;
+  for (const auto& l : m["layers"]) {
+    if (!l.is_object() || !l.contains("mlp") || !l["mlp"].is_object()) continue;
+    ++n;
+    for (Kind kind : kMappedKinds) {
+      const auto d = object_at(l["mlp"], kind_name(kind));
+      if (!d.value("kept", false)) continue;
+      ++kept[kind];
+      s.params += static_cast<double>(MlpShape{K, d.value("hidden", int64_t{0}), G}.parameters());
+    }
+  }
+  if (n) s.kept = std::to_string(kept.k) + " / " + std::to_string(kept.v) + " of " + std::to_string(n);
+  return s;
+}
+
 // The k sweep on one screen: per k its size and held-out figures, the k with the best attention cosine (or R²
 // without queries) starred, and the smallest k that passes named.
-std::string sweep_summary(const ReportInput& in) {
-  std::ostringstream o;
-  auto fit_of = [&](size_t i) {
-    return i < in.manifests.size() && in.manifests[i].is_object()
-               ? in.manifests[i].value("fit", nlohmann::json::object())
-               : nlohmann::json::object();
-  };
-  auto k_of = [&](size_t i) { return mapper_label(fit_of(i)); };
-  const bool both = [&] {
-    std::set<std::string> s;
-    for (size_t i = 0; i < in.evaluations.size(); ++i) s.insert(structure_of(fit_of(i)));
-    return s.size() > 1;
-  }();
-  auto score = [](const Evaluation& ev) {
-    return ev.mapper.attention_cosine ? *ev.mapper.attention_cosine : 0.5 * (ev.mapper.r2_k + ev.mapper.r2_v);
-  };
-  size_t best = 0;
-  for (size_t i = 1; i < in.evaluations.size(); ++i)
-    if (score(in.evaluations[i]) > score(in.evaluations[best])) best = i;
-  // Rows by k, each k's structures side by side.
-  std::vector<size_t> rows(in.evaluations.size());
-  for (size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-  std::stable_sort(rows.begin(), rows.end(), [&](size_t a, size_t b) {
-    const auto fa = fit_of(a), fb = fit_of(b);
-    return std::pair{fa.value("k_count", 0), structure_of(fa)} < std::pair{fb.value("k_count", 0), structure_of(fb)};
-  });
-  // With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one per kind, and the kept ones'
-  // parameters (always fp32 in the files).
-  struct MlpSummary {
-    std::string kept;  // "k / v of n", or empty without MLPs
-    double params = 0;
-  };
-  auto object = [](const nlohmann::json& j, const char* key) {
-    return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : nlohmann::json::object();
-  };
-  std::vector<MlpSummary> mlps(in.evaluations.size());
-  bool any_mlps = false, any_outside = false;
-  for (size_t i = 0; i < mlps.size() && i < in.manifests.size(); ++i) {
-    const auto& m = in.manifests[i];
-    if (!m.is_object() || !m.contains("layers") || !m["layers"].is_array()) continue;
-    const int64_t K = object(m, "fit").value("features", int64_t{0});
-    const auto spec = object(object(m, "target"), "kv_spec");
-    const int64_t G = spec.value("n_kv_heads", int64_t{0}) * spec.value("head_dim", int64_t{0});
-    ByKind<int> kept;
-    int n = 0;
-    for (const auto& l : m["layers"]) {
-      if (!l.is_object() || !l.contains("mlp") || !l["mlp"].is_object()) continue;
-      ++n;
-      for (Kind kind : kMappedKinds) {
-        const auto d = object(l["mlp"], kind_name(kind));
-        if (!d.value("kept", false)) continue;
-        ++kept[kind];
-        mlps[i].params += static_cast<double>(MlpShape{K, d.value("hidden", int64_t{0}), G}.parameters());
-      }
+class Sweep {
+ public:
+  explicit Sweep(const ReportInput& in) : in_(in), mlps_(in.evaluations.size()) {
+    std::set<std::string> structures;
+    for (size_t i = 0; i < in_.evaluations.size(); ++i) structures.insert(structure_of(fit_of(i)));
+    both_ = structures.size() > 1;
+    for (size_t i = 1; i < in_.evaluations.size(); ++i)
+      if (score(in_.evaluations[i]) > score(in_.evaluations[best_])) best_ = i;
+    // Rows by k, each k's structures side by side.
+    rows_.resize(in_.evaluations.size());
+    for (size_t i = 0; i < rows_.size(); ++i) rows_[i] = i;
+    std::stable_sort(rows_.begin(), rows_.end(), [&](size_t a, size_t b) {
+      const auto fa = fit_of(a), fb = fit_of(b);
+      return std::pair{fa.value("k_count", 0), structure_of(fa)} < std::pair{fb.value("k_count", 0), structure_of(fb)};
+    });
+    for (size_t i = 0; i < mlps_.size() && i < in_.manifests.size(); ++i) {
+      mlps_[i] = mlp_summary(in_.manifests[i]);
+      any_mlps_ = any_mlps_ || !mlps_[i].kept.empty();
     }
-    if (n) mlps[i].kept = std::to_string(kept.k) + " / " + std::to_string(kept.v) + " of " + std::to_string(n);
-    any_mlps = any_mlps || n > 0;
+    for (size_t i : rows_)
+      if (in_.evaluations[i].ok && (!smallest_ok_ || params_of(i) < params_of(*smallest_ok_))) smallest_ok_ = i;
   }
-  // Every parameter of mapper i (biases and kept MLPs included), and the smallest mapper that passes.
-  auto params_of = [&](size_t i) {
+
+  std::string html() const {
+    std::ostringstream o;
+    o << header();
+    bool any_outside = false;
+    for (size_t i : rows_) {
+      o << row(i);
+      const Evaluation& ev = in_.evaluations[i];
+      any_outside = any_outside || (ev.retention && !ev.retention->outside.empty());
+    }
+    o << footer(any_outside);
+    return o.str();
+  }
+
+ private:
+  static double score(const Evaluation& ev) {
+    return ev.mapper.attention_cosine ? *ev.mapper.attention_cosine : 0.5 * (ev.mapper.r2_k + ev.mapper.r2_v);
+  }
+  nlohmann::json fit_of(size_t i) const {
+    return i < in_.manifests.size() && in_.manifests[i].is_object()
+               ? in_.manifests[i].value("fit", nlohmann::json::object())
+               : nlohmann::json::object();
+  }
+  std::string k_of(size_t i) const { return mapper_label(fit_of(i)); }
+  // Every parameter of mapper i, biases and kept MLPs included.
+  double params_of(size_t i) const {
     const auto fit = fit_of(i);
-    return fit.value("params", 0.0) + fit.value("bias_params", 0.0) + mlps[i].params;
-  };
-  std::optional<size_t> smallest_ok;
-  for (size_t i : rows)
-    if (in.evaluations[i].ok && (!smallest_ok || params_of(i) < params_of(*smallest_ok))) smallest_ok = i;
-  o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th>" << (both ? "<th>structure</th>" : "")
-    << "<th>parameters</th><th>bytes fp32</th>"
-       "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
-       "<th>K-concentration</th><th>V-concentration</th>"
-    << (any_mlps ? "<th>residual MLPs kept (keys / values)</th>" : "")
-    << "<th>predicted " << target_name(retention_model()) << "</th><th>verdict</th></tr>";
-  for (size_t i : rows) {
-    const Evaluation& ev = in.evaluations[i];
+    return fit.value("params", 0.0) + fit.value("bias_params", 0.0) + mlps_[i].params;
+  }
+
+  std::string header() const {
+    std::ostringstream o;
+    o << "<h2>The k sweep at a glance</h2><table><tr><th>k</th>" << (both_ ? "<th>structure</th>" : "")
+      << "<th>parameters</th><th>bytes fp32</th>"
+         "<th>bytes bf16/fp16</th><th>held-out R² keys</th><th>R² values</th><th>attention cosine</th>"
+         "<th>K-concentration</th><th>V-concentration</th>"
+      << (any_mlps_ ? "<th>residual MLPs kept (keys / values)</th>" : "")
+      << "<th>predicted " << target_name(retention_model()) << "</th><th>verdict</th></tr>";
+    return o.str();
+  }
+
+  std::string row(size_t i) const {
+    std::ostringstream o;
+    const Evaluation& ev = in_.evaluations[i];
     const auto fit = fit_of(i);
-    const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps[i].params;
+    const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps_[i].params;
     const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
     const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
-    o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(both ? k_label(fit) : k_of(i))
-      << (i == best ? " &#9733;" : "") << "</th>"
-      << (both ? "<td style='text-align:left'>" + esc(structure_of(fit)) + "</td>" : "") << "<td>" << (params > 0 ? human_count(params) : "?") << "</td><td>"
-      << (params > 0 ? human_bytes(4 * params) : "?") << "</td><td>"
-      << (params > 0 ? human_bytes(2 * ridge + 4 * (bias + mlp)) : "?")
-      << "</td><td>" << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>"
-      << opt(ev.mapper.attention_cosine) << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>"
-      << opt(ev.mapper.v_concentration) << "</td>"
-      << (any_mlps ? "<td>" + esc(mlps[i].kept) + "</td>" : "") << "<td>" << share_text(ev)
+    o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(both_ ? k_label(fit) : k_of(i))
+      << (i == best_ ? " &#9733;" : "") << "</th>"
+      << (both_ ? "<td style='text-align:left'>" + esc(structure_of(fit)) + "</td>" : "") << "<td>"
+      << (params > 0 ? human_count(params) : "?") << "</td><td>" << (params > 0 ? human_bytes(4 * params) : "?")
+      << "</td><td>" << (params > 0 ? human_bytes(2 * ridge + 4 * (bias + mlp)) : "?") << "</td><td>"
+      << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>" << opt(ev.mapper.attention_cosine)
+      << "</td><td>" << opt(ev.mapper.k_concentration) << "</td><td>" << opt(ev.mapper.v_concentration) << "</td>"
+      << (any_mlps_ ? "<td>" + esc(mlps_[i].kept) + "</td>" : "") << "<td>" << share_text(ev)
       << (ev.retention && !ev.retention->outside.empty() ? " &dagger;" : "")
       << "</td><td style='text-align:left'>" << esc(verdict) << "</td></tr>";
-    any_outside = any_outside || (ev.retention && !ev.retention->outside.empty());
+    return o.str();
   }
-  o << "</table><p>&#9733; the best held-out " << (in.evaluations[best].mapper.attention_cosine ? "attention cosine"
-                                                                                               : "R² (no queries)")
-    << ": k = " << esc(k_of(best)) << ". ";
-  if (smallest_ok)
-    o << "The smallest mapper that passes the verdict: <b>k = " << esc(k_of(*smallest_ok)) << "</b> ("
-      << human_count(params_of(*smallest_ok)) << " parameters).";
-  else
-    o << "No mapper passes the verdict.";
-  if (both)
-    o << " per_head: target head h reads source head h alone (Ht&times; fewer parameters); cross_head: every head "
-         "of the selected layers.";
-  if (any_mlps) o << " Parameters and bytes count the kept residual MLPs (stored fp32) with the ridge.";
-  if (any_outside)
-    o << " &dagger; An extrapolation: these figures lie outside the data the predictor was calibrated on.";
-  o << " Details per k below.</p>";
+
+  std::string footer(bool any_outside) const {
+    std::ostringstream o;
+    o << "</table><p>&#9733; the best held-out "
+      << (in_.evaluations[best_].mapper.attention_cosine ? "attention cosine" : "R² (no queries)")
+      << ": k = " << esc(k_of(best_)) << ". ";
+    if (smallest_ok_)
+      o << "The smallest mapper that passes the verdict: <b>k = " << esc(k_of(*smallest_ok_)) << "</b> ("
+        << human_count(params_of(*smallest_ok_)) << " parameters).";
+    else
+      o << "No mapper passes the verdict.";
+    if (both_)
+      o << " per_head: target head h reads source head h alone (Ht&times; fewer parameters); cross_head: every "
+           "head of the selected layers.";
+    if (any_mlps_) o << " Parameters and bytes count the kept residual MLPs (stored fp32) with the ridge.";
+    if (any_outside)
+      o << " &dagger; An extrapolation: these figures lie outside the data the predictor was calibrated on.";
+    o << " Details per k below.</p>";
+    return o.str();
+  }
+
+  const ReportInput& in_;
+  std::vector<MlpSummary> mlps_;
+  std::vector<size_t> rows_;
+  bool both_ = false, any_mlps_ = false;
+  size_t best_ = 0;
+  std::optional<size_t> smallest_ok_;
+};
+
+constexpr const char* kHead =
+    "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}"
+    "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
+    ".ok{background:#e6f4e6;border:1px solid #7b7;padding:8px}.bad{background:#fbe9e9;border:1px solid #d88;"
+    "padding:8px}.charts svg{margin:4px}tr.okrow td{background:#f1faf1}"
+    "table.settings td{text-align:left;overflow-wrap:anywhere;font-family:monospace}</style></head><body>";
+
+std::string heatmap_section(std::string svg) {
+  if (svg.rfind("<?xml", 0) == 0) svg = svg.substr(svg.find("?>") + 2);
+  return "<details open><summary><b>Probe R² (calibration): which source layers predict each target layer"
+         "</b></summary>" + svg + "</details>";
+}
+
+std::string retention_paragraph(const Evaluation& ev) {
+  std::ostringstream o;
+  const RetentionModel& rm = retention_model();
+  o << "<p class='retention'><b>Predicted " << target_name(rm) << ": " << share_text(ev) << "</b> "
+    << esc(target_meaning(rm)) << ". LIKELY TO TRANSFER needs " << fmt(100 * ev.min_retention, 0)
+    << "% (<code>eval.min_retention</code>). The interval held "
+    << fmt(100 * rm.coverage, 0) << "% of the predictor's errors on studies it was not fitted on (mean error "
+    << fmt(100 * rm.loso_mae, 0) << " points); calibrated on " << esc(rm.calibrated_on)
+    << " (docs/RESULTS.md).";
+  if (!ev.retention->outside.empty())
+    o << " <b>An extrapolation:</b> " << esc(ev.retention->outside)
+      << ", so the share is a guess beyond the data it was fitted on.";
+  o << "</p>";
+  return o.str();
+}
+
+// The mapper beside its baselines: the ridge alone (with MLPs), the mean-only mapper, no target RoPE.
+std::string held_out_table(const Evaluation& ev, const std::string& eval_source) {
+  std::ostringstream o;
+  o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
+       "<th>K-concentration</th><th>V-concentration</th></tr>";
+  std::vector<std::pair<std::string, const Diagnostics*>> rows = {
+      {ev.ridge_only ? "mapper (ridge + residual MLPs)" : "mapper", &ev.mapper}};
+  if (ev.ridge_only) rows.push_back({"ridge alone (the MLPs left out)", &*ev.ridge_only});
+  rows.push_back({"mean-only (constant)", &ev.mean_only});
+  rows.push_back({"mapper without target RoPE", &ev.no_target_rope});
+  for (const auto& [name, d] : rows)
+    o << "<tr><th>" << esc(name) << "</th><td>" << fmt(d->r2_k) << "</td><td>" << fmt(d->r2_v) << "</td><td>"
+      << opt(d->attention_cosine) << "</td><td>" << opt(d->k_concentration) << "</td><td>"
+      << opt(d->v_concentration) << "</td></tr>";
+  o << "</table><p>" << ev.mapper.tokens << " held-out tokens (" << esc(eval_source)
+    << "). Concentrations above 1: the error sits where attention reads.</p>";
+  return o.str();
+}
+
+std::string per_layer_charts(const Evaluation& ev) {
+  std::string o = "<div class='charts'>";
+  o += chart("held-out R² per layer, keys",
+             {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::r2_k_mean)},
+              {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::r2_k_mean), true}},
+             0.0);
+  o += chart("held-out R² per layer, values",
+             {{"mapper", "#2ca02c", per_layer(ev.mapper, &LayerDiagnostics::r2_v_mean)},
+              {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::r2_v_mean), true}},
+             0.0);
+  if (ev.mapper.attention_cosine) {
+    o += chart("attention-output cosine per layer",
+               {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::cosine_mean)},
+                {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::cosine_mean), true},
+                {"no target RoPE", "#d62728", per_layer(ev.no_target_rope, &LayerDiagnostics::cosine_mean), true}},
+               implied_cosine(ev.min_retention));
+    o += chart("K- and V-concentration per layer",
+               {{"K", "#9467bd", per_layer(ev.mapper, &LayerDiagnostics::k_concentration_mean)},
+                {"V", "#8c564b", per_layer(ev.mapper, &LayerDiagnostics::v_concentration_mean)}},
+               1.0);
+  }
+  return o + "</div>";
+}
+
+// The fit's own R² of keys for one manifest layer, the mean over heads (NaN where the manifest has none).
+double in_sample_r2_k(const nlohmann::json& layer) {
+  if (!layer.contains("r2_k") || !layer["r2_k"].is_array()) return NAN;
+  double s = 0;
+  int c = 0;
+  for (const auto& x : layer["r2_k"])
+    if (x.is_number()) s += x.get<double>(), ++c;
+  return c ? s / c : NAN;
+}
+
+std::string selected_layers_table(const Evaluation& ev, const nlohmann::json& m) {
+  std::ostringstream o;
+  o << "<details><summary>selected source layers per target layer</summary><table><tr><th>target layer</th>"
+       "<th>source layers</th><th>in-sample R² k (head mean)</th><th>held-out R² k</th><th>held-out R² v</th></tr>";
+  for (const auto& l : m["layers"]) {
+    const int t = l.value("target_layer", -1);
+    const bool ok = t >= 0 && t < static_cast<int>(ev.mapper.layers.size());
+    o << "<tr><td>" << t << "</td><td style='text-align:left'>"
+      << esc(l.value("source_layers", nlohmann::json::array()).dump()) << "</td><td>" << fmt(in_sample_r2_k(l))
+      << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_k_mean) : "") << "</td><td>"
+      << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td></tr>";
+  }
+  o << "</table></details>";
+  return o.str();
+}
+
+std::string mapper_section(const Evaluation& ev, const nlohmann::json& m, const std::string& eval_source) {
+  std::ostringstream o;
+  const std::string k = mapper_label(m.value("fit", nlohmann::json::object()));
+  o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
+    << esc(ev.verdict) << "</p>";
+  if (ev.retention) o << retention_paragraph(ev);
+  o << held_out_table(ev, eval_source) << per_layer_charts(ev);
+  if (m.contains("layers")) o << selected_layers_table(ev, m);
+  return o.str();
+}
+
+std::string verdict_thresholds(const ReportInput& in) {
+  const VerdictThresholds th;
+  const double min_share = in.evaluations.empty() ? th.min_retention : in.evaluations.front().min_retention;
+  std::string model = fmt(retention_model().intercept, 3);
+  for (const auto& [f, w] : retention_model().terms)
+    model += (w < 0 ? " - " : " + ") + fmt(std::fabs(w), 3) + "·" + to_string(f);
+  return "predicted " + target_name(retention_model()) + " >= " + fmt(100 * min_share, 0) + "% (" +
+         target_name(retention_model()) + " = " + model +
+         "); attention-output cosine above the mean-only baseline; held-out R² of keys and values >= " +
+         fmt(th.min_r2, 2);
+}
+
+// The pair and the fit's settings, from the first manifest.
+std::string settings_section(const ReportInput& in) {
+  std::ostringstream o;
+  const auto& m = in.manifests.front();
+  o << "<h2>The pair and its settings</h2><table class='settings'>";
+  auto row = [&](const std::string& k, const std::string& v) {
+    o << "<tr><th style='text-align:left'>" << esc(k) << "</th><td>" << esc(v) << "</td></tr>";
+  };
+  auto model = [&](const char* side) {
+    return m[side].value("model", "") + " " + m[side].value("kv_spec", nlohmann::json()).dump();
+  };
+  if (m.contains("source")) row("source", model("source"));
+  if (m.contains("target")) row("target", model("target"));
+  if (m.contains("fit")) row("fit", m["fit"].dump());
+  if (m.contains("calibration")) {
+    auto c = m["calibration"];
+    c.erase("shards");
+    row("calibration", c.dump());
+  }
+  if (m.contains("tool")) row("tool", m["tool"].dump());
+  row("verdict thresholds", verdict_thresholds(in));
+  o << "</table>";
   return o.str();
 }
 
@@ -250,119 +431,15 @@ std::string sweep_summary(const ReportInput& in) {
 std::string render_report(const ReportInput& in) {
   std::ostringstream o;
   o << "<!DOCTYPE html><html><head><meta charset='utf-8'><title>crosskv report: " << esc(in.title) << "</title>"
-    << "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}table{border-collapse:collapse;margin:8px 0}"
-       "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:right}th{background:#f3f3f3}"
-       ".ok{background:#e6f4e6;border:1px solid #7b7;padding:8px}.bad{background:#fbe9e9;border:1px solid #d88;"
-       "padding:8px}.charts svg{margin:4px}tr.okrow td{background:#f1faf1}"
-       "table.settings td{text-align:left;overflow-wrap:anywhere;font-family:monospace}</style></head><body>";
+    << kHead;
   o << "<h1>crosskv: " << esc(in.title) << "</h1>";
   if (in.evaluations.empty()) o << "<p>No held-out evaluation.</p>";
-  if (!in.evaluations.empty()) o << sweep_summary(in);
-  if (!in.heatmap_svg.empty()) {
-    std::string svg = in.heatmap_svg;
-    if (svg.rfind("<?xml", 0) == 0) svg = svg.substr(svg.find("?>") + 2);
-    o << "<details open><summary><b>Probe R² (calibration): which source layers predict each target layer"
-         "</b></summary>" << svg << "</details>";
-  }
-  for (size_t i = 0; i < in.evaluations.size(); ++i) {
-    const Evaluation& ev = in.evaluations[i];
-    const nlohmann::json& m = i < in.manifests.size() ? in.manifests[i] : nlohmann::json::object();
-    const auto fit = m.value("fit", nlohmann::json::object());
-    const std::string k = mapper_label(fit);
-    o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
-      << esc(ev.verdict) << "</p>";
-    if (ev.retention) {
-      const RetentionModel& rm = retention_model();
-      o << "<p class='retention'><b>Predicted " << target_name(rm) << ": " << share_text(ev) << "</b> "
-        << esc(target_meaning(rm)) << ". LIKELY TO TRANSFER needs " << fmt(100 * ev.min_retention, 0)
-        << "% (<code>eval.min_retention</code>). The interval held "
-        << fmt(100 * rm.coverage, 0) << "% of the predictor's errors on studies it was not fitted on (mean error "
-        << fmt(100 * rm.loso_mae, 0) << " points); calibrated on " << esc(rm.calibrated_on)
-        << " (docs/RESULTS.md).";
-      if (!ev.retention->outside.empty())
-        o << " <b>An extrapolation:</b> " << esc(ev.retention->outside)
-          << ", so the share is a guess beyond the data it was fitted on.";
-      o << "</p>";
-    }
-    o << "<table><tr><th>held-out figures</th><th>R² keys</th><th>R² values</th><th>attention cosine</th>"
-         "<th>K-concentration</th><th>V-concentration</th></tr>";
-    std::vector<std::pair<std::string, const Diagnostics*>> rows = {
-        {ev.ridge_only ? "mapper (ridge + residual MLPs)" : "mapper", &ev.mapper}};
-    if (ev.ridge_only) rows.push_back({"ridge alone (the MLPs left out)", &*ev.ridge_only});
-    rows.push_back({"mean-only (constant)", &ev.mean_only});
-    rows.push_back({"mapper without target RoPE", &ev.no_target_rope});
-    for (const auto& [name, d] : rows)
-      o << "<tr><th>" << esc(name) << "</th><td>" << fmt(d->r2_k) << "</td><td>" << fmt(d->r2_v) << "</td><td>"
-        << opt(d->attention_cosine) << "</td><td>" << opt(d->k_concentration) << "</td><td>"
-        << opt(d->v_concentration) << "</td></tr>";
-    o << "</table><p>" << ev.mapper.tokens << " held-out tokens (" << esc(in.eval_source)
-      << "). Concentrations above 1: the error sits where attention reads.</p><div class='charts'>";
-    o << chart("held-out R² per layer, keys",
-               {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::r2_k_mean)},
-                {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::r2_k_mean), true}},
-               0.0);
-    o << chart("held-out R² per layer, values",
-               {{"mapper", "#2ca02c", per_layer(ev.mapper, &LayerDiagnostics::r2_v_mean)},
-                {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::r2_v_mean), true}},
-               0.0);
-    if (ev.mapper.attention_cosine) {
-      o << chart("attention-output cosine per layer",
-                 {{"mapper", "#1f77b4", per_layer(ev.mapper, &LayerDiagnostics::cosine_mean)},
-                  {"mean-only", "#999", per_layer(ev.mean_only, &LayerDiagnostics::cosine_mean), true},
-                  {"no target RoPE", "#d62728", per_layer(ev.no_target_rope, &LayerDiagnostics::cosine_mean), true}},
-                 implied_cosine(ev.min_retention));
-      o << chart("K- and V-concentration per layer",
-                 {{"K", "#9467bd", per_layer(ev.mapper, &LayerDiagnostics::k_concentration_mean)},
-                  {"V", "#8c564b", per_layer(ev.mapper, &LayerDiagnostics::v_concentration_mean)}},
-                 1.0);
-    }
-    o << "</div>";
-    if (m.contains("layers")) {
-      o << "<details><summary>selected source layers per target layer</summary><table><tr><th>target layer</th>"
-           "<th>source layers</th><th>in-sample R² k (head mean)</th><th>held-out R² k</th><th>held-out R² v</th></tr>";
-      for (const auto& l : m["layers"]) {
-        const int t = l.value("target_layer", -1);
-        double in_k = NAN;
-        if (l.contains("r2_k") && l["r2_k"].is_array()) {
-          double s = 0;
-          int c = 0;
-          for (const auto& x : l["r2_k"])
-            if (x.is_number()) s += x.get<double>(), ++c;
-          if (c) in_k = s / c;
-        }
-        const bool ok = t >= 0 && t < static_cast<int>(ev.mapper.layers.size());
-        o << "<tr><td>" << t << "</td><td style='text-align:left'>" << esc(l.value("source_layers", nlohmann::json::array()).dump())
-          << "</td><td>" << fmt(in_k) << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_k_mean) : "")
-          << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td></tr>";
-      }
-      o << "</table></details>";
-    }
-  }
-  if (!in.manifests.empty()) {
-    const auto& m = in.manifests.front();
-    o << "<h2>The pair and its settings</h2><table class='settings'>";
-    auto row = [&](const std::string& k, const std::string& v) {
-      o << "<tr><th style='text-align:left'>" << esc(k) << "</th><td>" << esc(v) << "</td></tr>";
-    };
-    if (m.contains("source")) row("source", m["source"].value("model", "") + " " + m["source"].value("kv_spec", nlohmann::json()).dump());
-    if (m.contains("target")) row("target", m["target"].value("model", "") + " " + m["target"].value("kv_spec", nlohmann::json()).dump());
-    if (m.contains("fit")) row("fit", m["fit"].dump());
-    if (m.contains("calibration")) {
-      auto c = m["calibration"];
-      c.erase("shards");
-      row("calibration", c.dump());
-    }
-    if (m.contains("tool")) row("tool", m["tool"].dump());
-    const VerdictThresholds th;
-    const double min_share = in.evaluations.empty() ? th.min_retention : in.evaluations.front().min_retention;
-    std::string model = fmt(retention_model().intercept, 3);
-    for (const auto& [f, w] : retention_model().terms) model += (w < 0 ? " - " : " + ") + fmt(std::fabs(w), 3) + "·" + to_string(f);
-    row("verdict thresholds", "predicted " + target_name(retention_model()) + " >= " + fmt(100 * min_share, 0) +
-                                  "% (" + target_name(retention_model()) + " = " + model +
-                                  "); attention-output cosine above the mean-only "
-                                  "baseline; held-out R² of keys and values >= " + fmt(th.min_r2, 2));
-    o << "</table>";
-  }
+  if (!in.evaluations.empty()) o << Sweep(in).html();
+  if (!in.heatmap_svg.empty()) o << heatmap_section(in.heatmap_svg);
+  for (size_t i = 0; i < in.evaluations.size(); ++i)
+    o << mapper_section(in.evaluations[i], i < in.manifests.size() ? in.manifests[i] : nlohmann::json::object(),
+                        in.eval_source);
+  if (!in.manifests.empty()) o << settings_section(in);
   o << "</body></html>\n";
   return o.str();
 }
