@@ -81,12 +81,23 @@ size_t dtype_size(const std::string& d) {
   return 0;
 }
 
-}  // namespace
+// An input error that names the file.
+struct Refusal {
+  const std::string& path;
+  InputError operator()(const std::string& what) const { return InputError(path + ": " + what); }
+};
 
-std::map<std::string, TensorIn> parse_safetensors(const std::string& bytes, const std::string& path) {
-  auto bad = [&](const std::string& what) -> InputError { return InputError(path + ": " + what); };
+// A tensor's place in the data section.
+struct Span {
+  std::string name;
+  uint64_t begin, end;
+};
+
+// The JSON header, after its length (set in len); duplicate tensor names are caught while parsing, since a JSON
+// object would merge them silently.
+nlohmann::json read_header(const std::string& bytes, const Refusal& bad, uint64_t& len) {
   if (bytes.size() < 8) throw bad("not a safetensors file (" + std::to_string(bytes.size()) + " bytes, header length missing)");
-  uint64_t len = 0;
+  len = 0;
   for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
   if (len > kMaxHeaderBytes) throw bad("safetensors header length " + std::to_string(len) + " is over the 100 MB limit");
   if (len > bytes.size() - 8)
@@ -95,7 +106,6 @@ std::map<std::string, TensorIn> parse_safetensors(const std::string& bytes, cons
   const std::string h = bytes.substr(8, len);
   if (!valid_utf8(h)) throw bad("safetensors header is not UTF-8");
   if (h.empty() || h[0] != '{') throw bad("safetensors header does not start with '{'");
-  // Duplicate tensor names would be merged silently by a JSON object: catch them while parsing.
   std::string duplicate;
   std::set<std::string> top_keys;
   nlohmann::json header;
@@ -111,78 +121,97 @@ std::map<std::string, TensorIn> parse_safetensors(const std::string& bytes, cons
   }
   if (!duplicate.empty()) throw bad("safetensors header names tensor '" + duplicate + "' twice");
   if (!header.is_object()) throw bad("safetensors header is not a JSON object");
-  const uint64_t data_bytes = bytes.size() - 8 - len;
-  struct Entry {
-    std::string name;
-    uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
-  std::map<std::string, TensorIn> out;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
-    const auto& v = it.value();
-    if (name == "__metadata__") {
-      if (!v.is_object()) throw bad("__metadata__ is not an object");
-      for (auto m = v.begin(); m != v.end(); ++m)
-        if (!m.value().is_string()) throw bad("__metadata__ value '" + m.key() + "' is not a string");
-      continue;
-    }
-    const std::string where = "tensor '" + name + "'";
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
-      throw bad(where + " needs dtype, shape and data_offsets");
-    if (!v["dtype"].is_string()) throw bad(where + ": dtype is not a string");
-    TensorIn t;
-    t.dtype = v["dtype"].get<std::string>();
-    const size_t esize = dtype_size(t.dtype);
-    if (esize == 0) throw bad(where + " has unknown or unsupported dtype '" + t.dtype + "' (expected F32, BF16 or F16)");
-    if (!v["shape"].is_array()) throw bad(where + ": shape is not an array");
-    uint64_t count = 1;
-    for (const auto& d : v["shape"]) {
-      if (!d.is_number_unsigned()) throw bad(where + ": shape has a non-integer or negative dimension");
-      const uint64_t n = d.get<uint64_t>();
-      if (n != 0 && count > std::numeric_limits<uint64_t>::max() / esize / n)
-        throw bad(where + ": shape's element count overflows");
-      count *= n;
-      t.shape.push_back(static_cast<int64_t>(n));
-    }
-    const auto& off = v["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      throw bad(where + ": data_offsets must be two non-negative integers");
-    const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
-    if (b > e) throw bad(where + ": data_offsets begin after they end");
-    if (e > data_bytes)
-      throw bad(where + ": data_offsets run past the end of the file (" + std::to_string(e) + " > " +
-                std::to_string(data_bytes) + " data bytes)");
-    if (count * esize != e - b)
-      throw bad(where + ": shape holds " + std::to_string(count) + " " + t.dtype + " elements (" +
-                std::to_string(count * esize) + " bytes) but data_offsets span " + std::to_string(e - b) + " bytes");
-    entries.push_back({name, b, e});
-    out.emplace(name, std::move(t));
+  return header;
+}
+
+void check_metadata(const nlohmann::json& v, const Refusal& bad) {
+  if (!v.is_object()) throw bad("__metadata__ is not an object");
+  for (auto m = v.begin(); m != v.end(); ++m)
+    if (!m.value().is_string()) throw bad("__metadata__ value '" + m.key() + "' is not a string");
+}
+
+// One tensor's entry: its dtype and shape into t, its span checked against the data section.
+Span read_entry(const std::string& name, const nlohmann::json& v, uint64_t data_bytes, const Refusal& bad,
+                TensorIn& t) {
+  const std::string where = "tensor '" + name + "'";
+  if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+    throw bad(where + " needs dtype, shape and data_offsets");
+  if (!v["dtype"].is_string()) throw bad(where + ": dtype is not a string");
+  t.dtype = v["dtype"].get<std::string>();
+  const size_t esize = dtype_size(t.dtype);
+  if (esize == 0) throw bad(where + " has unknown or unsupported dtype '" + t.dtype + "' (expected F32, BF16 or F16)");
+  if (!v["shape"].is_array()) throw bad(where + ": shape is not an array");
+  uint64_t count = 1;
+  for (const auto& d : v["shape"]) {
+    if (!d.is_number_unsigned()) throw bad(where + ": shape has a non-integer or negative dimension");
+    const uint64_t n = d.get<uint64_t>();
+    if (n != 0 && count > std::numeric_limits<uint64_t>::max() / esize / n)
+      throw bad(where + ": shape's element count overflows");
+    count *= n;
+    t.shape.push_back(static_cast<int64_t>(n));
   }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin; });
+  const auto& off = v["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+    throw bad(where + ": data_offsets must be two non-negative integers");
+  const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+  if (b > e) throw bad(where + ": data_offsets begin after they end");
+  if (e > data_bytes)
+    throw bad(where + ": data_offsets run past the end of the file (" + std::to_string(e) + " > " +
+              std::to_string(data_bytes) + " data bytes)");
+  if (count * esize != e - b)
+    throw bad(where + ": shape holds " + std::to_string(count) + " " + t.dtype + " elements (" +
+              std::to_string(count * esize) + " bytes) but data_offsets span " + std::to_string(e - b) + " bytes");
+  return {name, b, e};
+}
+
+// The spans, sorted by begin, must tile the data section: no overlap, no gap, nothing after the last.
+void check_tiling(const std::vector<Span>& spans, uint64_t data_bytes, const Refusal& bad) {
   uint64_t at = 0;
-  for (const auto& e : entries) {
+  for (const auto& e : spans) {
     if (e.begin < at) throw bad("tensor '" + e.name + "' overlaps the previous tensor's data");
     if (e.begin > at) throw bad("gap of " + std::to_string(e.begin - at) + " bytes before tensor '" + e.name + "'");
     at = e.end;
   }
   if (at != data_bytes) throw bad(std::to_string(data_bytes - at) + " trailing bytes after the last tensor");
-  const char* data = bytes.data() + 8 + len;
-  for (const auto& e : entries) {
-    TensorIn& t = out[e.name];
-    const char* raw = data + e.begin;
-    if (t.dtype == "F32") {
-      t.values.resize((e.end - e.begin) / 4);
-      std::memcpy(t.values.data(), raw, e.end - e.begin);
-    } else {
-      t.values.resize((e.end - e.begin) / 2);
-      for (size_t i = 0; i < t.values.size(); ++i) {
-        uint16_t u;
-        std::memcpy(&u, raw + 2 * i, 2);
-        t.values[i] = t.dtype == "BF16" ? bf16_to_float(u) : fp16_to_float(u);
-      }
-    }
+}
+
+// A tensor's bytes to fp32 values.
+void decode(const char* raw, uint64_t bytes, TensorIn& t) {
+  if (t.dtype == "F32") {
+    t.values.resize(bytes / 4);
+    std::memcpy(t.values.data(), raw, bytes);
+    return;
   }
+  t.values.resize(bytes / 2);
+  for (size_t i = 0; i < t.values.size(); ++i) {
+    uint16_t u;
+    std::memcpy(&u, raw + 2 * i, 2);
+    t.values[i] = t.dtype == "BF16" ? bf16_to_float(u) : fp16_to_float(u);
+  }
+}
+
+}  // namespace
+
+std::map<std::string, TensorIn> parse_safetensors(const std::string& bytes, const std::string& path) {
+  const Refusal bad{path};
+  uint64_t len = 0;
+  const nlohmann::json header = read_header(bytes, bad, len);
+  const uint64_t data_bytes = bytes.size() - 8 - len;
+  std::vector<Span> spans;
+  std::map<std::string, TensorIn> out;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      check_metadata(it.value(), bad);
+      continue;
+    }
+    TensorIn t;
+    spans.push_back(read_entry(it.key(), it.value(), data_bytes, bad, t));
+    out.emplace(it.key(), std::move(t));
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  check_tiling(spans, data_bytes, bad);
+  const char* data = bytes.data() + 8 + len;
+  for (const auto& e : spans) decode(data + e.begin, e.end - e.begin, out[e.name]);
   return out;
 }
 

@@ -51,95 +51,123 @@ std::vector<BlockRef> MomentBlocks::new_blocks(const std::vector<std::pair<int64
   return out;
 }
 
-void MomentBlocks::add_plan(const MomentPlan& plan) {
-  const int64_t F = d_.F(), G = d_.G(), Y = d_.Y();
-  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
-  std::vector<std::pair<int, int>> grams, crosses;  // new blocks, in plan order (the order of the flat live state)
+MomentBlocks::PlanBlocks MomentBlocks::new_in(const MomentPlan& plan) const {
+  PlanBlocks nb;
   std::set<std::pair<int, int>> seen_gram, seen_cross;
   for (auto p : plan.gram) {
-    CROSSKV_ASSERT(p.first <= p.second && p.second < Ls, "bad gram pair");
-    if (!gram_idx_.count(p) && seen_gram.insert(p).second) grams.push_back(p);
+    CROSSKV_ASSERT(p.first <= p.second && p.second < d_.Ls, "bad gram pair");
+    if (!gram_idx_.count(p) && seen_gram.insert(p).second) nb.grams.push_back(p);
   }
   for (auto p : plan.cross) {
-    CROSSKV_ASSERT(p.first < Ls && p.second < Lt, "bad cross pair");
-    if (!cross_idx_.count(p) && seen_cross.insert(p).second) crosses.push_back(p);
+    CROSSKV_ASSERT(p.first < d_.Ls && p.second < d_.Lt, "bad cross pair");
+    if (!cross_idx_.count(p) && seen_cross.insert(p).second) nb.crosses.push_back(p);
   }
-  const bool heads = !plan.probe_heads.empty() && head_cross_.empty();
-  std::vector<bool> probe(H, false);
-  if (heads) {
+  nb.heads = !plan.probe_heads.empty() && head_cross_.empty();
+  nb.probe.assign(d_.Hs, false);
+  if (nb.heads) {
     CROSSKV_ASSERT(d_.Hs == d_.Ht, "same-head probe needs equal head counts");
     for (int h : plan.probe_heads) {
-      CROSSKV_ASSERT(h >= 0 && h < H, "bad probe head");
-      probe[h] = true;
+      CROSSKV_ASSERT(h >= 0 && h < d_.Hs, "bad probe head");
+      nb.probe[h] = true;
     }
   }
-  if (grams.empty() && crosses.empty() && !heads) return;
-  // Panels: source layers whose Gram row or cross row this plan adds whole.
+  return nb;
+}
+
+// Gram panels, cross panels (consecutive ones adjacent), single blocks, same-head blocks. A panel is a source
+// layer whose Gram row or cross row the plan adds whole.
+MomentBlocks::ArenaLayout MomentBlocks::lay_out(const PlanBlocks& nb) const {
+  const int64_t F = d_.F(), G = d_.G(), Y = d_.Y();
+  const int Ls = d_.Ls, Lt = d_.Lt;
   std::vector<int64_t> gram_row(Ls, 0), cross_row(Ls, 0);
-  for (const auto& pr : grams) ++gram_row[pr.first];
-  for (const auto& pr : crosses) ++cross_row[pr.first];
-  // Layout of the arena: Gram panels, cross panels (consecutive ones adjacent), single blocks, same-head blocks.
-  int64_t off = 0;
-  std::vector<int64_t> gpanel(Ls, -1), cpanel(Ls, -1);
+  for (const auto& pr : nb.grams) ++gram_row[pr.first];
+  for (const auto& pr : nb.crosses) ++cross_row[pr.first];
+  ArenaLayout at;
+  int64_t& off = at.floats;
+  at.gram_panel.assign(Ls, -1), at.cross_panel.assign(Ls, -1);
   for (int a = 0; a < Ls; ++a)
-    if (gram_row[a] == Ls - a) gpanel[a] = off, off += F * (Ls - a) * F;
+    if (gram_row[a] == Ls - a) at.gram_panel[a] = off, off += F * (Ls - a) * F;
   for (int a = 0; a < Ls; ++a)
-    if (cross_row[a] == Lt) cpanel[a] = off, off += F * Y;
-  std::vector<int64_t> gsingle(grams.size(), -1), csingle(crosses.size(), -1);
-  for (size_t i = 0; i < grams.size(); ++i)
-    if (gpanel[grams[i].first] < 0) gsingle[i] = off, off += F * F;
-  for (size_t i = 0; i < crosses.size(); ++i)
-    if (cpanel[crosses[i].first] < 0) csingle[i] = off, off += F * G;
-  const int64_t head_off = off;
-  if (heads)
-    for (int h = 0; h < H; ++h)
-      if (probe[h]) off += int64_t{Ls} * Ds * Ds + int64_t{Ls} * Ds * Lt * Dt;
+    if (cross_row[a] == Lt) at.cross_panel[a] = off, off += F * Y;
+  at.gram_single.assign(nb.grams.size(), -1), at.cross_single.assign(nb.crosses.size(), -1);
+  for (size_t i = 0; i < nb.grams.size(); ++i)
+    if (at.gram_panel[nb.grams[i].first] < 0) at.gram_single[i] = off, off += F * F;
+  for (size_t i = 0; i < nb.crosses.size(); ++i)
+    if (at.cross_panel[nb.crosses[i].first] < 0) at.cross_single[i] = off, off += F * G;
+  at.head_off = off;
+  if (nb.heads)
+    for (int h = 0; h < d_.Hs; ++h)
+      if (nb.probe[h]) off += int64_t{Ls} * d_.Ds * d_.Ds + int64_t{Ls} * d_.Ds * Lt * d_.Dt;
+  return at;
+}
+
+void MomentBlocks::add_plan(const MomentPlan& plan) {
+  const PlanBlocks nb = new_in(plan);
+  if (nb.grams.empty() && nb.crosses.empty() && !nb.heads) return;
+  const ArenaLayout at = lay_out(nb);
   CROSSKV_ASSERT(held_.empty(), "a plan added while the live blocks are held");
-  arenas_.push_back(std::make_unique<FloatArena>(off));
+  arenas_.push_back(std::make_unique<FloatArena>(at.floats));
   const int arena = static_cast<int>(arenas_.size()) - 1;
   live_arenas_.push_back(arena);
   float* base = arenas_.back()->data();
-  for (size_t i = 0; i < grams.size(); ++i) {
-    const auto [a, b] = grams[i];
-    gram_idx_.emplace(grams[i], gram_.size());
-    gram_.push_back(gpanel[a] >= 0 ? BlockRef{base + gpanel[a] + (b - a) * F, F, F, (Ls - a) * F, arena}
-                                   : BlockRef{base + gsingle[i], F, F, F, arena});
+  place_blocks(nb, at, base, arena);
+  place_panels(at, base, arena);
+  if (nb.heads) place_heads(nb, base + at.head_off, arena);
+}
+
+void MomentBlocks::place_blocks(const PlanBlocks& nb, const ArenaLayout& at, float* base, int arena) {
+  const int64_t F = d_.F(), G = d_.G(), Y = d_.Y();
+  const int Ls = d_.Ls;
+  for (size_t i = 0; i < nb.grams.size(); ++i) {
+    const auto [a, b] = nb.grams[i];
+    const int64_t panel = at.gram_panel[a];
+    gram_idx_.emplace(nb.grams[i], gram_.size());
+    gram_.push_back(panel >= 0 ? BlockRef{base + panel + (b - a) * F, F, F, (Ls - a) * F, arena}
+                               : BlockRef{base + at.gram_single[i], F, F, F, arena});
     gram_live_.push_back(true);
-    gram_in_panel_.push_back(gpanel[a] >= 0);
+    gram_in_panel_.push_back(panel >= 0);
   }
-  for (size_t i = 0; i < crosses.size(); ++i) {
-    const auto [a, l] = crosses[i];
-    cross_idx_.emplace(crosses[i], cross_.size());
-    cross_.push_back(cpanel[a] >= 0 ? BlockRef{base + cpanel[a] + l * G, F, G, Y, arena}
-                                    : BlockRef{base + csingle[i], F, G, G, arena});
+  for (size_t i = 0; i < nb.crosses.size(); ++i) {
+    const auto [a, l] = nb.crosses[i];
+    const int64_t panel = at.cross_panel[a];
+    cross_idx_.emplace(nb.crosses[i], cross_.size());
+    cross_.push_back(panel >= 0 ? BlockRef{base + panel + l * G, F, G, Y, arena}
+                                : BlockRef{base + at.cross_single[i], F, G, G, arena});
     cross_live_.push_back(true);
-    cross_in_panel_.push_back(cpanel[a] >= 0);
+    cross_in_panel_.push_back(panel >= 0);
   }
+}
+
+// Each Gram panel one GEMM; adjacent cross panels one GEMM together.
+void MomentBlocks::place_panels(const ArenaLayout& at, float* base, int arena) {
+  const int64_t F = d_.F(), Y = d_.Y();
+  const int Ls = d_.Ls;
   for (int a = 0; a < Ls; ++a)
-    if (gpanel[a] >= 0)
-      panels_.push_back({a * F, F, false, a * F, (Ls - a) * F, base + gpanel[a], (Ls - a) * F, arena});
+    if (at.gram_panel[a] >= 0)
+      panels_.push_back({a * F, F, false, a * F, (Ls - a) * F, base + at.gram_panel[a], (Ls - a) * F, arena});
   for (int a = 0; a < Ls;) {
-    if (cpanel[a] < 0) {
+    if (at.cross_panel[a] < 0) {
       ++a;
       continue;
     }
     int b = a;
-    while (b + 1 < Ls && cpanel[b + 1] >= 0) ++b;
-    panels_.push_back({a * F, (b - a + 1) * F, true, 0, Y, base + cpanel[a], Y, arena});
+    while (b + 1 < Ls && at.cross_panel[b + 1] >= 0) ++b;
+    panels_.push_back({a * F, (b - a + 1) * F, true, 0, Y, base + at.cross_panel[a], Y, arena});
     a = b + 1;
   }
-  if (heads) {
-    float* p = base + head_off;
-    head_gram_.assign(int64_t{Ls} * H, BlockRef{});
-    head_cross_.assign(H, BlockRef{});
-    for (int h = 0; h < H; ++h) {
-      if (!probe[h]) continue;
-      for (int a = 0; a < Ls; ++a, p += int64_t{Ds} * Ds) head_gram_[int64_t{a} * H + h] = {p, Ds, Ds, Ds, arena};
-      head_cross_[h] = {p, int64_t{Ls} * Ds, int64_t{Lt} * Dt, int64_t{Lt} * Dt, arena};
-      p += int64_t{Ls} * Ds * Lt * Dt;
-    }
-    head_live_ = true;
+}
+
+void MomentBlocks::place_heads(const PlanBlocks& nb, float* p, int arena) {
+  const int Ls = d_.Ls, Lt = d_.Lt, H = d_.Hs, Ds = d_.Ds, Dt = d_.Dt;
+  head_gram_.assign(int64_t{Ls} * H, BlockRef{});
+  head_cross_.assign(H, BlockRef{});
+  for (int h = 0; h < H; ++h) {
+    if (!nb.probe[h]) continue;
+    for (int a = 0; a < Ls; ++a, p += int64_t{Ds} * Ds) head_gram_[int64_t{a} * H + h] = {p, Ds, Ds, Ds, arena};
+    head_cross_[h] = {p, int64_t{Ls} * Ds, int64_t{Lt} * Dt, int64_t{Lt} * Dt, arena};
+    p += int64_t{Ls} * Ds * Lt * Dt;
   }
+  head_live_ = true;
 }
 
 void MomentBlocks::hold(ComputeBackend& be) {

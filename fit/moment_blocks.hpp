@@ -119,6 +119,23 @@ class MomentBlocks {
   const BlockRef& block(size_t i, BlockKind kind) const;
   // Carves contiguous blocks of {rows, cols} out of one new arena (zeros).
   std::vector<BlockRef> new_blocks(const std::vector<std::pair<int64_t, int64_t>>& shapes);
+  // add_plan's steps: the plan's blocks not yet present (in plan order: the order of the flat live state), their
+  // offsets in the new arena, and the blocks, panels and same-head blocks placed there.
+  struct PlanBlocks {
+    std::vector<std::pair<int, int>> grams, crosses;
+    std::vector<bool> probe;  // [Hs] the same-head blocks of these heads
+    bool heads = false;
+  };
+  struct ArenaLayout {
+    std::vector<int64_t> gram_panel, cross_panel;   // [Ls] a source layer's whole row, or -1
+    std::vector<int64_t> gram_single, cross_single;  // per new block outside a panel, or -1
+    int64_t head_off = 0, floats = 0;
+  };
+  PlanBlocks new_in(const MomentPlan& plan) const;
+  ArenaLayout lay_out(const PlanBlocks& nb) const;
+  void place_blocks(const PlanBlocks& nb, const ArenaLayout& at, float* base, int arena);
+  void place_panels(const ArenaLayout& at, float* base, int arena);
+  void place_heads(const PlanBlocks& nb, float* p, int arena);
   template <class Fn>
   void for_each_live(Fn fn) const;
 
