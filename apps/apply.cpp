@@ -42,6 +42,62 @@ void check_finite(const std::vector<float>& mapped, const char* kind, int64_t t0
                    "; check the source shard's values there)");
 }
 
+// The output's stored dtype: --dtype, or the source's.
+Dtype output_dtype(const std::string& name, Dtype source) {
+  if (name == "float32") return Dtype::f32;
+  if (name == "float16") return Dtype::f16;
+  if (name == "bfloat16") return Dtype::bf16;
+  if (!name.empty()) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + name + "\"");
+  return source;
+}
+
+// The target's RoPE positions: another shard's for the same tokens, or the source's.
+std::vector<int32_t> target_positions(const std::string& positions_from, ShardReader& src, const std::string& source) {
+  if (positions_from.empty()) return src.positions();
+  ShardReader p(positions_from);
+  if (p.token_ids() != src.token_ids())
+    throw InputError(positions_from + ": token_ids differ from " + source + " (not the same tokens)");
+  return p.positions();
+}
+
+// Every row of the source shard mapped into w, `block` tokens at a time.
+void map_rows(Transfer& tr, ShardReader& src, const std::string& source, const std::vector<int32_t>& spos,
+              const std::vector<int32_t>& tpos, int64_t block, ShardWriter& w) {
+  const ShardHeader& h = src.header();
+  const int64_t T = h.tokens;
+  const int64_t XW = h.spec.n_layers * h.spec.features_per_layer();
+  const int64_t YW = tr.target().n_layers * tr.target().features_per_layer();
+  std::vector<float> k, v, ok, ov;
+  std::vector<uint16_t> scratch;
+  Progress progress("apply", T, 0, "tokens");
+  for (int64_t t0 = 0; t0 < T; t0 += block) {
+    const int64_t n = std::min(block, T - t0);
+    k.resize(n * XW);
+    v.resize(n * XW);
+    ok.resize(n * YW);
+    ov.resize(n * YW);
+    src.read_rows("keys", t0, n, 1, k.data(), scratch);
+    src.read_rows("values", t0, n, 1, v.data(), scratch);
+    tr.apply(k.data(), v.data(), spos.data() + t0, tpos.data() + t0, n, ok.data(), ov.data());
+    check_finite(ok, "keys", t0, tr.target(), source);
+    check_finite(ov, "values", t0, tr.target(), source);
+    w.write_rows("keys", t0, n, ok.data());
+    w.write_rows("values", t0, n, ov.data());
+    progress.add(n);
+  }
+  progress.finish();
+}
+
+// A failed run leaves no partial shard behind.
+struct RemoveUnlessCommitted {
+  std::string path;
+  bool keep = false;
+  ~RemoveUnlessCommitted() {
+    std::error_code ec;
+    if (!keep) std::filesystem::remove(path, ec);
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -76,53 +132,16 @@ int main(int argc, char** argv) {
       spdlog::warn("{}: model '{}' differs from the mapper's source model '{}'", source, h.model,
                    tr.manifest().source_model);
     const int64_t T = h.tokens;
-    std::vector<int32_t> spos = src.positions(), tpos = spos;
-    if (!positions_from.empty()) {
-      ShardReader p(positions_from);
-      if (p.token_ids() != src.token_ids())
-        throw InputError(positions_from + ": token_ids differ from " + source + " (not the same tokens)");
-      tpos = p.positions();
-    }
-    Dtype dt = h.key_dtype;
-    if (dtype_name == "float32") dt = Dtype::f32;
-    else if (dtype_name == "float16") dt = Dtype::f16;
-    else if (dtype_name == "bfloat16") dt = Dtype::bf16;
-    else if (!dtype_name.empty()) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype_name + "\"");
+    const std::vector<int32_t> spos = src.positions(), tpos = target_positions(positions_from, src, source);
+    const Dtype dt = output_dtype(dtype_name, h.key_dtype);
     const std::string tmp = temp_name_for(out);
-    struct RemoveUnlessCommitted {  // a failed run leaves no partial shard behind
-      std::string path;
-      bool keep = false;
-      ~RemoveUnlessCommitted() {
-        std::error_code ec;
-        if (!keep) std::filesystem::remove(path, ec);
-      }
-    } guard{tmp};
+    RemoveUnlessCommitted guard{tmp};
     {
       ShardWriter w(tmp, tr.manifest().target_model, h.domain, tr.target(), T, dt);
       w.write_token_ids(src.token_ids());
       w.write_positions(tpos);
       w.write_seq_offsets(src.seq_offsets());
-      const int64_t XW = h.spec.n_layers * h.spec.features_per_layer();
-      const int64_t YW = tr.target().n_layers * tr.target().features_per_layer();
-      std::vector<float> k, v, ok, ov;
-      std::vector<uint16_t> scratch;
-      Progress progress("apply", T, 0, "tokens");
-      for (int64_t t0 = 0; t0 < T; t0 += block) {
-        const int64_t n = std::min(block, T - t0);
-        k.resize(n * XW);
-        v.resize(n * XW);
-        ok.resize(n * YW);
-        ov.resize(n * YW);
-        src.read_rows("keys", t0, n, 1, k.data(), scratch);
-        src.read_rows("values", t0, n, 1, v.data(), scratch);
-        tr.apply(k.data(), v.data(), spos.data() + t0, tpos.data() + t0, n, ok.data(), ov.data());
-        check_finite(ok, "keys", t0, tr.target(), source);
-        check_finite(ov, "values", t0, tr.target(), source);
-        w.write_rows("keys", t0, n, ok.data());
-        w.write_rows("values", t0, n, ov.data());
-        progress.add(n);
-      }
-      progress.finish();
+      map_rows(tr, src, source, spos, tpos, block, w);
       w.close();
     }
     commit_file(tmp, out);

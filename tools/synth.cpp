@@ -249,6 +249,30 @@ class TokenMaker {
   std::vector<float> Z_, zmix_, zk_, priv_;
 };
 
+// The shard's token ids, positions (the same on both sides: gapped, or 0, 1, 2, ... per sequence) and sequence
+// offsets.
+struct TokenLayout {
+  std::vector<int32_t> ids, positions;
+  std::vector<int64_t> seq_offsets = {0};
+};
+
+TokenLayout draw_tokens(const SynthOptions& o, int64_t Tn, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> token(0, 150000), offset(0, 4000), step(1, 3);
+  TokenLayout tl;
+  tl.ids.resize(Tn), tl.positions.resize(Tn);
+  for (int s = 0; s < o.sequences_per_shard; ++s) {
+    int p = o.gapped_positions ? offset(rng) : 0;
+    for (int j = 0; j < o.seq_len; ++j) {
+      const int64_t t = int64_t{s} * o.seq_len + j;
+      tl.ids[t] = token(rng);
+      tl.positions[t] = p;
+      p += o.gapped_positions ? step(rng) : 1;
+    }
+    tl.seq_offsets.push_back(tl.seq_offsets.back() + o.seq_len);
+  }
+  return tl;
+}
+
 // Both sides' shard `name` of `domain`: token ids, positions and sequences, then every token's KV (and queries),
 // written a chunk of rows at a time. Returns the tokens written.
 int64_t write_shard_pair(const SynthOptions& o, const std::string& domain, const std::string& name, TokenMaker& maker,
@@ -256,28 +280,17 @@ int64_t write_shard_pair(const SynthOptions& o, const std::string& domain, const
   const Side S{&o.source}, T{&o.target};
   const int Ls = o.source.n_layers, Lt = o.target.n_layers;
   Rope rope_s(o.source, "source"), rope_t(o.target, "target");
-  std::uniform_int_distribution<int> token(0, 150000), offset(0, 4000), step(1, 3);
   const int64_t Tn = int64_t{o.sequences_per_shard} * o.seq_len;
   ShardWriter ws_(((fs::path(o.out) / "source" / domain) / name).string(), o.source_model, domain, o.source, Tn,
                   o.dtype, o.with_queries, o.chunk_tokens, o.checksum);
   ShardWriter wt_(((fs::path(o.out) / "target" / domain) / name).string(), o.target_model, domain, o.target, Tn,
                   o.dtype, o.with_queries, o.chunk_tokens, o.checksum);
-  std::vector<int32_t> ids(Tn), pos_s(Tn), pos_t(Tn);
-  std::vector<int64_t> offs = {0};
-  for (int s = 0; s < o.sequences_per_shard; ++s) {
-    int p = o.gapped_positions ? offset(rng) : 0;
-    for (int j = 0; j < o.seq_len; ++j) {
-      const int64_t t = int64_t{s} * o.seq_len + j;
-      ids[t] = token(rng);
-      pos_s[t] = pos_t[t] = p;
-      p += o.gapped_positions ? step(rng) : 1;
-    }
-    offs.push_back(offs.back() + o.seq_len);
-  }
+  const TokenLayout tl = draw_tokens(o, Tn, rng);
+  const std::vector<int32_t>& pos = tl.positions;
   for (ShardWriter* w : {&ws_, &wt_}) {
-    w->write_token_ids(ids);
-    w->write_positions(w == &ws_ ? pos_s : pos_t);
-    w->write_seq_offsets(offs);
+    w->write_token_ids(tl.ids);
+    w->write_positions(tl.positions);
+    w->write_seq_offsets(tl.seq_offsets);
   }
   if (o.with_weights) {
     std::uniform_real_distribution<double> u(-1.0, 1.0);
@@ -312,11 +325,11 @@ int64_t write_shard_pair(const SynthOptions& o, const std::string& domain, const
     if (o.with_queries) {  // then RoPE as for the keys
       maker.queries(ks, o.source, qs);
       maker.queries(kt, o.target, qt);
-      rope_s.apply_block(qs.data(), 1, int64_t{Ls} * o.source.n_q_heads, &pos_s[t]);
-      rope_t.apply_block(qt.data(), 1, int64_t{Lt} * o.target.n_q_heads, &pos_t[t]);
+      rope_s.apply_block(qs.data(), 1, int64_t{Ls} * o.source.n_q_heads, &pos[t]);
+      rope_t.apply_block(qt.data(), 1, int64_t{Lt} * o.target.n_q_heads, &pos[t]);
     }
-    rope_s.apply_block(ks.data(), 1, int64_t{Ls} * o.source.n_kv_heads, &pos_s[t]);
-    rope_t.apply_block(kt.data(), 1, int64_t{Lt} * o.target.n_kv_heads, &pos_t[t]);
+    rope_s.apply_block(ks.data(), 1, int64_t{Ls} * o.source.n_kv_heads, &pos[t]);
+    rope_t.apply_block(kt.data(), 1, int64_t{Lt} * o.target.n_kv_heads, &pos[t]);
     std::copy(ks.begin(), ks.end(), bks.begin() + filled * S.width());
     std::copy(vs.begin(), vs.end(), bvs.begin() + filled * S.width());
     std::copy(kt.begin(), kt.end(), bkt.begin() + filled * T.width());

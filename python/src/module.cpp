@@ -227,6 +227,54 @@ class PyMapper {
   std::mutex busy_;  // the transfers share the mapper's scratch: threads take turns (the GIL is released first)
 };
 
+// A mapper folder's manifest as a dict, without loading a weight.
+nb::dict manifest_dict(const std::string& dir) {
+  const MapperManifest mm = read_mapper_manifest(dir);
+  nb::dict d;
+  d["source"] = spec_dict(mm.source), d["target"] = spec_dict(mm.target);
+  d["source_model"] = mm.source_model, d["target_model"] = mm.target_model;
+  d["structure"] = to_string(mm.structure), d["k"] = mm.k_count;
+  return d;
+}
+
+using Weights = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Bias = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using SyntheticLayer = std::tuple<std::vector<int>, Weights, Bias, Weights, Bias>;  // (source layers, k_w, k_b, v_w, v_b)
+
+// A mapper folder of the given weights, written by artifact/'s own writer, fit.synthetic set.
+void write_synthetic_mapper(const std::string& dir, const std::string& source_spec, const std::string& target_spec,
+                            const std::string& source_model, const std::string& target_model,
+                            const std::vector<SyntheticLayer>& layers) {
+  const KvSpec S = parse_kv_spec(source_spec, "source kv_spec"), T = parse_kv_spec(target_spec, "target kv_spec");
+  if (static_cast<int>(layers.size()) != T.n_layers)
+    throw InputError("layers: expected one per target layer (" + std::to_string(T.n_layers) + "), got " +
+                     std::to_string(layers.size()));
+  const int k = static_cast<int>(std::get<0>(layers.at(0)).size());
+  const int64_t F = S.features_per_layer(), G = T.features_per_layer();
+  nlohmann::json entries = nlohmann::json::array();
+  for (int l = 0; l < T.n_layers; ++l) {
+    const auto& [sel, wk, bk, wv, bv] = layers[l];
+    const int64_t K = static_cast<int64_t>(sel.size()) * F;
+    if (static_cast<int>(sel.size()) != k || wk.shape(0) != static_cast<size_t>(K) ||
+        wk.shape(1) != static_cast<size_t>(G) || wv.shape(0) != wk.shape(0) || wv.shape(1) != wk.shape(1) ||
+        bk.shape(0) != static_cast<size_t>(G) || bv.shape(0) != static_cast<size_t>(G))
+      throw InputError("layers[" + std::to_string(l) + "]: expected " + std::to_string(k) +
+                       " source layers, weights [" + std::to_string(K) + ", " + std::to_string(G) +
+                       "] and biases [" + std::to_string(G) + "]");
+    LayerFileContent c;
+    c.target_layer = l, c.source_layers = sel, c.features = K, c.G = G;
+    c.kinds.k.weight = wk.data(), c.kinds.k.bias = bk.data(), c.kinds.v.weight = wv.data(), c.kinds.v.bias = bv.data();
+    const std::string file = layer_file_name(l), path = dir + "/" + file;
+    write_layer_file(path, c);
+    entries.push_back(manifest_layer_entry(l, sel, file, sha256_file(path), {}, {}));
+  }
+  ManifestFit fit;
+  fit.k_label = k == S.n_layers ? "all" : std::to_string(k), fit.k_count = k, fit.features = int64_t{k} * F;
+  fit.params = 2 * fit.features * G * T.n_layers, fit.bias_params = 2 * G * T.n_layers;
+  fit.probe = "none", fit.dtype = "fp32", fit.synthetic = true;
+  write_manifest(dir, make_manifest(source_model, S, target_model, T, fit, entries, ManifestCalibration{}));
+}
+
 }  // namespace
 }  // namespace crosskv
 
@@ -239,60 +287,14 @@ NB_MODULE(_crosskv, m) {
   m.attr("__version__") = CROSSKV_VERSION;
   m.attr("cuda_compiled_in") = crosskv::cuda_compiled_in();
   nb::exception<crosskv::UserError>(m, "MapperError", PyExc_ValueError);
-  m.def(
-      "read_manifest",
-      [](const std::string& dir) {
-        const crosskv::MapperManifest mm = crosskv::read_mapper_manifest(dir);
-        nb::dict d;
-        d["source"] = crosskv::spec_dict(mm.source), d["target"] = crosskv::spec_dict(mm.target);
-        d["source_model"] = mm.source_model, d["target_model"] = mm.target_model;
-        d["structure"] = crosskv::to_string(mm.structure), d["k"] = mm.k_count;
-        return d;
-      },
-      "mapper_dir"_a,
-      "A mapper folder's manifest, read and validated as crosskv-fit's readers do, without loading a weight: "
-      "{source, target (kv_specs), source_model, target_model, structure, k}");
-  using Weights = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  using Bias = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-  m.def(
-      "write_synthetic_mapper",
-      [](const std::string& dir, const std::string& source_spec, const std::string& target_spec,
-         const std::string& source_model, const std::string& target_model,
-         const std::vector<std::tuple<std::vector<int>, Weights, Bias, Weights, Bias>>& layers) {
-        using namespace crosskv;
-        const KvSpec S = parse_kv_spec(source_spec, "source kv_spec"), T = parse_kv_spec(target_spec, "target kv_spec");
-        if (static_cast<int>(layers.size()) != T.n_layers)
-          throw InputError("layers: expected one per target layer (" + std::to_string(T.n_layers) + "), got " +
-                           std::to_string(layers.size()));
-        const int k = static_cast<int>(std::get<0>(layers.at(0)).size());
-        const int64_t F = S.features_per_layer(), G = T.features_per_layer();
-        nlohmann::json entries = nlohmann::json::array();
-        for (int l = 0; l < T.n_layers; ++l) {
-          const auto& [sel, wk, bk, wv, bv] = layers[l];
-          const int64_t K = static_cast<int64_t>(sel.size()) * F;
-          if (static_cast<int>(sel.size()) != k || wk.shape(0) != static_cast<size_t>(K) ||
-              wk.shape(1) != static_cast<size_t>(G) || wv.shape(0) != wk.shape(0) || wv.shape(1) != wk.shape(1) ||
-              bk.shape(0) != static_cast<size_t>(G) || bv.shape(0) != static_cast<size_t>(G))
-            throw InputError("layers[" + std::to_string(l) + "]: expected " + std::to_string(k) +
-                             " source layers, weights [" + std::to_string(K) + ", " + std::to_string(G) +
-                             "] and biases [" + std::to_string(G) + "]");
-          LayerFileContent c;
-          c.target_layer = l, c.source_layers = sel, c.features = K, c.G = G;
-          c.kinds.k.weight = wk.data(), c.kinds.k.bias = bk.data(), c.kinds.v.weight = wv.data(), c.kinds.v.bias = bv.data();
-          const std::string file = layer_file_name(l), path = dir + "/" + file;
-          write_layer_file(path, c);
-          entries.push_back(manifest_layer_entry(l, sel, file, sha256_file(path), {}, {}));
-        }
-        ManifestFit fit;
-        fit.k_label = k == S.n_layers ? "all" : std::to_string(k), fit.k_count = k, fit.features = int64_t{k} * F;
-        fit.params = 2 * fit.features * G * T.n_layers, fit.bias_params = 2 * G * T.n_layers;
-        fit.probe = "none", fit.dtype = "fp32", fit.synthetic = true;
-        write_manifest(dir, make_manifest(source_model, S, target_model, T, fit, entries, ManifestCalibration{}));
-      },
-      "dir"_a, "source_spec"_a, "target_spec"_a, "source_model"_a, "target_model"_a, "layers"_a,
-      "A mapper folder of the given weights written by crosskv's own writer (artifact/): one (source_layers, "
-      "k_weight [K, G], k_bias [G], v_weight, v_bias) per target layer, kv_specs as JSON text; fit.synthetic is "
-      "set. For timing at a model's real shape without a fit.");
+  m.def("read_manifest", &crosskv::manifest_dict, "mapper_dir"_a,
+        "A mapper folder's manifest, read and validated as crosskv-fit's readers do, without loading a weight: "
+        "{source, target (kv_specs), source_model, target_model, structure, k}");
+  m.def("write_synthetic_mapper", &crosskv::write_synthetic_mapper, "dir"_a, "source_spec"_a, "target_spec"_a,
+        "source_model"_a, "target_model"_a, "layers"_a,
+        "A mapper folder of the given weights written by crosskv's own writer (artifact/): one (source_layers, "
+        "k_weight [K, G], k_bias [G], v_weight, v_bias) per target layer, kv_specs as JSON text; fit.synthetic is "
+        "set. For timing at a model's real shape without a fit.");
   nb::class_<PyMapper>(m, "_Mapper")
       .def(nb::init<const std::string&, const std::string&, bool, bool, bool, int, int>(), "path"_a,
            "device"_a = "cpu", "resident"_a = true, "verify"_a = true, "tf32"_a = false, "first_head"_a = 0,
