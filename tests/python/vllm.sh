@@ -2,12 +2,14 @@
 # crosskv.vllm against real vLLM engines (tests/python/test_vllm.py, or the test file named) under pytest in .venv-vllm,
 # with the family made in the capture environment; SKIPPED (77) with the reason where either is missing. Further
 # arguments go to pytest (-k NAME runs one case).
-#   tests/python/vllm.sh WORKDIR [TEST_FILE [PYTEST ARGS...]]
+#   tests/python/vllm.sh WORKDIR [TEST_FILE] [PYTEST ARGS...]   (TEST_FILE: test_vllm.py unless named)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python
 CAP=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/python}
-WORK=${1:?usage: $0 WORKDIR [TEST_SCRIPT]}
-TEST=${2:-test_vllm.py}
+WORK=${1:?usage: $0 WORKDIR [TEST_FILE] [PYTEST ARGS...]}
+shift
+TEST=test_vllm.py
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then TEST=$1; shift; fi
 [ -x "$PY" ] || { echo "SKIPPED: no vLLM environment at $PY (scripts/setup-vllm.sh installs it)"; exit 77; }
 "$PY" -c "import vllm" 2> /dev/null || { echo "SKIPPED: vLLM does not import in $PY"; exit 77; }
 "$PY" -c "import crosskv.vllm" 2> /dev/null \
@@ -22,7 +24,6 @@ if [ "$TEST" = test_vllm_fp8.py ] && ! "$PY" -c "import torch, sys; sys.exit(not
   echo "SKIPPED: vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX, and this CPU has neither"
   exit 77
 fi
-shift $(( $# < 2 ? $# : 2 ))
 # pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.
 mkdir -p "$WORK"
 export CROSSKV_TEST_WORK="$WORK/family" CROSSKV_CAPTURE_PYTHON="$CAP" CROSSKV_FIT="${CROSSKV_FIT:?}"
