@@ -47,7 +47,7 @@ class LayerDiagnoser {
   // One KV head's group of query heads over sequence s, in row tiles (scores: the unit's scratch).
   void attention_unit(int g, int64_t s, const float* keys, const float* values, float* out, double* wsq,
                       std::vector<float>& scores);
-  // The steps of diagnose(), in order; the last three only with queries.
+  // The steps of diagnose(), in order; all but the first only with queries.
   void r2_per_head(const float* keys, const float* values, LayerDiagnostics& ld);
   void cosine_per_query_head(const float* keys, const float* values, LayerDiagnostics& ld);
   void errors(const float* keys, const float* values);
