@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "runtime/log.hpp"
 #include "core/atomic_file.hpp"
+#include "core/dtype.hpp"
 #include "io/shard.hpp"
 
 using namespace crosskv;
@@ -44,11 +45,9 @@ void check_finite(const std::vector<float>& mapped, const char* kind, int64_t t0
 
 // The output's stored dtype: --dtype, or the source's.
 Dtype output_dtype(const std::string& name, Dtype source) {
-  if (name == "float32") return Dtype::f32;
-  if (name == "float16") return Dtype::f16;
-  if (name == "bfloat16") return Dtype::bf16;
-  if (!name.empty()) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + name + "\"");
-  return source;
+  if (name.empty()) return source;
+  if (const auto d = dtype_from_string(name)) return *d;
+  throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + name + "\"");
 }
 
 // The target's RoPE positions: another shard's for the same tokens, or the source's.

@@ -5,6 +5,7 @@
 
 #include "runtime/cli.hpp"
 #include "core/error.hpp"
+#include "core/dtype.hpp"
 #include "tools/synth.hpp"
 
 using namespace crosskv;
@@ -76,10 +77,9 @@ int main(int argc, char** argv) {
   return run_tool("crosskv-synth", [&]() -> int {
     finish_side(o.source, conv_s, "source");
     finish_side(o.target, conv_t, "target");
-    if (dtype == "float32") o.dtype = Dtype::f32;
-    else if (dtype == "float16") o.dtype = Dtype::f16;
-    else if (dtype == "bfloat16") o.dtype = Dtype::bf16;
-    else throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype + "\"");
+    const auto d = dtype_from_string(dtype);
+    if (!d) throw UserError("--dtype: expected float32, float16 or bfloat16, got \"" + dtype + "\"");
+    o.dtype = *d;
     if (relation == "family") o.relation = SynthRelation::family;
     else if (relation == "linear") o.relation = SynthRelation::linear;
     else if (relation == "nonlinear") o.relation = SynthRelation::nonlinear;

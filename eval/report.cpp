@@ -171,9 +171,12 @@ MlpSummary mlp_summary(const nlohmann::json& m) {
 // without queries) starred, and the smallest k that passes named.
 class Sweep {
  public:
-  explicit Sweep(const ReportInput& in) : in_(in), mlps_(in.evaluations.size()) {
+  explicit Sweep(const ReportInput& in) : in_(in), fits_(in.evaluations.size()), mlps_(in.evaluations.size()) {
+    for (size_t i = 0; i < fits_.size(); ++i)
+      if (i < in_.manifests.size() && in_.manifests[i].is_object())
+        fits_[i] = in_.manifests[i].value("fit", nlohmann::json::object());
     std::set<std::string> structures;
-    for (size_t i = 0; i < in_.evaluations.size(); ++i) structures.insert(structure_of(fit_of(i)));
+    for (const auto& fit : fits_) structures.insert(structure_of(fit));
     both_ = structures.size() > 1;
     for (size_t i = 1; i < in_.evaluations.size(); ++i)
       if (score(in_.evaluations[i]) > score(in_.evaluations[best_])) best_ = i;
@@ -181,7 +184,7 @@ class Sweep {
     rows_.resize(in_.evaluations.size());
     for (size_t i = 0; i < rows_.size(); ++i) rows_[i] = i;
     std::stable_sort(rows_.begin(), rows_.end(), [&](size_t a, size_t b) {
-      const auto fa = fit_of(a), fb = fit_of(b);
+      const auto &fa = fits_[a], &fb = fits_[b];
       return std::pair{fa.value("k_count", 0), structure_of(fa)} < std::pair{fb.value("k_count", 0), structure_of(fb)};
     });
     for (size_t i = 0; i < mlps_.size() && i < in_.manifests.size(); ++i) {
@@ -209,15 +212,10 @@ class Sweep {
   static double score(const Evaluation& ev) {
     return ev.mapper.attention_cosine ? *ev.mapper.attention_cosine : 0.5 * (ev.mapper.r2_k + ev.mapper.r2_v);
   }
-  nlohmann::json fit_of(size_t i) const {
-    return i < in_.manifests.size() && in_.manifests[i].is_object()
-               ? in_.manifests[i].value("fit", nlohmann::json::object())
-               : nlohmann::json::object();
-  }
-  std::string k_of(size_t i) const { return mapper_label(fit_of(i)); }
+  std::string k_of(size_t i) const { return mapper_label(fits_[i]); }
   // Every parameter of mapper i, biases and kept MLPs included.
   double params_of(size_t i) const {
-    const auto fit = fit_of(i);
+    const auto& fit = fits_[i];
     return fit.value("params", 0.0) + fit.value("bias_params", 0.0) + mlps_[i].params;
   }
 
@@ -235,7 +233,7 @@ class Sweep {
   std::string row(size_t i) const {
     std::ostringstream o;
     const Evaluation& ev = in_.evaluations[i];
-    const auto fit = fit_of(i);
+    const auto& fit = fits_[i];
     const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps_[i].params;
     const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
     const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
@@ -273,6 +271,7 @@ class Sweep {
   }
 
   const ReportInput& in_;
+  std::vector<nlohmann::json> fits_;  // per evaluation, its manifest's fit (empty without one)
   std::vector<MlpSummary> mlps_;
   std::vector<size_t> rows_;
   bool both_ = false, any_mlps_ = false;
