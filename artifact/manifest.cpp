@@ -62,14 +62,24 @@ nlohmann::json manifest_layer_entry(int target_layer, const std::vector<int>& so
           {"sha256", sha256},             {"r2_k", nan_to_null(r2_k)},      {"r2_v", nan_to_null(r2_v)}};
 }
 
-nlohmann::json make_manifest(const std::string& source_model, const KvSpec& source, const std::string& target_model,
+namespace {
+
+nlohmann::json model_json(const ManifestModel& model, const KvSpec& spec) {
+  nlohmann::json j = {{"model", model.name}, {"kv_spec", kv_spec_to_json(spec)}};
+  if (!model.weights.empty()) j["weights"] = model.weights;
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json make_manifest(const ManifestModel& source_model, const KvSpec& source, const ManifestModel& target_model,
                              const KvSpec& target, const ManifestFit& fit, const nlohmann::json& layers,
                              const ManifestCalibration& calibration, const std::optional<ManifestRun>& run) {
   nlohmann::json m = {{"format", kMapperFormat},
           {"format_version", kManifestVersion},
           {"tool", {{"name", "crosskv"}, {"version", CROSSKV_VERSION}}},
-          {"source", {{"model", source_model}, {"kv_spec", kv_spec_to_json(source)}}},
-          {"target", {{"model", target_model}, {"kv_spec", kv_spec_to_json(target)}}},
+          {"source", model_json(source_model, source)},
+          {"target", model_json(target_model, target)},
           {"fit",
            {{"k", fit.k_label == "all" ? nlohmann::json("all") : nlohmann::json(fit.k_count)},
             {"k_count", fit.k_count},

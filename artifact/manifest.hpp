@@ -66,9 +66,17 @@ struct ManifestMlpDecision {
 nlohmann::json manifest_layer_entry(int target_layer, const std::vector<int>& source_layers, const std::string& file,
                                     const std::string& sha256, const std::vector<double>& r2_k,
                                     const std::vector<double>& r2_v);
+// A model as a manifest names it: its name, and its weights' fingerprint where the shards recorded one
+// ("sha256:...", docs/FORMATS.md; empty: not written).
+struct ManifestModel {
+  std::string name, weights;
+  ManifestModel(std::string name, std::string weights = {}) : name(std::move(name)), weights(std::move(weights)) {}
+  ManifestModel(const char* name) : name(name) {}
+};
+
 // The whole manifest of one k: the models and their kv_specs, the fit, the layer entries, the calibration, and
 // (when given) the run.
-nlohmann::json make_manifest(const std::string& source_model, const KvSpec& source, const std::string& target_model,
+nlohmann::json make_manifest(const ManifestModel& source_model, const KvSpec& source, const ManifestModel& target_model,
                              const KvSpec& target, const ManifestFit& fit, const nlohmann::json& layers,
                              const ManifestCalibration& calibration, const std::optional<ManifestRun>& run = {});
 nlohmann::json calibration_json(const ManifestCalibration& c);

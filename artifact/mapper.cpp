@@ -72,6 +72,8 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   const auto& tgt = field(m.json, "target", path);
   m.source_model = str_field(src, "model", path, "source.");
   m.target_model = str_field(tgt, "model", path, "target.");
+  if (src.contains("weights")) m.source_weights = str_field(src, "weights", path, "source.");
+  if (tgt.contains("weights")) m.target_weights = str_field(tgt, "weights", path, "target.");
   m.source = spec_field(src, "source", path);
   m.target = spec_field(tgt, "target", path);
   const auto& fit = field(m.json, "fit", path);

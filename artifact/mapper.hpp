@@ -23,6 +23,7 @@ struct MapperManifest {
   std::string dir, path;  // the artifact folder and its manifest.json
   nlohmann::json json;
   std::string source_model, target_model;
+  std::string source_weights, target_weights;  // the models' weights fingerprints (empty: not recorded)
   KvSpec source, target;
   int k_count = 0;
   std::string dtype;

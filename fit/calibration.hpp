@@ -39,6 +39,7 @@ struct Calibration {
   FitConfig cfg;
   KvSpec source, target;
   std::string source_model, target_model;
+  std::string source_weights, target_weights;  // the shards' model_weights fingerprints (empty: not recorded)
   std::vector<std::string> domains;
   std::vector<ShardPair> shards;  // sorted by relative path
   std::vector<ShardPair> eval_shards;  // held out (eval.shards): not read by the fit

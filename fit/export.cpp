@@ -254,7 +254,8 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
     const Structure st = plan_.slot_structure(i);
     const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.fit.lambda,
                           to_string(c.fit.probe), weight_dtype_name(c.fit.dtype), to_string(st)};
-    const nlohmann::json m = make_manifest(cal_.source_model, cal_.source, cal_.target_model, cal_.target, fit,
+    const nlohmann::json m = make_manifest({cal_.source_model, cal_.source_weights}, cal_.source,
+                                           {cal_.target_model, cal_.target_weights}, cal_.target, fit,
                                            layers_[i], calibration, run);
     write_manifest(partial_dir(i), m);
     if (!publish) {

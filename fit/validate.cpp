@@ -219,6 +219,8 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
       cal.target = ht.spec;
       cal.source_model = hs.model;
       cal.target_model = ht.model;
+      cal.source_weights = hs.model_weights;
+      cal.target_weights = ht.model_weights;
       Rope(cal.source, p.source_path);
       Rope(cal.target, p.target_path);
       first = false;
@@ -227,6 +229,12 @@ void read_pairs(const FitConfig& cfg, Calibration& cal) {
         throw InputError(p.source_path + ": kv_spec differs from the store's first shard (" + cal.shards[0].source_path + ")");
       if (ht.spec != cal.target)
         throw InputError(p.target_path + ": kv_spec differs from the store's first shard (" + cal.shards[0].target_path + ")");
+      for (const auto& [h, weights, path, first_path] :
+           {std::tuple{&hs, &cal.source_weights, &p.source_path, &cal.shards[0].source_path},
+            std::tuple{&ht, &cal.target_weights, &p.target_path, &cal.shards[0].target_path}})
+        if (h->model_weights != *weights)
+          throw InputError(*path + ": attribute model_weights is '" + h->model_weights + "', the store's first shard (" +
+                           *first_path + ") has '" + *weights + "': one store must hold one model's KV");
     }
     const double xs = static_cast<double>(hs.spec.n_layers) * hs.spec.features_per_layer(),
                  ys = static_cast<double>(ht.spec.n_layers) * ht.spec.features_per_layer();

@@ -31,6 +31,7 @@ ShardReader::ShardReader(const std::string& path) {
   if (ver != 1) throw InputError(path + ": crosskv_format_version " + std::to_string(ver) + " is not supported (expected 1)");
   h_.model = h5::read_string_attr(file_, "model", path);
   h_.domain = h5::read_string_attr(file_, "domain", path);
+  if (h5::has_attr(file_, "model_weights")) h_.model_weights = h5::read_string_attr(file_, "model_weights", path);
   h_.spec = parse_kv_spec(h5::read_string_attr(file_, "kv_spec", path), path);
   for (const char* name : {"token_ids", "positions"}) {
     h5::Handle d = h5::open_dataset(file_, name, path);

@@ -15,6 +15,7 @@ namespace crosskv {
 struct ShardHeader {
   std::string path;
   std::string model, domain;
+  std::string model_weights;  // the optional attribute model_weights: the weights' fingerprint (empty: absent)
   KvSpec spec;
   int64_t tokens = 0;
   Dtype key_dtype = Dtype::f32, value_dtype = Dtype::f32, query_dtype = Dtype::f32;

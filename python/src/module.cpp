@@ -233,6 +233,8 @@ nb::dict manifest_dict(const std::string& dir) {
   nb::dict d;
   d["source"] = spec_dict(mm.source), d["target"] = spec_dict(mm.target);
   d["source_model"] = mm.source_model, d["target_model"] = mm.target_model;
+  d["source_weights"] = mm.source_weights.empty() ? nb::none() : nb::cast(mm.source_weights);
+  d["target_weights"] = mm.target_weights.empty() ? nb::none() : nb::cast(mm.target_weights);
   d["structure"] = to_string(mm.structure), d["k"] = mm.k_count;
   return d;
 }

@@ -102,6 +102,15 @@ TEST_F(BadInput, KvSpecDiffersWithinAStore) {
   expect_fit_error(yaml(), {shard("target", 1), "kv_spec differs"});
 }
 
+TEST_F(BadInput, TwoModelsWeightsInOneStoreAreRefusedByShard) {
+  for (int i : {0, 1}) {
+    auto f = open_rw(shard("source", i));
+    h5::write_string_attr(f, "model_weights", i == 0 ? "sha256:aaaa" : "sha256:bbbb");
+  }
+  expect_fit_error(yaml(), {shard("source", 1), "attribute model_weights is 'sha256:bbbb'", shard("source", 0),
+                            "'sha256:aaaa'", "one store must hold one model's KV"});
+}
+
 TEST_F(BadInput, UnknownDtype) {
   {
     auto f = open_rw(shard("target", 0));

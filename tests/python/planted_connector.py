@@ -1,12 +1,19 @@
 """Planted bugs for the vLLM tests, as connectors the tests load by module path (spec key "planted"), so that no
-test fault lives in crosskv's own code. Each subclasses CrossKVConnector and swaps its worker side.
+test fault lives in crosskv's own code. Each subclasses CrossKVConnector and swaps its scheduler or worker side.
 
-    rank0_heads   every tensor-parallel worker maps worker 0's heads (labelled applied: the TP check must catch it)
-    write_once    the first write of mapped KV into the paged cache, in each worker, raises
+    rank0_heads     every tensor-parallel worker maps worker 0's heads (labelled applied: the TP check must catch it)
+    write_once      the first write of mapped KV into the paged cache, in each worker, raises
+    no_reload       a request resumed after preemption is promised its mapped prefix, but no load is planned (the
+                    behaviour before: it attends over blocks nobody wrote)
+    next_step_save  a finished request's save waits for the engine's next step (the behaviour before: an engine that
+                    idles after its last batch saves nothing)
+    any_weights     chunks are not checked against the mapper's source weights (another model's KV is mapped)
 """
 from dataclasses import replace
 
 from crosskv.vllm.connector import CrossKVConnector
+from crosskv.vllm.metadata import fallback
+from crosskv.vllm.scheduler import SchedulerSide
 from crosskv.vllm.worker import WorkerSide
 
 
@@ -26,6 +33,25 @@ class _WriteOnce(WorkerSide):
         super()._write(layer, cache, plan, k, v)
 
 
+class _NoReload(SchedulerSide):
+    def build_connector_meta(self, scheduler_output):
+        for rid in set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())) & set(self._to_load):
+            del self._to_load[rid]
+            self._outcomes[rid] = fallback("preempted before its prefix was loaded", "preempted")
+        return super().build_connector_meta(scheduler_output)
+
+
+class _NextStepSave(SchedulerSide):
+    def _local_saver(self):
+        return None
+
+
+class _AnyWeights(SchedulerSide):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        ctx.manifest = {**ctx.manifest, "source_weights": None}
+
+
 class Rank0HeadsConnector(CrossKVConnector):
     worker_side = _Rank0Heads
 
@@ -34,4 +60,18 @@ class WriteOnceConnector(CrossKVConnector):
     worker_side = _WriteOnce
 
 
-CONNECTORS = {"rank0_heads": "Rank0HeadsConnector", "write_once": "WriteOnceConnector"}
+class NoReloadConnector(CrossKVConnector):
+    scheduler_side = _NoReload
+
+
+class NextStepSaveConnector(CrossKVConnector):
+    scheduler_side = _NextStepSave
+
+
+class AnyWeightsConnector(CrossKVConnector):
+    scheduler_side = _AnyWeights
+
+
+CONNECTORS = {"rank0_heads": "Rank0HeadsConnector", "write_once": "WriteOnceConnector",
+              "no_reload": "NoReloadConnector", "next_step_save": "NextStepSaveConnector",
+              "any_weights": "AnyWeightsConnector"}

@@ -170,7 +170,15 @@ def test_layer_by_layer_a_failure_at_any_layer_fails_the_prefix_and_hangs_no_lay
 
 # ---- every config error names its key (parse_settings, as the engine's start runs it; no engine).
 CONFIG_ERRORS = [
-    ("kv_both", {"store": "s"}, "recompute", "kv_transfer_config.kv_role: expected kv_producer"),
+    ("kv_combined", {"store": "s"}, "recompute", "kv_transfer_config.kv_role: expected kv_producer"),
+    ("kv_both", {"store": "s", "mapper": MAPPER}, "recompute",
+     "kv_connector_extra_config.save_namespace: an engine that maps and saves (kv_both) keeps its own KV apart"),
+    ("kv_both", {"store": "s", "mapper": MAPPER, "save_namespace": "a", "load_namespace": "a"}, "recompute",
+     "expected save_namespace and load_namespace, different, got 'a' and 'a'"),
+    ("kv_both", {"store": "s", "save_namespace": "a", "load_namespace": "b"}, "recompute",
+     "kv_connector_extra_config.mapper: missing; an engine that maps"),
+    ("kv_consumer", {"store": "s", "mapper": MAPPER, "accept_weights": ["md5:x"]}, "recompute",
+     "kv_connector_extra_config.accept_weights: expected weights fingerprints"),
     ("kv_producer", {}, "recompute", "kv_connector_extra_config.store: missing"),
     ("kv_producer", {"store": "s", "stor": 1}, "recompute", "kv_connector_extra_config.stor: unknown key"),
     ("kv_consumer", {"store": "s", "mapper": MAPPER, "allow_not_ready": "yes"}, "recompute",

@@ -50,10 +50,11 @@ def test_api_check_catches_planted_bugs():
     assert any(m.startswith("__init__:") for m in api_mismatches(TwoArgumentConstructor, KVConnectorBase_V1))
 
 
-@pytest.mark.parametrize("extra, want", [({}, True), (None, True), ({"layerwise": None}, True),
-                                         ({"layerwise": True}, True), ({"layerwise": False}, False),
-                                         ({"store": "s", "mapper": "m"}, True)])
-def test_piecewise_cudagraphs_whenever_loads_may_go_layer_by_layer(extra, want):
+@pytest.mark.parametrize("extra, want", [({"store": "s", "mapper": "m"}, True),
+                                         ({"store": "s", "mapper": "m", "layerwise": False}, True),
+                                         ({"store": "s", "mapper": "m", "layerwise": True}, True),
+                                         ({"store": "s"}, False), ({}, False), (None, False)])
+def test_piecewise_cudagraphs_whenever_the_connector_writes_in_the_forward(extra, want):
     assert CrossKVConnector.requires_piecewise_for_cudagraph(extra) is want
 
 
@@ -594,3 +595,264 @@ def test_a_late_answer_is_no_sign_of_health():
     time.sleep(0.05)  # the late call has answered by now
     assert g.state == UNHEALTHY
     g.close()
+
+
+def test_one_steps_lookups_wait_a_bounded_total_not_a_bound_each(tmp_path):
+    from crosskv.vllm import scheduler as sm
+
+    sched, store, ids = _scheduler(tmp_path, lookup_timeout_ms=5000)
+    store.gate.clear()
+    sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=_NO_CACHED))
+    t0 = time.perf_counter()
+    for i in range(100):  # a burst of new requests, each with a lookup that does not answer yet
+        assert sched.get_num_new_matched_tokens(_request(f"r{i}", ids), 0) == (None, False)
+    waited = time.perf_counter() - t0
+    store.gate.set()
+    sched.guard.close()
+    # 100 x 10 ms (the per-request wait before) would be a second; the step's budget bounds the total
+    assert waited < sm.LOOKUP_WAIT_PER_STEP_S + 0.25, waited
+
+
+def test_the_lookup_budget_test_catches_a_per_request_wait(tmp_path, monkeypatch):
+    """The planted bug: every request waits the whole budget (the budget never shrinks)."""
+    from crosskv.vllm import scheduler as sm
+
+    sched, store, ids = _scheduler(tmp_path, lookup_timeout_ms=5000)
+    store.gate.clear()
+    monkeypatch.setattr(sm.SchedulerSide, "_wait_left", property(lambda s: sm.LOOKUP_WAIT_PER_STEP_S,
+                                                                  lambda s, v: None), raising=False)
+    t0 = time.perf_counter()
+    for i in range(30):
+        sched.get_num_new_matched_tokens(_request(f"r{i}", ids), 0)
+    assert time.perf_counter() - t0 > 30 * sm.LOOKUP_WAIT_PER_STEP_S * 0.9
+    store.gate.set()
+    sched.guard.close()
+
+
+def test_a_probe_that_reaches_the_store_closes_the_breaker_whatever_the_data():
+    clock = Clock()
+    g = StoreGuard("s", failures=1, seconds=30, clock=clock)
+
+    def down():
+        raise st.PrefixError("the store at s cannot be read: ConnectionError", "store_unreachable")
+
+    def evicted():
+        raise st.PrefixError("chunk 0: no longer stored (evicted, or removed)", "evicted")
+
+    with pytest.raises(st.PrefixError):
+        g.call("be read", down, 1.0)
+    assert g.state == UNHEALTHY
+    clock.t = 31
+    with pytest.raises(st.PrefixError, match="evicted"):
+        g.call("be read", evicted, 1.0)  # the probe: the store answered, the chunk is gone
+    assert g.state == HEALTHY
+    assert g.call("be read", lambda: 7, 1.0) == 7
+    g.close()
+
+
+# ------------------------------------------------------------------------- preemption and resume (scheduler)
+_NO_CACHED = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set())
+
+
+def _resumable(rid, ids, preemptions=0):
+    r = _request(rid, ids)
+    r.num_preemptions = preemptions
+    return r
+
+
+def _step(sched, new=(), resumed=()):
+    """One step's metadata: `new` [(req, block ids)] scheduled for the first time, `resumed` after a preemption."""
+    cached = SimpleNamespace(req_ids=[r.request_id for r, _ in resumed], new_block_ids=[(b,) for _, b in resumed],
+                             resumed_req_ids={r.request_id for r, _ in resumed})
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(b,),
+                                                              prompt_token_ids=r.prompt_token_ids) for r, b in new],
+                          scheduled_cached_reqs=cached)
+    return sched.build_connector_meta(out)
+
+
+def test_a_resumed_mapped_request_loads_its_prefix_again_into_its_new_blocks(tmp_path):
+    sched, _, ids = _scheduler(tmp_path)
+    r = _resumable("r", ids)
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, n)
+    first = _step(sched, new=[(r, [0, 1, 2, 3])])
+    assert [p.req_id for p in first.loads] == ["r"] and first.loads[0].slots[0] == 0
+    r.num_preemptions = 1  # vLLM freed its blocks, and asks again on its resume
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    assert n == 3 * BLOCK
+    sched.update_state_after_alloc(r, None, n)
+    again = _step(sched, resumed=[(r, [7, 5, 6, 4])])
+    assert len(again.loads) == 1 and again.loads[0].slots[:2] == [7 * BLOCK, 7 * BLOCK + 1]
+    assert again.loads[0].slots[BLOCK] == 5 * BLOCK
+    from crosskv.vllm.metadata import CrossKVWorkerMetadata, applied
+
+    # the worker's report of the load it did (its own figures) keeps the request's life in its label
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CrossKVWorkerMetadata(
+        {"r": applied(3 * BLOCK, 3 * BLOCK, "m", map_ms=1.0)})))
+    out = sched.request_finished(r, [7, 5, 6, 4])[1]["crosskv"]
+    assert out["map_ms"] == 1.0
+    assert out["status"] == "reloaded_after_preemption" and out["preemptions"] == 1 and out["tokens"] == 3 * BLOCK
+
+
+def test_the_resume_test_catches_a_resumed_request_promised_but_never_loaded(tmp_path):
+    """The planted bug of before: the resumed request is promised its prefix, but no load is planned for it."""
+    sched, _, ids = _scheduler(tmp_path)
+    r = _resumable("r", ids)
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, n)
+    _step(sched, new=[(r, [0, 1, 2, 3])])
+    r.num_preemptions = 1
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, n)
+    with pytest.raises(AssertionError, match="loads promised but not scheduled"):
+        _step(sched)  # vLLM's resumed list left out: the old code planned nothing and promised the tokens
+
+
+def test_a_resumed_request_whose_prefix_is_gone_is_recomputed_and_says_so(tmp_path):
+    sched, store, ids = _scheduler(tmp_path)
+    r = _resumable("r", ids)
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, n)
+    _step(sched, new=[(r, [0, 1, 2, 3])])
+    store.inner._db.execute("DELETE FROM parts")  # evicted while it was preempted
+    r.num_preemptions = 1
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    out = sched.request_finished(r, [3, 2, 1, 0])[1]["crosskv"]
+    assert out["status"] == "recomputed_after_preemption" and out["kind"] == "evicted" and "tokens" not in out
+    assert f"holds 0 of its {3 * BLOCK} mapped tokens" in out["reason"]
+
+
+def test_a_resumed_request_that_had_its_own_kv_keeps_its_own(tmp_path):
+    sched, _, ids = _scheduler(tmp_path)
+    other = [9000 + i for i in range(70)]
+    r = _resumable("r", other)
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    r.num_preemptions = 2
+    assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+    out = sched.request_finished(r, [0])[1]["crosskv"]
+    assert out["status"] == "fallback_reprefill" and out["preemptions"] == 2
+
+
+def test_a_resumed_request_that_finds_its_own_mapped_blocks_reuses_them(tmp_path):
+    sched, _, ids = _scheduler(tmp_path)
+    r = _resumable("r", ids)
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, n)
+    _step(sched, new=[(r, [0, 1, 2, 3])])
+    r.num_preemptions = 1
+    assert sched.get_num_new_matched_tokens(r, 3 * BLOCK) == (0, False)  # vLLM's prefix cache kept its blocks
+    out = sched.request_finished(r, [0, 1, 2, 3])[1]["crosskv"]
+    assert out["status"] == "mapped_prefix_cache" and out["preemptions"] == 1
+
+
+# ---------------------------------------------------------------------- the worker: releases, skipped layers
+def _bare_worker(n_layers=2):
+    from crosskv.vllm.worker import WorkerSide
+
+    w = WorkerSide.__new__(WorkerSide)
+    w._released, w._held, w._held_lock = set(), set(), threading.Lock()
+    w.saver = None
+    w._outcomes, w._failed, w._invalid_blocks, w._written, w._map_seconds = {}, set(), set(), {}, {}
+    w._mapped, w._by_layer = [], None
+    w._layers = {f"l{i}": None for i in range(n_layers)}
+    w._stats = __import__("crosskv.vllm.metrics", fromlist=["CrossKVStats"]).CrossKVStats()
+    w.placement = SimpleNamespace(rank=0)
+    w.ctx = SimpleNamespace(block_size=BLOCK, settings=SimpleNamespace(mapper="m"))
+    return w
+
+
+class _TwiceSaver:
+    """A saver whose dying thread reports a request it already released."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def submit(self, job):
+        return True
+
+    def take_released(self):
+        self.calls += 1
+        return {"a"}
+
+
+def test_a_request_is_released_exactly_once_whatever_the_saver_reports():
+    from crosskv.vllm.metadata import SavePlan
+
+    w = _bare_worker()
+    w.saver = _TwiceSaver()
+    w._save_job = lambda plan: plan
+    w.save(SavePlan("a", [1, 2], [0, 1]))
+    assert w.get_finished(set()) == ({"a"}, None)
+    assert w.get_finished(set()) == (None, None)  # the second report is vLLM's assert, and the engine's end
+    assert w.saver.calls == 2
+
+
+def test_a_load_whose_layer_hook_was_skipped_is_a_load_error_never_applied():
+    from crosskv.vllm.metadata import LoadPlan
+
+    w = _bare_worker(n_layers=3)
+    plan = LoadPlan("r", [], 0, 2 * BLOCK, list(range(2 * BLOCK)), list(range(2 * BLOCK)))
+    w._mapped = [(plan, None, None)]
+    w._written = {"r": 2}  # layer 2's hook never ran (a full CUDA graph's replay skips it)
+    w.wait_for_save(None)
+    assert w._outcomes["r"].status == "fallback_reprefill" and w._outcomes["r"].kind == "layer_skipped"
+    assert "written into 2 of 3 layers" in w._outcomes["r"].reason
+    assert w.get_block_ids_with_load_errors() == {0, 1}
+    w._mapped, w._written = [(plan, None, None)], {"r": 3}
+    w.wait_for_save(None)
+    assert w._outcomes["r"].status == "applied"
+
+
+# ------------------------------------------------------------------------------ the source: saves with no step
+class _LocalWorker:
+    def __init__(self):
+        self.saved = []
+
+    def save(self, plan):
+        self.saved.append(plan)
+
+
+def _source_scheduler(tmp_path):
+    from crosskv.vllm.context import EngineContext
+    from crosskv.vllm.saver import LOCAL_SAVERS
+    from crosskv.vllm.scheduler import SchedulerSide
+
+    spec = {"n_layers": L, "n_kv_heads": H, "head_dim": D, "rope": {"type": "default", "theta": 1e6,
+                                                                      "rotary_dim": D}}
+    ctx = EngineContext("source", cfg.Settings(store="x"), st.FolderStore(str(tmp_path / "s"), BLOCK), BLOCK, spec, "s",
+                        torch.float32, "auto", None, False, engine_id="engine-under-test")
+    worker = _LocalWorker()
+    LOCAL_SAVERS["engine-under-test"] = worker
+    return SchedulerSide(ctx), worker
+
+
+def _finished(rid, n_tokens, computed, in_flight=0):
+    ids = list(range(1, n_tokens + 1))
+    return SimpleNamespace(request_id=rid, all_token_ids=ids, num_computed_tokens=computed,
+                           num_in_flight_tokens=in_flight, cache_salt=None)
+
+
+def test_a_finished_request_reaches_the_local_saver_at_once_with_only_the_written_tokens(tmp_path):
+    from crosskv.vllm.saver import LOCAL_SAVERS
+
+    sched, worker = _source_scheduler(tmp_path)
+    try:
+        delay, params = sched.request_finished(_finished("a", 70, 69), [0, 1, 2, 3, 4])
+        assert delay and params == {"crosskv": {"status": "save_queued", "tokens": 69}}
+        # async scheduling: the next step's token is scheduled (counted computed) but its KV is not written yet
+        sched.request_finished(_finished("b", 70, 70, in_flight=1), [5, 4, 3, 2, 1])
+        assert [(p.req_id, len(p.token_ids)) for p in worker.saved] == [("a", 69), ("b", 69)]
+        assert not sched._to_save  # nothing waits for a next step
+    finally:
+        LOCAL_SAVERS.pop("engine-under-test", None)
+
+
+def test_without_a_local_worker_the_save_goes_in_the_next_steps_metadata(tmp_path):
+    from crosskv.vllm.saver import LOCAL_SAVERS
+
+    sched, worker = _source_scheduler(tmp_path)
+    LOCAL_SAVERS.pop("engine-under-test", None)  # the workers live in other processes (tensor parallel)
+    sched.request_finished(_finished("a", 70, 69), [0, 1, 2, 3, 4])
+    assert not worker.saved
+    meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=_NO_CACHED))
+    assert [p.req_id for p in meta.saves] == ["a"]

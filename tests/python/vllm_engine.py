@@ -67,6 +67,8 @@ def engine_args(spec):
         args["dtype"] = spec["dtype"]
     if spec.get("kv_cache_memory_bytes"):
         args["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
+    if spec.get("max_model_len"):
+        args["max_model_len"] = spec["max_model_len"]
     if spec.get("connector"):
         # "planted": a connector of tests/python/planted_connector.py (a test's fault), else crosskv's own
         from planted_connector import CONNECTORS
@@ -89,6 +91,8 @@ def run_engine(spec_path, out_path):
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
     if spec.get("timed"):
         return timed_run(llm, spec, sp, out_path)
+    if spec.get("idle_after"):
+        return idle_run(llm, spec, sp, out_path)
     rounds = spec["rounds"] if "rounds" in spec else [spec["prompts"]]
     res = []
     for prompts in rounds:
@@ -104,6 +108,28 @@ def run_engine(spec_path, out_path):
                         "kv": o.kv_transfer_params})
     llm.llm_engine.engine_core.shutdown()  # the workers' savers drain (save_drain_seconds at most)
     json.dump(res, open(out_path, "w"))
+
+
+def idle_run(llm, spec, sp, out_path):
+    """The spec's prompts in one generate call, then no further step: the engine idles while the store is polled
+    for each finished request's saved prefix, for at most spec["idle_after"] seconds. Results: each request's
+    outcome, and when (seconds after generate returned) its prefix was found in the store, or None."""
+    from crosskv.vllm import open_store
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], sp, use_tqdm=False)
+    t0 = time.perf_counter()
+    store = open_store(spec["connector"]["store"], spec["connector"].get("chunk_tokens", 256))
+    saved = [(p + list(o.outputs[0].token_ids))[:o.kv_transfer_params["crosskv"]["tokens"]]
+             for p, o in zip(spec["prompts"], outs)]
+    found = [None] * len(saved)
+    while time.perf_counter() - t0 < spec["idle_after"] and None in found:
+        for i, tokens in enumerate(saved):
+            if found[i] is None and store.match(tokens, len(tokens)).tokens == len(tokens):
+                found[i] = time.perf_counter() - t0
+        time.sleep(0.005)
+    json.dump({"found_s": found, "kv": [o.kv_transfer_params for o in outs],
+               "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(out_path, "w"))
+    llm.llm_engine.engine_core.shutdown()
 
 
 def timed_run(llm, spec, sp, out_path):

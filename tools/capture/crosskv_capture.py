@@ -42,19 +42,20 @@ class CaptureError(Exception):
 
 # ---- kv_spec from a model config ---------------------------------------------------------------------------------
 
-def _load_kvspec():
-    """crosskv's one reader of a model's KV spec (python/crosskv/kvspec.py, pure Python), loaded from this checkout,
-    so that capture and the vLLM connector read a config by the same rules."""
+def _load_module(name):
+    """One of crosskv's pure-Python modules (python/crosskv/NAME.py), loaded from this checkout, so that capture and
+    the vLLM connector read a config, and fingerprint weights, by the same rules."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "crosskv", "kvspec.py")
-    spec = importlib.util.spec_from_file_location("crosskv_kvspec", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "crosskv", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"crosskv_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_kvspec = _load_kvspec()
+_kvspec = _load_module("kvspec")
+_fingerprint = _load_module("fingerprint")
 
 
 def kv_spec_from_config(cfg, where="model config"):
@@ -167,7 +168,7 @@ class ShardWriter:
     that exists is complete). Any failure removes the unfinished file."""
 
     def __init__(self, path, model_name, domain, spec, token_ids, positions, seq_offsets, queries, dtype,
-                 model_dtype, weights=False):
+                 model_dtype, weights=False, model_weights=None):
         import h5py
         self.path, self.tmp, self.dtype = path, f"{path}.tmp-{os.getpid()}", dtype
         T, L, H, D, Hq = len(token_ids), spec["n_layers"], spec["n_kv_heads"], spec["head_dim"], spec["n_q_heads"]
@@ -182,6 +183,8 @@ class ShardWriter:
             f.attrs["domain"] = domain
             f.attrs["kv_spec"] = json.dumps(spec)
             f.attrs["model_dtype"] = model_dtype
+            if model_weights:  # the weights' fingerprint (crosskv.fingerprint): the mapper's manifest carries it
+                f.attrs["model_weights"] = model_weights
             # Every dataset checksummed (HDF5's Fletcher-32 per chunk): damage to the data fails its read.
             f.create_dataset("token_ids", data=token_ids.astype(np.int32), fletcher32=True)
             f.create_dataset("positions", data=positions.astype(np.int32), fletcher32=True)
@@ -482,6 +485,7 @@ def main(argv=None):
         domain = os.path.basename(os.path.normpath(a.out))
         os.makedirs(a.out, exist_ok=True)
         name = a.name or os.path.basename(os.path.normpath(a.model))
+        model_weights = _fingerprint.weights_fingerprint(a.model)
         n = tokens.shape[0]
         keep = np.arange(0, a.seq_len, a.stride)
         shards = list(range(part, -(-n // a.shard_seqs), parts))  # this part's shard indices
@@ -513,7 +517,8 @@ def main(argv=None):
                 raise CaptureError(f"--out {a.out}: not enough disk left for {os.path.basename(path_of(s))}: it needs "
                                    f"{gib(shard_need)}, {gib(free)} is free; {len(todo) - todo.index(s)} shards remain")
             w = ShardWriter(path_of(s), name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
-                            np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype, a.attention_weights)
+                            np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype, a.attention_weights,
+                            model_weights)
             try:
                 for b0 in range(0, m, a.batch):
                     got = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride,

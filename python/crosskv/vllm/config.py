@@ -42,19 +42,32 @@ class Settings:
     # The source's background saver:
     save_queue_bytes: Optional[int] = None  # saves waiting or being written; None: 1/16 of the host's memory
     save_drain_seconds: int = 4  # at shutdown, how long queued saves may still be written (vLLM waits 5 s)
+    # Weights fingerprints (crosskv.fingerprint) accepted as the mapper's source or target although they differ from
+    # the ones it was fitted on: a deliberate reuse, such as the same weights quantized.
+    accept_weights: tuple = ()
+    # A saving engine stores each finished request's prompt and its reply (so that a conversation moved to another
+    # model maps its whole history but the new user turn); false: the prompt alone.
+    save_replies: bool = True
+    # Where a model's KV lives in the store, when several models save into one (engines that map and save,
+    # kv_both): a saving engine writes under save_namespace, a mapping engine reads its mapper's source under
+    # load_namespace. Unset: the store's own namespace (one source model per store).
+    save_namespace: Optional[str] = None
+    load_namespace: Optional[str] = None
 
 
 def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
     """('source' | 'target', Settings) from vLLM's KVTransferConfig; CrossKVConfigError names the bad key."""
-    role = {"kv_producer": "source", "kv_consumer": "target"}.get(kv_transfer_config.kv_role)
+    role = {"kv_producer": "source", "kv_consumer": "target", "kv_both": "both"}.get(kv_transfer_config.kv_role)
     if role is None:
-        raise CrossKVConfigError(f"kv_transfer_config.kv_role: expected kv_producer (the source model's engine) or "
-                                 f"kv_consumer (the target's), got {kv_transfer_config.kv_role!r}")
+        raise CrossKVConfigError(f"kv_transfer_config.kv_role: expected kv_producer (the source model's engine), "
+                                 f"kv_consumer (the target's) or kv_both (one that maps and saves: a conversation "
+                                 f"moved to it and back), got {kv_transfer_config.kv_role!r}")
     extra = dict(kv_transfer_config.kv_connector_extra_config or {})
     known = {"store": str, "mapper": str, "allow_not_ready": bool, "allow_uncertain": bool, "mapper_device": str, "min_prefix_tokens": int,
              "layerwise": bool, "mapped_prefix_reuse": str, "chunk_tokens": int, "capacity_bytes": int,
              "ttl_seconds": int, "lookup_timeout_ms": int, "load_timeout_ms": int, "store_timeout_ms": int,
-             "breaker_failures": int, "breaker_seconds": int, "save_queue_bytes": int, "save_drain_seconds": int}
+             "breaker_failures": int, "breaker_seconds": int, "save_queue_bytes": int, "save_drain_seconds": int,
+             "accept_weights": list, "save_replies": bool, "save_namespace": str, "load_namespace": str}
     for key, value in extra.items():
         if key not in known:
             raise CrossKVConfigError(f"{EXTRA}.{key}: unknown key; expected one of {', '.join(known)}")
@@ -63,6 +76,12 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
     if "store" not in extra:
         raise CrossKVConfigError(f"{EXTRA}.store: missing; a folder, shm:NAME for shared memory, or "
                                  "redis://HOST:PORT/NAMESPACE")
+    if "accept_weights" in extra:
+        bad = [w for w in extra["accept_weights"] if not (isinstance(w, str) and w.startswith("sha256:"))]
+        if bad:
+            raise CrossKVConfigError(f"{EXTRA}.accept_weights: expected weights fingerprints (\"sha256:...\", as a "
+                                     f"mapper's manifest and the connector's log give them), got {bad[0]!r}")
+        extra["accept_weights"] = tuple(extra["accept_weights"])
     s = Settings(**extra)
     for key in ("min_prefix_tokens", "chunk_tokens", "capacity_bytes", "ttl_seconds", "lookup_timeout_ms",
                 "load_timeout_ms", "store_timeout_ms", "breaker_failures", "breaker_seconds", "save_queue_bytes",
@@ -72,10 +91,14 @@ def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
     if s.mapped_prefix_reuse not in MAPPED_REUSE:
         raise CrossKVConfigError(f"{EXTRA}.mapped_prefix_reuse: expected one of {', '.join(MAPPED_REUSE)}, got "
                                  f"{s.mapped_prefix_reuse!r}")
-    if role == "target":
+    if role == "both" and not (s.save_namespace and s.load_namespace and s.save_namespace != s.load_namespace):
+        raise CrossKVConfigError(f"{EXTRA}.save_namespace: an engine that maps and saves (kv_both) keeps its own KV "
+                                 f"apart from its mapper's source: expected save_namespace and load_namespace, "
+                                 f"different, got {s.save_namespace!r} and {s.load_namespace!r}")
+    if role in ("target", "both"):
         if s.mapper is None:
-            raise CrossKVConfigError(f"{EXTRA}.mapper: missing; the target engine needs a crosskv-fit mapper folder "
-                                     "(k<K>/)")
+            raise CrossKVConfigError(f"{EXTRA}.mapper: missing; an engine that maps (kv_consumer, kv_both) needs a "
+                                     "crosskv-fit mapper folder (k<K>/)")
         if not os.path.isfile(os.path.join(s.mapper, "manifest.json")):
             raise CrossKVConfigError(f"{EXTRA}.mapper: {s.mapper}/manifest.json not found; expected a crosskv-fit "
                                      "mapper folder (k<K>/)")
@@ -142,6 +165,25 @@ def tokenizer_fingerprint(model_config) -> Optional[str]:
         return None
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def weights_fingerprint(model_config) -> Optional[str]:
+    """The engine model's weights fingerprint (crosskv.fingerprint) where its weights are local files; None where
+    unknown (a hub id not resolved to a folder)."""
+    from ..fingerprint import weights_fingerprint as fingerprint
+
+    return fingerprint(str(model_config.model))
+
+
+def weights_mismatch(recorded: Optional[str], got: Optional[str], accepted: tuple, what: str) -> Optional[str]:
+    """Why KV of weights `got` cannot stand for the mapper's `what` (recorded in its manifest), or None. Nothing is
+    compared where the manifest recorded no fingerprint (a mapper fitted on shards written without one)."""
+    if not recorded or got == recorded or got in accepted:
+        return None
+    if not got:
+        return f"its {what}'s weights carry no fingerprint; the mapper was fitted on {recorded}"
+    return (f"its {what}'s weights are {got}, the mapper was fitted on {recorded} (another model, or new weights "
+            f"under the same path; a deliberate reuse is named in {EXTRA}.accept_weights)")
 
 
 def spec_mismatch(mapper_spec: dict, engine: dict, side: str) -> Optional[str]:

@@ -16,13 +16,15 @@ class CrossKVConnector(KVConnectorBase_V1):
     """kv_producer: the source model's engine, saving finished requests' KV. kv_consumer: the target's, mapping
     stored prefixes into its cache."""
 
-    worker_side = WorkerSide  # what a worker process runs (a test's connector plants its faults in a subclass)
+    # what the scheduler and each worker run (a test's connector plants its faults in a subclass)
+    scheduler_side = SchedulerSide
+    worker_side = WorkerSide
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ctx = engine_context(vllm_config, kv_cache_config)
         self.side = ctx.side
-        self._scheduler = SchedulerSide(ctx) if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = self.scheduler_side(ctx) if role == KVConnectorRole.SCHEDULER else None
         self._worker = self.worker_side(ctx, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # scheduler side
@@ -75,10 +77,12 @@ class CrossKVConnector(KVConnectorBase_V1):
     # vLLM's declarations
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
-        """True whenever loads may go layer by layer (layerwise true, or unset: then they do on a GPU):
-        wait_for_layer_load must run between the graph's pieces, so vLLM keeps full CUDA graphs off (its log says
-        "requires PIECEWISE CUDA graph mode ... Overriding cudagraph_mode ... to PIECEWISE")."""
-        return (extra_config or {}).get("layerwise", None) is not False
+        """True on a target (its config names a mapper): mapped KV is written inside the forward, in
+        wait_for_layer_load, layer by layer or not, so that hook must run between the graph's pieces and vLLM keeps
+        full CUDA graphs off (its log says "requires PIECEWISE CUDA graph mode ... Overriding cudagraph_mode ... to
+        PIECEWISE"). A source writes nothing in the forward. A load whose layer hook was skipped anyway is a load
+        error, never applied (WorkerSide.wait_for_save)."""
+        return bool((extra_config or {}).get("mapper"))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -9,7 +9,7 @@ from vllm.logger import init_logger
 
 from ..kvspec import KvSpecError
 from .config import EXTRA, CrossKVConfigError, Settings, engine_spec, mapper_verdict, parse_settings, \
-    read_mapper_manifest, spec_mismatch, tokenizer_fingerprint, unmappable
+    read_mapper_manifest, spec_mismatch, tokenizer_fingerprint, unmappable, weights_fingerprint, weights_mismatch
 from .store import PrefixStore, open_store
 
 logger = init_logger("vllm.crosskv")
@@ -20,7 +20,7 @@ FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass
 class EngineContext:
-    side: str  # source | target
+    side: str  # source | target | both (maps and saves)
     settings: Settings
     store: PrefixStore
     block_size: int
@@ -31,12 +31,28 @@ class EngineContext:
     tokenizer: Optional[str]
     prefix_caching: bool
     manifest: Optional[dict] = None  # target: crosskv.read_manifest's
-    unusable: Optional[str] = None  # why no request can be mapped (target) or saved (source)
+    unusable: Optional[str] = None  # why no request can be mapped (target, both) or saved (source)
+    cannot_save: Optional[str] = None  # why no request's KV can be saved (a model crosskv cannot map)
     unusable_kind: str = "mapper"
+    engine_id: Optional[str] = None  # vLLM's id of this engine (its scheduler and workers share it)
+    weights: Optional[str] = None  # the engine model's weights fingerprint (crosskv.fingerprint)
+
+    @property
+    def saves(self) -> bool:
+        return self.side in ("source", "both")
+
+    @property
+    def maps(self) -> bool:
+        return self.side in ("target", "both")
 
     @property
     def source_spec(self) -> dict:
         return self.manifest["source"]
+
+    @property
+    def source_weights(self) -> Optional[str]:
+        """The weights the mapper's source was fitted on (None: its manifest recorded none)."""
+        return self.manifest.get("source_weights")
 
 
 def verdict_refusal(verdict, settings: Settings):
@@ -74,17 +90,23 @@ def engine_context(vllm_config, kv_cache_config=None) -> EngineContext:
         spec, why_not = None, str(e)
     ctx = EngineContext(side, settings, store, cc.block_size, spec, str(mc.model),
                         mc.dtype, cache_dtype, tokenizer_fingerprint(mc), bool(cc.enable_prefix_caching))
+    ctx.engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+    ctx.weights = weights_fingerprint(mc)
+    logger.info("crosskv: %s engine, model %s, weights %s", side, ctx.model_name, ctx.weights or "unknown (not local)")
     if why_not:
         ctx.unusable, ctx.unusable_kind = f"crosskv cannot map this engine's model: {why_not}", "unmappable_model"
-    if side == "target":
+        ctx.cannot_save = ctx.unusable
+    if ctx.maps:
         ctx.manifest = read_mapper_manifest(settings.mapper)
-        why = not ctx.unusable and spec_mismatch(ctx.manifest["target"], ctx.engine, "target")
+        why = not ctx.unusable and (spec_mismatch(ctx.manifest["target"], ctx.engine, "target") or weights_mismatch(
+            ctx.manifest.get("target_weights"), ctx.weights, settings.accept_weights, "model"))
         if why:
             ctx.unusable = f"the mapper does not match this engine's model: {why}"
         refused = not ctx.unusable and verdict_refusal(mapper_verdict(settings.mapper), settings)
         if refused:
             ctx.unusable, ctx.unusable_kind = refused
-    if ctx.unusable:
-        logger.warning("crosskv: every request re-prefills: %s" if side == "target" else
-                       "crosskv: no request's KV is saved: %s", ctx.unusable)
+    if ctx.unusable and ctx.maps:
+        logger.warning("crosskv: every request re-prefills: %s", ctx.unusable)
+    if ctx.cannot_save and ctx.saves:
+        logger.warning("crosskv: no request's KV is saved: %s", ctx.cannot_save)
     return ctx

@@ -5,7 +5,8 @@ re-prefill, never the engine:
   kind store_timeout);
 - a circuit breaker: after `failures` consecutive late or failed calls the store is marked unhealthy and not asked
   at all for `seconds` (callers fail at once with the kind store_unhealthy); then one call probes it, and the store
-  is healthy again when that call succeeds. Each change of state is logged once and counted in the metrics."""
+  is healthy again when that call reaches it in time, whatever the data it finds (an evicted or damaged chunk is
+  the data's fault, not the store's). Each change of state is logged once and counted in the metrics."""
 from __future__ import annotations
 
 import threading
@@ -97,6 +98,8 @@ class StoreGuard:
         except PrefixError as e:
             if e.kind == "store_unreachable":
                 self.failed(str(e))
+            elif timeout_s is None or time.monotonic() - t0 <= timeout_s:
+                self.succeeded()  # the store answered (evicted, damaged: the data's fault, not the store's)
             raise
         except Exception as e:  # anything else the store raised counts as a failure too, with its reason
             self.failed(f"{type(e).__name__}: {e}")

@@ -7,10 +7,14 @@ from typing import Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-# A request's outcome: the stored prefix mapped; re-prefilled (with the reason and its class); the target's own
-# prefix cache held at least as much exact KV; or it held mapped KV that this request reused (mapped_prefix_reuse:
-# namespace).
+# A request's outcome over its whole life: the stored prefix mapped; re-prefilled (with the reason and its class); the
+# target's own prefix cache held at least as much exact KV; or it held mapped KV that this request reused
+# (mapped_prefix_reuse: namespace, or the request's own blocks found again after a preemption). A mapped request that
+# was preempted either loaded its mapped prefix again (reloaded: the same KV, so the same output) or computed it
+# itself (recomputed: the target's own continuation from there on, with the reason).
 APPLIED, FALLBACK, LOCAL, MAPPED_CACHE = "applied", "fallback_reprefill", "local_prefix_cache", "mapped_prefix_cache"
+RELOADED, RECOMPUTED = "reloaded_after_preemption", "recomputed_after_preemption"
+MAPPED_STATUSES = (APPLIED, RELOADED, MAPPED_CACHE)  # the request's cache holds mapped KV
 
 
 @dataclass
@@ -26,24 +30,32 @@ class Outcome:
     stopped: Optional[str] = None  # applied: why the stored run was cut before its planned end
     mapped_prefix_cache_tokens: Optional[int] = None  # applied after reusing mapped KV from the prefix cache
     local_tokens: Optional[int] = None  # mapped cache: the tokens the target's cache held
+    preemptions: Optional[int] = None  # times the request was preempted (set once it was)
+
+    def __post_init__(self):
+        self.preemptions = self.preemptions or None
 
     def params(self) -> dict:
         """The fields that are set, for kv_transfer_params (a fallback carries no token count)."""
         return {k: v for k, v in asdict(self).items()
-                if v is not None and not (k == "tokens" and self.status == FALLBACK)}
+                if v is not None and not (k == "tokens" and self.status in (FALLBACK, RECOMPUTED))}
 
     @property
     def klass(self) -> str:
         """The metrics' class: the status, and a fallback's kind."""
-        return f"{FALLBACK}:{self.kind or 'other'}" if self.status == FALLBACK else self.status
+        return f"{self.status}:{self.kind or 'other'}" if self.status in (FALLBACK, RECOMPUTED) else self.status
 
     def line(self) -> str:
         """One line for the log."""
-        if self.status == APPLIED:
+        preempted = f" (preempted {self.preemptions} times)" if self.preemptions else ""
+        return self._line() + preempted
+
+    def _line(self) -> str:
+        if self.status in (APPLIED, RELOADED):
             reused = (f" (after {self.mapped_prefix_cache_tokens} reused from the mapped prefix cache)"
                       if self.mapped_prefix_cache_tokens else "")
             stopped = f" (the stored run stops at {self.stopped})" if self.stopped else ""
-            return f"applied: {self.tokens} tokens mapped by {self.mapper}{reused}{stopped}"
+            return f"{self.status}: {self.tokens} tokens mapped by {self.mapper}{reused}{stopped}"
         if self.status == LOCAL:
             return f"{LOCAL}: the target's own cache holds {self.tokens} tokens, the store {self.prefix_tokens}"
         if self.status == MAPPED_CACHE:

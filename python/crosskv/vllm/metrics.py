@@ -1,5 +1,6 @@
 """The connector's metrics, through vLLM's connector-stats interface: the scheduler side counts requests by outcome
-(applied, each fallback class, local_prefix_cache, mapped_prefix_cache) and the tokens mapped; each worker records
+(applied, reloaded_after_preemption, each recomputed_after_preemption and fallback class, local_prefix_cache,
+mapped_prefix_cache) and the tokens mapped; each worker records
 how long each prefix took to map, and, on a source, each save's outcome (stored, shared, dropped, failed,
 abandoned), its seconds from the step to the store, and the bytes queued; both sides record the times their store was
 marked unhealthy. vLLM aggregates them across workers and steps, logs them, and publishes them on the OpenAI
@@ -93,7 +94,9 @@ class CrossKVPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._requests = self._counter_cls(name="vllm:crosskv_requests",
-                                           documentation="Target requests by crosskv outcome (applied, "
+                                           documentation="Target requests by crosskv outcome over their "
+                                                         "whole life (applied, reloaded_after_preemption, "
+                                                         "recomputed_after_preemption:<class>, "
                                                          "fallback_reprefill:<class>, local_prefix_cache, "
                                                          "mapped_prefix_cache)",
                                            labelnames=labelnames + ["outcome"])

@@ -22,6 +22,16 @@ from vllm.logger import init_logger
 
 logger = init_logger("vllm.crosskv")
 
+# engine_id -> the source worker in this process that saves every KV head of its engine (an engine of one worker, in
+# the scheduler's process): the scheduler side hands it each finished request at once, so a save needs no further
+# step of the engine (an offline LLM.generate's last batch, an engine that idles).
+LOCAL_SAVERS: dict = {}
+
+
+def local_saver(engine_id: Optional[str]):
+    return LOCAL_SAVERS.get(engine_id) if engine_id else None
+
+
 # The outcomes of a save, as the metrics count them.
 STORED, SHARED, DROPPED, FAILED, ABANDONED = "stored", "shared", "dropped", "failed", "abandoned"
 

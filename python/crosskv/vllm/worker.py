@@ -26,7 +26,7 @@ from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
 from .metadata import (CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, Outcome, SavePlan, applied, failure_kind,
                        fallback)
 from .metrics import CrossKVStats, take_stats
-from .saver import Saver, SaveJob
+from .saver import LOCAL_SAVERS, Saver, SaveJob
 from .store import FP8_DTYPES, PrefixError
 
 logger = init_logger("vllm.crosskv")
@@ -127,6 +127,10 @@ class WorkerSide:
         self._failed: set[str] = set()  # this step's loads that failed (no later layer is written)
         self._invalid_blocks: set[int] = set()
         self._released: set[str] = set()  # saves that need no blocks held (dropped, or another replica's)
+        self._held: set[str] = set()  # requests whose blocks vLLM keeps for this worker: each reported once
+        self._held_lock = threading.Lock()
+        self._written: dict[str, int] = {}  # this step's loads: req_id -> layers written
+        self._map_seconds: dict[str, float] = {}  # this step's loads (not layer by layer): req_id -> seconds
         self._stats = CrossKVStats()
         st = ctx.settings
         self.guard = StoreGuard(ctx.store.spec, st.breaker_failures, st.breaker_seconds)
@@ -162,15 +166,17 @@ class WorkerSide:
         logger.info("crosskv: worker %s holds KV heads [%d, %d) of %d (replica %d); %s cache", self.placement,
                     self.placement.first, self.placement.first + self.placement.count, self.placement.total,
                     self.placement.replica, ctx.cache_dtype)
-        if ctx.side == "source" and not ctx.unusable and self.placement.replica == 0:
+        if ctx.saves and not ctx.cannot_save and self.placement.replica == 0:
             for name in names:  # every layer's layout now: the saver's thread reads them
                 self._layout(name)
             limit = ctx.settings.save_queue_bytes or default_save_queue_bytes()
             self.saver = Saver(limit, name=f"crosskv-saver-{self.placement.rank}")
             atexit.register(self.shutdown)  # an engine that exits without shutting down still drains, bounded
+            if self.placement.count == self.placement.total and self._world_size() == 1 and ctx.engine_id:
+                LOCAL_SAVERS[ctx.engine_id] = self
             logger.info("crosskv: worker %d saves in the background (%s chunks, queue limit %.1f MiB)",
                         self.placement.rank, self._layout(names[0]).stored_dtype, limit / 2**20)
-        if ctx.side == "target" and not self.unusable:
+        if ctx.maps and not self.unusable:
             cache = next(iter(kv_caches.values()))
             device = ctx.settings.mapper_device or (str(cache.device) if cache.is_cuda else "cpu")
             try:
@@ -218,7 +224,7 @@ class WorkerSide:
             try:
                 k, v = self._mapper.transfer(p.keys, p.values, p.positions)
                 self._mapped.append((p.plan, k, v))
-                self._applied(p.plan, p.read_s + time.perf_counter() - t0)
+                self._map_seconds[p.plan.req_id] = p.read_s + time.perf_counter() - t0
             except (ValueError, MapperError, RuntimeError) as e:
                 self._fail(p.plan, str(e), failure_kind(e))
 
@@ -294,9 +300,16 @@ class WorkerSide:
                 continue
             try:
                 self._write(layer, cache, plan, k.to(dtype).contiguous(), v.to(dtype).contiguous())
+                self._written[plan.req_id] = self._written.get(plan.req_id, 0) + 1
             except Exception as e:  # this request's blocks are recomputed; the engine goes on
                 self._fail(plan, f"writing its mapped KV into layer {li} failed: {type(e).__name__}: {e}",
                            "worker_error")
+
+    @staticmethod
+    def _world_size() -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
 
     def _placement(self, engine_kv_heads: int, local_kv_heads: int):
         """This worker's KV heads of the engine's (tests plant a wrong placement by overriding it)."""
@@ -310,39 +323,61 @@ class WorkerSide:
         slots = torch.as_tensor(plan.slots, dtype=torch.int64, device=cache.device)
         layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
 
-    def _finish_layer_by_layer(self):
-        """The step's layer-by-layer mapping joined, and each prefix's outcome recorded."""
+    def _finish_loads(self):
+        """The step's loads settled once its forward is done: the layer-by-layer mapping joined, and each load
+        applied only where every layer was written (a layer hook the forward skipped, as a full CUDA graph replay
+        would, leaves blocks nobody wrote: a load error, recomputed)."""
         by, self._by_layer = self._by_layer, None
-        if by is None:
-            return
-        by.join()
-        for p in by.prefixes:
-            rid = p.plan.req_id
-            if rid in by.failed:
-                self._fail(p.plan, by.failed[rid], by.kinds[rid])
-            elif rid not in self._failed:
-                self._applied(p.plan, p.read_s + by.map_s.get(rid, 0.0))
+        if by is not None:
+            by.join()
+            loads = [(p.plan, p.read_s + by.map_s.get(p.plan.req_id, 0.0)) for p in by.prefixes]
+            for p in by.prefixes:
+                if p.plan.req_id in by.failed:
+                    self._fail(p.plan, by.failed[p.plan.req_id], by.kinds[p.plan.req_id])
+        else:
+            loads = [(plan, self._map_seconds.get(plan.req_id, 0.0)) for plan, _, _ in self._mapped]
+        n_layers = len(self._layers)
+        for plan, seconds in loads:
+            if plan.req_id in self._failed:
+                continue
+            written = self._written.get(plan.req_id, 0)
+            if written < n_layers:
+                self._fail(plan, f"its mapped KV was written into {written} of {n_layers} layers: the forward skipped "
+                                 "the connector's layer hooks (a full CUDA graph?)", "layer_skipped")
+            else:
+                self._applied(plan, seconds)
 
     # ----------------------------------------------------------------------------------------- source: save
     def wait_for_save(self, meta):
         """Hands each finished request's save to the background saver; never waits on the store."""
         try:
-            self._finish_layer_by_layer()
-        except Exception:
-            logger.exception("crosskv: joining the layer-by-layer mapping failed")
-        self._mapped, self._failed = [], set()
+            self._finish_loads()
+        except Exception as e:  # never the engine: every load of the step re-prefills
+            logger.exception("crosskv: settling the step's loads failed")
+            for plan, _, _ in self._mapped:
+                self._fail(plan, f"settling the load failed: {type(e).__name__}: {e}", "worker_error")
+        self._mapped, self._failed, self._written, self._map_seconds = [], set(), {}, {}
         if not isinstance(meta, CrossKVMetadata):
             return
         for plan in meta.saves:
-            queued = False
-            try:
-                if self.saver is not None:  # one replica of each head range saves it
-                    queued = self.saver.submit(self._save_job(plan))
-                    if not queued:
-                        continue  # dropped: the saver released it
-            except Exception as e:  # an unsaved prefix only means a later re-prefill
-                logger.warning("crosskv: request %s: its KV was not saved: %s: %s", plan.req_id, type(e).__name__, e)
-            if not queued:
+            self.save(plan)
+
+    def save(self, plan: SavePlan) -> None:
+        """Hands one finished request's save to the background saver (or releases its blocks where this worker does
+        not save it); never waits on the store. Called on the step path, or at once by the scheduler side of an
+        engine of one worker (local_saver)."""
+        with self._held_lock:
+            self._held.add(plan.req_id)
+        queued = False
+        try:
+            if self.saver is not None:  # one replica of each head range saves it
+                queued = self.saver.submit(self._save_job(plan))
+                if not queued:
+                    return  # dropped: the saver released it
+        except Exception as e:  # an unsaved prefix only means a later re-prefill
+            logger.warning("crosskv: request %s: its KV was not saved: %s: %s", plan.req_id, type(e).__name__, e)
+        if not queued:
+            with self._held_lock:
                 self._released.add(plan.req_id)  # every worker reports it, so vLLM frees its blocks
 
     def _save_job(self, plan: SavePlan) -> SaveJob:
@@ -383,6 +418,7 @@ class WorkerSide:
             meta = {"source_model": self.ctx.model_name, "n_layers": e["n_layers"], "n_kv_heads": e["n_kv_heads"],
                     "head_dim": e["head_dim"], "rope_type": e["rope"]["type"], "rope_theta": e["rope"]["theta"],
                     "rope": e["rope"], "tokenizer": self.ctx.tokenizer, "cache_dtype": self.ctx.cache_dtype,
+                    "source_weights": self.ctx.weights or "",
                     "kv_dtype": kv_dtype}
             if scales is not None:
                 meta.update(k_scales=[s[0] for s in scales], v_scales=[s[1] for s in scales])
@@ -398,15 +434,26 @@ class WorkerSide:
 
     def shutdown(self):
         """Drains the saver for at most save_drain_seconds, then abandons what is left (one log line)."""
+        if LOCAL_SAVERS.get(self.ctx.engine_id) is self:
+            del LOCAL_SAVERS[self.ctx.engine_id]
         if self.saver is not None:
             self.saver.close(self.ctx.settings.save_drain_seconds)
         self.guard.close()
 
     # ------------------------------------------------------------------------------------------ to the scheduler
     def get_finished(self, finished_req_ids):
-        done, self._released = self._released, set()
-        if self.saver is not None:
-            done |= self.saver.take_released()
+        """The requests whose blocks this worker no longer needs, each reported exactly once (vLLM frees a request's
+        blocks when every worker has reported it, and asserts on a second report)."""
+        with self._held_lock:
+            done, self._released = self._released, set()
+            if self.saver is not None:
+                done |= self.saver.take_released()
+            extra = done - self._held
+            done &= self._held
+            self._held -= done
+        if extra:
+            logger.warning("crosskv: the saver released requests %s that this worker does not hold (twice, or "
+                           "never held); not reported again", sorted(extra))
         return (done or None), None
 
     def get_block_ids_with_load_errors(self):

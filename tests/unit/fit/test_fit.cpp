@@ -14,6 +14,7 @@
 #include "artifact/mapper.hpp"
 #include "io/r2_file.hpp"
 #include "artifact/safetensors.hpp"
+#include "io/h5.hpp"
 #include "io/shard.hpp"
 #include "fit/export.hpp"
 
@@ -186,6 +187,30 @@ TEST(Fit, ManifestDescribesTheArtifact) {
     EXPECT_EQ(t["v.bias"].shape, (std::vector<int64_t>{2 * 16}));
   }
   EXPECT_FALSE(fs::exists(tmp.str("out/k2.partial")));
+}
+
+// The shards' weights fingerprints (model_weights, written by crosskv-capture) reach the manifest, for the source and
+// the target, and its reader; shards without one give a manifest without one.
+TEST(Fit, TheModelsWeightsFingerprintsReachTheManifest) {
+  TempDir tmp;
+  synthesize(small_synth(tmp.str()));
+  fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "plain"));
+  EXPECT_FALSE(manifest(tmp.str("plain/k2"))["source"].contains("weights"));
+  EXPECT_EQ(read_mapper_manifest(tmp.str("plain/k2")).source_weights, "");
+  for (const std::string side : {"source", "target"})
+    for (int i : {0, 1}) {
+      const std::string path = tmp.str(side + "/web/shard-00" + std::to_string(i) + ".h5");
+      h5::quiet();
+      h5::Handle f(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), H5Fclose);
+      h5::write_string_attr(f, "model_weights", "sha256:" + side);
+    }
+  fit_yaml(config_yaml(tmp.str(), "{k: [2]}", "out"));
+  const auto m = manifest(tmp.str("out/k2"));
+  EXPECT_EQ(m["source"]["weights"], "sha256:source");
+  EXPECT_EQ(m["target"]["weights"], "sha256:target");
+  const MapperManifest mm = read_mapper_manifest(tmp.str("out/k2"));
+  EXPECT_EQ(mm.source_weights, "sha256:source");
+  EXPECT_EQ(mm.target_weights, "sha256:target");
 }
 
 TEST(Fit, KSweepGivesTheSameArtifactsAsSeparateRuns) {

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import spec_mismatch
+from ..config import spec_mismatch, weights_mismatch
 from .keys import PrefixError
 
 CHUNK_FORMAT, CHUNK_VERSION = "crosskv-chunk", "2"
@@ -77,7 +77,8 @@ def whole_header(where: str, parts: list[dict]) -> dict:
         raise PrefixError(f"{where}: incomplete: no stored part holds source KV heads [{covered}, {heads}) (a source "
                           "worker has not saved its part, or it was lost)", "incomplete")
     identity = ("format", "format_version", "source_model", "n_layers", "n_kv_heads", "head_dim", "tokens", "start",
-                "rope_type", "rope_theta", "rope", "tokenizer", "namespace", "parent", "chunk_tokens", "kv_dtype")
+                "rope_type", "rope_theta", "rope", "tokenizer", "namespace", "parent", "chunk_tokens", "kv_dtype",
+                "source_weights")
     for p in chosen[1:]:
         for k in identity:
             if p.get(k) != chosen[0].get(k):
@@ -97,8 +98,10 @@ def _covers(parts: list[dict], first: int, heads: int) -> bool:
     return held.issuperset(range(first, first + heads))
 
 
-def header_mismatch(meta: dict, mapper_spec: dict, tokenizer: Optional[str]) -> Optional[str]:
-    """Why a stored chunk cannot feed this mapper, or None."""
+def header_mismatch(meta: dict, mapper_spec: dict, tokenizer: Optional[str], source_weights: Optional[str] = None,
+                    accepted: tuple = ()) -> Optional[str]:
+    """Why a stored chunk cannot feed this mapper, or None: its format, shape, RoPE, tokenizer, and its source's
+    weights fingerprint against the one the mapper was fitted on (`source_weights`; `accepted` ones too)."""
     if meta.get("format") != CHUNK_FORMAT or meta.get("format_version") not in READABLE_VERSIONS:
         return (f"it is not a {CHUNK_FORMAT} entry of a version this crosskv reads ({', '.join(READABLE_VERSIONS)}; "
                 f"got {meta.get('format')} {meta.get('format_version')})")
@@ -121,4 +124,6 @@ def header_mismatch(meta: dict, mapper_spec: dict, tokenizer: Optional[str]) -> 
     known = meta.get("tokenizer")
     if tokenizer and known and known != "None" and known != tokenizer:
         return "it was made with another tokenizer"
-    return None
+    got = meta.get("source_weights")
+    why = weights_mismatch(source_weights, got if got not in ("", "None") else None, accepted, "source")
+    return f"it is of another source model ({meta.get('source_model', '?')}: {why})" if why else None
