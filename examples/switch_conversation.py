@@ -17,6 +17,7 @@ kv_role kv_both each also saves its own turns, so the conversation can move back
 """
 import argparse
 import json
+import time
 
 
 def turn(client, model, messages, max_tokens, extra_body):
@@ -24,7 +25,7 @@ def turn(client, model, messages, max_tokens, extra_body):
     r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                        extra_body=extra_body)
     kv = ((r.model_extra or {}).get("kv_transfer_params") or {}).get("crosskv", {})
-    return r.choices[0].message.content, kv, r.usage.prompt_tokens
+    return r.choices[0].message.content, kv, r.usage.prompt_tokens, r
 
 
 def main(argv=None):
@@ -37,6 +38,9 @@ def main(argv=None):
     p.add_argument("--switch-at", type=int, default=1, help="the first turn (from 0) the target answers")
     p.add_argument("--switch-back-at", type=int, default=None, help="the first turn the source answers again")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--pause-s", type=float, default=0.0,
+                   help="a user's think time before each turn (the source's save of its last reply lands in tens "
+                        "of milliseconds; a switch that comes sooner maps the history stored so far)")
     p.add_argument("--extra-body", default="{}", help="JSON merged into each request (vLLM's sampling options)")
     a = p.parse_args(argv)
     servers = {name: OpenAI(base_url=url, api_key="none") for name, url in (("source", a.source), ("target", a.target))}
@@ -45,9 +49,14 @@ def main(argv=None):
     for i, user in enumerate(a.user):
         side = "target" if a.switch_at <= i < (a.switch_back_at or len(a.user)) else "source"
         messages.append({"role": "user", "content": user})
-        reply, kv, prompt_tokens = turn(servers[side], models[side], messages, a.max_tokens, json.loads(a.extra_body))
+        time.sleep(a.pause_s if i else 0.0)
+        reply, kv, prompt_tokens, r = turn(servers[side], models[side], messages, a.max_tokens, json.loads(a.extra_body))
         messages.append({"role": "assistant", "content": reply})
         log.append({"turn": i, "server": side, "prompt_tokens": prompt_tokens, "crosskv": kv, "reply": reply})
+        extra = {**(r.model_extra or {}), **(r.choices[0].model_extra or {})}
+        for key in ("prompt_token_ids", "token_ids"):  # with extra body {"return_token_ids": true}
+            if extra.get(key) is not None:
+                log[-1][key] = extra[key]
         print(json.dumps(log[-1]), flush=True)
     return log
 

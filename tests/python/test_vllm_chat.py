@@ -4,11 +4,13 @@ kv_both (it maps its mapper's source KV and saves its own turns, replies include
 through examples/switch_conversation.py.
 - 20 six-turn chats, turns 1-3 on the source and 4-6 on the target: every target turn maps the whole history the
   source saved (its prompt and reply of turn 3: all but the new user turn), and says so in kv_transfer_params;
-- one chat switched back to the source at turn 7, with the reverse mapper: it maps everything the target saved;
+- one chat switched back to the source at turn 7, with the reverse mapper: the stored run it finds ends where the
+  target's save of turn 6 does (it maps what its own prefix cache does not still hold of its first turns);
 - per switch, measured: tokens mapped (and their share of the prompt), time to the first token against the target's
   own prefill of the same messages (the same server, a cache_salt whose namespace holds nothing), and agreement of
   the replies. The own-prefill requests are fallbacks: the check that a switch mapped its history catches them.
-Replies are drawn from the byte tokenizer's printable ASCII (allowed_token_ids), so that a reply read back as chat
+Each turn comes 0.3 s after the last reply (a user's think time; a save lands in tens of milliseconds, and a switch
+sooner than that maps the history stored so far). Replies are drawn from the byte tokenizer's printable ASCII (allowed_token_ids), so that a reply read back as chat
 text is the same tokens the server generated, as a real tokenizer's replies are.
 Run by tests/python/vllm.sh WORK test_vllm_chat.py.
 """
@@ -97,7 +99,7 @@ def words(n):
 
 def chat(urls, users, switch_at=3, switch_back_at=None):
     argv = ["--source", f"{urls['source']}/v1", "--target", f"{urls['target']}/v1", "--switch-at", str(switch_at),
-            "--max-tokens", str(REPLY_TOKENS), "--extra-body", json.dumps({"allowed_token_ids": ASCII})]
+            "--max-tokens", str(REPLY_TOKENS), "--pause-s", "0.3", "--extra-body", json.dumps({"allowed_token_ids": ASCII, "return_token_ids": True})]
     argv += ["--switch-back-at", str(switch_back_at)] if switch_back_at else []
     for u in users:
         argv += ["--user", u]
@@ -137,7 +139,7 @@ def test_twenty_chats_move_to_the_target_which_maps_their_whole_history(servers,
             assert t["server"] == "source" and t["crosskv"]["status"] == "fallback_reprefill", t
         for t in log[3:]:  # the target maps everything the source saved: turns 1-3, the replies included
             assert t["server"] == "target" and t["crosskv"]["status"] == "applied", t
-            assert t["crosskv"]["tokens"] == saved[2], (t, saved)
+            assert t["crosskv"]["tokens"] == t["crosskv"]["prefix_tokens"] == saved[2], (t, saved)
         own_reply, _, own_kv = ask(servers["target"], "model-target", history(log, users, 3), salt=f"own-{c}")
         switches.append({"mapped_tokens": log[3]["crosskv"]["tokens"], "prompt_tokens": log[3]["prompt_tokens"],
                          "reply": log[3]["reply"], "own_reply": own_reply, "own_status": own_kv.get("status")})
@@ -157,8 +159,14 @@ def test_a_chat_switched_back_maps_everything_the_target_saved(servers):
     users = [words(4) for _ in range(7)]
     log = chat(servers, users, switch_at=3, switch_back_at=6)
     assert [t["server"] for t in log] == ["source"] * 3 + ["target"] * 3 + ["source"]
+    # what the target saved of turn 6 (its prompt and reply) is where the source's turn-7 prompt starts
+    assert log[6]["prompt_token_ids"][:log[5]["crosskv"]["saved_tokens"]] == \
+        (log[5]["prompt_token_ids"] + log[5]["token_ids"])[:log[5]["crosskv"]["saved_tokens"]]
     back = log[6]["crosskv"]
-    assert back["status"] == "applied" and back["tokens"] == log[5]["crosskv"]["saved_tokens"], log
+    # the stored run ends where the target's save does; the source's own prefix cache may still hold its first
+    # turns' blocks (exact KV), and it maps only the tokens after them
+    assert back["status"] == "applied" and back["prefix_tokens"] == log[5]["crosskv"]["saved_tokens"], back
+    assert back["tokens"] > log[5]["crosskv"]["saved_tokens"] - log[2]["crosskv"]["saved_tokens"], back
     assert back["mapper"].endswith("out-reverse/kall")
 
 
