@@ -856,3 +856,25 @@ def test_without_a_local_worker_the_save_goes_in_the_next_steps_metadata(tmp_pat
     assert not worker.saved
     meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=_NO_CACHED))
     assert [p.req_id for p in meta.saves] == ["a"]
+
+
+def test_a_request_aborted_while_its_lookup_is_in_flight_leaves_nothing_behind(tmp_path):
+    sched, store, ids = _scheduler(tmp_path, lookup_timeout_ms=5000)
+    store.gate.clear()
+    r = _resumable("r", ids)
+    assert sched.get_num_new_matched_tokens(r, 0) == (None, False)  # the lookup is under way
+    out = sched.request_finished(r, [])[1]["crosskv"]  # aborted while waiting
+    assert out["status"] == "fallback_reprefill" and "never scheduled" in out["reason"]
+    store.gate.set()
+    assert not (sched._lookups or sched._candidates or sched._to_load or sched._outcomes or sched._mapped_span)
+    assert _step(sched).loads == []
+    sched.guard.close()
+
+
+def test_a_request_aborted_after_its_load_was_promised_is_never_planned(tmp_path):
+    sched, _, ids = _scheduler(tmp_path)
+    r = _resumable("r", ids)
+    n, _ = sched.get_num_new_matched_tokens(r, 0)
+    sched.update_state_after_alloc(r, None, n)
+    sched.request_finished(r, [0, 1, 2, 3])
+    assert _step(sched).loads == []  # and no broken promise: it is gone
