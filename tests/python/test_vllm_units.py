@@ -670,12 +670,17 @@ def _step(sched, new=(), resumed=()):
     return sched.build_connector_meta(out)
 
 
-def test_a_resumed_mapped_request_loads_its_prefix_again_into_its_new_blocks(tmp_path):
-    sched, _, ids = _scheduler(tmp_path)
+def _mapped_and_scheduled(sched, ids):
+    """A request mapped and scheduled into blocks 0-3, as vLLM drives the scheduler side."""
     r = _resumable("r", ids)
     n, _ = sched.get_num_new_matched_tokens(r, 0)
     sched.update_state_after_alloc(r, None, n)
-    first = _step(sched, new=[(r, [0, 1, 2, 3])])
+    return r, _step(sched, new=[(r, [0, 1, 2, 3])])
+
+
+def test_a_resumed_mapped_request_loads_its_prefix_again_into_its_new_blocks(tmp_path):
+    sched, _, ids = _scheduler(tmp_path)
+    r, first = _mapped_and_scheduled(sched, ids)
     assert [p.req_id for p in first.loads] == ["r"] and first.loads[0].slots[0] == 0
     r.num_preemptions = 1  # vLLM freed its blocks, and asks again on its resume
     n, _ = sched.get_num_new_matched_tokens(r, 0)
@@ -697,10 +702,7 @@ def test_a_resumed_mapped_request_loads_its_prefix_again_into_its_new_blocks(tmp
 def test_the_resume_test_catches_a_resumed_request_promised_but_never_loaded(tmp_path):
     """The planted bug of before: the resumed request is promised its prefix, but no load is planned for it."""
     sched, _, ids = _scheduler(tmp_path)
-    r = _resumable("r", ids)
-    n, _ = sched.get_num_new_matched_tokens(r, 0)
-    sched.update_state_after_alloc(r, None, n)
-    _step(sched, new=[(r, [0, 1, 2, 3])])
+    r, _ = _mapped_and_scheduled(sched, ids)
     r.num_preemptions = 1
     n, _ = sched.get_num_new_matched_tokens(r, 0)
     sched.update_state_after_alloc(r, None, n)
@@ -710,10 +712,7 @@ def test_the_resume_test_catches_a_resumed_request_promised_but_never_loaded(tmp
 
 def test_a_resumed_request_whose_prefix_is_gone_is_recomputed_and_says_so(tmp_path):
     sched, store, ids = _scheduler(tmp_path)
-    r = _resumable("r", ids)
-    n, _ = sched.get_num_new_matched_tokens(r, 0)
-    sched.update_state_after_alloc(r, None, n)
-    _step(sched, new=[(r, [0, 1, 2, 3])])
+    r, _ = _mapped_and_scheduled(sched, ids)
     store.inner._db.execute("DELETE FROM parts")  # evicted while it was preempted
     r.num_preemptions = 1
     assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
@@ -735,10 +734,7 @@ def test_a_resumed_request_that_had_its_own_kv_keeps_its_own(tmp_path):
 
 def test_a_resumed_request_that_finds_its_own_mapped_blocks_reuses_them(tmp_path):
     sched, _, ids = _scheduler(tmp_path)
-    r = _resumable("r", ids)
-    n, _ = sched.get_num_new_matched_tokens(r, 0)
-    sched.update_state_after_alloc(r, None, n)
-    _step(sched, new=[(r, [0, 1, 2, 3])])
+    r, _ = _mapped_and_scheduled(sched, ids)
     r.num_preemptions = 1
     assert sched.get_num_new_matched_tokens(r, 3 * BLOCK) == (0, False)  # vLLM's prefix cache kept its blocks
     out = sched.request_finished(r, [0, 1, 2, 3])[1]["crosskv"]

@@ -73,6 +73,8 @@ class SchedulerSide:
             return self._resume(request, num_computed_tokens, preempted)
         reused, tainted_from = self._mapped_cache_hit(request, num_computed_tokens)
         reused_outcome = Outcome(MAPPED_CACHE, tokens=reused, local_tokens=num_computed_tokens)
+        if reused:  # its cache holds mapped KV up to here (a load below extends the span)
+            self._mapped_span[rid] = (num_computed_tokens, num_computed_tokens)
         try:
             found = self._lookup(request)
         except PrefixError as e:  # the store cannot be read, in time or at all
@@ -91,15 +93,11 @@ class SchedulerSide:
                                                           if n else " (never saved, evicted, or another namespace)"),
                     "no_prefix")
                 self._taint_later(rid, tainted_from)
-            if reused:
-                self._mapped_span[rid] = (num_computed_tokens, num_computed_tokens)
             return 0, False
         if n <= num_computed_tokens:
             self._outcomes[rid] = reused_outcome if reused else Outcome(LOCAL, tokens=num_computed_tokens,
                                                                         prefix_tokens=n)
             self._taint_later(rid, tainted_from)
-            if reused:
-                self._mapped_span[rid] = (num_computed_tokens, num_computed_tokens)
             return 0, False
         why = self._keep_apart(request, num_computed_tokens, tainted_from)
         if why:
@@ -136,10 +134,9 @@ class SchedulerSide:
             self._outcomes[rid] = replace(before, preemptions=preempted)
             return 0, False
         first, end = self._mapped_span[rid]
-        mapped = before.tokens if before.status != RECOMPUTED else 0
 
         def recomputed(why, kind):
-            self._outcomes[rid] = Outcome(RECOMPUTED, tokens=mapped, reason=why, kind=kind, preemptions=preempted,
+            self._outcomes[rid] = Outcome(RECOMPUTED, tokens=before.tokens, reason=why, kind=kind, preemptions=preempted,
                                           local_tokens=num_computed_tokens)
             self._mapped_span.pop(rid, None)
             return 0, False
@@ -166,9 +163,8 @@ class SchedulerSide:
             return recomputed(why, "prefix_cache")
         self._candidates[rid] = ([c for c in match.chunks if c.end > num_computed_tokens and c.start < end],
                                  num_computed_tokens, end, self._salt(request, self.ctx.settings.load_namespace))
-        self._outcomes[rid] = applied(end - num_computed_tokens, end, self.ctx.settings.mapper, None,
-                                      preemptions=preempted)
-        self._outcomes[rid].status = RELOADED
+        self._outcomes[rid] = replace(applied(end - num_computed_tokens, end, self.ctx.settings.mapper),
+                                      status=RELOADED, preemptions=preempted)
         return end - num_computed_tokens, False
 
     def _lookup(self, request):
