@@ -21,6 +21,8 @@
 #                 arrays), package_gpu.log (tests/python/test_package.py with CUDA tensors on a GPU mapper),
 #                 paper_gpu.json / .md (bench/transfer_vs_prefill.py --paper on the GPU: bf16 prefill of the real
 #                 target configs against the transfer; PAPER_DEPTHS, PAPER_MAPPER_DEPTHS, PAPER_CONTEXTS).
+# Issue 52 (serving through the engine's life): STEPS=vllm (about 5 minutes, where the machine has vLLM's CUDA build):
+#                 vllm_gpu.log (tests/python/test_vllm_gpu.py: FULL_AND_PIECEWISE CUDA graphs, FlashInfer's HND cache).
 # env: TOKENS (2048), BUNDLE (.gpu-bundle.tar.xz), STEPS (which steps, default "test bench factor apply eval fit tf32"),
 #      FIT_K (the fit's k list, default "1, 2, 4, 8, all"; e.g. TOKENS=16384 FIT_K=1 times a pass at 8-GPU scale).
 # Then, here: bench/project.py OUT [OUT2]   (8 GPUs x 128K tokens from the benchmark and the fit log; see its --help)
@@ -134,6 +136,22 @@ if want python; then  # the package on the GPU (CUDA tensors in place), and tran
     tail -3 "$E" >> "$S"
   else
     note "python: the bundle has no Python package (bench/gpu_bundle.sh needs a Python 3.12 where it runs)"
+  fi
+fi
+
+if want vllm; then  # crosskv.vllm on a GPU engine: FULL_AND_PIECEWISE CUDA graphs, FlashInfer's HND cache
+  R=$(cd "$(dirname "$0")/.." && pwd)
+  if ! python3 -c "import vllm, torch, transformers, pytest; assert torch.cuda.is_available()" 2> /dev/null; then
+    note "vllm: skipped, this machine's python3 lacks vLLM's CUDA build, transformers or pytest (nothing to install here)"
+  elif [ ! -d "$B/python/crosskv" ]; then
+    note "vllm: skipped, the bundle has no Python package (bench/gpu_bundle.sh needs a Python 3.12 where it runs)"
+  else
+    W2=$(mktemp -d)
+    PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} CROSSKV_TEST_WORK=$W2/family CROSSKV_CAPTURE_PYTHON=$(command -v python3) \
+      CROSSKV_FIT=$B/bin/crosskv-fit step vllm_gpu 420 python3 -m pytest -rA -p no:cacheprovider --basetemp="$W2/tmp" \
+      "$R/tests/python/test_vllm_gpu.py" > "$OUT/vllm_gpu.log" 2>&1
+    grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|[0-9]+ (passed|failed)" "$OUT/vllm_gpu.log" | sed 's/^/  /' >> "$S"
+    rm -rf "$W2"
   fi
 fi
 

@@ -97,13 +97,15 @@ class Mapper:
     heads = property(lambda self: range(*self._m.heads), doc="the target KV heads this mapper maps (all by default)")
     weight_bytes = property(lambda self: self._m.weight_bytes, doc="bytes of weights resident on the device")
 
-    def transfer(self, keys, values, positions, target_positions=None, layers=None):
+    def transfer(self, keys, values, positions, target_positions=None, layers=None, check_finite=True):
         """keys, values: [tokens, Ls, Hs, Ds] or [batch, seq, Ls, Hs, Ds] as the source model caches them (keys
         post-RoPE at `positions`: [tokens], or [seq] or [batch, seq] for a batch). Returns the target's (keys, values)
         of the same leading shape with [Lt, Ht, Dt] last, keys post-RoPE at `target_positions` (default: the same
         positions). Tokens are independent: each is mapped at its own position. `layers` (a target layer, or a
         range of them with step 1) maps only those: the outputs then hold them alone, [..., len(layers), Ht, Dt],
-        equal to those layers of a whole call (a serving stack maps layer by layer while the model computes)."""
+        equal to those layers of a whole call (a serving stack maps layer by layer while the model computes).
+        check_finite=False skips the NaN/infinity check of CUDA tensors (a reduction and a host wait on each call) for
+        a caller that checked the same keys and values once already; host arrays are always checked."""
         s = self.source
         first, count = _layer_range(layers)
         _check_cache_type("keys", keys)
@@ -142,7 +144,7 @@ class Mapper:
         k4 = keys.reshape(rows, *keys.shape[-3:])
         v4 = values.reshape(rows, *values.shape[-3:])
         if _is_torch(keys):
-            out_k, out_v = self._transfer_torch(k4, v4, src_pos, tgt_pos, first, count)
+            out_k, out_v = self._transfer_torch(k4, v4, src_pos, tgt_pos, first, count, check_finite)
         else:
             out_k, out_v = self._m.transfer(np.ascontiguousarray(k4, dtype=np.float32),
                                             np.ascontiguousarray(v4, dtype=np.float32),
@@ -150,7 +152,7 @@ class Mapper:
                                             np.ascontiguousarray(tgt_pos, dtype=np.int32), first, count)
         return out_k.reshape(*lead, *out_k.shape[1:]), out_v.reshape(*lead, *out_v.shape[1:])
 
-    def _transfer_torch(self, keys, values, src_pos, tgt_pos, first=0, count=-1):
+    def _transfer_torch(self, keys, values, src_pos, tgt_pos, first=0, count=-1, check_finite=True):
         import torch
 
         if keys.is_cuda and self._m.resident and self._m.backend.startswith("cuda"):
@@ -160,7 +162,7 @@ class Mapper:
             f32 = lambda x: x.detach().to(dev, torch.float32).contiguous()
             i32 = lambda x: torch.as_tensor(x).to(dev, torch.int32).contiguous()
             k, v, p = f32(keys), f32(values), i32(src_pos)
-            for name, x in (("keys", k), ("values", v)):  # on the GPU: one reduction each, then a wait
+            for name, x in (("keys", k), ("values", v)) if check_finite else ():  # a reduction each, then a wait
                 if not bool(torch.isfinite(x).all()):
                     raise MapperError(f"{name}: holds NaN or infinity; a source cache must be finite "
                                       "(the request should re-prefill)")

@@ -8,6 +8,9 @@ test fault lives in crosskv's own code. Each subclasses CrossKVConnector and swa
     next_step_save  a finished request's save waits for the engine's next step (the behaviour before: an engine that
                     idles after its last batch saves nothing)
     any_weights     chunks are not checked against the mapper's source weights (another model's KV is mapped)
+    no_piecewise    does not ask vLLM for piecewise CUDA graphs (a full graph's replay skips its layer hooks)
+    save_allocated  a finished request saves every slot of the blocks it was given, not only the tokens computed (an
+                    aborted request's last block holds slots nobody wrote)
 """
 from dataclasses import replace
 
@@ -52,6 +55,16 @@ class _AnyWeights(SchedulerSide):
         ctx.manifest = {**ctx.manifest, "source_weights": None}
 
 
+class _SaveAllocated(SchedulerSide):
+    def _plan_save(self, request, block_ids):
+        computed = request.num_computed_tokens
+        request.num_computed_tokens = min(len(block_ids) * self.ctx.block_size, len(request.all_token_ids))
+        try:
+            return super()._plan_save(request, block_ids)
+        finally:
+            request.num_computed_tokens = computed
+
+
 class Rank0HeadsConnector(CrossKVConnector):
     worker_side = _Rank0Heads
 
@@ -72,6 +85,17 @@ class AnyWeightsConnector(CrossKVConnector):
     scheduler_side = _AnyWeights
 
 
+class NoPiecewiseConnector(CrossKVConnector):
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config):
+        return False
+
+
+class SaveAllocatedConnector(CrossKVConnector):
+    scheduler_side = _SaveAllocated
+
+
 CONNECTORS = {"rank0_heads": "Rank0HeadsConnector", "write_once": "WriteOnceConnector",
               "no_reload": "NoReloadConnector", "next_step_save": "NextStepSaveConnector",
-              "any_weights": "AnyWeightsConnector"}
+              "any_weights": "AnyWeightsConnector", "save_allocated": "SaveAllocatedConnector",
+              "no_piecewise": "NoPiecewiseConnector"}

@@ -150,7 +150,7 @@ class _FlakyMapper:  # layer l's keys are all l; a layer's results reach wait() 
     def __init__(self, fail_at, error):
         self.fail_at, self.error = fail_at, error
 
-    def transfer(self, keys, values, positions, layers):
+    def transfer(self, keys, values, positions, layers, check_finite=True):
         if layers == self.fail_at:
             raise self.error
         return torch.full((keys.shape[0], 1, 2, 4), float(layers)), torch.zeros(keys.shape[0], 1, 2, 4)
@@ -345,7 +345,7 @@ def test_every_stored_prefix_is_applied_whole(w):
 
 @pytest.mark.parametrize("name,reason", [
     ("damaged", "chunk 0 (tokens 0-32"), ("other_source", "of another source model"),
-    ("nan", "is NaN; a source cache must be finite"), ("no_prefix", "no stored prefix")])
+    ("nan", " is NaN; a source cache must be finite"), ("no_prefix", "no stored prefix")])
 def test_every_fallback_names_its_reason_and_gives_exactly_the_targets_own_tokens(w, name, reason):
     kv = w.got[name]["kv"]["crosskv"]
     assert kv["status"] == "fallback_reprefill" and reason in kv.get("reason", ""), kv

@@ -8,6 +8,10 @@ models, captured (with their weights' fingerprints) and fitted with crosskv-fit.
 - preemption on the source: what it saves is what an ample source saves;
 - the last batch: an offline LLM.generate that takes no further step stores every finished request within a bounded
   time (measured); the behaviour before (saves waiting for a next step) is planted and caught;
+- abort in flight, with chunked prefill: target requests aborted after their load and mid-prefill, or while
+  waiting, leave an engine whose other requests, and every prompt asked again, decode as a fresh engine does, with
+  prefix caching off and on; a source request aborted mid-prefill saves exactly the tokens it computed (planted:
+  saving every slot of its blocks, some never written, is caught);
 - the source's identity: chunks saved by a model of the source's shape and tokenizer but other weights, from another
   folder and from new weights under the very path the mapper was fitted on, are refused as other_source by name; a
   deliberate reuse named in accept_weights maps; a target that ignores the weights (planted) maps them, so the check
@@ -121,6 +125,71 @@ def test_a_preempted_source_saves_what_an_ample_source_saves(life, tmp_path):
             ka, kb = a.read(ra), b.read(rb)
             np.testing.assert_allclose(kb.keys, ka.keys, rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(kb.values, ka.values, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- abort in flight
+CHUNK = 40  # tokens a step (chunked prefill): a 167-token prompt takes five steps, its load in the first
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_target_requests_aborted_in_flight_leave_the_engine_right(life, prefix_caching):
+    prompts = [p + rng.integers(1, 256, 47).tolist() for p in life.prompts]  # 167 tokens, 107 of them stored
+    spec = target(prompts, max_tokens=40, max_num_batched_tokens=CHUNK, prefix_caching=prefix_caching)
+    fresh = engine(f"life_abort_fresh_pc{int(prefix_caching)}", spec)
+    # After 2 steps of 40 tokens: request 0 prefilled (its 107 tokens loaded), request 1 loaded and mid-prefill, the
+    # others waiting. 1, 2 and 5 are aborted.
+    got = engine(f"life_abort_pc{int(prefix_caching)}", {**spec, "abort": {"ids": [1, 2, 5], "after_steps": 2}})
+    first = {o["index"]: o for o in got["first"]}
+    assert all(first[i]["aborted"] for i in (1, 2, 5) if i in first)
+    for i in (0, 3, 4):
+        assert not first[i]["aborted"] and first[i]["tokens"] == fresh[i]["tokens"], (i, first[i]["kv"])
+        assert first[i]["kv"]["crosskv"]["status"] in ("applied", "mapped_prefix_cache"), first[i]["kv"]
+    for i, (a, f) in enumerate(zip(got["again"], fresh)):  # the same engine, every prompt again
+        assert a["tokens"] == f["tokens"], (i, a["kv"])
+        assert a["kv"]["crosskv"]["status"] in ("applied", "mapped_prefix_cache"), a["kv"]
+
+
+def aborted_source(name, store, prompts, planted=None):
+    spec = {"model": "model-source", "role": "kv_producer", "connector": {**STORE, "store": store},
+            "prompts": prompts, "max_tokens": 8, "max_num_batched_tokens": CHUNK,
+            "abort": {"ids": [0], "after_steps": 2, "again": False}, **({"planted": planted} if planted else {})}
+    return engine(name, spec)
+
+
+def saved_mismatch(store, prompt, reference):
+    """The first token of `store`'s saved chunks over `prompt` whose KV differs from `reference`'s (which holds the
+    whole prompt), or None; and the tokens saved."""
+    a, b = cv.open_store(reference, BLOCK), cv.open_store(store, BLOCK)
+    ma, mb = a.match(prompt, len(prompt)), b.match(prompt, len(prompt))
+    assert ma.tokens >= mb.tokens
+    ref = [a.read(r) for r in ma.chunks]
+    ref_k, ref_v = np.concatenate([c.keys for c in ref]), np.concatenate([c.values for c in ref])
+    for rb in mb.chunks:
+        kb = b.read(rb)
+        for t in range(rb.start, rb.end):
+            if not (np.allclose(kb.keys[t - rb.start], ref_k[t], rtol=1e-5, atol=1e-6)
+                    and np.allclose(kb.values[t - rb.start], ref_v[t], rtol=1e-5, atol=1e-6)):
+                return t, mb.tokens
+    return None, mb.tokens
+
+
+def test_a_source_request_aborted_mid_prefill_saves_exactly_what_it_computed(life):
+    prompts = [rng.integers(1, 256, 150).tolist() for _ in range(2)]
+    engine("life_abort_src_ample", {"model": "model-source", "role": "kv_producer", "prompts": prompts,
+                                    "max_tokens": 8, "connector": {**STORE, "store": "store-abort-ref"}})
+    got = aborted_source("life_abort_src", "store-abort-src", prompts)
+    assert got["first"][0]["aborted"] if got["first"] and got["first"][0]["index"] == 0 else True
+    bad, saved = saved_mismatch("store-abort-src", prompts[0], "store-abort-ref")
+    assert saved == 2 * CHUNK and bad is None, (saved, bad)  # two steps of 40 tokens computed, and saved
+
+
+def test_the_abort_test_catches_a_save_of_slots_nobody_wrote(life):
+    prompts = [rng.integers(1, 256, 150).tolist() for _ in range(2)]
+    engine("life_abort_src_ample2", {"model": "model-source", "role": "kv_producer", "prompts": prompts,
+                                     "max_tokens": 8, "connector": {**STORE, "store": "store-abort-ref2"}})
+    aborted_source("life_abort_src_planted", "store-abort-planted", prompts, planted="save_allocated")
+    bad, saved = saved_mismatch("store-abort-planted", prompts[0], "store-abort-ref2")
+    assert saved == 3 * BLOCK and bad == 2 * CHUNK, (saved, bad)  # its third block's last 16 slots: never written
 
 
 # ---------------------------------------------------------------------------------------------- the last batch

@@ -454,6 +454,51 @@ def test_chunks_hold_the_cache_bytes_bit_exact(kv_dtype, tmp_path):
     store.close()
 
 
+# Every memory order vLLM gives a layer's cache, each with a writer that indexes it as its backend does.
+def _nhd(nb):  # [blocks, K|V, slot, head, dim], contiguous (the order the tests above use)
+    return torch.zeros(nb, 2, BLOCK, H, D), lambda c, kv, s: c[s // BLOCK, kv, s % BLOCK]
+
+
+def _hnd(nb):  # FlashInfer's HND: the same logical shape, a permuted view of a [blocks, K|V, head, slot, dim] buffer
+    return (torch.zeros(nb, 2, H, BLOCK, D).permute(0, 1, 3, 2, 4),
+            lambda c, kv, s: c[s // BLOCK, kv, s % BLOCK])
+
+
+def _packed(nb):  # FlashAttention's and the CPU backend's packed K|V: [blocks, head, slot, 2 * dim]
+    return (torch.zeros(nb, H, BLOCK, 2 * D),
+            lambda c, kv, s: c.transpose(1, 2)[s // BLOCK, s % BLOCK, :, kv * D:(kv + 1) * D])
+
+
+@pytest.mark.parametrize("make", [_nhd, _hnd, _packed], ids=["nhd", "hnd_view", "packed_kv"])
+def test_every_cache_memory_order_is_read_back_exactly(make):
+    cache, at = make(NB)
+
+    def write(layer, key, value, c, slots):
+        for i, s in enumerate(slots.tolist()):
+            at(c, 0, s).copy_(key[i])
+            at(c, 1, s).copy_(value[i])
+
+    layer = SimpleNamespace(impl=_Impl(write))
+    layout = PagedLayout(layer, cache, NB, BLOCK, H, D)
+    gen = torch.Generator().manual_seed(3)
+    slots = slots_of([5, 0, 2], BLOCK, 3, 40)
+    k, v = torch.randn(len(slots), H, D, generator=gen), torch.randn(len(slots), H, D, generator=gen)
+    write(layer, k, v, cache, slots)
+    got_k, got_v = layout.read(cache, slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    raw_k, raw_v = layout.read_raw(cache, slots)
+    assert torch.equal(raw_k, k) and torch.equal(raw_v, v)
+    assert cache.is_contiguous() == (make is not _hnd)
+
+
+def test_the_layout_test_catches_a_reader_that_assumes_a_contiguous_cache(monkeypatch):
+    import crosskv.vllm.layout as lay
+
+    monkeypatch.setattr(lay, "storage_view", lambda t: t.reshape(-1))  # the old reader: a copy in logical order
+    with pytest.raises(AssertionError):
+        test_every_cache_memory_order_is_read_back_exactly(_hnd)
+
+
 def test_format_1_chunks_are_still_read(tmp_path):
     store = st.FolderStore(str(tmp_path / "store"), BLOCK)
     ids = np.arange(1, BLOCK + 1, dtype=np.int32)
@@ -797,6 +842,137 @@ def test_a_load_whose_layer_hook_was_skipped_is_a_load_error_never_applied():
     w._mapped, w._written = [(plan, None, None)], {"r": 3}
     w.wait_for_save(None)
     assert w._outcomes["r"].status == "applied"
+
+
+# ------------------------------------------------------------------- the GPU path's bounds, on the host
+class _LayerMapper:  # layer l's keys are all l; records how far ahead of the forward each layer was mapped
+    def __init__(self):
+        self.passed, self.lead, self.checked = 0, [], []
+
+    def transfer(self, keys, values, positions, layers, check_finite=True):
+        self.lead.append(layers - self.passed)
+        self.checked.append(check_finite)
+        return torch.full((keys.shape[0], 1, 2, 4), float(layers)), torch.zeros(keys.shape[0], 1, 2, 4)
+
+
+def _layer_by_layer(n_layers, ahead):
+    from crosskv.vllm.metadata import LoadPlan
+    from crosskv.vllm.worker import LayerByLayer, SourcePrefix
+
+    plan = LoadPlan("r", [], 0, 5, list(range(5)), list(range(5)))
+    prefix = SourcePrefix(plan, torch.zeros(5, 2, 2, 4), torch.zeros(5, 2, 2, 4), torch.arange(5), 0.0)
+    mapper = _LayerMapper()
+    return LayerByLayer(mapper, [prefix], n_layers, torch.device("cpu"), ahead=ahead), mapper
+
+
+def _max_lead(ahead):
+    by, mapper = _layer_by_layer(8, ahead)
+    for li in range(8):
+        time.sleep(0.01)  # the forward's compute of layer li
+        got = by.wait(li)
+        mapper.passed = li + 1
+        assert float(got[0][1][0, 0, 0]) == li
+        assert by._out[li] == []  # handed over and forgotten
+    by.join()
+    assert mapper.checked == [False] * 8  # checked finite once for the step, not on each layer's call
+    return max(mapper.lead)
+
+
+def test_the_mapping_thread_holds_at_most_two_layers_before_the_forward():
+    assert _max_lead(2) <= 2  # layer l is mapped once the forward has taken layer l - 2
+
+
+def test_the_lead_test_catches_an_unbounded_mapping_thread():
+    assert _max_lead(100) >= 4
+
+
+def test_a_forward_that_skips_layers_never_hangs_the_mapping():
+    by, _ = _layer_by_layer(8, 2)
+    done = threading.Event()
+
+    def forward():
+        by.wait(5)  # layers 0-4 skipped, with room for two
+        by.join()
+        done.set()
+
+    threading.Thread(target=forward, daemon=True).start()
+    assert done.wait(5), "the mapping thread and the forward wait on each other"
+    by2, _ = _layer_by_layer(8, 2)
+    by2.wait(0)
+    t0 = time.perf_counter()
+    by2.join()  # the forward took one layer of eight (a full CUDA graph replay would take none)
+    assert time.perf_counter() - t0 < 1
+
+
+def test_a_step_checks_its_prefixes_finite_once_and_fails_only_the_one_with_nan():
+    from crosskv.vllm.metadata import CrossKVMetadata, LoadPlan
+    from crosskv.vllm.worker import SourcePrefix
+
+    w = _bare_worker(n_layers=2)
+    w._kv_caches = {"l0": torch.zeros(1)}
+    w._slots = {}
+    w.ctx.settings.layerwise = False
+    calls = []
+    w._mapper = SimpleNamespace(transfer=lambda k, v, p, check_finite=True: calls.append(check_finite) or (k, v))
+    plans = [LoadPlan(r, [], 0, 4, list(range(4)), [8, 9, 10, 11]) for r in ("ok", "nan")]
+    keys = {"ok": torch.ones(4, 2, 2, 4), "nan": torch.ones(4, 2, 2, 4)}
+    keys["nan"][2, 1, 0, 3] = float("nan")
+    w._read = lambda plan: SourcePrefix(plan, keys[plan.req_id], torch.ones(4, 2, 2, 4), torch.arange(4), 0.0)
+    w._start(CrossKVMetadata(loads=plans, saves=[]))
+    assert calls == [False]  # the mapper is not asked to check again (on a GPU: a wait per layer)
+    assert [p.req_id for p, _, _ in w._mapped] == ["ok"]
+    assert w._outcomes["nan"].kind == "not_finite" and w.get_block_ids_with_load_errors() == {0}
+    assert "keys at token 2, layer 1, head 0, dim 3 is NaN" in w._outcomes["nan"].reason
+    assert torch.equal(w._slots["ok"], torch.tensor([8, 9, 10, 11]))
+
+
+def _save_worker(make):
+    from crosskv.vllm.worker import WorkerSide
+
+    w = WorkerSide.__new__(WorkerSide)
+    w.placement = SimpleNamespace(count=H)
+    w.ctx = SimpleNamespace(engine={"head_dim": D})
+    w._kv_caches, w._layouts = {}, {}
+    gen = torch.Generator().manual_seed(5)
+    slots = slots_of([5, 0, 2, 3], BLOCK, 0, 60)
+    for li in range(L):
+        cache, at = make(NB)
+        for s in slots.tolist():
+            at(cache, 0, s).copy_(torch.randn(H, D, generator=gen))
+            at(cache, 1, s).copy_(torch.randn(H, D, generator=gen))
+        w._kv_caches[f"l{li}"] = cache
+        w._layouts[f"l{li}"] = PagedLayout(SimpleNamespace(impl=_Impl(
+            lambda layer, key, value, c, sl, at=at: [(at(c, 0, s).copy_(key[i]), at(c, 1, s).copy_(value[i]))
+                                                     for i, s in enumerate(sl.tolist())])), cache, NB, BLOCK, H, D)
+    return w, slots
+
+
+def _largest_gather(w, slots, monkeypatch):
+    want = [lay.read_raw(c, slots) for lay, c in zip(w._layouts.values(), w._kv_caches.values())]
+    sizes = []
+    real = PagedLayout.read_raw
+    monkeypatch.setattr(PagedLayout, "read_raw", lambda self, c, s: sizes.append(len(s)) or real(self, c, s))
+    k, v = w._copy_out(list(w._kv_caches.items()), slots, None)
+    assert np.array_equal(k, torch.stack([x[0] for x in want], 1).numpy())
+    assert np.array_equal(v, torch.stack([x[1] for x in want], 1).numpy())
+    return max(sizes)
+
+
+@pytest.mark.parametrize("make", [_nhd, _hnd, _packed], ids=["nhd", "hnd_view", "packed_kv"])
+def test_a_save_gathers_a_bounded_piece_of_one_layer_at_a_time(make, monkeypatch):
+    import crosskv.vllm.worker as wk
+
+    w, slots = _save_worker(make)
+    monkeypatch.setattr(wk, "SAVE_COPY_BYTES", 16 * H * D * 4)  # 16 tokens of fp32
+    assert _largest_gather(w, slots, monkeypatch) == 16
+
+
+def test_the_bound_test_catches_a_save_that_gathers_the_whole_request(monkeypatch):
+    import crosskv.vllm.worker as wk
+
+    w, slots = _save_worker(_nhd)
+    monkeypatch.setattr(wk, "SAVE_COPY_BYTES", 1 << 40)  # planted: no bound, the old whole-request gather
+    assert _largest_gather(w, slots, monkeypatch) == len(slots) > 16
 
 
 # ------------------------------------------------------------------------------ the source: saves with no step

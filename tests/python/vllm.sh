@@ -16,12 +16,16 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then TEST=$1; shift; fi
   || { echo "SKIPPED: the crosskv package is not installed in $PY (scripts/setup-vllm.sh)"; exit 77; }
 [ -x "$CAP" ] && "$CAP" -c "import torch, transformers" 2> /dev/null \
   || { echo "SKIPPED: no capture environment at $CAP to make the test's models (scripts/setup-capture.sh)"; exit 77; }
-if [ "$TEST" != test_vllm_fp8.py ] && ! command -v redis-server > /dev/null; then
+if [ "$TEST" != test_vllm_fp8.py ] && [ "$TEST" != test_vllm_gpu.py ] && ! command -v redis-server > /dev/null; then
   echo "SKIPPED: redis-server is not installed (Debian's redis-server): the test's engines meet through a Redis store"
   exit 77
 fi
 if [ "$TEST" = test_vllm_fp8.py ] && ! "$PY" -c "import torch, sys; sys.exit(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()))"; then
   echo "SKIPPED: vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX, and this CPU has neither"
+  exit 77
+fi
+if [ "$TEST" = test_vllm_gpu.py ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "SKIPPED: no CUDA GPU for vLLM here (test_vllm_gpu.py runs on a GPU node, or in bench/gpu_check.sh STEPS=vllm)"
   exit 77
 fi
 # pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.

@@ -69,6 +69,10 @@ def engine_args(spec):
         args["kv_cache_memory_bytes"] = spec["kv_cache_memory_bytes"]
     if spec.get("max_model_len"):
         args["max_model_len"] = spec["max_model_len"]
+    if spec.get("max_num_batched_tokens"):  # chunked prefill: a prompt's tokens over several steps
+        args.update(max_num_batched_tokens=spec["max_num_batched_tokens"], enable_chunked_prefill=True)
+    if spec.get("cudagraph_mode"):  # a GPU engine with CUDA graphs of this mode (FULL_AND_PIECEWISE, ...)
+        args.update(enforce_eager=False, compilation_config={"cudagraph_mode": spec["cudagraph_mode"]})
     if spec.get("connector"):
         # "planted": a connector of tests/python/planted_connector.py (a test's fault), else crosskv's own
         from planted_connector import CONNECTORS
@@ -93,6 +97,8 @@ def run_engine(spec_path, out_path):
         return timed_run(llm, spec, sp, out_path)
     if spec.get("idle_after"):
         return idle_run(llm, spec, sp, out_path)
+    if spec.get("abort"):
+        return abort_run(llm, spec, sp, out_path)
     rounds = spec["rounds"] if "rounds" in spec else [spec["prompts"]]
     res = []
     for prompts in rounds:
@@ -130,6 +136,32 @@ def idle_run(llm, spec, sp, out_path):
     json.dump({"found_s": found, "kv": [o.kv_transfer_params for o in outs],
                "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(out_path, "w"))
     llm.llm_engine.engine_core.shutdown()
+
+
+def abort_run(llm, spec, sp, out_path):
+    """The spec's prompts queued at once; after spec["abort"]["after_steps"] steps the requests spec["abort"]["ids"]
+    (indices) are aborted, and the rest run to the end; then every prompt again, in a second round on the same
+    engine (unless spec["abort"]["again"] is false). Results: the first round's answered requests (index, tokens, outcome), the second round's tokens and
+    outcomes, and the steps taken."""
+    eng = llm.llm_engine
+    for i, p in enumerate(spec["prompts"]):
+        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+    first, steps = {}, 0
+    while eng.has_unfinished_requests():
+        if steps == spec["abort"]["after_steps"]:
+            eng.abort_request([str(i) for i in spec["abort"]["ids"]])
+        for o in eng.step():
+            if o.finished:
+                first[int(o.request_id)] = o
+        steps += 1
+    again = (llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], sp, use_tqdm=False)
+             if spec["abort"].get("again", True) else [])
+    json.dump({"steps": steps,
+               "first": [{"index": i, "tokens": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params,
+                          "aborted": o.outputs[0].finish_reason == "abort"} for i, o in sorted(first.items())],
+               "again": [{"tokens": list(o.outputs[0].token_ids), "kv": o.kv_transfer_params} for o in again]},
+              open(out_path, "w"))
+    eng.engine_core.shutdown()
 
 
 def timed_run(llm, spec, sp, out_path):

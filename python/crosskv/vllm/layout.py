@@ -46,6 +46,31 @@ def head_placement(total: int, per_worker: int, tp_rank: int, tp_size: int) -> H
     return HeadPlacement(first, per_worker, tp_rank % replicas, total, tp_rank)
 
 
+def _stride_order(t: torch.Tensor) -> list[int]:
+    """The dimensions of t from outermost to innermost in memory."""
+    return sorted(range(t.ndim), key=lambda d: (-t.stride(d), -d))
+
+
+def _like(t: torch.Tensor, shape: list[int], fill) -> torch.Tensor:
+    """A tensor of `shape` filled with `fill`, laid out in memory in t's dimension order (an HND cache's scratch is
+    HND too), so that a writer that follows the strides writes it as it writes t."""
+    order = _stride_order(t)
+    physical = torch.full([shape[d] for d in order], fill, dtype=torch.uint8 if isinstance(fill, int) else t.dtype,
+                          device=t.device)
+    if isinstance(fill, int):
+        physical = physical.view(t.dtype)
+    return physical.permute(*[order.index(d) for d in range(t.ndim)])
+
+
+def storage_view(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as one flat view over the memory they span (no copy, whatever t's strides: an HND cache is a
+    permuted view of its buffer)."""
+    if any(s < 0 for s in t.stride()):
+        raise ValueError(f"a cache with negative strides {t.stride()}")
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.as_strided((span,), (1,), t.storage_offset())
+
+
 def layer_scales(layer) -> tuple[float, float]:
     """The layer's K and V cache scales (1.0 for an unquantized cache)."""
     def get(name):
@@ -61,13 +86,15 @@ class PagedLayout:
     (impl.do_kv_cache_update) on a scratch cache of three blocks: the writer is fed codes, one digit at a time, and
     where each code lands is where that (slot, head, dim) lives. A writer that stores values as given is read back
     exactly; one that quantizes to fp8 (uint8 or float8 caches) is fed digits that fp8 holds exactly (0..7, times the
-    layer's scale), and the format it wrote (e4m3 or e5m2) is the one whose decoding gives the codes back. Anything
-    else is refused (ValueError)."""
+    layer's scale), and the format it wrote (e4m3 or e5m2) is the one whose decoding gives the codes back. Any
+    memory order works (NHD, FlashInfer's HND view, the packed K|V of FlashAttention and the CPU backend): the scratch
+    is laid out like the cache, and offsets come from the cache's own strides. Anything else is refused
+    (ValueError)."""
 
     def __init__(self, attn_layer, kv_cache: torch.Tensor, num_blocks: int, block_size: int, heads: int, dim: int,
                  input_dtype: Optional[torch.dtype] = None):
         block_dims = [d for d, n in enumerate(kv_cache.shape) if n == num_blocks]
-        if len(block_dims) != 1 or not kv_cache.is_contiguous():
+        if len(block_dims) != 1:
             raise ValueError(f"cannot find the block dimension of a {tuple(kv_cache.shape)} cache of {num_blocks} "
                              "blocks")
         bd = block_dims[0]
@@ -85,11 +112,7 @@ class PagedLayout:
         k_codes = torch.arange(count, dtype=torch.int64).reshape(nslots, heads, dim)
         written = []
         for i in range(digits):
-            if self.quantized:
-                scratch = torch.full(shape, _SENTINEL_BYTE, dtype=torch.uint8, device=kv_cache.device)
-                scratch = scratch.view(kv_cache.dtype)
-            else:
-                scratch = torch.full(shape, -1.0, dtype=kv_cache.dtype, device=kv_cache.device)
+            scratch = _like(kv_cache, shape, _SENTINEL_BYTE if self.quantized else -1.0)
             digit = lambda c, s: (((c // base**i) % base).to(torch.float64) * s).to(self.input_dtype).to(
                 kv_cache.device)
             attn_layer.impl.do_kv_cache_update(attn_layer, digit(k_codes, scales[0]), digit(k_codes + count, scales[1]),
@@ -119,6 +142,8 @@ class PagedLayout:
         per_block = offset.reshape(2, 3, block_size, heads, dim)
         if not (torch.equal(per_block[:, 0], per_block[:, 1]) and torch.equal(per_block[:, 0], per_block[:, 2])):
             raise ValueError("the cache's blocks are not laid out alike")
+        if torch.unique(per_block[:, 0]).numel() != per_block[:, 0].numel():
+            raise ValueError(f"the cache's strides {kv_cache.stride()} put two elements at one address")
         self.offsets = per_block[:, 0].to(kv_cache.device)  # [K|V, slot in block, head, dim]
         self.cache_dtype = kv_cache.dtype
         self.block_stride, self.block_size = int(strides[bd]), block_size
@@ -153,7 +178,7 @@ class PagedLayout:
         uint8), on the cache's device."""
         slots = slots.to(kv_cache.device)
         at = (slots // self.block_size * self.block_stride)[:, None, None] + self.offsets[:, slots % self.block_size]
-        flat = kv_cache.reshape(-1)
+        flat = storage_view(kv_cache)
         if self.format is not None:
             flat = flat.view(torch.uint8)
         return flat[at[0]], flat[at[1]]
@@ -164,7 +189,7 @@ class PagedLayout:
         with the layer's scales (float32)."""
         slots = slots.to(kv_cache.device)
         at = (slots // self.block_size * self.block_stride)[:, None, None] + self.offsets[:, slots % self.block_size]
-        flat = kv_cache.reshape(-1)
+        flat = storage_view(kv_cache)
         k, v = flat[at[0]], flat[at[1]]
         if self.format is not None:
             k = k.view(torch.uint8).view(self.format).to(torch.float32) * scales[0]

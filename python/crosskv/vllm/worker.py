@@ -31,6 +31,9 @@ from .store import FP8_DTYPES, PrefixError
 
 logger = init_logger("vllm.crosskv")
 
+MAP_AHEAD_LAYERS = 2  # layers the mapping thread may hold mapped before the forward writes them (device memory)
+SAVE_COPY_BYTES = 64 << 20  # a save's device-side gather, per K or V, at most: one layer's tokens in pieces this big
+
 
 # --------------------------------------------------------------------------------------------------- the mapping
 @dataclass
@@ -46,13 +49,19 @@ class SourcePrefix:
 
 class LayerByLayer:
     """Maps the step's prefixes one target layer at a time on a thread of its own, so that mapping layer l overlaps
-    the model's compute of the layers before it; wait(l) returns layer l's (plan, keys, values) for each prefix whose
-    mapping has not failed. On a GPU the mapping runs on a side stream, and wait(l) orders the caller's stream after
-    it. A prefix whose mapping fails at any layer is reported through `failed` (its blocks are then recomputed, so
-    the layers written before the failure are overwritten)."""
+    the model's compute of the layers before it; wait(l) hands over layer l's (plan, keys, values) for each prefix
+    whose mapping has not failed, and forgets them. The thread runs at most `ahead` layers before the forward, so the
+    mapped KV on the device is a few layers', never the request's. On a GPU the mapping runs on a side stream, and
+    wait(l) orders the caller's stream after it. A prefix whose mapping fails at any layer is reported through
+    `failed` (its blocks are then recomputed, so the layers written before the failure are overwritten). close()
+    ends the thread even where the forward skipped layers."""
 
-    def __init__(self, mapper: Mapper, prefixes: list[SourcePrefix], n_layers: int, device: torch.device):
+    def __init__(self, mapper: Mapper, prefixes: list[SourcePrefix], n_layers: int, device: torch.device,
+                 ahead: int = MAP_AHEAD_LAYERS):
         self.mapper, self.prefixes, self.n_layers = mapper, prefixes, n_layers
+        self._room = threading.Semaphore(ahead)  # ahead + layers the forward has passed - layers mapped
+        self._passed = 0  # the forward has passed layers [0, _passed): taken, or skipped
+        self._stop = False
         self.failed: dict[str, str] = {}  # req_id -> reason
         self.kinds: dict[str, str] = {}  # req_id -> the reason's class
         self.map_s: dict[str, float] = {}  # req_id -> seconds of mapping
@@ -70,6 +79,12 @@ class LayerByLayer:
         try:
             with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
                 for li in range(self.n_layers):
+                    self._room.acquire()
+                    if self._stop:
+                        break
+                    if li < self._passed:  # the forward went past it without taking it
+                        self._done[li].set()
+                        continue
                     self._map_layer(li)
         except BaseException as e:  # anything unforeseen fails every prefix still mapping, never the engine
             for p in self.prefixes:
@@ -86,7 +101,7 @@ class LayerByLayer:
                 continue
             t0 = time.perf_counter()
             try:
-                k, v = self.mapper.transfer(p.keys, p.values, p.positions, layers=li)
+                k, v = self.mapper.transfer(p.keys, p.values, p.positions, layers=li, check_finite=False)
                 self._out[li].append((p.plan, k[:, 0], v[:, 0]))
             except (ValueError, MapperError, RuntimeError) as e:
                 self.failed[rid], self.kinds[rid] = str(e), failure_kind(e)
@@ -97,16 +112,25 @@ class LayerByLayer:
         self._done[li].set()
 
     def wait(self, li: int):
+        passed, self._passed = self._passed, max(self._passed, li + 1)
+        for _ in range(passed, li + 1):  # room for layer li, and for any the forward skipped before it
+            self._room.release()
         self._done[li].wait()
+        out, self._out[li] = self._out[li], []
         if self._cuda_events[li] is not None:
             main = torch.cuda.current_stream()
             main.wait_event(self._cuda_events[li])
-            for _, k, v in self._out[li]:  # freed once the caller's stream is done with them
+            for _, k, v in out:  # freed once the caller's stream is done with them
                 k.record_stream(main)
                 v.record_stream(main)
-        return [(plan, k, v) for plan, k, v in self._out[li] if plan.req_id not in self.failed]
+        return [(plan, k, v) for plan, k, v in out if plan.req_id not in self.failed]
 
     def join(self):
+        """Ends the thread: at once where the forward took every layer; where it skipped some, the layers not yet
+        mapped are not (those requests are load errors: their layers were not all written)."""
+        self._stop = True
+        for _ in range(self.n_layers):
+            self._room.release()
         self._thread.join()
 
 
@@ -130,6 +154,7 @@ class WorkerSide:
         self._held: set[str] = set()  # requests whose blocks vLLM keeps for this worker: each reported once
         self._held_lock = threading.Lock()
         self._written: dict[str, int] = {}  # this step's loads: req_id -> layers written
+        self._slots: dict[str, torch.Tensor] = {}  # this step's loads: req_id -> its slots on the cache's device
         self._map_seconds: dict[str, float] = {}  # this step's loads (not layer by layer): req_id -> seconds
         self._stats = CrossKVStats()
         st = ctx.settings
@@ -211,6 +236,7 @@ class WorkerSide:
                 prefixes.append(self._read(plan))
             except (ValueError, MapperError, RuntimeError) as e:
                 self._fail(plan, str(e), failure_kind(e))
+        prefixes = self._on_device(prefixes)
         if not prefixes:
             return
         layerwise = self.ctx.settings.layerwise
@@ -222,11 +248,27 @@ class WorkerSide:
         for p in prefixes:
             t0 = time.perf_counter()
             try:
-                k, v = self._mapper.transfer(p.keys, p.values, p.positions)
+                k, v = self._mapper.transfer(p.keys, p.values, p.positions, check_finite=False)
                 self._mapped.append((p.plan, k, v))
                 self._map_seconds[p.plan.req_id] = p.read_s + time.perf_counter() - t0
             except (ValueError, MapperError, RuntimeError) as e:
                 self._fail(p.plan, str(e), failure_kind(e))
+
+    def _on_device(self, prefixes: list[SourcePrefix]) -> list[SourcePrefix]:
+        """The step's prefixes and their slots on the cache's device (copied from pinned memory without a wait), each
+        checked finite once for the step: one host wait per step, not one per layer. A prefix that holds NaN or
+        infinity fails its load."""
+        dev = next(iter(self._kv_caches.values())).device
+        cuda = dev.type == "cuda"
+        up = lambda t: t.pin_memory().to(dev, non_blocking=True) if cuda else t
+        on = [replace(p, keys=up(p.keys), values=up(p.values), positions=up(p.positions)) for p in prefixes]
+        for p in on:
+            self._slots[p.plan.req_id] = up(torch.as_tensor(p.plan.slots, dtype=torch.int64))
+        finite = torch.stack([torch.isfinite(p.keys).all() & torch.isfinite(p.values).all() for p in on]).tolist()
+        for p, ok in zip(on, finite):
+            if not ok:
+                self._fail(p.plan, _first_not_finite(p), "not_finite")
+        return [p for p, ok in zip(on, finite) if ok]
 
     def _read(self, plan: LoadPlan) -> SourcePrefix:
         """The plan's stored chunks (every part), checked against its tokens, on the mapper's device. A chunk that
@@ -260,11 +302,10 @@ class WorkerSide:
             values.append(c.values[lo:hi])
         used = plan.chunks[:len(keys)]
         self.guard.submit("be marked used", lambda: self.ctx.store.touch(used))  # not waited for
-        dev = next(iter(self._kv_caches.values())).device
         cat = (lambda xs: xs[0]) if len(keys) == 1 else np.concatenate
-        pos = torch.arange(plan.first, plan.end, dtype=torch.int32, device=dev)
-        return SourcePrefix(plan, torch.from_numpy(cat(keys)).to(dev), torch.from_numpy(cat(values)).to(dev), pos,
-                            time.perf_counter() - t0)
+        f32 = lambda xs: torch.from_numpy(np.ascontiguousarray(cat(xs), dtype=np.float32))
+        pos = torch.arange(plan.first, plan.end, dtype=torch.int32)
+        return SourcePrefix(plan, f32(keys), f32(values), pos, time.perf_counter() - t0)
 
     def _applied(self, plan: LoadPlan, seconds: float):
         self._stats.record_map(seconds)
@@ -319,9 +360,9 @@ class WorkerSide:
                               get_tensor_model_parallel_world_size())
 
     def _write(self, layer, cache, plan: LoadPlan, k: torch.Tensor, v: torch.Tensor):
-        """A prefix's mapped KV into one layer's paged cache, by the attention backend's own writer."""
-        slots = torch.as_tensor(plan.slots, dtype=torch.int64, device=cache.device)
-        layer.impl.do_kv_cache_update(layer, k, v, cache, slots)
+        """A prefix's mapped KV into one layer's paged cache, by the attention backend's own writer (the slots were
+        put on the device once for the step)."""
+        layer.impl.do_kv_cache_update(layer, k, v, cache, self._slots[plan.req_id])
 
     def _finish_loads(self):
         """The step's loads settled once its forward is done: the layer-by-layer mapping joined, and each load
@@ -356,7 +397,7 @@ class WorkerSide:
             logger.exception("crosskv: settling the step's loads failed")
             for plan, _, _ in self._mapped:
                 self._fail(plan, f"settling the load failed: {type(e).__name__}: {e}", "worker_error")
-        self._mapped, self._failed, self._written, self._map_seconds = [], set(), {}, {}
+        self._mapped, self._failed, self._written, self._map_seconds, self._slots = [], set(), {}, {}, {}
         if not isinstance(meta, CrossKVMetadata):
             return
         for plan in meta.saves:
@@ -396,21 +437,8 @@ class WorkerSide:
             1 if kv_dtype in FP8_DTYPES else first.element_size())
 
         def snapshot():
-            side = torch.cuda.Stream(device=first.device) if ready is not None else None
-            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
-                if side is not None:
-                    side.wait_event(ready)
-                ks, vs = zip(*(self._layout(name).read_raw(cache, slots) for name, cache in caches))
-                k, v = torch.stack(ks, 1), torch.stack(vs, 1)
-                if side is not None:
-                    hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-                    hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-                    hk.copy_(k, non_blocking=True)
-                    hv.copy_(v, non_blocking=True)
-                    side.synchronize()
-                    k, v = hk, hv
-            scales = [layer_scales(self._layers[name]) for name, _ in caches] if kv_dtype in FP8_DTYPES else None
-            return (_host_bits(k), _host_bits(v)), scales
+            return self._copy_out(caches, slots, ready), (
+                [layer_scales(self._layers[name]) for name, _ in caches] if kv_dtype in FP8_DTYPES else None)
 
         def write(kv, scales):
             (k, v) = kv
@@ -431,6 +459,33 @@ class WorkerSide:
             return written, shared
 
         return SaveJob(plan.req_id, nbytes, snapshot, write)
+
+    def _copy_out(self, caches, slots: torch.Tensor, ready) -> tuple[np.ndarray, np.ndarray]:
+        """K and V [tokens, layers, heads, dim] of the given slots, as the caches hold them, in host memory: gathered
+        one layer at a time, in pieces of at most SAVE_COPY_BYTES, each copied out before the next (on a GPU: on a
+        side stream after `ready`, into pinned memory), so a save holds a piece of one layer on the device, never the
+        request."""
+        first = caches[0][1]
+        side = torch.cuda.Stream(device=first.device) if ready is not None else None
+        raw = torch.uint8 if self._layout(caches[0][0]).format is not None else first.dtype
+        per_token = self.placement.count * self.ctx.engine["head_dim"] * torch.tensor([], dtype=raw).element_size()
+        piece = max(1, SAVE_COPY_BYTES // per_token)
+        shape = (len(caches), len(slots), self.placement.count, self.ctx.engine["head_dim"])
+        hk = torch.empty(shape, dtype=raw, pin_memory=side is not None)
+        hv = torch.empty(shape, dtype=raw, pin_memory=side is not None)
+        with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
+            if side is not None:
+                side.wait_event(ready)
+            dev_slots = slots.to(first.device, non_blocking=side is not None)
+            for li, (name, cache) in enumerate(caches):
+                layout = self._layout(name)
+                for a in range(0, len(slots), piece):
+                    k, v = layout.read_raw(cache, dev_slots[a:a + piece])
+                    hk[li, a:a + piece].copy_(k, non_blocking=side is not None)
+                    hv[li, a:a + piece].copy_(v, non_blocking=side is not None)
+            if side is not None:
+                side.synchronize()
+        return _host_bits(hk.transpose(0, 1)), _host_bits(hv.transpose(0, 1))
 
     def shutdown(self):
         """Drains the saver for at most save_drain_seconds, then abandons what is left (one log line)."""
@@ -471,6 +526,18 @@ class WorkerSide:
             counts, seconds = self.saver.take_counts()
             self._stats.record_saves(counts, seconds, self.saver.queued_bytes)
         return take_stats(self)
+
+
+def _first_not_finite(p: SourcePrefix) -> str:
+    """Where a stored source prefix first holds NaN or infinity (token, layer, head, dim), by name."""
+    for name, x in (("keys", p.keys), ("values", p.values)):
+        bad = torch.nonzero(~torch.isfinite(x))
+        if len(bad):
+            at = bad[0].tolist()
+            what = "NaN" if bool(torch.isnan(x[tuple(at)])) else "infinity"
+            return (f"the stored source {name} at token {p.plan.first + at[0]}, layer {at[1]}, head {at[2]}, dim "
+                    f"{at[3]} is {what}; a source cache must be finite")
+    return "the stored source KV is not finite"
 
 
 def default_save_queue_bytes() -> int:
