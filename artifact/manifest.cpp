@@ -95,6 +95,7 @@ nlohmann::json make_manifest(const ManifestModel& source_model, const KvSpec& so
           {"layers", layers},
           {"calibration", calibration_json(calibration)}};
   if (fit.synthetic) m["fit"]["synthetic"] = true;
+  if (!fit.lambda_choice.is_null()) m["fit"]["lambda_choice"] = fit.lambda_choice;
   if (run) {
     const nlohmann::json r = run_json(*run);
     for (auto it = r.begin(); it != r.end(); ++it) m[it.key()] = it.value();

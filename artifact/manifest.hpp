@@ -24,7 +24,8 @@ struct ManifestFit {
   std::string k_label;
   int k_count = 0;
   int64_t features = 0, params = 0, bias_params = 0;
-  double lambda = 0;
+  nlohmann::json lambda = 0.0;       // a number, or "auto"
+  nlohmann::json lambda_choice;      // auto: how λ was chosen (fit/lambda.hpp); null otherwise
   std::string probe, dtype;
   std::string structure = "cross_head";  // or "per_head" (core/structure.hpp)
   bool synthetic = false;  // random weights of a real shape, for timing (fit.synthetic: true)

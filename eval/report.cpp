@@ -361,19 +361,67 @@ double in_sample_r2_k(const nlohmann::json& layer) {
   return c ? s / c : NAN;
 }
 
+// A GCV curve over the λ grid as a sparkline (low = better), its minimum marked; blank where ρ was not a candidate.
+std::string gcv_sparkline(const nlohmann::json& curve) {
+  static const char* bars[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
+  double lo = INFINITY, hi = -INFINITY;
+  for (const auto& x : curve)
+    if (x.is_number()) lo = std::min(lo, x.get<double>()), hi = std::max(hi, x.get<double>());
+  std::string s;
+  for (const auto& x : curve) {
+    if (!x.is_number()) {
+      s += "·";
+      continue;
+    }
+    const double v = x.get<double>();
+    const int i = hi > lo ? static_cast<int>(std::lround(7 * std::log1p(v - lo) / std::log1p(hi - lo))) : 0;
+    s += v == lo ? "<b>" + std::string(bars[i]) + "</b>" : bars[i];
+  }
+  return s;
+}
+
+// fit.lambda auto: ρ (λ over the system's mean feature variance) and the GCV curve that chose it, keys / values.
+std::string lambda_cells(const nlohmann::json& l) {
+  if (!l.contains("lambda") || !l["lambda"].is_object()) return "";
+  const auto& x = l["lambda"];
+  auto rho = [&](const char* kind) {
+    if (!x.contains("rho") || !x["rho"].contains(kind)) return std::string();
+    char b[32];
+    std::snprintf(b, sizeof b, "%.0e", x["rho"][kind].get<double>());
+    return std::string(b);
+  };
+  auto curve = [&](const char* kind) {
+    return x.contains("gcv") && x["gcv"].contains(kind) ? gcv_sparkline(x["gcv"][kind]) : std::string("");
+  };
+  return "<td>" + rho("keys") + " / " + rho("values") + "</td><td class='spark'>" + curve("keys") + " " +
+         curve("values") + "</td>";
+}
+
 std::string selected_layers_table(const Evaluation& ev, const nlohmann::json& m) {
   std::ostringstream o;
-  o << "<details><summary>selected source layers per target layer</summary><table><tr><th>target layer</th>"
-       "<th>source layers</th><th>in-sample R² k (head mean)</th><th>held-out R² k</th><th>held-out R² v</th></tr>";
+  const auto fit = m.value("fit", nlohmann::json::object());
+  const bool auto_lambda = fit.value("lambda", nlohmann::json()) == "auto";
+  o << "<details><summary>selected source layers per target layer" << (auto_lambda ? ", and each layer's λ" : "")
+    << "</summary><table><tr><th>target layer</th>"
+       "<th>source layers</th><th>in-sample R² k (head mean)</th><th>held-out R² k</th><th>held-out R² v</th>";
+  if (auto_lambda)
+    o << "<th>ρ keys / values</th><th>GCV over ρ = " << esc(fit["lambda_choice"].value("grid", nlohmann::json()).dump())
+      << " (keys, values; lowest bold)</th>";
+  o << "</tr>";
   for (const auto& l : m["layers"]) {
     const int t = l.value("target_layer", -1);
     const bool ok = t >= 0 && t < static_cast<int>(ev.mapper.layers.size());
     o << "<tr><td>" << t << "</td><td style='text-align:left'>"
       << esc(l.value("source_layers", nlohmann::json::array()).dump()) << "</td><td>" << fmt(in_sample_r2_k(l))
       << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_k_mean) : "") << "</td><td>"
-      << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td></tr>";
+      << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td>" << (auto_lambda ? lambda_cells(l) : "") << "</tr>";
   }
-  o << "</table></details>";
+  o << "</table>";
+  if (auto_lambda)
+    o << "<p>λ = ρ × the mean feature variance of the layer's system; ρ minimises generalized cross-validation on the "
+         "system of the layer's top source layer; the k = all system, shared by every layer, takes the layers' median ("
+      << esc(fit["lambda_choice"].value("rho_all", nlohmann::json()).dump()) << ").</p>";
+  o << "</details>";
   return o.str();
 }
 

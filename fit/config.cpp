@@ -1,5 +1,7 @@
 #include "fit/config.hpp"
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -9,6 +11,8 @@
 #include "runtime/yaml_reader.hpp"
 
 namespace crosskv {
+
+nlohmann::json LambdaSetting::json() const { return automatic ? nlohmann::json("auto") : nlohmann::json(value); }
 
 const char* to_string(ProbeMode p) { return p == ProbeMode::same_head ? "same_head" : "all_heads"; }
 const char* to_string(Weighting w) { return w == Weighting::uniform ? "uniform" : "dataset"; }
@@ -110,7 +114,12 @@ SolveConfig parse_fit(const YamlReader& r, const YAML::Node& fit) {
   SolveConfig c;
   r.only_keys(fit, "fit", {"k", "lambda", "probe", "structure", "dtype", "mapper", "mlp", "weighting"});
   if (auto k = fit["k"]) c.ks = parse_ks(r, k);
-  if (auto l = fit["lambda"]) c.lambda = number_where(r, l, "fit.lambda", [](double v) { return v >= 0; }, "must be >= 0");
+  if (auto l = fit["lambda"]) {
+    if (l.IsScalar() && l.Scalar() == "auto")
+      c.lambda = LambdaSetting{};
+    else
+      c.lambda = {false, number_where(r, l, "fit.lambda", [](double v) { return v >= 0; }, "must be auto or >= 0")};
+  }
   if (auto p = fit["probe"])
     c.probe = r.choice<ProbeMode>(p, "fit.probe", {"same_head", "all_heads"}, {ProbeMode::same_head, ProbeMode::all_heads});
   if (auto s = fit["structure"]) c.structures = parse_structures(r, s);

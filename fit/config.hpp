@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "core/backend.hpp"
 #include "core/dtype.hpp"
 #include "core/mlp.hpp"
@@ -43,10 +45,18 @@ struct CalibrationConfig {
   std::optional<int64_t> max_tokens;
 };
 
+// fit.lambda: auto (each target layer's and kind's λ chosen from the moments by generalized cross-validation:
+// fit/lambda.hpp), or one fixed λ in the KV's own units (the covariance's).
+struct LambdaSetting {
+  bool automatic = true;
+  double value = 0.01;  // the fixed λ (automatic = false)
+  nlohmann::json json() const;  // "auto" or the number
+};
+
 // fit: what is solved.
 struct SolveConfig {
   std::vector<KChoice> ks = {{1}, {2}, {4}, {8}, {0}};
-  double lambda = 0.01;
+  LambdaSetting lambda;
   ProbeMode probe = ProbeMode::same_head;
   std::vector<Structure> structures = {Structure::cross_head};  // distinct; one artifact folder per k and structure
   Dtype dtype = Dtype::f32;

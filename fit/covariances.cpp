@@ -31,6 +31,14 @@ std::vector<double> Covariances::var_y(int l) const {
   return v;
 }
 
+std::vector<double> Covariances::var_x(int a) const {
+  const int64_t F = m_.d_.F();
+  const BlockRef& g = m_.blocks_.gram(a, a);
+  std::vector<double> v(F);
+  for (int64_t p = 0; p < F; ++p) v[p] = std::max(0.0, g.at(p, p) / m_.n_ - mx(a * F + p) * mx(a * F + p));
+  return v;
+}
+
 ComputeBackend::CovTerms Covariances::cov_xx_terms(const std::vector<int>& layers) const {
   using Read = ComputeBackend::CovBlock::Read;
   ComputeBackend::CovTerms t;

@@ -118,7 +118,7 @@ ArtifactWriter::~ArtifactWriter() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv) {
+void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv, nlohmann::json lambda) {
   CROSSKV_ASSERT(fk.size() == plan_.slots() && fv.size() == plan_.slots(), "fit/plan mismatch");
   Job job;
   job.l = l;
@@ -129,6 +129,7 @@ void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<La
                    "fit/plan mismatch");
   job.fk = std::move(fk);
   job.fv = std::move(fv);
+  job.lambda = std::move(lambda);
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lk(m_);
   cv_.wait(lk, [&] { return queue_.empty() || error_; });
@@ -223,6 +224,10 @@ void ArtifactWriter::write_job(const Job& job) {
     write_layer_file(path, content);
     written();
     nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
+    if (!job.lambda.is_null()) {
+      entry["lambda"] = job.lambda;
+      entry["lambda"]["keys"] = fk.lambda, entry["lambda"]["values"] = fv.lambda;
+    }
     // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
     write_sealed(record_file(record_dir(i), file), record_seal(identity_), entry.dump());
     std::lock_guard<std::mutex> lk(m_);
@@ -252,8 +257,9 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
   for (size_t i = 0; i < plan_.slots(); ++i) {
     const KPlan& kp = plan_.slot_k(i);
     const Structure st = plan_.slot_structure(i);
-    const ManifestFit fit{kp.label,         kp.count, kp.features_of(st), kp.params_of(st), kp.bias_params, c.fit.lambda,
-                          to_string(c.fit.probe), weight_dtype_name(c.fit.dtype), to_string(st)};
+    const ManifestFit fit{kp.label,         kp.count,       kp.features_of(st), kp.params_of(st), kp.bias_params,
+                          c.fit.lambda.json(), lambda_choice_, to_string(c.fit.probe), weight_dtype_name(c.fit.dtype),
+                          to_string(st)};
     const nlohmann::json m = make_manifest({cal_.source_model, cal_.source_weights}, cal_.source,
                                            {cal_.target_model, cal_.target_weights}, cal_.target, fit,
                                            layers_[i], calibration, run);

@@ -39,7 +39,12 @@ class ArtifactWriter {
   // parallel: they are there already), writes, syncs and hashes the files while the caller solves the next layer.
   // One layer waits at most (the call blocks until the one before it is being written); a write's error is thrown by
   // the next call.
-  void write_layer(int l, std::vector<LayerFit> fits_k, std::vector<LayerFit> fits_v);
+  // `lambda` (fit.lambda: auto): how layer l's λ was chosen (Lambdas::layer_json), recorded in its manifest entry
+  // with the λ each k was solved with.
+  void write_layer(int l, std::vector<LayerFit> fits_k, std::vector<LayerFit> fits_v,
+                   nlohmann::json lambda = nullptr);
+  // fit.lambda: auto: the fit's choice (Lambdas::fit_json), recorded in every manifest.
+  void set_lambda_choice(nlohmann::json choice) { lambda_choice_ = std::move(choice); }
   // Waits until every layer is written; throws the first write error.
   void drain();
   // Seconds the writer thread spent on layers (converting weights included), converting weights, and the solving
@@ -60,6 +65,7 @@ class ArtifactWriter {
   struct Job {
     int l = 0;
     std::vector<LayerFit> fk, fv;
+    nlohmann::json lambda;
   };
   void write_job(const Job& job);
   BigVector<uint16_t> half_k_, half_v_;  // the writer thread's conversions, reused from layer to layer
@@ -81,6 +87,7 @@ class ArtifactWriter {
   double write_s_ = 0, wait_s_ = 0, convert_s_ = 0;
   std::exception_ptr error_;
   std::thread thread_;
+  nlohmann::json lambda_choice_;
 };
 
 

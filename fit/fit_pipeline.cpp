@@ -13,6 +13,7 @@
 #include "eval/held_out.hpp"
 #include "fit/export.hpp"
 #include "fit/grid.hpp"
+#include "fit/lambda.hpp"
 #include "fit/mlp.hpp"
 #include "fit/pass.hpp"
 #include "fit/probe.hpp"
@@ -227,6 +228,8 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   clock.start("select");
   const int kmax = plan.ks.back().count;
   const auto rankings = select_sources(probe, d, kmax);
+  const Lambdas lambdas = Lambdas::from(cfg.fit.lambda, probe.r2, rankings);
+  if (lambdas.automatic() && root) spdlog::info("{}", lambdas.summary());
   if (!plan.single_pass) {
     clock.start("gram-pass");
     const MomentPlan selected = selection_plan(rankings, kmax);
@@ -242,7 +245,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   // With residual MLPs the mappers are published after their stage: until then they stay in k<K>.partial.
   const bool with_mlps = cfg.fit.mapper != MapperKind::ridge;
   res.artifacts = solve_and_export(
-      ctx, cal, plan, p1.m.k, p1.m.v, rankings, ckpt_dir,
+      ctx, cal, plan, p1.m.k, p1.m.v, rankings, lambdas, ckpt_dir,
       [&] {
         clock.stop();
         return manifest_run(clock, ctx, grid, res.passes);

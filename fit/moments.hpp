@@ -106,6 +106,7 @@ class Covariances {
   std::vector<double> mean_x(int a) const;          // [F]
   std::vector<double> mean_y(int l) const;          // [G]
   std::vector<double> var_y(int l) const;           // diag of Cyy [G]
+  std::vector<double> var_x(int a) const;           // diag of Cxx of source layer a [F]
   // Cxx for the listed source layers (in that order), written into A (lda) as [n*F x n*F], full symmetric.
   void cov_xx(const std::vector<int>& layers, double* A, int64_t lda) const;
   // What cov_xx assembles, for a backend to assemble and factor (ComputeBackend::factor_cov): blocks, means, 1/N.

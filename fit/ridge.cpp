@@ -8,6 +8,7 @@
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
+#include "fit/lambda.hpp"
 #include "fit/moments.hpp"
 
 namespace crosskv {
@@ -165,6 +166,7 @@ LayerFit finish_fit(const Covariances& m, int l, const std::vector<int>& top, co
   }
   f.r2 = r2_from_sse(sse, var_y, m.dims().Ht);
   f.b.assign(b.begin(), b.end());
+  f.lambda = lambda;
   return f;
 }
 
@@ -211,7 +213,7 @@ void solve_whole(DenseMaths& be, const Factor& f, const BigVector<double>& Cxy, 
 }  // namespace
 
 std::vector<LayerFit> fit_sweep(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
-                                const std::vector<int>& ks, double lambda, const std::string& what,
+                                const std::vector<int>& ks, const LayerLambda& lambda, const std::string& what,
                                 const Factor* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
@@ -226,13 +228,13 @@ std::vector<LayerFit> fit_sweep(const Covariances& m, DenseMaths& be, int l, con
   if (kmax_nested > 0) {
     const std::vector<int> top(ranking.begin(), ranking.begin() + kmax_nested);
     Factor& f = ws.nested;
-    factor_layers(m, be, top, lambda, f, &ws.times);
+    factor_layers(m, be, top, lambda.nested, f, &ws.times);
     Lap lap(&ws.times);
     BigVector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(top, l, Cxy.data(), G);
-    sweep_nested(be, f, Cxy, F, G, ks, d.Ls, what, lambda, ws, lap, [&](size_t i, const double* W) {
-      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + ks[i]), W, Cxy.data(), lambda));
+    sweep_nested(be, f, Cxy, F, G, ks, d.Ls, what, lambda.nested, ws, lap, [&](size_t i, const double* W) {
+      out.push_back(finish_fit(m, l, std::vector<int>(top.begin(), top.begin() + ks[i]), W, Cxy.data(), lambda.nested));
     });
   }
   if (ks.back() == d.Ls) {
@@ -240,17 +242,17 @@ std::vector<LayerFit> fit_sweep(const Covariances& m, DenseMaths& be, int l, con
     if (!all_layers) {
       std::vector<int> asc(d.Ls);
       std::iota(asc.begin(), asc.end(), 0);
-      factor_layers(m, be, asc, lambda, local, &ws.times);
+      factor_layers(m, be, asc, lambda.all, local, &ws.times);
       all_layers = &local;
     }
     const Factor& f = *all_layers;
-    if (f.bad_minor > 0) throw_singular(what, d.Ls, f, f.n, F, lambda);
+    if (f.bad_minor > 0) throw_singular(what, d.Ls, f, f.n, F, lambda.all);
     Lap lap(&ws.times);
     BigVector<double>& Cxy = ws.cxy;
     Cxy.resize(f.n * G);
     m.cov_xy(f.order, l, Cxy.data(), G);
     solve_whole(be, f, Cxy, G, ws, lap,
-                [&](const double* W) { out.push_back(finish_fit(m, l, f.order, W, Cxy.data(), lambda)); });
+                [&](const double* W) { out.push_back(finish_fit(m, l, f.order, W, Cxy.data(), lambda.all)); });
   }
   return out;
 }
@@ -291,7 +293,7 @@ void finish_head(const Covariances& m, int h, const std::vector<int>& top, const
 }  // namespace
 
 std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
-                                         const std::vector<int>& ks, double lambda, const std::string& what,
+                                         const std::vector<int>& ks, const LayerLambda& lambda, const std::string& what,
                                          std::vector<Factor>* all_layers, SolveWorkspace* workspace) {
   const PairDims& d = m.dims();
   CROSSKV_ASSERT(d.Hs == d.Ht, "per_head needs equal KV head counts");
@@ -315,6 +317,7 @@ std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, i
     out[i].layers = tops[i];
     std::sort(out[i].layers.begin(), out[i].layers.end());
     out[i].W.resize(int64_t{H} * ks[i] * Ds * Dt);
+    out[i].lambda = lambda.of(ks[i], d.Ls);
   }
   int kmax_nested = 0;
   for (int k : ks)
@@ -326,7 +329,7 @@ std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, i
   std::vector<double> diag;
   for (int h = 0; h < H; ++h) {
     const std::string head = what + ", head " + std::to_string(h);
-    auto factor_heads = [&](const std::vector<int>& order, Factor& f) {
+    auto factor_heads = [&](const std::vector<int>& order, Factor& f, double lambda) {
       Lap lap(&ws.times);
       f.order = order;
       f.n = static_cast<int64_t>(order.size()) * Ds;
@@ -338,24 +341,24 @@ std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, i
       lap.to(&SolveTimes::factor);
     };
     auto finish = [&](size_t i, const std::vector<int>& top, const double* W, const double* Cxy) {
-      finish_head(m, h, top, W, Cxy, lambda, out[i], sse[i], bias[i]);
+      finish_head(m, h, top, W, Cxy, out[i].lambda, out[i], sse[i], bias[i]);
     };
     if (kmax_nested > 0) {
       const std::vector<int> top(ranking.begin(), ranking.begin() + kmax_nested);
       Factor& f = ws.nested;
-      factor_heads(top, f);
+      factor_heads(top, f, lambda.nested);
       Lap lap(&ws.times);
       BigVector<double>& Cxy = ws.cxy;
       Cxy.resize(f.n * Dt);
       m.head_cov_xy(top, l, h, Cxy.data(), Dt);
-      sweep_nested(be, f, Cxy, Ds, Dt, ks, d.Ls, head, lambda, ws, lap,
+      sweep_nested(be, f, Cxy, Ds, Dt, ks, d.Ls, head, lambda.nested, ws, lap,
                    [&](size_t i, const double* W) { finish(i, tops[i], W, Cxy.data()); });
     }
     if (ks.back() == d.Ls) {
       Factor local;
       Factor& f = all_layers ? (*all_layers)[h] : local;
-      if (!f.system) factor_heads(asc, f);
-      if (f.bad_minor > 0) throw_singular(head, d.Ls, f, f.n, Ds, lambda);
+      if (!f.system) factor_heads(asc, f, lambda.all);
+      if (f.bad_minor > 0) throw_singular(head, d.Ls, f, f.n, Ds, lambda.all);
       Lap lap(&ws.times);
       BigVector<double>& Cxy = ws.cxy;
       Cxy.resize(f.n * Dt);
@@ -371,7 +374,8 @@ std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, i
 }
 
 ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
-                        const ProbeShare& mine) {
+                        const ProbeShare& mine, double curve_tokens) {
+  const bool curves = curve_tokens > 0;
   const PairDims& d = m.dims();
   CROSSKV_ASSERT(d.Hs == d.Ht, "same-head probe needs equal head counts");
   const int Ds = d.Ds, Dt = d.Dt, H = d.Hs;
@@ -380,6 +384,8 @@ ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kin
   std::vector<std::vector<double>> var(d.Lt);
   for (int l = 0; l < d.Lt; ++l) var[l] = m.var_y(l);
   std::vector<double> A(int64_t{Ds} * Ds), C(Ds * Y), W(Ds * Y), vy(Dt);
+  if (curves) size_probe_curves(r);
+  const int64_t P = static_cast<int64_t>(lambda_grid().size());
   for (int a = 0; a < d.Ls; ++a)
     for (int h = 0; h < H; ++h) {
       bool any = false;
@@ -387,6 +393,18 @@ ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kin
       if (!any) continue;
       m.head_cov_xx(a, h, A.data());
       m.head_cov_xy(a, h, C.data());
+      if (curves) {  // every target layer's head h at once: one group per target layer
+        std::vector<double> vys;
+        for (int l = 0; l < d.Lt; ++l) vys.insert(vys.end(), var[l].begin() + int64_t{h} * Dt, var[l].begin() + int64_t{h + 1} * Dt);
+        const RidgeCurves c = ridge_curves(be, Ds, A.data(), C.data(), Y, Y, vys.data(), d.Lt, curve_tokens);
+        for (int l = 0; l < d.Lt; ++l) {
+          if (mine && !mine(a, l, h)) continue;
+          const int64_t at = ((int64_t{a} * d.Lt + l) * H + h) * P;
+          std::copy_n(c.gcv.begin() + int64_t{l} * P, P, r.gcv.begin() + at);
+          std::copy_n(c.r2.begin() + int64_t{l} * P, P, r.r2_grid.begin() + at);
+        }
+        continue;
+      }
       int64_t bad = 0;
       const auto f = factor(be, A.data(), Ds, lambda, bad);
       if (bad > 0)
@@ -406,17 +424,33 @@ ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kin
 }
 
 ProbeR2 probe_all_heads(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
-                        const ProbeShare& mine) {
+                        const ProbeShare& mine, double curve_tokens) {
+  const bool curves = curve_tokens > 0;
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
   const int H = d.Ht;
   ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
   std::vector<double> A(F * F), C(F * G), W(F * G);
+  if (curves) size_probe_curves(r);
   for (int a = 0; a < d.Ls; ++a) {
     bool any = false;
     for (int l = 0; l < d.Lt && !any; ++l) any = !mine || mine(a, l, -1);
     if (!any) continue;
     m.cov_xx({a}, A.data(), F);
+    if (curves) {  // per target layer: one system, its heads the groups
+      const int64_t P = static_cast<int64_t>(lambda_grid().size());
+      std::vector<double> A0 = A;
+      for (int l = 0; l < d.Lt; ++l) {
+        if (mine && !mine(a, l, -1)) continue;
+        m.cov_xy({a}, l, C.data(), G);
+        A = A0;
+        const std::vector<double> vy = m.var_y(l);
+        const RidgeCurves c = ridge_curves(be, F, A.data(), C.data(), G, G, vy.data(), H, curve_tokens);
+        std::copy(c.gcv.begin(), c.gcv.end(), r.gcv.begin() + (int64_t{a} * d.Lt + l) * H * P);
+        std::copy(c.r2.begin(), c.r2.end(), r.r2_grid.begin() + (int64_t{a} * d.Lt + l) * H * P);
+      }
+      continue;
+    }
     int64_t bad = 0;
     const auto f = factor(be, A.data(), F, lambda, bad);
     if (bad > 0)

@@ -23,6 +23,15 @@ struct LayerFit {
                              // per_head: [H][k*Ds x Dt], head h's rows in `layers` order
   std::vector<float> b;      // [G]
   std::vector<double> r2;    // in-sample R² per target head (NaN where every column has SST = 0)
+  double lambda = 0;         // the λ its system was solved with
+};
+
+// λ of one target layer's systems: its nested top-k systems (k < Ls) and the k = all system.
+struct LayerLambda {
+  LayerLambda(double both = 0) : nested(both), all(both) {}  // NOLINT: one λ for every system (a fixed fit.lambda)
+  LayerLambda(double nested_, double all_) : nested(nested_), all(all_) {}
+  double nested, all;
+  double of(int k, int Ls) const { return k < Ls ? nested : all; }
 };
 
 // In-sample R² per head: 1 - SSE/SST with SSE/N = tr(Cyy) - tr(W^T Cxy) - λ|W|² (exact for the ridge solution).
@@ -63,14 +72,14 @@ struct SolveWorkspace {
 // layer in ascending order, the same system for every target layer) is used when given, else factored here.
 // Throws SolveError naming `what` (e.g. "target layer 3, keys") when a needed system is not positive definite.
 std::vector<LayerFit> fit_sweep(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
-                                const std::vector<int>& ks, double lambda, const std::string& what,
+                                const std::vector<int>& ks, const LayerLambda& lambda, const std::string& what,
                                 const Factor* all_layers = nullptr, SolveWorkspace* workspace = nullptr);
 
 // The same for the head-matched structure (docs/METHOD.md, The fit): per target head h, a system of width k*Ds over source head h of
 // the selected layers, nested over k as above. k = Ls uses `all_layers` (one Factor per head over every source layer
 // in ascending order, filled here on first use and reused for the next target layer of the same kind) when given.
 std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, int l, const std::vector<int>& ranking,
-                                         const std::vector<int>& ks, double lambda, const std::string& what,
+                                         const std::vector<int>& ks, const LayerLambda& lambda, const std::string& what,
                                          std::vector<Factor>* all_layers = nullptr,
                                          SolveWorkspace* workspace = nullptr);
 
@@ -79,9 +88,12 @@ std::vector<LayerFit> fit_sweep_per_head(const Covariances& m, DenseMaths& be, i
 // share the entries out is exact; probe_means() then recomputes the head averages.
 using ProbeShare = std::function<bool(int a, int l, int h)>;
 // Single-source probe (docs/METHOD.md, Probe and selection): target head h of l from source head h of a (same_head) or all heads of a.
+// With `curve_tokens` > 0 (fit.lambda: auto; the calibration's token count, GCV's N) λ is not used: each entry's
+// GCV and R² over the λ grid go into r.gcv and r.r2_grid (fit/lambda.hpp), and per_head stays zero until
+// probe_at_chosen_lambda.
 ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
-                        const ProbeShare& mine = {});
+                        const ProbeShare& mine = {}, double curve_tokens = 0);
 ProbeR2 probe_all_heads(const Covariances& m, DenseMaths& be, double lambda, Kind kind,
-                        const ProbeShare& mine = {});
+                        const ProbeShare& mine = {}, double curve_tokens = 0);
 
 }  // namespace crosskv

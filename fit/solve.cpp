@@ -14,9 +14,12 @@
 #include "fit/checkpoint.hpp"
 #include "fit/export.hpp"
 #include "fit/grid.hpp"
+#include "fit/lambda.hpp"
 
 namespace crosskv {
 namespace {
+
+constexpr int kLambdaRetries = 6;  // auto λ: at most 10^6 times the chosen one before a system counts as singular
 
 // A rank's part in the solve (see solve_layers): a member of a pair of its layer group's readers (0: keys, 1: values), or
 // a reader alone (both kinds; an odd last reader, or a layer group of one).
@@ -52,6 +55,7 @@ void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
       w.put_vec(f.W);
       w.put_vec(f.b);
       w.put_vec(f.r2);
+      w.put(&f.lambda, sizeof f.lambda);
     }
   }
   broadcast_string(pair, w.bytes(), from);
@@ -67,6 +71,7 @@ void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
     r.get_vec(f.W);
     r.get_vec(f.b);
     r.get_vec(f.r2);
+    r.get(&f.lambda, sizeof f.lambda);
   }
   CROSSKV_ASSERT(r.done(), "a pair's fits have bytes left over");
 }
@@ -99,7 +104,7 @@ std::vector<std::pair<int, bool>> layers_to_solve(const SolveUnit& unit, const G
 }  // namespace
 
 void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
-                  const std::vector<std::vector<int>>& rankings, double lambda, ArtifactWriter& writer,
+                  const std::vector<std::vector<int>>& rankings, const Lambdas& lambdas, ArtifactWriter& writer,
                   const std::string& ckpt_dir) {
   const Grid& grid = *ctx.grid;
   const PairDims& d = plan.dims;
@@ -114,12 +119,25 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
   // k = all is the same system for every target layer: factor it once per kind solved here (per head: on first use).
   std::unique_ptr<Factor> all_k, all_v;
   std::vector<Factor> head_all_k, head_all_v;
+  double all_lambda[2] = {0, 0};  // per mapped kind: the λ all_k / all_v were factored with
   if (cross && counts.back() == d.Ls && todo.size() > 1) {
     const auto t_factor = std::chrono::steady_clock::now();
     std::vector<int> asc(d.Ls);
     std::iota(asc.begin(), asc.end(), 0);
-    if (unit.solves_keys()) all_k = std::make_unique<Factor>(factor_layers(mk.covariances(), ctx.backend, asc, lambda));
-    if (unit.solves_values()) all_v = std::make_unique<Factor>(factor_layers(mv.covariances(), ctx.backend, asc, lambda));
+    // auto: the smallest of λ, 10λ, 100λ... that the solver accepts (below the fp32 moments' noise a rank-deficient
+    // system is indefinite); a fixed λ as given.
+    auto factor_all = [&](Moments& m, Kind kind) {
+      double lambda = lambdas.all(kind, m.covariances());
+      auto f = std::make_unique<Factor>(factor_layers(m.covariances(), ctx.backend, asc, lambda));
+      for (int i = 0; lambdas.automatic() && f->bad_minor > 0 && i < kLambdaRetries; ++i) {
+        lambda *= 10;
+        f = std::make_unique<Factor>(factor_layers(m.covariances(), ctx.backend, asc, lambda));
+      }
+      all_lambda[mapped_index(kind)] = lambda;
+      return f;
+    };
+    if (unit.solves_keys()) all_k = factor_all(mk, Kind::k);
+    if (unit.solves_values()) all_v = factor_all(mv, Kind::v);
     spdlog::info("factored the k = all system {} ({} features) in {}",
                  unit.paired ? "of one kind (keys and values solved by a pair of ranks)" : "once per kind",
                  (all_k ? all_k : all_v)->n, human_seconds(seconds_since(t_factor)));
@@ -135,13 +153,26 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
     // Every structure's fits, in the plan's slot order (structure-major).
     auto sweep = [&](const Covariances& m, Kind kind, const Factor* all, std::vector<Factor>& head_all,
                      std::vector<LayerFit>& into) {
+      LayerLambda lambda{lambdas.nested(kind, l, m, rankings[l]), all ? all_lambda[mapped_index(kind)] : lambdas.all(kind, m)};
       for (const Structure s : ss) {
-        std::vector<LayerFit> f =
-            s == Structure::cross_head
-                ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind_dataset(kind), all, &workspace)
-                : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind_dataset(kind) + ", per_head",
-                                     &head_all, &workspace);
-        for (auto& x : f) into.push_back(std::move(x));
+        for (int attempt = 0;; ++attempt) {
+          try {
+            std::vector<LayerFit> f =
+                s == Structure::cross_head
+                    ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind_dataset(kind), all,
+                                &workspace)
+                    : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda,
+                                         what + ", " + kind_dataset(kind) + ", per_head", &head_all, &workspace);
+            for (auto& x : f) into.push_back(std::move(x));
+            break;
+          } catch (const SolveError& e) {  // auto: a larger λ, as for the k = all system above
+            if (!lambdas.automatic() || attempt == kLambdaRetries) throw;
+            spdlog::warn("{}; trying 10x its auto lambda", e.what());
+            lambda = LayerLambda{lambda.nested * 10, lambda.all * 10};
+            all = nullptr;     // factored here with the larger λ
+            head_all.clear();  // the same for the per-head k = all systems
+          }
+        }
       }
     };
     if (unit.solves_keys()) sweep(mk.covariances(), Kind::k, all_k.get(), head_all_k, fk);
@@ -150,7 +181,7 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
       const int from = writes ? 1 - unit.member : unit.member;
       send_fits(*unit.pair, from, from == 0 ? fk : fv);
     }
-    if (writes) writer.write_layer(l, std::move(fk), std::move(fv));  // written while the next layer solves
+    if (writes) writer.write_layer(l, std::move(fk), std::move(fv), lambdas.layer_json(l));  // while the next solves
     progress.add(1);
   }
   writer.drain();
@@ -169,7 +200,7 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
   std::vector<int> counts;
   for (const auto& k : plan.ks) counts.push_back(k.count);
   nlohmann::json id = checkpoint_identity(cal, plan, ranks);
-  id["fit"] = {{"k", counts}, {"lambda", cfg.fit.lambda}, {"dtype", weight_dtype_name(cfg.fit.dtype)},
+  id["fit"] = {{"k", counts}, {"lambda", cfg.fit.lambda.json()}, {"dtype", weight_dtype_name(cfg.fit.dtype)},
                {"weights", cfg.calibration.weights}, {"version", CROSSKV_VERSION}};
   // Recorded only when it differs from the paper's, so that an export interrupted before this field resumes.
   if (plan.structures != std::vector<Structure>{Structure::cross_head}) {
@@ -191,12 +222,13 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
 
 std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
                                           Moments& mv, const std::vector<std::vector<int>>& rankings,
-                                          const std::string& ckpt_dir,
+                                          const Lambdas& lambdas, const std::string& ckpt_dir,
                                           const std::function<ManifestRun()>& manifest_run, bool publish) {
   ArtifactWriter writer(cal, plan, ctx.comm.rank());
   if (ctx.comm.rank() == 0) writer.begin(export_identity(cal, plan, ctx.comm.size()));
   ctx.comm.barrier();
-  solve_layers(ctx, plan, mk, mv, rankings, cal.cfg.fit.lambda, writer, ckpt_dir);
+  writer.set_lambda_choice(lambdas.fit_json());
+  solve_layers(ctx, plan, mk, mv, rankings, lambdas, writer, ckpt_dir);
   const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
   if (ctx.comm.rank() != 0) return {};
   for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));

@@ -13,6 +13,7 @@
 namespace crosskv {
 
 class ArtifactWriter;
+class Lambdas;
 
 // Target layer l belongs to layer group l mod G and, within it, round-robin to its solve units: pairs of readers
 // (token groups 2j and 2j+1), and for an odd T the last reader alone. In a pair, member 0 solves the keys and member 1
@@ -22,7 +23,7 @@ class ArtifactWriter;
 // when this rank's layers are written (writer.drain()); `mk` or `mv` may be emptied. A stop signal is agreed per
 // layer within a pair and raises Interrupted (naming `ckpt_dir`, where the moments are committed).
 void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
-                  const std::vector<std::vector<int>>& rankings, double lambda, ArtifactWriter& writer,
+                  const std::vector<std::vector<int>>& rankings, const Lambdas& lambdas, ArtifactWriter& writer,
                   const std::string& ckpt_dir);
 
 // What the layers' files depend on: the data and how it was read (the checkpoint's identity, with the grid), the
@@ -37,7 +38,7 @@ nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int 
 // (ArtifactWriter::finish).
 std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, const FitPlan& plan, Moments& mk,
                                           Moments& mv, const std::vector<std::vector<int>>& rankings,
-                                          const std::string& ckpt_dir,
+                                          const Lambdas& lambdas, const std::string& ckpt_dir,
                                           const std::function<ManifestRun()>& manifest_run, bool publish = true);
 
 }  // namespace crosskv

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fits a fixed set of jobs (-np 1 and -np 2 grids, one and two passes, both probes, bf16, the benchmark's shapes) and
 # prints the SHA-256 of every layer file and of every manifest's layer entries: two builds whose outputs are equal
-# wrote byte-identical artifacts. With `cuda` the same jobs run with runtime.device: cuda on the host emulation of CUDA
+# wrote byte-identical artifacts. Every job names its λ (0.01, the default before fit.lambda: auto), so builds from
+# before and after auto compare. With `cuda` the same jobs run with runtime.device: cuda on the host emulation of CUDA
 # (BUILD_DIR/emulation/, two emulated GPUs: the -np 2 jobs reduce through NCCL), and the residual-MLP jobs on it too.
 # Usage: scripts/artifact-hashes.sh BUILD_DIR WORK_DIR [cuda] > hashes.txt
 set -euo pipefail
@@ -30,13 +31,13 @@ job() {  # job NAME DATA NP FIT RUNTIME
   rm -rf "out-$1"
   "${MPI[@]}" -np "$3" "$FIT" "$1.yaml" > "$1.log" 2>&1 || { cat "$1.log" >&2; exit 1; }
 }
-job np1 small 1 "{k: [1, 2, all]}" "{block_tokens: 100, checkpoint: {every_shards: 1}}"
-job np2 small 2 "{k: [1, 2, all]}" "{block_tokens: 100}"
-job np2lg small 2 "{k: [1, all], dtype: bf16}" "{block_tokens: 100, layer_groups: 2}"
-job twopass small 2 "{k: [1, 2]}" "{block_tokens: 100, max_moment_gib: 0.0005}"
-job heads heads 1 "{k: [1, 2], probe: all_heads, dtype: fp16}" "{block_tokens: 64}"
-job bench1 bench 1 "{k: [1, 2, 4, 8, all]}" "{block_tokens: 1024}"
-job bench2 bench 2 "{k: [1, 4, all]}" "{block_tokens: 1024}"
+job np1 small 1 "{lambda: 0.01, k: [1, 2, all]}" "{block_tokens: 100, checkpoint: {every_shards: 1}}"
+job np2 small 2 "{lambda: 0.01, k: [1, 2, all]}" "{block_tokens: 100}"
+job np2lg small 2 "{lambda: 0.01, k: [1, all], dtype: bf16}" "{block_tokens: 100, layer_groups: 2}"
+job twopass small 2 "{lambda: 0.01, k: [1, 2]}" "{block_tokens: 100, max_moment_gib: 0.0005}"
+job heads heads 1 "{lambda: 0.01, k: [1, 2], probe: all_heads, dtype: fp16}" "{block_tokens: 64}"
+job bench1 bench 1 "{lambda: 0.01, k: [1, 2, 4, 8, all]}" "{block_tokens: 1024}"
+job bench2 bench 2 "{lambda: 0.01, k: [1, 4, all]}" "{block_tokens: 1024}"
 MLP='{hidden: 32, epochs: 4, batch_tokens: 256, val_fraction: 0.25}'
 job mlp1 mlp 1 "{k: [1, all], lambda: 0.001, mapper: auto, mlp: $MLP}" "{block_tokens: 256}"
 job mlp2 mlp 2 "{k: [1], lambda: 0.001, mapper: mlp, mlp: $MLP}" "{block_tokens: 256, layer_groups: 2}"

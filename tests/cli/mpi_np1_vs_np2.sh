@@ -4,10 +4,21 @@ source "$(dirname "$0")/common.sh"
 [ -n "${PYTHON:-}" ] || { echo "SKIPPED: no Python with numpy and h5py to compare artifacts"; exit 77; }
 MPI=${MPIEXEC:?}
 "$SYNTH" --out data --shards 3 --sequences 2 --seq-len 128 > /dev/null
+# A fixed λ: the weights compare within fp32 tolerance (an auto λ, smaller here, leaves the systems less damped and
+# the weights more sensitive to the reduction's rounding; its choices are compared below).
 for np in 1 2; do
-  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: out%s}\nruntime: {block_tokens: 100}\n' $np > np$np.yaml
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2], lambda: 0.01}\noutput: {dir: out%s}\nruntime: {block_tokens: 100}\n' $np > np$np.yaml
   $MPI -np $np "$FIT" np$np.yaml > np$np.log 2>&1 || { cat np$np.log; die "mpiexec -np $np failed"; }
+  printf 'source: {store: data/source}\ntarget: {store: data/target}\nfit: {k: [1, 2]}\noutput: {dir: auto%s}\nruntime: {block_tokens: 100}\n' $np > auto$np.yaml
+  $MPI -np $np "$FIT" auto$np.yaml > auto$np.log 2>&1 || { cat auto$np.log; die "mpiexec -np $np (auto lambda) failed"; }
 done
+# fit.lambda auto: every layer's choice is the same on one rank and two.
+"$PYTHON" - <<'PY' || die "auto lambda chose differently on 1 and 2 ranks"
+import json
+a, b = (json.load(open(f"auto{n}/k2/manifest.json")) for n in (1, 2))
+assert [l["lambda"]["rho"] for l in a["layers"]] == [l["lambda"]["rho"] for l in b["layers"]]
+assert a["fit"]["lambda_choice"]["rho_all"] == b["fit"]["lambda_choice"]["rho_all"]
+PY
 # Log files hold no ANSI colour codes (mpiexec gives the ranks a pseudo-terminal even when its output is a file).
 ! grep -q $'\e\[' np1.log np2.log || die "log lines under mpiexec carry ANSI escape codes"
 # The same job twice: byte-identical layer files (the reduction order is fixed, not MPI's).

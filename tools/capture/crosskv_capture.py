@@ -264,7 +264,22 @@ def load(model_path, device, dtype_name, max_memory=None, eager_attention=False)
     else:
         raise CaptureError(f"--model-dtype {dtype_name}: expected auto (the checkpoint's), float32, bfloat16 or "
                            "float16")
+    gguf = model_path.endswith(".gguf")
+    if gguf:  # one GGUF file: transformers dequantizes it (to float32, or the dtype asked for), offline
+        if not os.path.isfile(model_path):
+            raise CaptureError(f"--model {model_path}: no such GGUF file")
+        try:
+            import gguf as _gguf  # noqa: F401
+        except ImportError:
+            raise CaptureError(f"--model {model_path}: reading GGUF needs the gguf package (pip install gguf; "
+                               "scripts/setup-capture.sh installs it)")
+        local, gguf_dir, gguf_file = True, os.path.dirname(os.path.abspath(model_path)), os.path.basename(model_path)
+        if dtype == "auto":
+            dtype = torch.float32
     kw = {"local_files_only": local, "torch_dtype": dtype}
+    src = model_path
+    if gguf:
+        kw["gguf_file"], src = gguf_file, gguf_dir
     if eager_attention:  # the attention probabilities are only materialised by the eager implementation
         kw["attn_implementation"] = "eager"
     if device == "auto":
@@ -278,12 +293,19 @@ def load(model_path, device, dtype_name, max_memory=None, eager_attention=False)
     elif max_memory:
         raise CaptureError(f"--max-memory: only with --device auto (device_map), not --device {device}")
     try:
-        tok = AutoTokenizer.from_pretrained(model_path, local_files_only=local)
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kw)
+        tok = AutoTokenizer.from_pretrained(src, local_files_only=local, **({"gguf_file": kw["gguf_file"]} if gguf
+                                                                           else {}))
+        model = AutoModelForCausalLM.from_pretrained(src, **kw)
     except OSError as e:
         raise CaptureError(f"--model {model_path}: cannot load ({str(e).splitlines()[0]})")
-    except ValueError as e:  # a --max-memory accelerate cannot use
-        raise CaptureError(f"--model {model_path}: cannot place it ({str(e).splitlines()[0]})")
+    except ValueError as e:  # a --max-memory accelerate cannot use, or a GGUF transformers cannot read
+        what = "cannot read it as GGUF" if gguf else "cannot place it"
+        raise CaptureError(f"--model {model_path}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    except Exception as e:  # the GGUF reader's own errors (a damaged or truncated file)
+        if not gguf:
+            raise
+        raise CaptureError(f"--model {model_path}: cannot read it as GGUF ({type(e).__name__}: "
+                           f"{(str(e).splitlines() or [''])[0]})")
     if device != "auto":
         model.to(device)
     return tok, model.eval()
@@ -446,7 +468,8 @@ class Progress:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face model id or local folder")
+    p.add_argument("--model", required=True, help="Hugging Face model id, local folder, or a .gguf file "
+                                                   "(dequantized; needs the gguf package)")
     p.add_argument("--text", required=True, help="corpus: .txt (one document) or .jsonl (field 'text')")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--n-seq", type=int, default=500)

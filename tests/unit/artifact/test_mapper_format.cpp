@@ -251,7 +251,7 @@ TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
   for (const MapperLayerEntry& e : m0.layers)
     layers.push_back(manifest_layer_entry(e.target_layer, e.source_layers, e.file, e.sha256,
                                           {0.5, std::numeric_limits<double>::quiet_NaN()}, {0.25}));
-  const ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, 0.01, "same_head", "bf16"};
+  const ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, 0.01, nullptr, "same_head", "bf16"};
   ManifestCalibration cal;
   cal.domains = {"web"};
   cal.shards.push_back({"web/shard-000.h5", "web", std::string(64, 'a'), 100, 50});

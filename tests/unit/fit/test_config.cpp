@@ -1,3 +1,5 @@
+#include <nlohmann/json.hpp>
+
 #include <omp.h>
 #include <unistd.h>
 
@@ -19,7 +21,8 @@ TEST(Config, DefaultsFollowTheSpec) {
   FitConfig c = parse_fit_config(kBase, "/x/cfg.yaml");
   EXPECT_EQ(c.source.store, "/x/s");
   EXPECT_EQ(c.output.dir, "/x/o");
-  EXPECT_DOUBLE_EQ(c.fit.lambda, 0.01);
+  EXPECT_TRUE(c.fit.lambda.automatic);  // fit.lambda: auto (chosen per target layer and kind)
+  EXPECT_EQ(c.fit.lambda.json(), "auto");
   ASSERT_EQ(c.fit.ks.size(), 5u);
   EXPECT_TRUE(c.fit.ks.back().is_all());
   EXPECT_EQ(c.fit.probe, ProbeMode::same_head);
@@ -38,7 +41,8 @@ TEST(Config, FullConfigParses) {
   EXPECT_EQ(c.calibration.token_stride, 4);
   EXPECT_EQ(*c.calibration.max_tokens, 1000);
   EXPECT_EQ(c.fit.ks.size(), 3u);
-  EXPECT_DOUBLE_EQ(c.fit.lambda, 0.0);
+  EXPECT_FALSE(c.fit.lambda.automatic);
+  EXPECT_DOUBLE_EQ(c.fit.lambda.value, 0.0);
   EXPECT_EQ(c.fit.probe, ProbeMode::all_heads);
   EXPECT_EQ(c.fit.dtype, Dtype::bf16);
   EXPECT_EQ(c.runtime.device, DeviceKind::cpu);
@@ -67,7 +71,11 @@ TEST(Config, WrongTypeIsAnError) {
 }
 
 TEST(Config, OutOfRangeIsAnError) {
-  expect_error<ConfigError>([] { parse_fit_config(kBase + "fit: {lambda: -1}\n", "my.yaml"); }, {"fit.lambda", ">= 0"});
+  expect_error<ConfigError>([] { parse_fit_config(kBase + "fit: {lambda: -1}\n", "my.yaml"); },
+                            {"fit.lambda", "must be auto or >= 0"});
+  expect_error<ConfigError>([] { parse_fit_config(kBase + "fit: {lambda: automatic}\n", "my.yaml"); },
+                            {"my.yaml:4", "fit.lambda", "automatic"});
+  EXPECT_TRUE(parse_fit_config(kBase + "fit: {lambda: auto}\n", "my.yaml").fit.lambda.automatic);
   expect_error<ConfigError>([] { parse_fit_config(kBase + "calibration: {token_stride: 0}\n", "my.yaml"); },
                             {"calibration.token_stride", ">= 1"});
   expect_error<ConfigError>([] { parse_fit_config(kBase + "fit: {k: [0]}\n", "my.yaml"); }, {"fit.k", ">= 1"});

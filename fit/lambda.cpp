@@ -1,0 +1,197 @@
+#include "fit/lambda.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "core/backend.hpp"
+#include "core/error.hpp"
+#include "fit/config.hpp"
+#include "fit/moments.hpp"
+
+namespace crosskv {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+size_t argmin_finite(const std::vector<double>& v) {
+  size_t best = v.size();
+  for (size_t i = 0; i < v.size(); ++i)
+    if (std::isfinite(v[i]) && (best == v.size() || v[i] < v[best])) best = i;
+  return best;
+}
+
+}  // namespace
+
+const std::vector<double>& lambda_grid() {
+  static const std::vector<double> grid = {1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+  return grid;
+}
+
+RidgeCurves ridge_curves(DenseMaths& be, int64_t n, double* A, const double* B, int64_t cols, int64_t ldb,
+                         const double* var_y, int groups, double tokens) {
+  CROSSKV_ASSERT(groups > 0 && cols % groups == 0, "ridge_curves: columns not in equal groups");
+  const std::vector<double>& grid = lambda_grid();
+  const int64_t per = cols / groups, P = static_cast<int64_t>(grid.size());
+  std::vector<double> w(n);
+  be.symmetric_eigen(n, A, n, w.data());  // A: eigenvectors as columns, w ascending
+  // fp32 moments put Cxx's eigenvalues within about ε32 |Cxx| of the truth (a null direction can come out negative):
+  // a λ below ten times that is noise, not regularisation, and is not a candidate.
+  const double noise = n ? std::max(-w.front(), 6e-8 * w.back()) : 0.0;
+  for (double& x : w) x = std::max(x, 0.0);
+  // Qᵀ Cxy in fp32 (a criterion over a grid of decades; the solve itself stays fp64).
+  std::vector<float> q(n * n), b(n * cols), bt(n * cols);
+  for (int64_t i = 0; i < n * n; ++i) q[i] = static_cast<float>(A[i]);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < cols; ++c) b[i * cols + c] = static_cast<float>(B[i * ldb + c]);
+  DenseMaths::BatchedGemm g;
+  g.trans_a = true, g.m = n, g.n = cols, g.k = n, g.A = q.data(), g.lda = n, g.B = b.data(), g.ldb = cols,
+  g.C = bt.data(), g.ldc = cols;
+  be.gemm_batched(g);
+  std::vector<double> bt2(n * groups, 0.0), sst(groups, 0.0);  // per eigen-direction and group: |(QᵀCxy)_i|²
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < cols; ++c) bt2[i * groups + c / per] += double{bt[i * cols + c]} * bt[i * cols + c];
+  for (int64_t c = 0; c < cols; ++c) sst[c / per] += var_y[c];
+  double mean = 0;
+  for (double x : w) mean += x;
+  mean /= std::max<int64_t>(n, 1);
+  RidgeCurves out{groups, std::vector<double>(groups * P, kNaN), std::vector<double>(groups * P, kNaN)};
+  if (!(mean > 0)) return out;  // no variance: nothing to choose
+  for (int64_t p = 0; p < P; ++p) {
+    const double lambda = grid[p] * mean;
+    if (lambda < 10 * noise) continue;  // NaN: not a candidate
+    double df = 0;
+    for (int64_t i = 0; i < n; ++i) df += w[i] / (w[i] + lambda);
+    const double denom = 1.0 - df / tokens;
+    for (int h = 0; h < groups; ++h) {
+      double explained = 0;
+      for (int64_t i = 0; i < n; ++i)
+        explained += bt2[i * groups + h] * (w[i] + 2 * lambda) / ((w[i] + lambda) * (w[i] + lambda));
+      const double sse = std::max(0.0, sst[h] - explained);
+      out.gcv[h * P + p] = denom > 0 ? sse / (denom * denom) : std::numeric_limits<double>::infinity();
+      out.r2[h * P + p] = sst[h] > 0 ? 1.0 - sse / sst[h] : kNaN;
+    }
+  }
+  return out;
+}
+
+void size_probe_curves(ProbeR2& r) {
+  const size_t count = static_cast<size_t>(r.Ls) * r.Lt * r.H * lambda_grid().size();
+  r.gcv.assign(count, 0.0);
+  r.r2_grid.assign(count, 0.0);
+}
+
+void probe_at_chosen_lambda(ProbeR2& r) {
+  if (r.gcv.empty()) return;
+  const int64_t P = static_cast<int64_t>(lambda_grid().size()), H = r.H;
+  for (int64_t pair = 0; pair < int64_t{r.Ls} * r.Lt; ++pair) {
+    std::vector<double> total(P, 0.0);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t p = 0; p < P; ++p) total[p] += r.gcv[(pair * H + h) * P + p];
+    const size_t best = argmin_finite(total);
+    for (int64_t h = 0; h < H; ++h)
+      r.per_head[pair * H + h] = best < total.size() ? r.r2_grid[(pair * H + h) * P + best] : kNaN;
+  }
+  probe_means(r);
+}
+
+double mean_feature_variance(const Covariances& m, const std::vector<int>& layers) {
+  const int64_t F = m.dims().F();
+  double sum = 0;
+  for (int a : layers) {
+    const std::vector<double> v = m.var_x(a);
+    for (double x : v) sum += x;
+  }
+  return layers.empty() ? 0.0 : sum / (F * static_cast<int64_t>(layers.size()));
+}
+
+Lambdas Lambdas::fixed(double value) {
+  Lambdas l;
+  l.value_ = value;
+  return l;
+}
+
+Lambdas Lambdas::chosen(const std::map<Kind, ProbeR2>& probe, const std::vector<std::vector<int>>& rankings) {
+  Lambdas out;
+  out.automatic_ = true;
+  const std::vector<double>& grid = lambda_grid();
+  const int64_t P = static_cast<int64_t>(grid.size());
+  const int Lt = static_cast<int>(rankings.size());
+  for (int l = 0; l < Lt; ++l) out.top_.push_back(rankings[l].front());
+  for (Kind kind : kMappedKinds) {
+    const ProbeR2& r = probe.at(kind);
+    CROSSKV_ASSERT(!r.gcv.empty() && r.Lt == Lt, "fit.lambda auto without the probe's GCV curves");
+    std::vector<double>& rho = out.rho_[kind];
+    std::vector<std::vector<double>>& curve = out.curve_[kind];
+    for (int l = 0; l < Lt; ++l) {
+      const int64_t pair = int64_t{out.top_[l]} * r.Lt + l;
+      std::vector<double> total(P, 0.0);
+      for (int64_t h = 0; h < r.H; ++h)
+        for (int64_t p = 0; p < P; ++p) total[p] += r.gcv[(pair * r.H + h) * P + p];
+      const size_t best = argmin_finite(total);
+      rho.push_back(best < total.size() ? grid[best] : grid.front());
+      curve.push_back(std::move(total));
+    }
+    std::vector<double> sorted = rho;
+    std::sort(sorted.begin(), sorted.end());
+    out.rho_all_[kind] = sorted.empty() ? grid.front() : sorted[(sorted.size() - 1) / 2];  // the lower median
+  }
+  return out;
+}
+
+Lambdas Lambdas::from(const LambdaSetting& setting, const std::map<Kind, ProbeR2>& probe,
+                      const std::vector<std::vector<int>>& rankings) {
+  return setting.automatic ? chosen(probe, rankings) : fixed(setting.value);
+}
+
+double Lambdas::nested(Kind kind, int l, const Covariances& m, const std::vector<int>&) const {
+  if (!automatic_) return value_;
+  return rho_.at(kind)[l] * mean_feature_variance(m, {top_[l]});
+}
+
+double Lambdas::all(Kind kind, const Covariances& m) const {
+  if (!automatic_) return value_;
+  std::vector<int> every(m.dims().Ls);
+  for (int a = 0; a < m.dims().Ls; ++a) every[a] = a;
+  return rho_all_.at(kind) * mean_feature_variance(m, every);
+}
+
+nlohmann::json Lambdas::layer_json(int l) const {
+  if (!automatic_) return nullptr;
+  nlohmann::json j = {{"source_layer", top_[l]}};
+  for (Kind kind : kMappedKinds) {
+    j["rho"][kind_dataset(kind)] = rho_.at(kind)[l];
+    nlohmann::json c = nlohmann::json::array();
+    for (double x : curve_.at(kind)[l]) c.push_back(std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr));
+    j["gcv"][kind_dataset(kind)] = c;
+  }
+  return j;
+}
+
+std::string Lambdas::summary() const {
+  const std::vector<double>& grid = lambda_grid();
+  std::string s = "fit.lambda auto (GCV on each target layer's top source layer): ";
+  for (Kind kind : kMappedKinds) {
+    std::vector<double> r = rho_.at(kind);
+    std::sort(r.begin(), r.end());
+    const auto at_end = std::count(r.begin(), r.end(), grid.front()) + std::count(r.begin(), r.end(), grid.back());
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%s%s rho median %.0e in [%.0e, %.0e] (%ld at the grid's ends), k = all %.0e",
+                  kind == Kind::k ? "" : "; ", kind_dataset(kind), r[(r.size() - 1) / 2], r.front(), r.back(),
+                  static_cast<long>(at_end), rho_all_.at(kind));
+    s += buf;
+  }
+  return s + " (lambda = rho x the system's mean feature variance)";
+}
+
+nlohmann::json Lambdas::fit_json() const {
+  if (!automatic_) return nullptr;
+  nlohmann::json j = {{"criterion", "gcv"}, {"grid", lambda_grid()}};
+  for (Kind kind : kMappedKinds) j["rho_all"][kind_dataset(kind)] = rho_all_.at(kind);
+  return j;
+}
+
+}  // namespace crosskv
