@@ -17,6 +17,15 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
+// A (source, target) pair's GCV over the grid: its heads' summed.
+std::vector<double> pair_curve(const ProbeR2& r, int64_t pair) {
+  const int64_t P = static_cast<int64_t>(lambda_grid().size());
+  std::vector<double> total(P, 0.0);
+  for (int64_t h = 0; h < r.H; ++h)
+    for (int64_t p = 0; p < P; ++p) total[p] += r.gcv[(pair * r.H + h) * P + p];
+  return total;
+}
+
 size_t argmin_finite(const std::vector<double>& v) {
   size_t best = v.size();
   for (size_t i = 0; i < v.size(); ++i)
@@ -31,38 +40,41 @@ const std::vector<double>& lambda_grid() {
   return grid;
 }
 
-RidgeCurves ridge_curves(DenseMaths& be, int64_t n, double* A, const double* B, int64_t cols, int64_t ldb,
+RidgeEigen ridge_eigen(DenseMaths& be, int64_t n, double* A) {
+  RidgeEigen e{n, std::vector<float>(n * n), std::vector<double>(n)};
+  be.symmetric_eigen(n, A, n, e.w.data());  // A: eigenvectors as columns, w ascending
+  // fp32 moments put Cxx's eigenvalues within about ε32 |Cxx| of the truth (a null direction can come out negative):
+  // a λ below ten times that is noise, not regularisation, and is not a candidate.
+  e.noise = n ? std::max(-e.w.front(), 6e-8 * e.w.back()) : 0.0;
+  for (double& x : e.w) x = std::max(x, 0.0);
+  for (int64_t i = 0; i < n * n; ++i) e.q[i] = static_cast<float>(A[i]);
+  for (double x : e.w) e.mean += x;
+  e.mean /= std::max<int64_t>(n, 1);
+  return e;
+}
+
+RidgeCurves ridge_curves(DenseMaths& be, const RidgeEigen& e, const double* B, int64_t cols, int64_t ldb,
                          const double* var_y, int groups, double tokens) {
   CROSSKV_ASSERT(groups > 0 && cols % groups == 0, "ridge_curves: columns not in equal groups");
   const std::vector<double>& grid = lambda_grid();
-  const int64_t per = cols / groups, P = static_cast<int64_t>(grid.size());
-  std::vector<double> w(n);
-  be.symmetric_eigen(n, A, n, w.data());  // A: eigenvectors as columns, w ascending
-  // fp32 moments put Cxx's eigenvalues within about ε32 |Cxx| of the truth (a null direction can come out negative):
-  // a λ below ten times that is noise, not regularisation, and is not a candidate.
-  const double noise = n ? std::max(-w.front(), 6e-8 * w.back()) : 0.0;
-  for (double& x : w) x = std::max(x, 0.0);
-  // Qᵀ Cxy in fp32 (a criterion over a grid of decades; the solve itself stays fp64).
-  std::vector<float> q(n * n), b(n * cols), bt(n * cols);
-  for (int64_t i = 0; i < n * n; ++i) q[i] = static_cast<float>(A[i]);
+  const int64_t n = e.n, per = cols / groups, P = static_cast<int64_t>(grid.size());
+  const std::vector<double>& w = e.w;
+  std::vector<float> b(n * cols), bt(n * cols);  // Qᵀ Cxy in fp32; the solve itself stays fp64
   for (int64_t i = 0; i < n; ++i)
     for (int64_t c = 0; c < cols; ++c) b[i * cols + c] = static_cast<float>(B[i * ldb + c]);
   DenseMaths::BatchedGemm g;
-  g.trans_a = true, g.m = n, g.n = cols, g.k = n, g.A = q.data(), g.lda = n, g.B = b.data(), g.ldb = cols,
+  g.trans_a = true, g.m = n, g.n = cols, g.k = n, g.A = e.q.data(), g.lda = n, g.B = b.data(), g.ldb = cols,
   g.C = bt.data(), g.ldc = cols;
   be.gemm_batched(g);
   std::vector<double> bt2(n * groups, 0.0), sst(groups, 0.0);  // per eigen-direction and group: |(QᵀCxy)_i|²
   for (int64_t i = 0; i < n; ++i)
     for (int64_t c = 0; c < cols; ++c) bt2[i * groups + c / per] += double{bt[i * cols + c]} * bt[i * cols + c];
   for (int64_t c = 0; c < cols; ++c) sst[c / per] += var_y[c];
-  double mean = 0;
-  for (double x : w) mean += x;
-  mean /= std::max<int64_t>(n, 1);
-  RidgeCurves out{groups, std::vector<double>(groups * P, kNaN), std::vector<double>(groups * P, kNaN)};
-  if (!(mean > 0)) return out;  // no variance: nothing to choose
+  RidgeCurves out{std::vector<double>(groups * P, kNaN), std::vector<double>(groups * P, kNaN)};
+  if (!(e.mean > 0)) return out;  // no variance: nothing to choose
   for (int64_t p = 0; p < P; ++p) {
-    const double lambda = grid[p] * mean;
-    if (lambda < 10 * noise) continue;  // NaN: not a candidate
+    const double lambda = grid[p] * e.mean;
+    if (lambda < 10 * e.noise) continue;  // NaN: not a candidate
     double df = 0;
     for (int64_t i = 0; i < n; ++i) df += w[i] / (w[i] + lambda);
     const double denom = 1.0 - df / tokens;
@@ -88,12 +100,9 @@ void probe_at_chosen_lambda(ProbeR2& r) {
   if (r.gcv.empty()) return;
   const int64_t P = static_cast<int64_t>(lambda_grid().size()), H = r.H;
   for (int64_t pair = 0; pair < int64_t{r.Ls} * r.Lt; ++pair) {
-    std::vector<double> total(P, 0.0);
+    const size_t best = argmin_finite(pair_curve(r, pair));
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t p = 0; p < P; ++p) total[p] += r.gcv[(pair * H + h) * P + p];
-    const size_t best = argmin_finite(total);
-    for (int64_t h = 0; h < H; ++h)
-      r.per_head[pair * H + h] = best < total.size() ? r.r2_grid[(pair * H + h) * P + best] : kNaN;
+      r.per_head[pair * H + h] = best < static_cast<size_t>(P) ? r.r2_grid[(pair * H + h) * P + best] : kNaN;
   }
   probe_means(r);
 }
@@ -118,7 +127,6 @@ Lambdas Lambdas::chosen(const std::map<Kind, ProbeR2>& probe, const std::vector<
   Lambdas out;
   out.automatic_ = true;
   const std::vector<double>& grid = lambda_grid();
-  const int64_t P = static_cast<int64_t>(grid.size());
   const int Lt = static_cast<int>(rankings.size());
   for (int l = 0; l < Lt; ++l) out.top_.push_back(rankings[l].front());
   for (Kind kind : kMappedKinds) {
@@ -127,10 +135,7 @@ Lambdas Lambdas::chosen(const std::map<Kind, ProbeR2>& probe, const std::vector<
     std::vector<double>& rho = out.rho_[kind];
     std::vector<std::vector<double>>& curve = out.curve_[kind];
     for (int l = 0; l < Lt; ++l) {
-      const int64_t pair = int64_t{out.top_[l]} * r.Lt + l;
-      std::vector<double> total(P, 0.0);
-      for (int64_t h = 0; h < r.H; ++h)
-        for (int64_t p = 0; p < P; ++p) total[p] += r.gcv[(pair * r.H + h) * P + p];
+      std::vector<double> total = pair_curve(r, int64_t{out.top_[l]} * r.Lt + l);
       const size_t best = argmin_finite(total);
       rho.push_back(best < total.size() ? grid[best] : grid.front());
       curve.push_back(std::move(total));
@@ -147,7 +152,7 @@ Lambdas Lambdas::from(const LambdaSetting& setting, const std::map<Kind, ProbeR2
   return setting.automatic ? chosen(probe, rankings) : fixed(setting.value);
 }
 
-double Lambdas::nested(Kind kind, int l, const Covariances& m, const std::vector<int>&) const {
+double Lambdas::nested(Kind kind, int l, const Covariances& m) const {
   if (!automatic_) return value_;
   return rho_.at(kind)[l] * mean_feature_variance(m, {top_[l]});
 }

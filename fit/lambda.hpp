@@ -21,16 +21,24 @@ struct LambdaSetting;
 // The relative strengths ρ that auto tries, ascending (1e-9 ... 1).
 const std::vector<double>& lambda_grid();
 
-// One ridge system's figures over the grid, from the eigendecomposition of its Cxx [n x n]: for each output group
+// One ridge system's figures over the grid, from the eigendecomposition of its Cxx [n x n] (ridge_eigen): for each output group
 // (a head), GCV(ρ) = (SSE/N) / (1 - df/N)² and R² = 1 - SSE/SST, SSE/N = Σ var_y - Σ_i |(QᵀCxy)_i|² (w_i + 2λ) /
-// (w_i + λ)² and df = Σ_i w_i / (w_i + λ), λ = ρ × mean(w). A = Cxx (overwritten), B = Cxy [n x cols] (row-major,
-// ldb), columns grouped by `groups` consecutive equal groups; var_y [cols]; `tokens` the N of df.
+// (w_i + λ)² and df = Σ_i w_i / (w_i + λ), λ = ρ × mean(w). ridge_eigen overwrites A = Cxx; B = Cxy [n x cols]
+// (row-major, ldb), columns grouped by `groups` consecutive equal groups; var_y [cols]; `tokens` the N of df.
+// The system's side, computed once however many right-hand sides it meets: Cxx = Q diag(w) Qᵀ.
+struct RidgeEigen {
+  int64_t n = 0;
+  std::vector<float> q;   // Q, row-major [n x n] (fp32: a criterion over a grid of decades)
+  std::vector<double> w;  // eigenvalues, clamped at 0
+  double noise = 0;       // the fp32 moments' noise on them
+  double mean = 0;        // mean eigenvalue: tr(Cxx)/n
+};
+RidgeEigen ridge_eigen(DenseMaths& be, int64_t n, double* A);
 struct RidgeCurves {
-  int groups = 0;
   std::vector<double> gcv;  // [groups x grid]
   std::vector<double> r2;   // [groups x grid]
 };
-RidgeCurves ridge_curves(DenseMaths& be, int64_t n, double* A, const double* B, int64_t cols, int64_t ldb,
+RidgeCurves ridge_curves(DenseMaths& be, const RidgeEigen& e, const double* B, int64_t cols, int64_t ldb,
                          const double* var_y, int groups, double tokens);
 
 // The probe's auto figures into r: r.gcv and r.r2_grid sized for [Ls x Lt x H x grid] (zero where this rank does
@@ -54,7 +62,7 @@ class Lambdas {
 
   bool automatic() const { return automatic_; }
   // λ of target layer l's top-k systems (k < all), and of the k = all system.
-  double nested(Kind kind, int l, const Covariances& m, const std::vector<int>& ranking) const;
+  double nested(Kind kind, int l, const Covariances& m) const;
   double all(Kind kind, const Covariances& m) const;
   double rho(Kind kind, int l) const { return rho_.at(kind)[l]; }
   double rho_all(Kind kind) const { return rho_all_.at(kind); }

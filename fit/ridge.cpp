@@ -396,7 +396,8 @@ ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kin
       if (curves) {  // every target layer's head h at once: one group per target layer
         std::vector<double> vys;
         for (int l = 0; l < d.Lt; ++l) vys.insert(vys.end(), var[l].begin() + int64_t{h} * Dt, var[l].begin() + int64_t{h + 1} * Dt);
-        const RidgeCurves c = ridge_curves(be, Ds, A.data(), C.data(), Y, Y, vys.data(), d.Lt, curve_tokens);
+        const RidgeCurves c = ridge_curves(be, ridge_eigen(be, Ds, A.data()), C.data(), Y, Y, vys.data(), d.Lt,
+                                           curve_tokens);
         for (int l = 0; l < d.Lt; ++l) {
           if (mine && !mine(a, l, h)) continue;
           const int64_t at = ((int64_t{a} * d.Lt + l) * H + h) * P;
@@ -439,13 +440,12 @@ ProbeR2 probe_all_heads(const Covariances& m, DenseMaths& be, double lambda, Kin
     m.cov_xx({a}, A.data(), F);
     if (curves) {  // per target layer: one system, its heads the groups
       const int64_t P = static_cast<int64_t>(lambda_grid().size());
-      std::vector<double> A0 = A;
+      const RidgeEigen e = ridge_eigen(be, F, A.data());  // once for every target layer
       for (int l = 0; l < d.Lt; ++l) {
         if (mine && !mine(a, l, -1)) continue;
         m.cov_xy({a}, l, C.data(), G);
-        A = A0;
         const std::vector<double> vy = m.var_y(l);
-        const RidgeCurves c = ridge_curves(be, F, A.data(), C.data(), G, G, vy.data(), H, curve_tokens);
+        const RidgeCurves c = ridge_curves(be, e, C.data(), G, G, vy.data(), H, curve_tokens);
         std::copy(c.gcv.begin(), c.gcv.end(), r.gcv.begin() + (int64_t{a} * d.Lt + l) * H * P);
         std::copy(c.r2.begin(), c.r2.end(), r.r2_grid.begin() + (int64_t{a} * d.Lt + l) * H * P);
       }

@@ -153,7 +153,7 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
     // Every structure's fits, in the plan's slot order (structure-major).
     auto sweep = [&](const Covariances& m, Kind kind, const Factor* all, std::vector<Factor>& head_all,
                      std::vector<LayerFit>& into) {
-      LayerLambda lambda{lambdas.nested(kind, l, m, rankings[l]), all ? all_lambda[mapped_index(kind)] : lambdas.all(kind, m)};
+      LayerLambda lambda{lambdas.nested(kind, l, m), all ? all_lambda[mapped_index(kind)] : lambdas.all(kind, m)};
       for (const Structure s : ss) {
         for (int attempt = 0;; ++attempt) {
           try {

@@ -172,8 +172,8 @@ TEST(AutoLambda, ScalingTheSourceBy100GivesTheSamePredictions) {
   auto be = make_cpu_backend();
   for (int l = 0; l < kDims.Lt; ++l) {
     EXPECT_EQ(la.rho(Kind::v, l), lb.rho(Kind::v, l));
-    const LayerLambda xa{la.nested(Kind::v, l, ma.covariances(), rank_a[l]), la.all(Kind::v, ma.covariances())};
-    const LayerLambda xb{lb.nested(Kind::v, l, mb.covariances(), rank_b[l]), lb.all(Kind::v, mb.covariances())};
+    const LayerLambda xa{la.nested(Kind::v, l, ma.covariances()), la.all(Kind::v, ma.covariances())};
+    const LayerLambda xb{lb.nested(Kind::v, l, mb.covariances()), lb.all(Kind::v, mb.covariances())};
     EXPECT_NEAR(xb.nested, 1e4 * xa.nested, 1e-4 * xb.nested);
     const auto fa = fit_sweep(ma.covariances(), *be, l, rank_a[l], {1, 2, 3}, xa, "a");
     const auto fb = fit_sweep(mb.covariances(), *be, l, rank_b[l], {1, 2, 3}, xb, "b");
