@@ -43,7 +43,7 @@ import crosskv
 import crosskv.hf
 import crosskv.vllm as cv
 from redis_server import RedisServer
-from vllm_engine import BLOCK, engine, engine_args
+from vllm_engine import BLOCK, engine, engine_args, hf_mapped_reference
 
 CHUNK = BLOCK  # the store's chunk: the smallest it may be, so that these short prompts span several
 STORE = {"store": "store", "chunk_tokens": CHUNK}
@@ -408,14 +408,7 @@ def test_vllm_with_the_mapped_prefix_equals_hf_generate_on_transfer_cache(w, hf)
     partial = {"shares_40": (w.shares_40, CHUNK), "damaged_middle": (w.middle_prompt, CHUNK)}
     cases = [(name, (w.target_prompts[name], n)) for name, n in w.mapped_lengths.items()] + list(partial.items())
     for name, (prompt, n) in cases:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            cache = crosskv.hf.transfer_cache(hf.mapper, hf.source(ids[:, :n], use_cache=True).past_key_values)
-            out = hf.target.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                     max_new_tokens=8, do_sample=False, output_scores=True,
-                                     return_dict_in_generate=True, pad_token_id=0)
-        hf_tokens = out.sequences[0, ids.shape[1]:].tolist()
-        hf_lp = torch.log_softmax(out.scores[0][0].double(), -1)[hf_tokens[0]].item()
+        hf_tokens, hf_lp = hf_mapped_reference(hf.target, hf.source, hf.mapper, prompt, n)
         assert w.got[name]["tokens"] == hf_tokens and abs(w.got[name]["first_logprob"] - hf_lp) < 1e-3, name
         assert not same_result(w.got[name], w.own[name]), f"{name}: the target's own prefill, not a transfer"
 

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 import crosskv
-import crosskv.hf
 import crosskv.vllm as cv
 from redis_server import RedisServer
-from vllm_engine import engine
+from vllm_engine import engine, hf_mapped_reference
 
 CHUNK, N = 32, 200
 rng = np.random.default_rng(44)
@@ -132,7 +131,7 @@ def test_no_request_maps_without_its_own_stored_prefix(soak):
 
 
 def test_every_output_equals_its_reference(soak, family):
-    """Applied: HF generate on exactly the mapped tokens; re-prefilled: the target's own prefill."""
+    """Applied: HF generate on exactly the mapped tokens, to the tokenizer's EOS as the engine; re-prefilled: the target's own prefill."""
     from transformers import AutoModelForCausalLM
 
     hf_target = AutoModelForCausalLM.from_pretrained("model-target", dtype=torch.float32).eval()
@@ -142,15 +141,7 @@ def test_every_output_equals_its_reference(soak, family):
     for j, (p, o, r) in enumerate(zip(soak["prompts"], soak["got"], soak["own"])):
         kv, ids = o["kv"]["crosskv"], ids_of(p)
         if kv["status"] == "applied":
-            n = kv["prefix_tokens"]
-            t = torch.tensor([ids])
-            with torch.no_grad():
-                cache = crosskv.hf.transfer_cache(mapper, hf_source(t[:, :n], use_cache=True).past_key_values)
-                out = hf_target.generate(t, attention_mask=torch.ones_like(t), past_key_values=cache,
-                                         max_new_tokens=8, do_sample=False, output_scores=True,
-                                         return_dict_in_generate=True, pad_token_id=0)
-            want = out.sequences[0, t.shape[1]:].tolist()
-            lp = torch.log_softmax(out.scores[0][0].double(), -1)[want[0]].item()
+            want, lp = hf_mapped_reference(hf_target, hf_source, mapper, ids, kv["prefix_tokens"])
             ok = o["tokens"] == want and abs(o["first_logprob"] - lp) < 1e-3
         else:
             ok = o["tokens"] == r["tokens"] and abs(o["first_logprob"] - r["first_logprob"]) < 1e-4

@@ -30,6 +30,26 @@ def make_family(work, capture_py, fit):
     return work
 
 
+def hf_mapped_reference(target, source, mapper, ids, n, max_new_tokens=8):
+    """The reference of a mapped request: Hugging Face generate (greedy) on the prompt IDS whose first N tokens' KV is
+    the source's, mapped by crosskv.hf.transfer_cache. It stops at the target tokenizer's EOS, as the engine does.
+    Returns (tokens, the first token's logprob)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import crosskv.hf
+
+    eos = AutoTokenizer.from_pretrained(target.name_or_path).eos_token_id
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        cache = crosskv.hf.transfer_cache(mapper, source(t[:, :n], use_cache=True).past_key_values)
+        out = target.generate(t, attention_mask=torch.ones_like(t), past_key_values=cache,
+                              max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=eos)
+    tokens = out.sequences[0, t.shape[1]:].tolist()
+    return tokens, torch.log_softmax(out.scores[0][0].double(), -1)[tokens[0]].item()
+
+
 def log(name):
     """An engine's log (NAME.log in the current folder)."""
     return open(f"{name}.log").read()
