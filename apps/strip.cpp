@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
     auto strip = [&](const char* dataset, int heads, const char* name) {
       std::vector<float> x(T * int64_t{s.n_layers} * heads * s.head_dim);
       r.read_rows(dataset, 0, T, 1, x.data(), scratch);
-      rope.strip_block(x.data(), T, int64_t{s.n_layers} * heads, pos.data());
+      rope.strip_block(x.data(), T, {0, s.n_layers, heads}, pos.data());
       std::vector<double> d(x.begin(), x.end());
       h5::write_f64(f.get(), name,
                     {static_cast<hsize_t>(T), static_cast<hsize_t>(s.n_layers), static_cast<hsize_t>(heads),

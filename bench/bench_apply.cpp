@@ -156,7 +156,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
     std::vector<float> content, yk(T * G), yv(T * G);
     const double before = time_call([&] {
       content.assign(Xk.begin(), Xk.end());
-      src_rope.strip_block(content.data(), T, int64_t{Ls} * H, pos.data());
+      src_rope.strip_block(content.data(), T, {0, Ls, H}, pos.data());
       for (int l = 0; l < Lt; ++l) {
         ContentBatch c;
         c.keys = content.data(), c.values = Xv.data(), c.rows = T, c.out_keys = yk.data(), c.out_values = yv.data();
@@ -165,7 +165,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
         for (auto [from, to] : {std::pair{yk.data(), Yk.data()}, std::pair{yv.data(), Yv.data()}})
           for (int64_t t = 0; t < T; ++t) std::copy_n(from + t * G, G, to + t * YW + l * G);
       }
-      tgt_rope.apply_block(Yk.data(), T, int64_t{Lt} * H, pos.data());
+      tgt_rope.apply_block(Yk.data(), T, {0, Lt, H}, pos.data());
     });
     // Bytes the resident call must move at least: the weights once, the caches in (keys twice: the RoPE-stripped
     // copy), the gathered columns written and read per kind and layer (k > 1), the outputs written and RoPE'd.
@@ -284,7 +284,7 @@ int main(int argc, char** argv) {
       c.keys = Xk.data(), c.values = Xv.data(), c.rows = T, c.out_keys = Yk.data(), c.out_values = Yv.data();
       c.layers = {0, 1};
       (held ? *held : *built).map_content_host(c);
-      rope.apply_block(Yk.data(), T, H, pos.data());
+      rope.apply_block(Yk.data(), T, rope.one(0), pos.data());
     };
     one();
     int reps = 0;

@@ -15,6 +15,7 @@
 namespace crosskv {
 
 class Rope;
+struct LayerHeads;
 
 // The kinds of compute backend a program may ask for (auto: CUDA where a GPU is, else the CPU).
 enum class DeviceKind { auto_, cpu, cuda };
@@ -260,9 +261,10 @@ class ServingKernels {
   virtual void relu(float* X, int64_t n) = 0;
   // Y[t*ldy + c] += Z[t*n + c].
   virtual void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) = 0;
-  // RoPE applied to (strip: stripped from) X [rows, heads, head_dim] in place, row t at positions[t] (int32,
-  // this backend's memory); bit-for-bit the host's Rope::apply_block / strip_block.
-  virtual void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+  // RoPE applied to (strip: stripped from) X [rows, layers.count, layers.heads, head_dim] in place, each layer
+  // with its own rotation, row t at positions[t] (int32, this backend's memory); bit-for-bit the host's
+  // Rope::apply_block / strip_block.
+  virtual void rope_rows(const Rope& rope, const LayerHeads& layers, bool strip, float* X, int64_t rows,
                          const int32_t* positions) = 0;
   // C = alpha op(A) op(B) + beta C on this backend's memory (gemm_batched's operands, but resident).
   virtual void serving_gemm(const DenseMaths::BatchedGemm& g) = 0;

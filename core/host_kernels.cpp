@@ -12,7 +12,9 @@ namespace crosskv {
 const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
                              const float* shift, const float* row_scale, std::vector<float>& host) {
   const int64_t cols = in.cols;
-  if (strip) CROSSKV_ASSERT(cols % strip->rope->head_dim() == 0, "prepare: row width is not a multiple of head_dim");
+  if (strip)
+    CROSSKV_ASSERT(cols == strip->rope->n_layers() * strip->rope->all().heads * strip->rope->head_dim(),
+                   "prepare: a stripped row is not every layer's heads");
   host.resize(static_cast<size_t>(in.rows * cols));
   for (int64_t t = 0; t < in.rows; ++t) {
     float* o = host.data() + t * cols;
@@ -25,7 +27,7 @@ const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const Comput
       else
         for (int64_t c = 0; c < cols; ++c) o[c] = fp16_to_float(r[c]);
     }
-    if (strip) strip->rope->strip_block(o, 1, cols / strip->rope->head_dim(), strip->positions + t);
+    if (strip) strip->rope->strip_block(o, 1, strip->rope->all(), strip->positions + t);
     if (shift)
       for (int64_t c = 0; c < cols; ++c) o[c] -= shift[c];
     if (row_scale)

@@ -2,6 +2,7 @@
 // The model's KV layout and RoPE settings (docs/METHOD.md, RoPE and docs/FORMATS.md, Calibration shards kv_spec).
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -19,14 +20,28 @@ struct RopeSpec {
   bool truncate = true;
 };
 
+enum class Attention { full, sliding };
+
+// One layer where it differs from the model's default: its attention (sliding with its window) and its RoPE
+// (Gemma 3's local layers rotate with another theta). Layers share head_dim, rotary_dim and convention.
+struct LayerSpec {
+  Attention attention = Attention::full;
+  int window = 0;  // tokens a sliding layer attends to (its own included); 0 for full attention
+  RopeSpec rope;
+};
+
 struct KvSpec {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
   int n_q_heads = 0;
-  RopeSpec rope;
+  RopeSpec rope;                  // the default layer's
+  std::vector<LayerSpec> layers;  // n_layers entries, or empty: every layer full attention with `rope`
 
   long long features_per_layer() const { return static_cast<long long>(n_kv_heads) * head_dim; }
+  const RopeSpec& layer_rope(int layer) const { return layers.empty() ? rope : layers.at(layer).rope; }
+  Attention attention(int layer) const { return layers.empty() ? Attention::full : layers.at(layer).attention; }
+  int window(int layer) const { return layers.empty() ? 0 : layers.at(layer).window; }
 };
 
 // Parses a kv_spec JSON string; `where` names the file for error messages.

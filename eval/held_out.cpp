@@ -256,7 +256,7 @@ class LayerEvaluator {
       if (!s.keys.empty()) continue;
       s.keys = in_.src.layer("keys", a, F_);
       s.values = in_.src.layer("values", a, F_);
-      src_rope_.strip_block(s.keys.data(), T_, S_.n_kv_heads, in_.src.positions.data());
+      src_rope_.strip_block(s.keys.data(), T_, src_rope_.one(a), in_.src.positions.data());
       s.mean_keys.assign(F_, 0.0f), s.mean_values.assign(F_, 0.0f);
       for (int64_t t = 0; t < T_; ++t)
         for (int64_t c = 0; c < F_; ++c) {
@@ -288,12 +288,12 @@ class LayerEvaluator {
     if (has_mlps(m)) {  // ridge alone first
       map(xk_, xv_, T_, ck_.data(), cv_.data(), false);
       pk_ = ck_;
-      tgt_rope_.apply_block(pk_.data(), T_, Tg_.n_kv_heads, pos);
+      tgt_rope_.apply_block(pk_.data(), T_, tgt_rope_.one(l), pos);
       figures.ridge_only = dg.diagnose(pk_.data(), cv_.data());
     }
     map(xk_, xv_, T_, ck_.data(), cv_.data(), true);
     pk_ = ck_;
-    tgt_rope_.apply_block(pk_.data(), T_, Tg_.n_kv_heads, pos);
+    tgt_rope_.apply_block(pk_.data(), T_, tgt_rope_.one(l), pos);
     figures.mapper = dg.diagnose(pk_.data(), cv_.data());
     figures.no_target_rope = dg.diagnose(ck_.data(), cv_.data());
     // Mean-only: layer l's mapping of the mean source content, for every token.
@@ -303,7 +303,7 @@ class LayerEvaluator {
       std::copy(yk_.begin(), yk_.end(), bk_.begin() + t * G_);
       std::copy(yv_.begin(), yv_.end(), bv_.begin() + t * G_);
     }
-    tgt_rope_.apply_block(bk_.data(), T_, Tg_.n_kv_heads, pos);
+    tgt_rope_.apply_block(bk_.data(), T_, tgt_rope_.one(l), pos);
     figures.mean_only = dg.diagnose(bk_.data(), bv_.data());
     figures.put(out_);
     for (int a : selected)

@@ -117,9 +117,11 @@ LayerDiagnoser::LayerDiagnoser(DenseMaths& be, const LayerTruth& truth, int64_t 
     throw InputError("target kv_spec: n_q_heads " + std::to_string(Hq_) + " is not a multiple of n_kv_heads " +
                      std::to_string(H_) + " (needed for the attention diagnostics)");
   group_ = attention_ ? Hq_ / H_ : 1;
+  window_ = s.window(truth.layer);
   // R² in content space, SST about each column's mean (two passes, in fp64).
   content_keys_ = truth.keys;
-  Rope(s).strip_block(content_keys_.data(), T_, H_, truth.positions);
+  const Rope rope(s);
+  rope.strip_block(content_keys_.data(), T_, rope.one(truth.layer), truth.positions);
   mean_k_.assign(G_, 0.0), mean_v_.assign(G_, 0.0), sst_k_.assign(H_, 0.0), sst_v_.assign(H_, 0.0);
   const float *ck = content_keys_.data(), *tv = truth.values.data();
 #pragma omp parallel for schedule(static)
@@ -192,16 +194,22 @@ void LayerDiagnoser::attention_unit(int g, int64_t s, const float* keys, const f
     qk.C = P, qk.ldc = cols, qk.stride_c = rows * cols, qk.batch = group;
     be_.gemm_batched(qk);
     // Causal softmax of each row (fp32 exponentials of the scores less the row's maximum, fp64 sums), zero beyond
-    // the diagonal.
+    // the diagonal, and before the window of a sliding layer (keys less than `window_` positions back).
     for (int64_t jr = 0; jr < group * rows; ++jr) {
       float* row = P + jr * cols;
-      const int64_t valid = r0 + jr % rows + 1;
+      const int64_t i = r0 + jr % rows, valid = i + 1;
+      int64_t lo = 0;
+      if (window_ > 0) {
+        const int32_t* pos = t_.positions + a;
+        lo = std::upper_bound(pos, pos + i, pos[i] - window_) - pos;
+      }
       float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-      for (int64_t u = 0; u < valid; ++u) mx = mx > row[u] ? mx : row[u];
-      const double z = exp_shifted(row, valid, mx);
+      for (int64_t u = lo; u < valid; ++u) mx = mx > row[u] ? mx : row[u];
+      const double z = exp_shifted(row + lo, valid - lo, mx);
       const float inv = static_cast<float>(1.0 / z);
-      for (int64_t u = 0; u < valid; ++u) row[u] *= inv;
+      for (int64_t u = lo; u < valid; ++u) row[u] *= inv;
+      std::fill(row, row + lo, 0.0f);
       std::fill(row + valid, row + cols, 0.0f);
     }
     if (wsq)  // the truth: each key's squared weights summed over the tile's queries, per query head
@@ -239,7 +247,8 @@ LayerDiagnostics LayerDiagnoser::diagnose(const float* keys, const float* values
 // R² per KV head in content space.
 void LayerDiagnoser::r2_per_head(const float* keys, const float* values, LayerDiagnostics& ld) {
   scratch_.assign(keys, keys + T_ * G_);
-  Rope(t_.spec).strip_block(scratch_.data(), T_, H_, t_.positions);
+  const Rope rope(t_.spec);
+  rope.strip_block(scratch_.data(), T_, rope.one(t_.layer), t_.positions);
   ld.r2_k.assign(H_, kNaN), ld.r2_v.assign(H_, kNaN);
   const float *ck = content_keys_.data(), *pk = scratch_.data(), *tv = t_.values.data();
 #pragma omp parallel for schedule(static)

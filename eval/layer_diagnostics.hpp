@@ -57,6 +57,7 @@ class LayerDiagnoser {
   DenseMaths& be_;
   const LayerTruth& t_;
   int H_ = 0, Hq_ = 0, D_ = 0, group_ = 1;
+  int window_ = 0;  // a sliding layer's window in positions (0: full attention)
   int64_t T_ = 0, G_ = 0, tile_floats_ = 0;
   bool attention_ = false;
   std::vector<float> content_keys_;          // the truth's keys, target RoPE stripped

@@ -70,12 +70,12 @@ LayerData load_layer_data(const Calibration& cal, const std::vector<ShardRows>& 
     std::vector<float> xs(T * K), ys(T * G), layer(T * F);
     for (size_t j = 0; j < sources.size(); ++j) {
       src.read_layer(dataset, sources[j], layer.data(), raw);
-      if (strips_rope(kind)) rs.strip_block(layer.data(), T, cal.source.n_kv_heads, sr.source_positions.data());
+      if (strips_rope(kind)) rs.strip_block(layer.data(), T, rs.one(sources[j]), sr.source_positions.data());
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(layer.data() + t * F, F, xs.data() + t * K + static_cast<int64_t>(j) * F);
     }
     tgt.read_layer(dataset, l, ys.data(), raw);
-    if (strips_rope(kind)) rt.strip_block(ys.data(), T, cal.target.n_kv_heads, sr.target_positions.data());
+    if (strips_rope(kind)) rt.strip_block(ys.data(), T, rt.one(l), sr.target_positions.data());
     for (size_t i = 0; i < sr.rows.size(); ++i) {
       const int64_t t = sr.rows[i];
       const int split = sr.validation[i];

@@ -301,14 +301,13 @@ void ServingMapper::apply(const ServingBatch& b, std::optional<void*> stream) {
   if (stream) be_.begin_after(*stream);
   float* content = scratch<float>(content_, b.rows * XW);
   be_.copy_within(b.keys, b.rows * XW * static_cast<int64_t>(sizeof(float)), content);
-  be_.rope_rows(src_rope_, true, content, b.rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads,
-                b.source_positions);
+  be_.rope_rows(src_rope_, src_rope_.all(), true, content, b.rows, b.source_positions);
   ContentBatch c;
   c.keys = content, c.values = b.values, c.rows = b.rows, c.out_keys = b.out_keys, c.out_values = b.out_values;
   c.layers = r;
   map_content(c);
   if (b.target_rope)
-    be_.rope_rows(tgt_rope_, false, b.out_keys, b.rows, int64_t{r.count} * heads_.count, b.target_positions);
+    be_.rope_rows(tgt_rope_, {r.first, r.count, heads_.count}, false, b.out_keys, b.rows, b.target_positions);
   if (stream) be_.end_before(*stream);
 }
 

@@ -65,10 +65,11 @@ void Transfer::apply(const float* keys, const float* values, const int32_t* src_
   check_target_layers(layers, m_.target.n_layers);
   const int64_t XW = m_.source.n_layers * m_.source.features_per_layer();
   content_.assign(keys, keys + rows * XW);
-  Rope(m_.source).strip_block(content_.data(), rows, int64_t{m_.source.n_layers} * m_.source.n_kv_heads, src_pos);
+  const Rope source_rope(m_.source);
+  source_rope.strip_block(content_.data(), rows, source_rope.all(), src_pos);
   map_content(content_.data(), values, rows, out_keys, out_values, layers);
   if (opts_.target_rope)
-    Rope(m_.target).apply_block(out_keys, rows, int64_t{layers.size(m_.target.n_layers)} * m_.target.n_kv_heads,
+    Rope(m_.target).apply_block(out_keys, rows, {layers.first, layers.size(m_.target.n_layers), m_.target.n_kv_heads},
                                 tgt_pos);
 }
 

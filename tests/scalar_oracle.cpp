@@ -92,8 +92,8 @@ Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const s
   // R² in content space: both sides' keys with the target RoPE stripped at the same positions.
   Rope rope(s);
   std::vector<float> ck = keys, tk = truth.keys;
-  rope.strip_block(ck.data(), T, int64_t{L} * H, truth.positions.data());
-  rope.strip_block(tk.data(), T, int64_t{L} * H, truth.positions.data());
+  rope.strip_block(ck.data(), T, rope.all(), truth.positions.data());
+  rope.strip_block(tk.data(), T, rope.all(), truth.positions.data());
   const bool attention = !truth.queries.empty();
   if (attention && (Hq < H || Hq % H != 0))
     throw InputError("target kv_spec: n_q_heads " + std::to_string(Hq) + " is not a multiple of n_kv_heads " +
@@ -138,8 +138,9 @@ Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const s
                 st += static_cast<double>(qt[d]) * k1[d];
                 sp += static_cast<double>(qt[d]) * k2[d];
               }
-              p_true[u] = st * scale;
-              p_pred[u] = sp * scale;
+              const bool outside = s.window(l) > 0 && truth.positions[t] - truth.positions[a + u] >= s.window(l);
+              p_true[u] = outside ? -INFINITY : st * scale;  // a sliding layer: keys less than window back only
+              p_pred[u] = outside ? -INFINITY : sp * scale;
               mt = std::max(mt, p_true[u]);
               mp = std::max(mp, p_pred[u]);
             }
@@ -231,11 +232,12 @@ Evaluation evaluate(Transfer& tr, const Cache& source, const Cache& target) {
   const KvSpec &S = tr.source(), &Tg = tr.target();
   const int64_t T = source.tokens, XW = S.n_layers * S.features_per_layer(), YW = Tg.n_layers * Tg.features_per_layer();
   std::vector<float> xk = source.keys;
-  Rope(S).strip_block(xk.data(), T, int64_t{S.n_layers} * S.n_kv_heads, source.positions.data());
+  const Rope rs(S);
+  rs.strip_block(xk.data(), T, rs.all(), source.positions.data());
   std::vector<float> ck(T * YW), cv(T * YW);
   tr.map_content(xk.data(), source.values.data(), T, ck.data(), cv.data());
   Rope rt(Tg);
-  const int64_t heads = int64_t{Tg.n_layers} * Tg.n_kv_heads;
+  const LayerHeads heads = rt.all();
   Evaluation ev;
   std::vector<float> pk = ck;
   rt.apply_block(pk.data(), T, heads, target.positions.data());

@@ -325,11 +325,11 @@ int64_t write_shard_pair(const SynthOptions& o, const std::string& domain, const
     if (o.with_queries) {  // then RoPE as for the keys
       maker.queries(ks, o.source, qs);
       maker.queries(kt, o.target, qt);
-      rope_s.apply_block(qs.data(), 1, int64_t{Ls} * o.source.n_q_heads, &pos[t]);
-      rope_t.apply_block(qt.data(), 1, int64_t{Lt} * o.target.n_q_heads, &pos[t]);
+      rope_s.apply_block(qs.data(), 1, {0, Ls, o.source.n_q_heads}, &pos[t]);
+      rope_t.apply_block(qt.data(), 1, {0, Lt, o.target.n_q_heads}, &pos[t]);
     }
-    rope_s.apply_block(ks.data(), 1, int64_t{Ls} * o.source.n_kv_heads, &pos[t]);
-    rope_t.apply_block(kt.data(), 1, int64_t{Lt} * o.target.n_kv_heads, &pos[t]);
+    rope_s.apply_block(ks.data(), 1, rope_s.all(), &pos[t]);
+    rope_t.apply_block(kt.data(), 1, rope_t.all(), &pos[t]);
     std::copy(ks.begin(), ks.end(), bks.begin() + filled * S.width());
     std::copy(vs.begin(), vs.end(), bvs.begin() + filled * S.width());
     std::copy(kt.begin(), kt.end(), bkt.begin() + filled * T.width());

@@ -66,7 +66,7 @@ class CudaBackend final : public ComputeBackend, public BackendChecks {
                      float* out) override;
   void relu(float* X, int64_t n) override;
   void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override;
-  void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+  void rope_rows(const Rope& rope, const LayerHeads& layers, bool strip, float* X, int64_t rows,
                  const int32_t* positions) override;
   void serving_gemm(const BatchedGemm& g) override;
   void begin_after(void* stream) override;

@@ -17,13 +17,31 @@ const float* CudaBackend::prepare(const StoredBlock& in, const Strip* strip, con
   cuda::StripArgs sa;
   if (strip && !strip->rope->identity()) {
     const Rope& r = *strip->rope;
-    CROSSKV_ASSERT(in.cols % r.head_dim() == 0, "prepare: row width is not a multiple of head_dim");
-    sa.inv_freq = static_cast<const double*>(res_.upload(r.inv_freq().data(), r.inv_freq().size() * sizeof(double)));
+    const LayerHeads all = r.all();
+    CROSSKV_ASSERT(in.cols == all.count * all.heads * r.head_dim(), "prepare: a stripped row is not every layer's heads");
+    // Every layer's table (layers share rotary_dim and convention: parse_kv_spec refuses others).
+    const RopeTable& first = r.layer(0);
+    const int half = first.half();
+    std::vector<double> freq(static_cast<size_t>(all.count) * half, 0.0);
+    std::vector<float> inv_attention(all.count, 1.0f);
+    std::vector<uint8_t> rotates(all.count, 0);
+    for (int l = 0; l < all.count; ++l) {
+      const RopeTable& t = r.layer(l);
+      CROSSKV_ASSERT(t.rotary_dim() == first.rotary_dim() && t.convention() == first.convention(),
+                     "prepare: layers differ in rotary_dim or convention");
+      if (t.identity()) continue;
+      std::copy(t.inv_freq().begin(), t.inv_freq().end(), freq.begin() + static_cast<int64_t>(l) * half);
+      inv_attention[l] = static_cast<float>(1.0 / t.attention_factor());
+      rotates[l] = 1;
+    }
+    sa.inv_freq = static_cast<const double*>(res_.upload(freq.data(), freq.size() * sizeof(double)));
+    sa.inv_attention = static_cast<const float*>(res_.upload(inv_attention.data(), inv_attention.size() * 4));
+    sa.rotates = static_cast<const uint8_t*>(res_.upload(rotates.data(), rotates.size()));
     sa.positions = static_cast<const int32_t*>(res_.operand(strip->positions, static_cast<size_t>(in.rows) * 4));
+    sa.layer_cols = all.heads * r.head_dim();
     sa.head_dim = r.head_dim();
-    sa.rotary_dim = r.rotary_dim();
-    sa.interleaved = r.convention() == RopeConvention::interleaved;
-    sa.inv_attention = static_cast<float>(1.0 / r.attention_factor());
+    sa.rotary_dim = first.rotary_dim();
+    sa.interleaved = first.convention() == RopeConvention::interleaved;
   }
   const float* d_shift =
       shift ? static_cast<const float*>(res_.upload(shift, static_cast<size_t>(in.cols) * 4)) : nullptr;

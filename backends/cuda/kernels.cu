@@ -27,7 +27,8 @@ __global__ void prepare_kernel(const void* in, Dtype kind, int64_t rows, int64_t
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / cols, c = i - t * cols;
     float x = load(in, kind, i);
-    if (s.inv_freq) {
+    const int64_t layer = s.inv_freq ? c / s.layer_cols : 0;
+    if (s.inv_freq && s.rotates[layer]) {
       const int j = static_cast<int>(c % s.head_dim);
       if (j < s.rotary_dim) {
         // Pairs (i, i + half) or (2i, 2i + 1); the first of a pair gets u c + v s, the second v c - u s (SPEC §2).
@@ -46,10 +47,10 @@ __global__ void prepare_kernel(const void* in, Dtype kind, int64_t rows, int64_t
         }
         const float p = load(in, kind, partner);
         double sd, cd;
-        sincos(static_cast<double>(s.positions[t]) * s.inv_freq[f], &sd, &cd);
-        const float cs = static_cast<float>(cd), sn = static_cast<float>(sd);
-        x = first ? __fmul_rn(__fadd_rn(__fmul_rn(x, cs), __fmul_rn(p, sn)), s.inv_attention)
-                  : __fmul_rn(__fsub_rn(__fmul_rn(x, cs), __fmul_rn(p, sn)), s.inv_attention);
+        sincos(static_cast<double>(s.positions[t]) * s.inv_freq[layer * half + f], &sd, &cd);
+        const float cs = static_cast<float>(cd), sn = static_cast<float>(sd), ia = s.inv_attention[layer];
+        x = first ? __fmul_rn(__fadd_rn(__fmul_rn(x, cs), __fmul_rn(p, sn)), ia)
+                  : __fmul_rn(__fsub_rn(__fmul_rn(x, cs), __fmul_rn(p, sn)), ia);
       }
     }
     if (shift) x = __fsub_rn(x, shift[c]);
@@ -150,13 +151,13 @@ __global__ void add_rows_kernel(const float* Z, int64_t n, int64_t rows, float* 
 }
 
 // One thread per rotated pair of one head of one row; the pair is read, then both written (in place, no race).
-__global__ void rope_rows_kernel(float* X, int64_t rows, int64_t heads, const RopeArgs a) {
+__global__ void rope_rows_kernel(float* X, int64_t rows, int64_t heads, int64_t ld, const RopeArgs a) {
   const int half = a.rotary_dim / 2;
   const int64_t total = rows * heads * half;
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t th = e / half, t = th / heads;
     const int i = static_cast<int>(e - th * half);
-    float* x = X + th * a.head_dim;
+    float* x = X + t * ld + (th - t * heads) * a.head_dim;
     float* x1 = x + (a.interleaved ? 2 * i : i);
     float* x2 = x1 + (a.interleaved ? 1 : half);
     double sd, cd;
@@ -197,10 +198,11 @@ cudaError_t launch_add_rows(const float* Z, int64_t n, int64_t rows, float* Y, i
   return launch(add_rows_kernel, blocks_for(rows * n), kThreads, stream, Z, n, rows, Y, ldy);
 }
 
-cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, const RopeArgs& a, cudaStream_t stream) {
+cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, int64_t ld, const RopeArgs& a,
+                             cudaStream_t stream) {
   const int64_t total = rows * heads * (a.rotary_dim / 2);
   if (total == 0) return cudaSuccess;
-  return launch(rope_rows_kernel, blocks_for(total), kThreads, stream, X, rows, heads, a);
+  return launch(rope_rows_kernel, blocks_for(total), kThreads, stream, X, rows, heads, ld, a);
 }
 
 cudaError_t launch_assemble_cov_block(const float* g, int read, int64_t F, const double* mean_i, const double* mean_j,

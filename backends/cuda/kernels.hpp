@@ -10,13 +10,16 @@
 
 namespace crosskv::cuda {
 
-// RoPE strip tables on the device: inv_freq [rotary/2] (fp64, as the host computes angles), per-row positions.
+// RoPE strip tables on the device, one per layer (a row is every layer's heads): inv_freq [layers x rotary/2] (fp64,
+// as the host computes angles), inv_attention and rotates [layers], per-row positions.
 struct StripArgs {
   const double* inv_freq = nullptr;  // null: no strip
+  const float* inv_attention = nullptr;
+  const uint8_t* rotates = nullptr;  // 0: the layer has no RoPE
   const int32_t* positions = nullptr;
+  int64_t layer_cols = 0;  // heads x head_dim
   int head_dim = 0, rotary_dim = 0;
   bool interleaved = false;
-  float inv_attention = 1.0f;
 };
 
 // out[rows x cols] = (fp32(in) (RoPE stripped per head when strip.inv_freq) - shift[cols]) * row_scale[rows] (shift
@@ -65,11 +68,14 @@ struct RopeArgs {
   bool interleaved = false, strip = false;
   float factor = 1.0f;
 };
-cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, const RopeArgs& a, cudaStream_t stream);
+cudaError_t launch_rope_rows(float* X, int64_t rows, int64_t heads, int64_t ld, const RopeArgs& a,
+                             cudaStream_t stream);
 
 // The device pointers these arguments carry (a launch's pointer arguments are checked by the host emulation, and
 // these with them).
-inline auto device_pointers(const StripArgs& a) { return std::tuple{a.inv_freq, a.positions}; }
+inline auto device_pointers(const StripArgs& a) {
+  return std::tuple{a.inv_freq, a.inv_attention, a.rotates, a.positions};
+}
 inline auto device_pointers(const RopeArgs& a) { return std::tuple{a.positions}; }
 
 }  // namespace crosskv::cuda

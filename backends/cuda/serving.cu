@@ -85,21 +85,28 @@ void CudaBackend::add_rows(const float* Z, int64_t n, int64_t rows, float* Y, in
   CK(cuda::launch_add_rows(Z, n, rows, Y, ldy, res_.compute()), dims({{"n", n}, {"rows", rows}, {"ldy", ldy}}));
 }
 
-void CudaBackend::rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+void CudaBackend::rope_rows(const Rope& rope, const LayerHeads& layers, bool strip, float* X, int64_t rows,
                             const int32_t* positions) {
-  if (rope.identity() || rows == 0) return;
+  if (rows == 0) return;
   res_.make_current();
-  cuda::RopeArgs a;
-  CROSSKV_ASSERT(rope.half() <= cuda::RopeArgs::kMaxHalf, "CUDA rope_rows: rotary_dim " +
-                                                              std::to_string(rope.rotary_dim()) + " over " +
-                                                              std::to_string(2 * cuda::RopeArgs::kMaxHalf));
-  std::copy(rope.inv_freq().begin(), rope.inv_freq().begin() + rope.half(), a.inv_freq);
-  a.positions = positions, a.head_dim = rope.head_dim(), a.rotary_dim = rope.rotary_dim();
-  a.interleaved = rope.convention() != RopeConvention::half, a.strip = strip;
-  // The host's factors, rounded to fp32 as Rope::rotate_head rounds them.
-  a.factor = strip ? static_cast<float>(1.0 / rope.attention_factor()) : static_cast<float>(rope.attention_factor());
-  CK(cuda::launch_rope_rows(X, rows, heads, a, res_.compute()),
-     dims({{"rows", rows}, {"heads", heads}, {"head_dim", a.head_dim}, {"rotary_dim", a.rotary_dim}}));
+  const int64_t D = rope.head_dim(), ld = layers.count * layers.heads * D;
+  for (const Rope::Run& run : rope.runs(layers)) {  // one launch per run of layers that rotate alike
+    const RopeTable& r = *run.table;
+    if (r.identity()) continue;
+    cuda::RopeArgs a;
+    CROSSKV_ASSERT(r.half() <= cuda::RopeArgs::kMaxHalf, "CUDA rope_rows: rotary_dim " +
+                                                             std::to_string(r.rotary_dim()) + " over " +
+                                                             std::to_string(2 * cuda::RopeArgs::kMaxHalf));
+    std::copy(r.inv_freq().begin(), r.inv_freq().begin() + r.half(), a.inv_freq);
+    a.positions = positions, a.head_dim = r.head_dim(), a.rotary_dim = r.rotary_dim();
+    a.interleaved = r.convention() != RopeConvention::half, a.strip = strip;
+    // The host's factors, rounded to fp32 as RopeTable::rotate_head rounds them.
+    a.factor = strip ? static_cast<float>(1.0 / r.attention_factor()) : static_cast<float>(r.attention_factor());
+    const int64_t heads = run.count * layers.heads;
+    CK(cuda::launch_rope_rows(X + (run.first - layers.first) * layers.heads * D, rows, heads, ld, a, res_.compute()),
+       dims({{"rows", rows}, {"first layer", run.first}, {"layers", run.count}, {"heads", heads}, {"ld", ld},
+             {"head_dim", a.head_dim}, {"rotary_dim", a.rotary_dim}}));
+  }
 }
 
 void CudaBackend::serving_gemm(const BatchedGemm& g) {

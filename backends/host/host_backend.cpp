@@ -250,12 +250,12 @@ void HostBackend::add_rows(const float* Z, int64_t n, int64_t rows, float* Y, in
     for (int64_t c = 0; c < n; ++c) Y[t * ldy + c] += Z[t * n + c];
 }
 
-void HostBackend::rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+void HostBackend::rope_rows(const Rope& rope, const LayerHeads& layers, bool strip, float* X, int64_t rows,
                             const int32_t* positions) {
   if (strip)
-    rope.strip_block(X, rows, heads, positions);
+    rope.strip_block(X, rows, layers, positions);
   else
-    rope.apply_block(X, rows, heads, positions);
+    rope.apply_block(X, rows, layers, positions);
 }
 
 std::unique_ptr<ComputeBackend> make_cpu_backend() { return std::make_unique<HostBackend>(); }

@@ -27,27 +27,17 @@ def _rope_source(cfg) -> tuple[dict, Optional[float]]:
     rope_parameters (5.x, where theta lives inside it)."""
     scaling = dict(getattr(cfg, "rope_scaling", None) or {})
     params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if "full_attention" in params:  # transformers 5, one rope per layer type: the full-attention layers' is the default
+        params = dict(params["full_attention"])
     if not scaling and params and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = params
     theta = getattr(cfg, "rope_theta", None) or params.get("rope_theta") or scaling.get("rope_theta")
     return scaling, theta
 
 
-def kv_spec_from_config(cfg, where: str = "model config") -> dict:
-    """The kv_spec of a Hugging Face text config (a PretrainedConfig, or anything with its attributes):
-    {n_layers, n_kv_heads, head_dim, n_q_heads, rope: {type, theta, rotary_dim, convention, factor, ...}}.
-    KvSpecError for what crosskv cannot map (a dynamic or unknown RoPE, an odd rotary dim)."""
+def _rope(scaling: dict, theta, rotary: int, cfg, where: str) -> dict:
+    """A rope object from a config's scaling parameters and theta."""
     get = lambda k, d=None: getattr(cfg, k, d)  # noqa: E731
-    L, Hq = get("num_hidden_layers"), get("num_attention_heads")
-    if L is None or Hq is None:
-        raise KvSpecError(f"{where}: not a decoder config (num_hidden_layers/num_attention_heads missing)")
-    H = get("num_key_value_heads") or Hq
-    D = get("head_dim") or (get("hidden_size") // Hq)
-    scaling, theta = _rope_source(cfg)
-    partial = get("partial_rotary_factor", None) or scaling.get("partial_rotary_factor") or 1.0
-    rotary = int(D * partial)
-    if rotary % 2 or rotary <= 0:
-        raise KvSpecError(f"{where}: partial_rotary_factor {partial} gives an odd rotary dim {rotary}")
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     rope = {"type": kind, "theta": float(theta or 10000.0), "rotary_dim": rotary, "convention": "half",
             "factor": None, "low_freq_factor": None, "high_freq_factor": None,
@@ -83,7 +73,79 @@ def kv_spec_from_config(cfg, where: str = "model config") -> dict:
     else:
         raise KvSpecError(f"{where}: rope_scaling '{kind}' is not supported (crosskv handles default, linear, "
                           "llama3 and yarn)")
-    return {"n_layers": int(L), "n_kv_heads": int(H), "head_dim": int(D), "n_q_heads": int(Hq), "rope": rope}
+    return rope
+
+
+ATTENTION = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _layers(cfg, L: int, rope: dict, rotary: int, where: str) -> Optional[list]:
+    """Each layer's attention (with its window) and RoPE where they differ from `rope` with full attention: Gemma 2/3
+    and Qwen's layer_types, Gemma 3's local theta (rope_local_base_freq), transformers 5's rope_parameters per layer
+    type, SmolLM3's no_rope_layers, Cohere 2's global layers without RoPE, Mistral's window on every layer. None where
+    every layer is the default; KvSpecError for a layer crosskv cannot represent."""
+    get = lambda k, d=None: getattr(cfg, k, d)  # noqa: E731
+    if get("attention_chunk_size"):
+        raise KvSpecError(f"{where}: attention_chunk_size {get('attention_chunk_size')} (chunked attention) is not "
+                          "supported")
+    types = get("layer_types")
+    window = get("sliding_window")
+    if types is None:
+        uses = window is not None and get("use_sliding_window", True) is not False
+        types = ["sliding_attention" if uses else "full_attention"] * L
+    if len(types) != L:
+        raise KvSpecError(f"{where}: layer_types has {len(types)} entries for {L} layers")
+    unknown = sorted({t for t in types if t not in ATTENTION})
+    if unknown:
+        raise KvSpecError(f"{where}: layer_types {unknown[0]!r} is not supported (crosskv handles "
+                          "full_attention and sliding_attention)")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise KvSpecError(f"{where}: sliding_attention layers need a positive sliding_window, got {window!r}")
+    by_type = {"full_attention": rope, "sliding_attention": rope}
+    params = dict(get("rope_parameters", None) or {})
+    if set(params) & set(ATTENTION):  # transformers 5: one rope per layer type
+        for t in ATTENTION:
+            if t in params:
+                p = dict(params[t])
+                by_type[t] = _rope(p, p.get("rope_theta"), rotary, cfg, f"{where} (rope_parameters.{t})")
+    elif get("rope_local_base_freq") is not None:  # Gemma 3 (transformers 4): local layers, default RoPE
+        by_type["sliding_attention"] = _rope({}, get("rope_local_base_freq"), rotary, cfg, where)
+    none = {**rope, "type": "none"}
+    uses_rope = list(get("no_rope_layers", None) or [1] * L)  # SmolLM3: 0 marks a layer without RoPE
+    if len(uses_rope) != L:
+        raise KvSpecError(f"{where}: no_rope_layers has {len(uses_rope)} entries for {L} layers")
+    layers = []
+    for t, uses in zip(types, uses_rope):
+        r = by_type[t]
+        if not uses or (get("model_type") == "cohere2" and t == "full_attention"):
+            r = none
+        layers.append({"attention": ATTENTION[t], "window": window if t == "sliding_attention" else None, "rope": r})
+    default = {"attention": "full", "window": None, "rope": rope}
+    return None if all(layer == default for layer in layers) else layers
+
+
+def kv_spec_from_config(cfg, where: str = "model config") -> dict:
+    """The kv_spec of a Hugging Face text config (a PretrainedConfig, or anything with its attributes):
+    {n_layers, n_kv_heads, head_dim, n_q_heads, rope: {type, theta, rotary_dim, convention, factor, ...}}, and
+    `layers` (each layer's attention, window and rope) where they are not all full attention with `rope`.
+    KvSpecError for what crosskv cannot map (a dynamic or unknown RoPE, an odd rotary dim, chunked attention)."""
+    get = lambda k, d=None: getattr(cfg, k, d)  # noqa: E731
+    L, Hq = get("num_hidden_layers"), get("num_attention_heads")
+    if L is None or Hq is None:
+        raise KvSpecError(f"{where}: not a decoder config (num_hidden_layers/num_attention_heads missing)")
+    H = get("num_key_value_heads") or Hq
+    D = get("head_dim") or (get("hidden_size") // Hq)
+    scaling, theta = _rope_source(cfg)
+    partial = get("partial_rotary_factor", None) or scaling.get("partial_rotary_factor") or 1.0
+    rotary = int(D * partial)
+    if rotary % 2 or rotary <= 0:
+        raise KvSpecError(f"{where}: partial_rotary_factor {partial} gives an odd rotary dim {rotary}")
+    rope = _rope(scaling, theta, rotary, cfg, where)
+    spec = {"n_layers": int(L), "n_kv_heads": int(H), "head_dim": int(D), "n_q_heads": int(Hq), "rope": rope}
+    layers = _layers(cfg, int(L), rope, rotary, where)
+    if layers:
+        spec["layers"] = layers
+    return spec
 
 
 def normal_rope(rope: dict) -> dict:
@@ -131,4 +193,21 @@ def spec_mismatch(want: dict, got: dict, side: str) -> Optional[str]:
         if int(want[key]) != int(got[key]):
             return f"the mapper's {side} has {want[key]} {what}, the model has {got[key]}"
     why = rope_mismatch(rope_of(want), rope_of(got), int(want["head_dim"]))
-    return f"the mapper's {side} has {why}" if why else None
+    if why:
+        return f"the mapper's {side} has {why}"
+    for layer, (a, b) in enumerate(zip(layers_of(want), layers_of(got))):
+        for key in ("attention", "window"):
+            if a[key] != b[key]:
+                return f"the mapper's {side} has layer {layer} {key} {a[key]!r}, the model's {b[key]!r}"
+        why = rope_mismatch(a["rope"], b["rope"], int(want["head_dim"]))
+        if why:
+            return f"the mapper's {side} has layer {layer} {why}"
+    return None
+
+
+def layers_of(spec: dict) -> list:
+    """Every layer's {attention, window, rope}: the spec's `layers`, or full attention with its rope."""
+    if spec.get("layers"):
+        return [{"attention": x.get("attention", "full"), "window": x.get("window"), "rope": x.get("rope") or
+                 rope_of(spec)} for x in spec["layers"]]
+    return [{"attention": "full", "window": None, "rope": rope_of(spec)}] * int(spec["n_layers"])

@@ -89,21 +89,11 @@ std::unique_ptr<ComputeBackend> backend_for(const std::string& device, int index
   return make_cuda_backend(index, 0, tf32);
 }
 
-// A kv_spec as crosskv.kvspec reads a model config: the shape, and every RoPE parameter (None where unset).
+// A kv_spec as crosskv.kvspec reads a model config: the shape, every RoPE parameter (None where unset), each layer's
+// attention and RoPE where they differ (`layers`), and the flat rope_type and rope_theta.
 nb::dict spec_dict(const KvSpec& s) {
-  nb::dict d;
-  d["n_layers"] = s.n_layers, d["n_kv_heads"] = s.n_kv_heads, d["head_dim"] = s.head_dim;
-  d["n_q_heads"] = s.n_q_heads, d["rope_type"] = s.rope.type, d["rope_theta"] = s.rope.theta;
-  nb::dict rope;
-  const nlohmann::json spec = kv_spec_to_json(s);  // named: the loop below reads into it
-  for (const auto& [key, value] : spec.at("rope").items()) {
-    if (value.is_null()) rope[key.c_str()] = nb::none();
-    else if (value.is_string()) rope[key.c_str()] = value.get<std::string>();
-    else if (value.is_boolean()) rope[key.c_str()] = value.get<bool>();
-    else if (value.is_number_integer()) rope[key.c_str()] = value.get<long long>();
-    else rope[key.c_str()] = value.get<double>();
-  }
-  d["rope"] = rope;
+  nb::dict d = nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(kv_spec_to_string(s)));
+  d["rope_type"] = s.rope.type, d["rope_theta"] = s.rope.theta;
   return d;
 }
 

@@ -222,10 +222,10 @@ class ShadowBackend final : public HostBackend {
   void add_rows(const float* Z, int64_t n, int64_t rows, float* Y, int64_t ldy) override {
     HostBackend::add_rows(device(Z, rows * n * 4), n, rows, device(Y, ((rows - 1) * ldy + n) * 4), ldy);
   }
-  void rope_rows(const Rope& rope, bool strip, float* X, int64_t rows, int64_t heads,
+  void rope_rows(const Rope& rope, const LayerHeads& layers, bool strip, float* X, int64_t rows,
                  const int32_t* positions) override {
-    HostBackend::rope_rows(rope, strip, device(X, rows * heads * rope.head_dim() * 4), rows, heads,
-                               device(positions, rows * 4));
+    HostBackend::rope_rows(rope, layers, strip, device(X, rows * layers.count * layers.heads * rope.head_dim() * 4),
+                           rows, device(positions, rows * 4));
   }
   void serving_gemm(const BatchedGemm& g) override {
     auto extent = [&](int64_t r, int64_t c, int64_t ld, int64_t stride) {

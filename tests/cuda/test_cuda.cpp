@@ -269,14 +269,24 @@ void check_prepare(ComputeBackend& dev) {
   using S = Dtype;
   const ComputeBackend::StoredBlock blocks[] = {
       {x.data(), S::f32, rows, cols}, {hf.data(), S::f16, rows, cols}, {bf.data(), S::bf16, rows, cols}};
+  std::vector<KvSpec> specs;
   for (const RopeSpec& rope : every_rope()) {
-    KvSpec spec{L, H, D, H, rope};
+    specs.push_back(KvSpec{L, H, D, H, rope, {}});
+    if (rope.type == "none") continue;
+    RopeSpec local = rope, none = rope;  // per layer: Gemma 3's local theta, and a layer without RoPE
+    local.type = "default", local.theta = 1e4, none.type = "none";
+    specs.push_back(KvSpec{L, H, D, H, rope, {{Attention::sliding, 4, local}, {Attention::full, 0, rope},
+                                              {Attention::full, 0, none}}});
+  }
+  for (const KvSpec& spec : specs) {
+    const RopeSpec& rope = spec.rope;
     const Rope r(spec);
     for (const auto& in : blocks)
       for (bool strip : {false, true})
         for (int shifted = 0; shifted < 3; ++shifted) {  // none, shift, shift and row scale
           const std::string what = rope.type + (rope.convention == RopeConvention::interleaved ? " interleaved" : "") +
-                                   " rotary " + std::to_string(r.rotary_dim()) + ", dtype " +
+                                   (spec.layers.empty() ? "" : " per layer") + " rotary " +
+                                   std::to_string(rope.rotary_dim) + ", dtype " +
                                    std::to_string(static_cast<int>(in.dtype)) + (strip ? ", strip" : "") +
                                    (shifted ? ", shift" : "") + (shifted == 2 ? ", row scale" : "");
           const ComputeBackend::Strip st{&r, pos.data()};
@@ -1052,15 +1062,24 @@ TEST_F(Cuda, ServingApplyMatchesTheCpu) {
       }
     }
   }
-  // RoPE (strip and apply, both conventions, an attention factor) on the device: the host's bits.
-  for (const char* type : {"default", "yarn"})
+  // RoPE (strip and apply, both conventions, an attention factor, per-layer tables with a layer without RoPE, a
+  // block of some layers) on the device: the host's bits.
+  for (const char* type : {"default", "yarn", "per layer"})
     for (const auto conv : {RopeConvention::half, RopeConvention::interleaved}) {
+      const bool per_layer = std::string(type) == "per layer";
       KvSpec s;
-      s.n_layers = 2, s.n_kv_heads = 3, s.head_dim = 16;
-      s.rope.type = type, s.rope.theta = 1e4, s.rope.rotary_dim = 12, s.rope.convention = conv;
-      if (std::string(type) == "yarn") s.rope.factor = 4, s.rope.original_max_position_embeddings = 64;
+      s.n_layers = per_layer ? 4 : 2, s.n_kv_heads = 3, s.head_dim = 16;
+      s.rope.type = per_layer ? "yarn" : type, s.rope.theta = 1e4, s.rope.rotary_dim = 12, s.rope.convention = conv;
+      if (s.rope.type == "yarn") s.rope.factor = 4, s.rope.original_max_position_embeddings = 64;
+      if (per_layer) {
+        RopeSpec local = s.rope, none = s.rope;
+        local.type = "default", local.theta = 1e6, none.type = "none";
+        s.layers = {{Attention::sliding, 8, local}, {Attention::full, 0, s.rope}, {Attention::full, 0, none},
+                    {Attention::sliding, 8, local}};
+      }
       const Rope rope(s);
-      const int64_t rows = 33, heads = 6, n = rows * heads * 16;
+      const LayerHeads layers = per_layer ? LayerHeads{1, 3, 2} : rope.all();
+      const int64_t rows = 33, heads = layers.count * layers.heads, n = rows * heads * 16;
       std::vector<int32_t> pos(rows);
       for (int64_t t = 0; t < rows; ++t) pos[t] = static_cast<int32_t>(t * 37 % 4096);
       for (bool strip : {false, true}) {
@@ -1068,9 +1087,9 @@ TEST_F(Cuda, ServingApplyMatchesTheCpu) {
         auto x = gpu_->allocate(n * 4), p = gpu_->allocate(rows * 4);
         gpu_->copy_from_host(host.data(), n * 4, x->data);
         gpu_->copy_from_host(pos.data(), rows * 4, p->data);
-        gpu_->rope_rows(rope, strip, x->as<float>(), rows, heads, p->as<int32_t>());
+        gpu_->rope_rows(rope, layers, strip, x->as<float>(), rows, p->as<int32_t>());
         gpu_->copy_to_host(x->data, n * 4, dev.data());
-        cpu_->rope_rows(rope, strip, host.data(), rows, heads, pos.data());
+        cpu_->rope_rows(rope, layers, strip, host.data(), rows, pos.data());
         EXPECT_EQ(host, dev) << type << (strip ? " strip" : " apply");
       }
     }

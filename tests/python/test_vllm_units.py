@@ -5,11 +5,13 @@ deadlines and breaker, the background saver under faults, and chunks in the cach
     .venv-vllm/bin/python -m pytest tests/python/test_vllm_units.py [-k NAME]
 """
 import json
+import re
 import threading
 import time
 from types import SimpleNamespace
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -153,6 +155,62 @@ def test_engine_override_differs_from_capture():
     yarn2 = kvspec.kv_spec_from_config(_qwen3(rope_parameters={**YARN, "factor": 2.0}))
     assert "RoPE type 'default', the model's 'yarn'" in kvspec.spec_mismatch(plain, yarn4, "target")
     assert "RoPE factor 4.0, the model's 2.0" in kvspec.spec_mismatch(yarn4, yarn2, "target")
+
+
+def _gemma3_4x(**kw):
+    """Gemma 3 as transformers 4.x configures it: layer_types, one rope_theta, rope_local_base_freq."""
+    base = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=16, rope_theta=1e6,
+                rope_scaling=None, rope_local_base_freq=1e4, sliding_window=512, model_type="gemma3_text",
+                layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_reader_gives_gemma3s_local_and_global_layers():
+    """transformers 5 (rope_parameters per layer type) and 4.x (rope_local_base_freq) read alike: the sliding layers
+    rotate with theta 1e4 and attend to 512 tokens, the global ones with 1e6."""
+    from transformers import Gemma3TextConfig
+
+    v5 = kvspec.kv_spec_from_config(Gemma3TextConfig(num_hidden_layers=6, sliding_window=512, head_dim=16,
+                                                     num_attention_heads=4, num_key_value_heads=1))
+    assert v5["rope"]["theta"] == 1e6
+    assert [(x["attention"], x["window"], x["rope"]["theta"]) for x in v5["layers"]] == \
+        [("sliding", 512, 1e4)] * 5 + [("full", None, 1e6)]
+    v4 = kvspec.kv_spec_from_config(_gemma3_4x())
+    assert [(x["attention"], x["window"], x["rope"]["theta"]) for x in v4["layers"]] == \
+        [("sliding", 512, 1e4)] * 3 + [("full", None, 1e6)]
+    assert kvspec.spec_mismatch(v4, v4, "target") is None
+
+
+def test_reader_writes_no_layers_where_every_layer_is_the_default():
+    assert "layers" not in kvspec.kv_spec_from_config(_qwen3())  # layer_types all full_attention
+    assert "layers" not in kvspec.kv_spec_from_config(_gemma3_4x(layer_types=["full_attention"] * 4))
+
+
+def test_reader_marks_layers_without_rope():
+    s = kvspec.kv_spec_from_config(_gemma3_4x(layer_types=None, sliding_window=None, no_rope_layers=[1, 1, 1, 0]))
+    assert [x["rope"]["type"] for x in s["layers"]] == ["default", "default", "default", "none"]
+    s = kvspec.kv_spec_from_config(_gemma3_4x(model_type="cohere2", rope_local_base_freq=None))
+    assert [x["rope"]["type"] for x in s["layers"]] == ["default"] * 3 + ["none"]
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(attention_chunk_size=8192), "attention_chunk_size 8192 (chunked attention) is not supported"),
+    (dict(layer_types=["sliding_attention"] * 3 + ["linear_attention"]), "layer_types 'linear_attention' is not"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types has 3 entries for 4 layers"),
+    (dict(sliding_window=None), "sliding_attention layers need a positive sliding_window, got None"),
+])
+def test_reader_refuses_layers_it_cannot_represent(kw, why):
+    with pytest.raises(kvspec.KvSpecError, match=re.escape(why)):
+        kvspec.kv_spec_from_config(_gemma3_4x(**kw), "gemma.gguf")
+
+
+def test_a_layers_attention_and_rope_are_compared():
+    want = kvspec.kv_spec_from_config(_gemma3_4x())
+    one_theta = kvspec.kv_spec_from_config(_gemma3_4x(rope_local_base_freq=None))  # every layer 1e6: before
+    assert kvspec.spec_mismatch(want, one_theta, "source") == \
+        "the mapper's source has layer 0 RoPE theta 10000.0, the model's 1000000.0"
+    wider = kvspec.kv_spec_from_config(_gemma3_4x(sliding_window=1024))
+    assert kvspec.spec_mismatch(want, wider, "target") == "the mapper's target has layer 0 window 512, the model's 1024"
 
 
 # ---------------------------------------------------------------------------------------------- the guard

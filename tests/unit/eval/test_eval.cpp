@@ -127,6 +127,31 @@ TEST(LayerDiagnostics, EveryFigureMatchesTheScalarOracle) {
   }
 }
 
+TEST(LayerDiagnostics, SlidingLayersAttendWithinTheirWindowAsTheOracle) {
+  Cache c = random_cache(3, 2, 6, 16, {0, 90, 91, 250}, 14);
+  RopeSpec local = c.spec.rope;
+  local.theta = c.spec.rope.theta * 7;
+  c.spec.layers = {{Attention::sliding, 20, local}, {Attention::full, 0, c.spec.rope}, {Attention::sliding, 1, local}};
+  auto be = make_cpu_backend();
+  const auto k = noisy(c.keys, 0.3f, 5), v = noisy(c.values, 0.3f, 6);
+  const Diagnostics want = diagnose(c, k, v);
+  for (int64_t tile : {LayerDiagnoser::kDefaultTileFloats, int64_t{7 * 3 * 250}})
+    for (int l = 0; l < c.spec.n_layers; ++l) {
+      const LayerTruth truth = truth_of(c, l);
+      LayerDiagnoser dg(*be, truth, tile);
+      const int64_t G = c.spec.features_per_layer();
+      const auto pk = layer_of(k, c.tokens, c.spec.n_layers, G, l), pv = layer_of(v, c.tokens, c.spec.n_layers, G, l);
+      expect_layer_near(dg.diagnose(pk.data(), pv.data()), want.layers[l], "tile " + std::to_string(tile));
+    }
+  // The window is what makes the figure: read as full attention, the sliding layers give other cosines.
+  Cache full = c;
+  for (LayerSpec& ls : full.spec.layers) ls.attention = Attention::full, ls.window = 0;
+  const Diagnostics unwindowed = diagnose(full, k, v);
+  EXPECT_GT(std::fabs(unwindowed.layers[0].cosine_mean - want.layers[0].cosine_mean), 1e-3);
+  EXPECT_GT(std::fabs(unwindowed.layers[2].cosine_mean - want.layers[2].cosine_mean), 1e-3);
+  EXPECT_EQ(unwindowed.layers[1].cosine_mean, want.layers[1].cosine_mean);
+}
+
 TEST(LayerDiagnostics, OneTruthServesManyPredictionsAndNoQueriesGivesR2Only) {
   Cache c = random_cache(1, 2, 2, 8, {0, 64, 128}, 12);
   auto be = make_cpu_backend();

@@ -54,7 +54,7 @@ Mapped map_pair(const MapperWeights& m, const std::string& src, const std::strin
   t.read_rows("values", 0, p.T, 1, p.yv.data(), scratch);
   p.pos = s.positions();
   if (strip_at_apply)
-    Rope(m.source).strip_block(xk.data(), p.T, int64_t{m.source.n_layers} * m.source.n_kv_heads, p.pos.data());
+    Rope(m.source).strip_block(xk.data(), p.T, {0, m.source.n_layers, m.source.n_kv_heads}, p.pos.data());
   map_content(m, Kind::k, xk.data(), p.T, p.pk.data());
   map_content(m, Kind::v, xv.data(), p.T, p.pv.data());
   return p;
@@ -62,7 +62,7 @@ Mapped map_pair(const MapperWeights& m, const std::string& src, const std::strin
 
 MapError map_shard(const MapperWeights& m, const std::string& src, const std::string& tgt, bool strip_at_apply = true) {
   Mapped p = map_pair(m, src, tgt, strip_at_apply);
-  Rope(m.target).apply_block(p.pk.data(), p.T, int64_t{m.target.n_layers} * m.target.n_kv_heads, p.pos.data());
+  Rope(m.target).apply_block(p.pk.data(), p.T, {0, m.target.n_layers, m.target.n_kv_heads}, p.pos.data());
   MapError e;
   for (int64_t i = 0; i < p.T * p.YW; ++i) {
     e.max_abs_k = std::max(e.max_abs_k, std::fabs(double(p.pk[i]) - p.yk[i]));
@@ -88,6 +88,14 @@ SynthOptions linear_synth(const std::string& out, const std::string& src_rope, c
     o.target.rope.convention = RopeConvention::interleaved;
   }
   o.large_mean = 50.0;
+  for (KvSpec* side : {&o.source, &o.target})
+    if (side->rope.type == "gemma3") {  // Gemma 3's pattern: every third layer global (theta 1e6), the rest local
+      side->rope.type = "default", side->rope.theta = 1e6;
+      RopeSpec local = side->rope;
+      local.theta = 1e4;
+      side->layers.assign(side->n_layers, LayerSpec{Attention::sliding, 512, local});
+      for (int l = 2; l < side->n_layers; l += 3) side->layers[l] = LayerSpec{Attention::full, 0, side->rope};
+    }
   return o;
 }
 
@@ -122,7 +130,8 @@ TEST_P(ExactRecovery, PlantedLinearMapThroughDifferentRopeIsRecoveredOnHeldOutTo
 INSTANTIATE_TEST_SUITE_P(RopePairs, ExactRecovery,
                          ::testing::Values(std::make_pair(std::string("default"), std::string("llama3")),
                                            std::make_pair(std::string("linear"), std::string("yarn")),
-                                           std::make_pair(std::string("none"), std::string("default"))));
+                                           std::make_pair(std::string("none"), std::string("default")),
+                                           std::make_pair(std::string("gemma3"), std::string("gemma3"))));
 
 TEST(Fit, FamilyDataShowsTheDiagonalBandAndR2GrowsWithK) {
   TempDir tmp;
@@ -563,7 +572,7 @@ namespace {
 // Held-out R² of a mapper on a shard pair, keys and values (over every target column, variance-weighted).
 std::pair<double, double> held_out_r2(const MapperWeights& m, const std::string& src, const std::string& tgt) {
   Mapped p = map_pair(m, src, tgt);
-  Rope(m.target).strip_block(p.yk.data(), p.T, int64_t{m.target.n_layers} * m.target.n_kv_heads, p.pos.data());
+  Rope(m.target).strip_block(p.yk.data(), p.T, {0, m.target.n_layers, m.target.n_kv_heads}, p.pos.data());
   const int64_t T = p.T, YW = p.YW;
   auto r2 = [&](const std::vector<float>& y, const std::vector<float>& p) {
     double sse = 0, sst = 0;

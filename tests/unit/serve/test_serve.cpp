@@ -118,8 +118,8 @@ TEST(Transfer, ApplyEqualsTheFitsOwnPredictionOnTheCalibrationTokens) {
     const Cache &s = sources[i], &t = targets[i];
     std::vector<float> k(t.keys.size()), v(t.values.size()), tk = t.keys;
     tr.apply(s.keys.data(), s.values.data(), s.positions.data(), t.positions.data(), s.tokens, k.data(), v.data());
-    Rope(Tg).strip_block(k.data(), s.tokens, int64_t{L} * H, t.positions.data());
-    Rope(Tg).strip_block(tk.data(), s.tokens, int64_t{L} * H, t.positions.data());
+    Rope(Tg).strip_block(k.data(), s.tokens, {0, L, H}, t.positions.data());
+    Rope(Tg).strip_block(tk.data(), s.tokens, {0, L, H}, t.positions.data());
     for (int64_t r = 0; r < t.tokens; ++r)
       for (int64_t c = 0; c < W; ++c) {
         mk[c] += tk[r * W + c];
@@ -270,8 +270,8 @@ TEST(ServingMapper, PerHeadMappersEqualTransferAndTheReferenceForEveryK) {
     const int64_t YW = int64_t{tr.target().n_layers} * tr.target().features_per_layer();
     std::vector<float> xk(s.keys.begin(), s.keys.begin() + s.tokens * XW), yk(s.tokens * YW), yv(s.tokens * YW),
         rk(s.tokens * YW), rv(s.tokens * YW);
-    Rope(tr.source()).strip_block(xk.data(), s.tokens, int64_t{tr.source().n_layers} * tr.source().n_kv_heads,
-                                  s.positions.data());
+    const Rope rs(tr.source());
+    rs.strip_block(xk.data(), s.tokens, rs.all(), s.positions.data());
     tr.map_content(xk.data(), s.values.data(), s.tokens, yk.data(), yv.data());
     map_content(ref, Kind::k, xk.data(), s.tokens, rk.data());
     map_content(ref, Kind::v, s.values.data(), s.tokens, rv.data());
