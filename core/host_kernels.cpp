@@ -12,9 +12,11 @@ namespace crosskv {
 const float* prepare_on_host(const ComputeBackend::StoredBlock& in, const ComputeBackend::Strip* strip,
                              const float* shift, const float* row_scale, std::vector<float>& host) {
   const int64_t cols = in.cols;
-  if (strip)
-    CROSSKV_ASSERT(cols == strip->rope->n_layers() * strip->rope->all().heads * strip->rope->head_dim(),
+  if (strip) {
+    const LayerHeads all = strip->rope->all();
+    CROSSKV_ASSERT(cols == all.count * all.heads * strip->rope->head_dim(),
                    "prepare: a stripped row is not every layer's heads");
+  }
   host.resize(static_cast<size_t>(in.rows * cols));
   for (int64_t t = 0; t < in.rows; ++t) {
     float* o = host.data() + t * cols;
