@@ -175,6 +175,14 @@ KvSpec parse_kv_spec(const std::string& json_text, const std::string& where) {
                                                                                 : s.n_kv_heads;
   s.rope = parse_rope(j, "rope", s.head_dim, where, "kv_spec.rope");
   if (j.contains("layers") && !j["layers"].is_null()) s.layers = parse_layers(j["layers"], s, where);
+  if (j.contains("query_scale") && !j["query_scale"].is_null()) {
+    const nlohmann::json& q = j["query_scale"];
+    if (!q.is_number() || !(q.get<double>() > 0) || !std::isfinite(q.get<double>()))
+      throw InputError(where + ": kv_spec.query_scale must be a positive number (the attention's score scale)");
+    // The default scale is no field, so a spec that states it reads (and writes) as one that does not.
+    if (std::abs(q.get<double>() * std::sqrt(static_cast<double>(s.head_dim)) - 1.0) > 1e-12)
+      s.query_scale = q.get<double>();
+  }
   return s;
 }
 
@@ -192,6 +200,7 @@ nlohmann::json kv_spec_to_json(const KvSpec& s) {
                         {"rope", rope_to_json(l.rope)}});
     j["layers"] = std::move(layers);
   }
+  if (s.query_scale) j["query_scale"] = *s.query_scale;
   return j;
 }
 

@@ -1,5 +1,6 @@
 #pragma once
 // The model's KV layout and RoPE settings (docs/METHOD.md, RoPE and docs/FORMATS.md, Calibration shards kv_spec).
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,11 +38,13 @@ struct KvSpec {
   int n_q_heads = 0;
   RopeSpec rope;                  // the default layer's
   std::vector<LayerSpec> layers;  // n_layers entries, or empty: every layer full attention with `rope`
+  std::optional<double> query_scale;  // the attention's score scale where it is not 1/sqrt(head_dim) (Gemma)
 
   long long features_per_layer() const { return static_cast<long long>(n_kv_heads) * head_dim; }
   const RopeSpec& layer_rope(int layer) const { return layers.empty() ? rope : layers.at(layer).rope; }
   Attention attention(int layer) const { return layers.empty() ? Attention::full : layers.at(layer).attention; }
   int window(int layer) const { return layers.empty() ? 0 : layers.at(layer).window; }
+  double attention_scale() const { return query_scale ? *query_scale : 1.0 / std::sqrt(static_cast<double>(head_dim)); }
 };
 
 // Parses a kv_spec JSON string; `where` names the file for error messages.

@@ -179,7 +179,7 @@ void LayerDiagnoser::attention(const float* keys, const float* values, float* ou
 void LayerDiagnoser::attention_unit(int g, int64_t s, const float* keys, const float* values, float* out, double* wsq,
                                     std::vector<float>& scores) {
   const int64_t QW = int64_t{Hq_} * D_, group = group_;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D_)));
+  const float scale = static_cast<float>(t_.spec.attention_scale());
   const int64_t a = t_.seq_offsets[s], n = t_.seq_offsets[s + 1] - a;
   if (n == 0) return;
   const int64_t R = tile_rows(n, group, tile_floats_);

@@ -99,7 +99,7 @@ Diagnostics diagnose(const Cache& truth, const std::vector<float>& keys, const s
     throw InputError("target kv_spec: n_q_heads " + std::to_string(Hq) + " is not a multiple of n_kv_heads " +
                      std::to_string(H) + " (needed for the attention diagnostics)");
   const int group = attention ? Hq / H : 1;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale = s.attention_scale();  // 1/sqrt(D) unless the spec gives query_scale
   std::vector<LayerDiagnostics> layers;
   std::vector<double> wq(T), p_true, p_pred;
   for (int l = 0; l < L; ++l) {

@@ -44,9 +44,8 @@ def yarn_get_mscale(scale, mscale):
     return 1.0 if scale <= 1 else 0.1 * mscale * np.log(scale) + 1.0
 
 
-def rope_params(spec):
+def rope_params(rope, d):
     """(inv_freq fp64 rounded through fp32 as Hugging Face stores it, attention factor, rotary dim), per rope type."""
-    rope, d = spec["rope"], spec["head_dim"]
     r = rope.get("rotary_dim") or d
     kind = rope["type"]
     if kind == "none":
@@ -90,16 +89,30 @@ def rope_params(spec):
     return inv.astype(np.float32).astype(np.float64), att, r
 
 
+def layer_ropes(spec):
+    """Each layer's rope: kv_spec.layers[l].rope where the spec lists layers (docs/FORMATS.md), else kv_spec.rope."""
+    return [e.get("rope", spec["rope"]) for e in spec["layers"]] if spec.get("layers") else \
+        [spec["rope"]] * spec["n_layers"]
+
+
 def rotate(x, positions, spec, strip):
-    """x [T, L, H, D] (float64) rotated by RoPE (apply) or back (strip), half or interleaved pairs."""
-    inv, att, r = rope_params(spec)
+    """x [T, L, H, D] (float64) rotated by each layer's RoPE (apply) or back (strip)."""
+    out = x.copy()
+    for l, rope in enumerate(layer_ropes(spec)):
+        out[:, l] = rotate_layer(x[:, l], positions, rope, spec["head_dim"], strip)
+    return out
+
+
+def rotate_layer(x, positions, rope, d, strip):
+    """x [T, H, D] rotated by one rope, half or interleaved pairs."""
+    inv, att, r = rope_params(rope, d)
     if inv is None:
         return x
     ang = positions.astype(np.float64)[:, None] * inv[None, :]
-    c = np.cos(ang).astype(np.float32).astype(np.float64)[:, None, None, :]
-    s = np.sin(ang).astype(np.float32).astype(np.float64)[:, None, None, :]
+    c = np.cos(ang).astype(np.float32).astype(np.float64)[:, None, :]
+    s = np.sin(ang).astype(np.float32).astype(np.float64)[:, None, :]
     out = x.copy()
-    if spec["rope"].get("convention", "half") == "half":
+    if rope.get("convention", "half") == "half":
         i1, i2 = np.arange(r // 2), np.arange(r // 2) + r // 2
     else:
         i1, i2 = np.arange(0, r, 2), np.arange(1, r, 2)

@@ -145,7 +145,25 @@ def kv_spec_from_config(cfg, where: str = "model config") -> dict:
     layers = _layers(cfg, int(L), rope, rotary, where)
     if layers:
         spec["layers"] = layers
+    scale = _query_scale(get, int(D), where)
+    if scale is not None:
+        spec["query_scale"] = scale
     return spec
+
+
+def _query_scale(get, head_dim: int, where: str) -> Optional[float]:
+    """The attention's score scale where the model's is not 1/sqrt(head_dim): Gemma's query_pre_attn_scalar,
+    Granite's attention_multiplier; None where it is the default."""
+    if get("query_pre_attn_scalar") is not None:
+        q = float(get("query_pre_attn_scalar"))
+        scale = q ** -0.5 if q > 0 else q
+    elif get("attention_multiplier") is not None:
+        scale = float(get("attention_multiplier"))
+    else:
+        return None
+    if not (math.isfinite(scale) and scale > 0):
+        raise KvSpecError(f"{where}: the attention's score scale {scale} is not a positive number")
+    return None if math.isclose(scale * math.sqrt(head_dim), 1.0, rel_tol=1e-12) else scale
 
 
 def normal_rope(rope: dict) -> dict:

@@ -181,6 +181,18 @@ def test_reader_gives_gemma3s_local_and_global_layers():
     assert kvspec.spec_mismatch(v4, v4, "target") is None
 
 
+def test_reader_gives_the_attentions_score_scale_where_it_is_not_the_head_dims():
+    """Gemma's query_pre_attn_scalar (Gemma 2 27B: 144 with head_dim 128) and Granite's attention_multiplier; none
+    where the scale is 1/sqrt(head_dim) (Gemma 3 270M: 256 = head_dim)."""
+    assert kvspec.kv_spec_from_config(_gemma3_4x(head_dim=128, query_pre_attn_scalar=144))["query_scale"] == \
+        pytest.approx(1 / 12)
+    assert "query_scale" not in kvspec.kv_spec_from_config(_gemma3_4x(query_pre_attn_scalar=16))
+    assert kvspec.kv_spec_from_config(_qwen3(attention_multiplier=0.015625))["query_scale"] == 0.015625
+    assert "query_scale" not in kvspec.kv_spec_from_config(_qwen3())
+    with pytest.raises(kvspec.KvSpecError, match="score scale"):
+        kvspec.kv_spec_from_config(_gemma3_4x(query_pre_attn_scalar=-1.0))
+
+
 def test_reader_writes_no_layers_where_every_layer_is_the_default():
     assert "layers" not in kvspec.kv_spec_from_config(_qwen3())  # layer_types all full_attention
     assert "layers" not in kvspec.kv_spec_from_config(_gemma3_4x(layer_types=["full_attention"] * 4))

@@ -1,3 +1,5 @@
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "core/kv_spec.hpp"
@@ -53,6 +55,22 @@ TEST(KvSpec, OldSpecsAndUniformLayersReadAsBefore) {
   const KvSpec uniform = parse_kv_spec(j.dump(), "uniform.h5");
   EXPECT_TRUE(uniform.layers.empty());
   EXPECT_EQ(kv_spec_to_string(uniform), kv_spec_to_string(old));
+}
+
+TEST(KvSpec, AQueryScaleIsKeptOnlyWhereItIsNotTheHeadDims) {
+  nlohmann::json j = base();
+  EXPECT_DOUBLE_EQ(parse_kv_spec(j.dump(), "s.h5").attention_scale(), 1.0 / std::sqrt(8.0));
+  j["query_scale"] = 1.0 / std::sqrt(8.0);  // the default, stated: read and written as no field
+  EXPECT_FALSE(parse_kv_spec(j.dump(), "s.h5").query_scale);
+  EXPECT_FALSE(kv_spec_to_json(parse_kv_spec(j.dump(), "s.h5")).contains("query_scale"));
+  j["query_scale"] = 0.25;
+  const KvSpec s = parse_kv_spec(j.dump(), "s.h5");
+  EXPECT_DOUBLE_EQ(s.attention_scale(), 0.25);
+  EXPECT_EQ(parse_kv_spec(kv_spec_to_string(s), "again"), s);
+  for (nlohmann::json bad : {nlohmann::json(0), nlohmann::json(-1), nlohmann::json("x")}) {
+    j["query_scale"] = bad;
+    expect_error<InputError>([&] { parse_kv_spec(j.dump(), "s.h5"); }, {"s.h5", "kv_spec.query_scale", "positive"});
+  }
 }
 
 TEST(KvSpec, BadLayersAreRefusedByTheirKey) {

@@ -152,6 +152,27 @@ TEST(LayerDiagnostics, SlidingLayersAttendWithinTheirWindowAsTheOracle) {
   EXPECT_EQ(unwindowed.layers[1].cosine_mean, want.layers[1].cosine_mean);
 }
 
+TEST(LayerDiagnostics, AQueryScaleOtherThanTheHeadDimsIsTheOnesTheAttentionUses) {
+  Cache c = random_cache(2, 2, 4, 16, {0, 90, 200}, 15);
+  c.spec.query_scale = 1.0 / 12;  // Gemma 2 27B: query_pre_attn_scalar 144 with head_dim 128
+  auto be = make_cpu_backend();
+  const auto k = noisy(c.keys, 0.3f, 5), v = noisy(c.values, 0.3f, 6);
+  const Diagnostics want = diagnose(c, k, v);
+  std::vector<LayerDiagnostics> layers;
+  for (int l = 0; l < c.spec.n_layers; ++l) {
+    const LayerTruth truth = truth_of(c, l);
+    LayerDiagnoser dg(*be, truth);
+    const int64_t G = c.spec.features_per_layer();
+    const auto pk = layer_of(k, c.tokens, c.spec.n_layers, G, l), pv = layer_of(v, c.tokens, c.spec.n_layers, G, l);
+    layers.push_back(dg.diagnose(pk.data(), pv.data()));
+    expect_layer_near(layers.back(), want.layers[l], "query_scale");
+  }
+  // The scale makes the figure: at 1/sqrt(head_dim) the same caches give another cosine.
+  Cache plain = c;
+  plain.spec.query_scale.reset();
+  EXPECT_GT(std::fabs(diagnose(plain, k, v).layers[0].cosine_mean - want.layers[0].cosine_mean), 1e-4);
+}
+
 TEST(LayerDiagnostics, OneTruthServesManyPredictionsAndNoQueriesGivesR2Only) {
   Cache c = random_cache(1, 2, 2, 8, {0, 64, 128}, 12);
   auto be = make_cpu_backend();
