@@ -191,6 +191,21 @@ std::string plan_text(const Calibration& cal, const FitPlan& plan, const HeldOut
 
 }  // namespace
 
+namespace {
+
+// The second pass of a two-pass fit: the Gram blocks of the selected source layers. Returns the tokens read.
+int64_t gram_pass(const FitConfig& cfg, const Calibration& cal, const FitPlan& plan,
+                  const std::vector<std::vector<int>>& rankings, Context& ctx, FirstPass& p1) {
+  const MomentPlan selected = selection_plan(rankings, plan.ks.back().count);
+  const double sel_bytes = 2.0 * sizeof(float) * selected.floats(cal.dims());
+  if (sel_bytes > cfg.runtime.max_moment_gib * (1ull << 30))
+    spdlog::warn("the selected blocks need {} (over runtime.max_moment_gib = {} GiB); k = {} needs them all",
+                 human_bytes(sel_bytes), cfg.runtime.max_moment_gib, plan.ks.back().label);
+  return second_pass(cal, selected, ctx, p1).tokens;
+}
+
+}  // namespace
+
 FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) {
   FitResult res;
   StageClock clock;
@@ -232,12 +247,7 @@ FitResult run_fit(const FitConfig& cfg, const FitOptions& opts, Context& world) 
   if (lambdas.automatic() && root) spdlog::info("{}", lambdas.summary());
   if (!plan.single_pass) {
     clock.start("gram-pass");
-    const MomentPlan selected = selection_plan(rankings, kmax);
-    const double sel_bytes = 2.0 * sizeof(float) * selected.floats(d);
-    if (sel_bytes > cfg.runtime.max_moment_gib * (1ull << 30))
-      spdlog::warn("the selected blocks need {} (over runtime.max_moment_gib = {} GiB); k = {} needs them all",
-                   human_bytes(sel_bytes), cfg.runtime.max_moment_gib, plan.ks.back().label);
-    res.tokens_read += second_pass(cal, selected, ctx, p1).tokens;
+    res.tokens_read += gram_pass(cfg, cal, plan, rankings, ctx, p1);
     res.passes = 2;
   }
 

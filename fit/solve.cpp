@@ -103,6 +103,88 @@ std::vector<std::pair<int, bool>> layers_to_solve(const SolveUnit& unit, const G
 
 }  // namespace
 
+namespace {
+
+// The k = all system is the same for every target layer: factored once per kind solved here (per head: on first use).
+struct AllSystems {
+  std::unique_ptr<Factor> k, v;
+  std::vector<Factor> head_k, head_v;
+  double lambda[2] = {0, 0};  // per mapped kind: the λ k / v were factored with
+};
+
+AllSystems factor_all_systems(Context& ctx, const PairDims& d, const SolveUnit& unit, const Lambdas& lambdas,
+                              Moments& mk, Moments& mv) {
+  AllSystems all;
+  const auto t_factor = std::chrono::steady_clock::now();
+  std::vector<int> asc(d.Ls);
+  std::iota(asc.begin(), asc.end(), 0);
+  // auto: the smallest of λ, 10λ, 100λ... that the solver accepts (below the fp32 moments' noise a rank-deficient
+  // system is indefinite); a fixed λ as given.
+  auto factor = [&](Moments& m, Kind kind) {
+    double lambda = lambdas.all(kind, m.covariances());
+    auto f = std::make_unique<Factor>(factor_layers(m.covariances(), ctx.backend, asc, lambda));
+    for (int i = 0; lambdas.automatic() && f->bad_minor > 0 && i < kLambdaRetries; ++i) {
+      lambda *= 10;
+      f = std::make_unique<Factor>(factor_layers(m.covariances(), ctx.backend, asc, lambda));
+    }
+    all.lambda[mapped_index(kind)] = lambda;
+    return f;
+  };
+  if (unit.solves_keys()) all.k = factor(mk, Kind::k);
+  if (unit.solves_values()) all.v = factor(mv, Kind::v);
+  spdlog::info("factored the k = all system {} ({} features) in {}",
+               unit.paired ? "of one kind (keys and values solved by a pair of ranks)" : "once per kind",
+               (all.k ? all.k : all.v)->n, human_seconds(seconds_since(t_factor)));
+  return all;
+}
+
+// What every target layer's sweep shares.
+struct SweepInputs {
+  Context& ctx;
+  const FitPlan& plan;
+  const std::vector<int>& counts;
+  const std::vector<std::vector<int>>& rankings;
+  const Lambdas& lambdas;
+  SolveWorkspace& workspace;
+};
+
+// Every structure's fits of target layer l and one kind, in the plan's slot order (structure-major).
+void sweep_kind(const SweepInputs& in, int l, const Covariances& m, Kind kind, const Factor* all, double all_lambda,
+                std::vector<Factor>& head_all, std::vector<LayerFit>& into) {
+  const std::string what = "target layer " + std::to_string(l) + ", " + kind_dataset(kind);
+  LayerLambda lambda{in.lambdas.nested(kind, l, m), all ? all_lambda : in.lambdas.all(kind, m)};
+  for (const Structure s : in.plan.structures) {
+    for (int attempt = 0;; ++attempt) {
+      try {
+        std::vector<LayerFit> f =
+            s == Structure::cross_head
+                ? fit_sweep(m, in.ctx.backend, l, in.rankings[l], in.counts, lambda, what, all, &in.workspace)
+                : fit_sweep_per_head(m, in.ctx.backend, l, in.rankings[l], in.counts, lambda, what + ", per_head",
+                                     &head_all, &in.workspace);
+        for (auto& x : f) into.push_back(std::move(x));
+        break;
+      } catch (const SolveError& e) {  // auto: a larger λ, as for the k = all system
+        if (!in.lambdas.automatic() || attempt == kLambdaRetries) throw;
+        spdlog::warn("{}; trying 10x its auto lambda", e.what());
+        lambda = LayerLambda{lambda.nested * 10, lambda.all * 10};
+        all = nullptr;     // factored here with the larger λ
+        head_all.clear();  // the same for the per-head k = all systems
+      }
+    }
+  }
+}
+
+void log_solve_times(const SolveTimes& st, const ArtifactWriter& writer) {
+  spdlog::info("solve: {} assembling right-hand sides, {} assembling and factoring systems, {} substituting, {} "
+               "R²/biases/weights; files "
+               "converted and written in {} ({} converting; {} of it behind the solves)",
+               human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
+               human_seconds(st.finish), human_seconds(writer.write_seconds()), human_seconds(writer.convert_seconds()),
+               human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
+}
+
+}  // namespace
+
 void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
                   const std::vector<std::vector<int>>& rankings, const Lambdas& lambdas, ArtifactWriter& writer,
                   const std::string& ckpt_dir) {
@@ -114,69 +196,20 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
   const std::vector<std::pair<int, bool>> todo = layers_to_solve(unit, grid, d, writer);
   // A pair member solves one kind: the other kind's moments are not needed here any more.
   if (unit.paired) (unit.solves_keys() ? mv : mk) = Moments{};
-  const auto& ss = plan.structures;
-  const bool cross = has_structure(ss, Structure::cross_head);
-  // k = all is the same system for every target layer: factor it once per kind solved here (per head: on first use).
-  std::unique_ptr<Factor> all_k, all_v;
-  std::vector<Factor> head_all_k, head_all_v;
-  double all_lambda[2] = {0, 0};  // per mapped kind: the λ all_k / all_v were factored with
-  if (cross && counts.back() == d.Ls && todo.size() > 1) {
-    const auto t_factor = std::chrono::steady_clock::now();
-    std::vector<int> asc(d.Ls);
-    std::iota(asc.begin(), asc.end(), 0);
-    // auto: the smallest of λ, 10λ, 100λ... that the solver accepts (below the fp32 moments' noise a rank-deficient
-    // system is indefinite); a fixed λ as given.
-    auto factor_all = [&](Moments& m, Kind kind) {
-      double lambda = lambdas.all(kind, m.covariances());
-      auto f = std::make_unique<Factor>(factor_layers(m.covariances(), ctx.backend, asc, lambda));
-      for (int i = 0; lambdas.automatic() && f->bad_minor > 0 && i < kLambdaRetries; ++i) {
-        lambda *= 10;
-        f = std::make_unique<Factor>(factor_layers(m.covariances(), ctx.backend, asc, lambda));
-      }
-      all_lambda[mapped_index(kind)] = lambda;
-      return f;
-    };
-    if (unit.solves_keys()) all_k = factor_all(mk, Kind::k);
-    if (unit.solves_values()) all_v = factor_all(mv, Kind::v);
-    spdlog::info("factored the k = all system {} ({} features) in {}",
-                 unit.paired ? "of one kind (keys and values solved by a pair of ranks)" : "once per kind",
-                 (all_k ? all_k : all_v)->n, human_seconds(seconds_since(t_factor)));
-  }
+  AllSystems all;
+  if (has_structure(plan.structures, Structure::cross_head) && counts.back() == d.Ls && todo.size() > 1)
+    all = factor_all_systems(ctx, d, unit, lambdas, mk, mv);
   Progress progress(ctx.comm.size() > 1 ? "solve (rank 0's share)" : "solve", static_cast<int64_t>(todo.size()), 0,
                     "target layers");
   SolveWorkspace workspace;  // reused by every target layer, keys and values
+  const SweepInputs in{ctx, plan, counts, rankings, lambdas, workspace};
   for (const auto& [l, writes] : todo) {
     if (!unit.pair->all_ok(!ctx.stop.requested()))
       throw Interrupted("stopped by a signal while solving; the moments are committed in " + ckpt_dir);
-    const std::string what = "target layer " + std::to_string(l);
     std::vector<LayerFit> fk, fv;
-    // Every structure's fits, in the plan's slot order (structure-major).
-    auto sweep = [&](const Covariances& m, Kind kind, const Factor* all, std::vector<Factor>& head_all,
-                     std::vector<LayerFit>& into) {
-      LayerLambda lambda{lambdas.nested(kind, l, m), all ? all_lambda[mapped_index(kind)] : lambdas.all(kind, m)};
-      for (const Structure s : ss) {
-        for (int attempt = 0;; ++attempt) {
-          try {
-            std::vector<LayerFit> f =
-                s == Structure::cross_head
-                    ? fit_sweep(m, ctx.backend, l, rankings[l], counts, lambda, what + ", " + kind_dataset(kind), all,
-                                &workspace)
-                    : fit_sweep_per_head(m, ctx.backend, l, rankings[l], counts, lambda,
-                                         what + ", " + kind_dataset(kind) + ", per_head", &head_all, &workspace);
-            for (auto& x : f) into.push_back(std::move(x));
-            break;
-          } catch (const SolveError& e) {  // auto: a larger λ, as for the k = all system above
-            if (!lambdas.automatic() || attempt == kLambdaRetries) throw;
-            spdlog::warn("{}; trying 10x its auto lambda", e.what());
-            lambda = LayerLambda{lambda.nested * 10, lambda.all * 10};
-            all = nullptr;     // factored here with the larger λ
-            head_all.clear();  // the same for the per-head k = all systems
-          }
-        }
-      }
-    };
-    if (unit.solves_keys()) sweep(mk.covariances(), Kind::k, all_k.get(), head_all_k, fk);
-    if (unit.solves_values()) sweep(mv.covariances(), Kind::v, all_v.get(), head_all_v, fv);
+    if (unit.solves_keys()) sweep_kind(in, l, mk.covariances(), Kind::k, all.k.get(), all.lambda[0], all.head_k, fk);
+    if (unit.solves_values())
+      sweep_kind(in, l, mv.covariances(), Kind::v, all.v.get(), all.lambda[1], all.head_v, fv);
     if (unit.paired) {  // the member that does not write this layer sends its kind to the one that does
       const int from = writes ? 1 - unit.member : unit.member;
       send_fits(*unit.pair, from, from == 0 ? fk : fv);
@@ -186,13 +219,7 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
   }
   writer.drain();
   progress.finish();
-  const SolveTimes& st = workspace.times;
-  spdlog::info("solve: {} assembling right-hand sides, {} assembling and factoring systems, {} substituting, {} "
-               "R²/biases/weights; files "
-               "converted and written in {} ({} converting; {} of it behind the solves)",
-               human_seconds(st.assemble), human_seconds(st.factor), human_seconds(st.substitute),
-               human_seconds(st.finish), human_seconds(writer.write_seconds()), human_seconds(writer.convert_seconds()),
-               human_seconds(std::max(0.0, writer.write_seconds() - writer.wait_seconds())));
+  log_solve_times(workspace.times, writer);
 }
 
 nlohmann::json export_identity(const Calibration& cal, const FitPlan& plan, int ranks) {

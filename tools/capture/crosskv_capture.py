@@ -466,7 +466,7 @@ class Progress:
             self.last = now
 
 
-def main(argv=None):
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model id, local folder, or a .gguf file "
                                                    "(dequantized; needs the gguf package)")
@@ -492,10 +492,78 @@ def main(argv=None):
     p.add_argument("--same-tokens-as", help="another model (or STORE/DOMAIN of its shards) that must tokenize alike")
     p.add_argument("--name", help="model name recorded in the shards (default: --model)")
     a = p.parse_args(argv)
+    for k in ("seq_len", "n_seq", "stride", "shard_seqs", "batch"):
+        if getattr(a, k) < 1:
+            raise CaptureError(f"--{k.replace('_', '-')} must be >= 1")
+    return a
+
+
+class Plan:
+    """This part's shards of the store: which exist, which to write, their bytes, and the disk's room for them."""
+
+    def __init__(self, a, tokens, spec, part, parts):
+        self.a, self.tokens = a, tokens
+        self.keep = np.arange(0, a.seq_len, a.stride)
+        n = tokens.shape[0]
+        self.n_shards = -(-n // a.shard_seqs)
+        self.shards = list(range(part, self.n_shards, parts))
+        self.todo = [s for s in self.shards if not os.path.exists(self.path(s))]  # a shard that exists is complete
+        for s in self.shards:  # an unfinished file of this part's, left by a killed run
+            for stale in glob.glob(glob.escape(self.path(s)) + ".tmp-*"):
+                os.remove(stale)
+        self.bpt = bytes_per_token(spec, a.dtype, a.queries, a.attention_weights)
+        self.part_tokens = sum(self.seqs(s) for s in self.shards) * len(self.keep)
+        self.store_tokens = n * len(self.keep)
+        self.todo_tokens = sum(self.seqs(s) for s in self.todo) * len(self.keep)
+
+    def path(self, s):
+        return os.path.join(self.a.out, f"shard-{s:03d}.h5")
+
+    def seqs(self, s):
+        return len(self.tokens[s * self.a.shard_seqs:(s + 1) * self.a.shard_seqs])
+
+    def check_disk(self, free):
+        need = self.todo_tokens * self.bpt
+        if need + (64 << 10) * len(self.todo) > free:  # HDF5's own structures: well under 64 KiB a shard
+            raise CaptureError(f"--out {self.a.out}: not enough disk: this part's {len(self.todo)} shards need "
+                               f"{gib(need)}, {gib(free)} is free")
+
+
+def write_shard(a, plan, s, model, writer_args, prog):
+    """One shard, batch by batch; a full disk says so in one line and leaves at once."""
+    seqs = plan.tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs]
+    m, keep = len(seqs), plan.keep
+    shard_need, free = m * len(keep) * plan.bpt + (64 << 10), shutil.disk_usage(a.out).free
+    if shard_need > free:  # the disk filled since the plan (another writer): stop before HDF5 meets it
+        raise CaptureError(f"--out {a.out}: not enough disk left for {os.path.basename(plan.path(s))}: it needs "
+                           f"{gib(shard_need)}, {gib(free)} is free; {len(plan.todo) - plan.todo.index(s)} shards "
+                           "remain")
+    name, domain, spec, model_dtype, model_weights = writer_args
+    w = ShardWriter(plan.path(s), name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
+                    np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype, a.attention_weights, model_weights)
     try:
-        for k in ("seq_len", "n_seq", "stride", "shard_seqs", "batch"):
-            if getattr(a, k) < 1:
-                raise CaptureError(f"--{k.replace('_', '-')} must be >= 1")
+        for b0 in range(0, m, a.batch):
+            got = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride,
+                                    want_weights=a.attention_weights)
+            k, v, q = got[:3]
+            w.write(keys=k, values=v, queries=q, weights=got[4] if a.attention_weights else None)
+            prog.add(k.shape[0], k.shape[0] * plan.bpt)
+        w.close()
+    except BaseException as e:
+        w.abandon()
+        if isinstance(e, (OSError, RuntimeError)) and full_disk(e):
+            # h5py reports a full disk as either, at a write or at the close, and HDF5 may then crash the
+            # process when Python frees its handles: say it in one line and leave at once.
+            print(f"crosskv-capture: error: --out {a.out}: the disk filled while writing "
+                  f"{os.path.basename(plan.path(s))} (another writer?); it was removed, the shards before it are "
+                  "kept, and a rerun resumes", file=sys.stderr, flush=True)
+            os._exit(2)
+        raise
+
+
+def main(argv=None):
+    try:
+        a = parse_args(argv)
         part, parts, part_from = resolve_part(a.part)
         max_memory = parse_max_memory(a.max_memory)
         docs = read_documents(a.text)
@@ -509,60 +577,22 @@ def main(argv=None):
         os.makedirs(a.out, exist_ok=True)
         name = a.name or os.path.basename(os.path.normpath(a.model))
         model_weights = _fingerprint.weights_fingerprint(a.model)
-        n = tokens.shape[0]
-        keep = np.arange(0, a.seq_len, a.stride)
-        shards = list(range(part, -(-n // a.shard_seqs), parts))  # this part's shard indices
-        path_of = lambda s: os.path.join(a.out, f"shard-{s:03d}.h5")  # noqa: E731
-        todo = [s for s in shards if not os.path.exists(path_of(s))]  # a shard that exists is complete
-        for s in shards:  # an unfinished file of this part's, left by a killed run
-            for stale in glob.glob(glob.escape(path_of(s)) + ".tmp-*"):
-                os.remove(stale)
-        seqs_of = lambda s: len(tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs])  # noqa: E731
-        bpt = bytes_per_token(spec, a.dtype, a.queries, a.attention_weights)
-        part_tokens = sum(seqs_of(s) for s in shards) * len(keep)
-        need = sum(seqs_of(s) for s in todo) * len(keep) * bpt
-        free = shutil.disk_usage(a.out).free
+        plan = Plan(a, tokens, spec, part, parts)
         where = getattr(getattr(model, "hf_device_map", None), "values", lambda: [str(input_device(model))])()
+        free = shutil.disk_usage(a.out).free
         print(f"[capture] plan: {name} ({model_dtype} on {', '.join(sorted({str(d) for d in where}))}), part "
-              f"{part}/{parts} ({part_from}): {len(shards)} of {-(-n // a.shard_seqs)} shards, {len(todo)} to write; "
-              f"{bpt} bytes a token ({a.dtype}{', with queries' if a.queries else ''}); this part "
-              f"{gib(part_tokens * bpt)}, the store {gib(n * len(keep) * bpt)}; {gib(free)} free in {a.out}",
-              file=sys.stderr, flush=True)
-        if need + (64 << 10) * len(todo) > free:  # HDF5's own structures: well under 64 KiB a shard
-            raise CaptureError(f"--out {a.out}: not enough disk: this part's {len(todo)} shards need {gib(need)}, "
-                               f"{gib(free)} is free")
-        prog = Progress(sum(seqs_of(s) for s in todo) * len(keep), f"part {part}/{parts}")
-        for s in todo:
-            seqs = tokens[s * a.shard_seqs:(s + 1) * a.shard_seqs]
-            m = len(seqs)
-            shard_need, free = m * len(keep) * bpt + (64 << 10), shutil.disk_usage(a.out).free
-            if shard_need > free:  # the disk filled since the plan (another writer): stop before HDF5 meets it
-                raise CaptureError(f"--out {a.out}: not enough disk left for {os.path.basename(path_of(s))}: it needs "
-                                   f"{gib(shard_need)}, {gib(free)} is free; {len(todo) - todo.index(s)} shards remain")
-            w = ShardWriter(path_of(s), name, domain, spec, seqs[:, keep].reshape(-1), np.tile(keep, m),
-                            np.arange(m + 1) * len(keep), a.queries, a.dtype, model_dtype, a.attention_weights,
-                            model_weights)
-            try:
-                for b0 in range(0, m, a.batch):
-                    got = capture_sequences(model, seqs[b0: b0 + a.batch], a.queries, a.stride,
-                                            want_weights=a.attention_weights)
-                    k, v, q = got[:3]
-                    w.write(keys=k, values=v, queries=q, weights=got[4] if a.attention_weights else None)
-                    prog.add(k.shape[0], k.shape[0] * bpt)
-                w.close()
-            except BaseException as e:
-                w.abandon()
-                if isinstance(e, (OSError, RuntimeError)) and full_disk(e):
-                    # h5py reports a full disk as either, at a write or at the close, and HDF5 may then crash the
-                    # process when Python frees its handles: say it in one line and leave at once.
-                    print(f"crosskv-capture: error: --out {a.out}: the disk filled while writing "
-                          f"{os.path.basename(path_of(s))} (another writer?); it was removed, the shards before it are "
-                          "kept, and a rerun resumes", file=sys.stderr, flush=True)
-                    os._exit(2)
-                raise
-        print(f"[capture] {name}: part {part}/{parts}, {len(todo)} shards written ({len(shards) - len(todo)} were "
-              f"complete), {n} sequences of {a.seq_len} tokens in the corpus ({len(keep)} kept each), {a.out}",
-              file=sys.stderr)
+              f"{part}/{parts} ({part_from}): {len(plan.shards)} of {plan.n_shards} shards, {len(plan.todo)} to "
+              f"write; {plan.bpt} bytes a token ({a.dtype}{', with queries' if a.queries else ''}); this part "
+              f"{gib(plan.part_tokens * plan.bpt)}, the store {gib(plan.store_tokens * plan.bpt)}; "
+              f"{gib(free)} free in {a.out}", file=sys.stderr, flush=True)
+        plan.check_disk(free)
+        prog = Progress(plan.todo_tokens, f"part {part}/{parts}")
+        for s in plan.todo:
+            write_shard(a, plan, s, model, (name, domain, spec, model_dtype, model_weights), prog)
+        done = len(plan.shards) - len(plan.todo)
+        print(f"[capture] {name}: part {part}/{parts}, {len(plan.todo)} shards written ({done} were "
+              f"complete), {tokens.shape[0]} sequences of {a.seq_len} tokens in the corpus "
+              f"({len(plan.keep)} kept each), {a.out}", file=sys.stderr)
         return 0
     except CaptureError as e:
         print(f"crosskv-capture: error: {e}", file=sys.stderr)

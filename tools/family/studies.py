@@ -110,7 +110,7 @@ def code_docs():
     return [(os.path.basename(p), open(p, encoding="utf-8", errors="replace").read()) for p in paths]
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("work")
     p.add_argument("--build", default=os.path.join(fam.ROOT, "build"))
@@ -120,19 +120,11 @@ def main():
                    help="held-out sequences of the retention measurement (crosskv.retention)")
     a = p.parse_args()
     a.build = os.path.abspath(a.build)
-    os.chdir(a.work)
-    torch.set_num_threads(os.cpu_count() or 1)
-    small = AutoModelForCausalLM.from_pretrained("model-source").eval()
-    large = AutoModelForCausalLM.from_pretrained("model-target").eval()
-    tok = AutoTokenizer.from_pretrained("model-source")
-    S = a.seq // 2
-    held = [json.loads(l)["text"] for l in open("held.jsonl")]
-    docs = code_docs()
-    code_train, code_held = [d for i, d in enumerate(docs) if i % 8 != 7], [d for i, d in enumerate(docs) if i % 8 == 7]
-    fits = Fits(a.build)
-    res = {"runs": fits.runs}
+    return a
 
-    # The second domain, captured once per model: calibration (domain "code") and held-out ("codeheld") sequences.
+
+def capture_code(a, code_train, code_held):
+    """The second domain, captured once per model: calibration (domain "code") and held-out ("codeheld") sequences."""
     for name in ("source", "target"):
         if os.path.isdir(f"{name}/code"):
             continue
@@ -145,32 +137,33 @@ def main():
         assert cap.main(common + ["--text", "code.jsonl", "--n-seq", "256", "--out", f"{name}/code"]) == 0
         assert cap.main(common + ["--text", "codeheld.jsonl", "--n-seq", str(a.eval_seqs), "--out",
                                   f"{name}/codeheld", "--queries"]) == 0
-    text_ids = cap.pack(tok, held, 2 * S, a.retention_seqs)
-    code_ids = cap.pack(tok, [t for _, t in code_held], 2 * S, a.retention_seqs)
-    up = {"A": Bench(small, large, text_ids, S), "B": Bench(small, large, code_ids, S)}
-    down = Bench(large, small, text_ids, S)
+
+
+def measure(fits, out, ks, bench, shards, structures=("cross_head", "per_head")):
+    """One study's rows: each mapper's size, retention with its controls and held-out diagnostics."""
+    rows = []
+    for k, s, d in folders(out, ks, structures):
+        m = manifest(d)
+        r = bench.measure(d)
+        rows.append({"k": k, "structure": s, "mapper": d, "r2_in_sample": in_sample_r2(m),
+                     "params": m["fit"]["params"] + m["fit"]["bias_params"],
+                     "bytes_fp32": 4 * (m["fit"]["params"] + m["fit"]["bias_params"]),
+                     "perplexity": r.perplexity("mapped"), "recovered": r.share.value,
+                     "content_share": r.content_share.as_list(),
+                     "choice_retention": r.task_retention["choice"].as_list(),
+                     "recall_retention": r.task_retention["recall"].as_list(),
+                     "retention": r.to_json(), **fits.diagnose(d, *shards)})
+    return rows
+
+
+
+def run_studies(a, fits, up, down, res):
     both = "[cross_head, per_head]"
     held_a = ("source/held/shard-000.h5", "target/held/shard-000.h5")
     held_b = ("source/codeheld/shard-000.h5", "target/codeheld/shard-000.h5")
-
-    def measure(out, ks, bench, shards, structures=("cross_head", "per_head")):
-        rows = []
-        for k, s, d in folders(out, ks, structures):
-            m = manifest(d)
-            r = bench.measure(d)
-            rows.append({"k": k, "structure": s, "mapper": d, "r2_in_sample": in_sample_r2(m),
-                         "params": m["fit"]["params"] + m["fit"]["bias_params"],
-                         "bytes_fp32": 4 * (m["fit"]["params"] + m["fit"]["bias_params"]),
-                         "perplexity": r.perplexity("mapped"), "recovered": r.share.value,
-                         "content_share": r.content_share.as_list(),
-                         "choice_retention": r.task_retention["choice"].as_list(),
-                         "recall_retention": r.task_retention["recall"].as_list(),
-                         "retention": r.to_json(), **fits.diagnose(d, *shards)})
-        return rows
-
     # Structure: one fit, both structures, one pass; k = 1, 2, all.
     out = fits.run("structure", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {both}}}")
-    res["structure"] = measure(out, [1, 2, "all"], up["A"], held_a)
+    res["structure"] = measure(fits, out, [1, 2, "all"], up["A"], held_a)
     # Structure's time: each structure alone, refitted from the moments just stored (nothing read).
     for s in ("cross_head", "per_head"):
         fits.run(f"structure-{s}-refit", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {s}}}",
@@ -180,10 +173,10 @@ def main():
     for lam in (1e-4, 1e-3, 1e-2, 1e-1, 1.0):
         out = fits.run(f"lambda-{lam:g}", "source", "target", f"{{k: [1, all], lambda: {lam:g}, structure: {both}}}",
                        checkpoint="st-structure/checkpoint")
-        res["lambda"][f"{lam:g}"] = measure(out, [1, "all"], up["A"], held_a)
+        res["lambda"][f"{lam:g}"] = measure(fits, out, [1, "all"], up["A"], held_a)
     # Direction: large to small (the 8-layer model's cache into the 4-layer model), both structures.
     out = fits.run("down", "target", "source", f"{{k: [1, 2, 4, all], lambda: 0.01, structure: {both}}}")
-    res["direction"] = {"small->large": res["structure"], "large->small": measure(out, [1, 2, 4, "all"], down,
+    res["direction"] = {"small->large": res["structure"], "large->small": measure(fits, out, [1, 2, 4, "all"], down,
                                                                                     held_a[::-1])}
     # Calibration size: 25%, 50% of the calibration tokens (max_tokens: a new pass each), against 100%.
     total = manifest("st-structure/kall")["calibration"]["tokens_used"]
@@ -191,15 +184,15 @@ def main():
     for share in (25, 50):
         out = fits.run(f"size-{share}", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {both}}}",
                        extra=f", max_tokens: {total * share // 100}")
-        res["size"][f"{share}%"] = measure(out, [1, 2, "all"], up["A"], held_a)
+        res["size"][f"{share}%"] = measure(fits, out, [1, 2, "all"], up["A"], held_a)
     # Domain: fitted on A (text) alone, evaluated on A and B (code); then A + B as a refit that reads only B, against
     # a fit of A + B from scratch.
     res["domain"] = {"A only, on A": res["structure"],
-                     "A only, on B": measure("st-structure", [1, 2, "all"], up["B"], held_b)}
+                     "A only, on B": measure(fits, "st-structure", [1, 2, "all"], up["B"], held_b)}
     out = fits.run("domain-AB-refit", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {both}}}",
                    domains=("cal", "code"), checkpoint="st-structure/checkpoint")
-    res["domain"]["A+B, on A"] = measure(out, [1, 2, "all"], up["A"], held_a)
-    res["domain"]["A+B, on B"] = measure(out, [1, 2, "all"], up["B"], held_b)
+    res["domain"]["A+B, on A"] = measure(fits, out, [1, 2, "all"], up["A"], held_a)
+    res["domain"]["A+B, on B"] = measure(fits, out, [1, 2, "all"], up["B"], held_b)
     fits.run("domain-AB-scratch", "source", "target", f"{{k: [1, 2, all], lambda: 0.01, structure: {both}}}",
              domains=("cal", "code"))
     # Token weighting: the target's calibration captured again with --attention-weights (the same keys and
@@ -211,11 +204,32 @@ def main():
                          "--attention-weights"]) == 0
     out = fits.run("weighting-attention", "source", "target-aw",
                    f"{{k: [1, 2, all], lambda: 0.01, structure: {both}, weighting: dataset}}")
-    res["weighting"] = {"uniform": res["structure"], "attention": measure(out, [1, 2, "all"], up["A"], held_a)}
+    res["weighting"] = {"uniform": res["structure"], "attention": measure(fits, out, [1, 2, "all"], up["A"], held_a)}
     # Residual MLPs (fit.mapper: auto, the issue-15 settings), cross_head.
     out = fits.run("mlp", "source", "target", "{k: [1, 2, all], lambda: 0.01, mapper: auto, "
                    "mlp: {hidden: 256, epochs: 20}}")
-    res["mlp"] = measure(out, [1, 2, "all"], up["A"], held_a, structures=("cross_head",))
+    res["mlp"] = measure(fits, out, [1, 2, "all"], up["A"], held_a, structures=("cross_head",))
+
+
+def main():
+    a = parse_args()
+    os.chdir(a.work)
+    torch.set_num_threads(os.cpu_count() or 1)
+    small = AutoModelForCausalLM.from_pretrained("model-source").eval()
+    large = AutoModelForCausalLM.from_pretrained("model-target").eval()
+    tok = AutoTokenizer.from_pretrained("model-source")
+    S = a.seq // 2
+    held = [json.loads(l)["text"] for l in open("held.jsonl")]
+    docs = code_docs()
+    code_train, code_held = [d for i, d in enumerate(docs) if i % 8 != 7], [d for i, d in enumerate(docs) if i % 8 == 7]
+    fits = Fits(a.build)
+    res = {"runs": fits.runs}
+    capture_code(a, code_train, code_held)
+    text_ids = cap.pack(tok, held, 2 * S, a.retention_seqs)
+    code_ids = cap.pack(tok, [t for _, t in code_held], 2 * S, a.retention_seqs)
+    up = {"A": Bench(small, large, text_ids, S), "B": Bench(small, large, code_ids, S)}
+    down = Bench(large, small, text_ids, S)
+    run_studies(a, fits, up, down, res)
     res["reference"] = {"small->large, text": {"own": up["A"].own, "none": up["A"].none},
                         "small->large, code": {"own": up["B"].own, "none": up["B"].none},
                         "large->small, text": {"own": down.own, "none": down.none}}
