@@ -3,7 +3,7 @@
 server, the next on the target's, which maps the source's saved KV of the whole history (crosskv.vllm) instead of
 prefilling it. Each response says what was mapped in its kv_transfer_params["crosskv"].
 
-Both servers run `vllm serve` with the connector on one shared store (docs: README, "Serving in vLLM"); with
+Both servers run `vllm serve` with the connector on one shared store (docs/SERVING.md); with
 kv_role kv_both each also saves its own turns, so the conversation can move back:
 
     vllm serve SOURCE --kv-transfer-config '{"kv_connector": "CrossKVConnector", "kv_connector_module_path":

@@ -33,7 +33,7 @@ class Settings:
     chunk_tokens: int = 256  # the store's chunk: a multiple of the engine's block size
     capacity_bytes: Optional[int] = None  # a folder store's bound (least recently used chunks go first)
     ttl_seconds: Optional[int] = None  # a Redis store's expiry of each chunk
-    # A store that is slow or down never stalls an engine (README, Serving in vLLM):
+    # A store that is slow or down never stalls an engine (docs/SERVING.md):
     lookup_timeout_ms: int = 50  # the target's lookup of a request's stored prefix, in the scheduler
     load_timeout_ms: int = 2000  # the target worker's read of a planned prefix's chunks
     store_timeout_ms: int = 5000  # any one store call (a Redis socket's timeout); the saver's writes too
