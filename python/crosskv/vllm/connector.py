@@ -1,6 +1,6 @@
 """CrossKVConnector: the class vLLM loads (kv_connector_module_path crosskv.vllm). It holds no state of its own: the
 scheduler's calls go to a SchedulerSide, the workers' to a WorkerSide, as vLLM's own connectors are cut. It implements
-KVConnectorBase_V1 of vLLM 0.32 and 0.33 (tests/python/test_vllm_api.py checks every abstract method and signature
+KVConnectorBase_V1 of vLLM 0.32 and 0.33 (tests/python/test_vllm_units.py checks every abstract method and signature
 against the installed vLLM)."""
 from __future__ import annotations
 
