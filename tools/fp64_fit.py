@@ -63,20 +63,30 @@ def compare(x, y, w, lam):
             float(np.linalg.norm(xc @ d) / np.linalg.norm(xc @ w64)), float(np.linalg.cond(a)))
 
 
-def fp64_rows(mapper_dir, source_store, target_store):
-    """One row per target layer and kind: weights and outputs relative errors, kappa, λ."""
+def read_pair(mapper_dir, source_store, target_store):
+    """(manifest, layers, source (keys, values), target (keys, values)): a mapper and the calibration it read."""
     manifest, layers = load_mapper(mapper_dir)
     cal = manifest["calibration"]
     if cal.get("token_weighting", "uniform") != "uniform" or cal.get("token_stride", 1) != 1:
         raise ValueError(f"{mapper_dir}: calibration.token_weighting/token_stride: the oracle reads uniform weights "
                          f"and stride 1 only")
-    xs = read_store(source_store, cal["shards"])
-    ys = read_store(target_store, cal["shards"])
-    lams = {e["target_layer"]: e.get("lambda") for e in manifest["layers"]}
+    return manifest, layers, read_store(source_store, cal["shards"]), read_store(target_store, cal["shards"])
+
+
+def lambda_of(manifest, layer, kind):
+    """The λ the fit solved target layer `layer`'s `kind` ("k" or "v") with."""
+    entry = next(e for e in manifest["layers"] if e["target_layer"] == layer)
+    lam = entry.get("lambda")
+    return lam[{"k": "keys", "v": "values"}[kind]] if isinstance(lam, dict) else manifest["fit"]["lambda"]
+
+
+def fp64_rows(pair):
+    """One row per target layer and kind of read_pair's mapper: weights and outputs relative errors, kappa, λ."""
+    manifest, layers, xs, ys = pair
     rows = []
     for layer, (src, t) in sorted(layers.items()):
         for i, kind in enumerate(("k", "v")):
-            lam = lams[layer][("keys", "values")[i]] if isinstance(lams[layer], dict) else manifest["fit"]["lambda"]
+            lam = lambda_of(manifest, layer, kind)
             errs = [compare(x, y, w, lam) for x, y, w in systems(manifest, t, xs[i], ys[i], src, layer, kind)]
             rows.append({"layer": layer, "kind": kind, "lambda": lam, "weights": max(e[0] for e in errs),
                          "outputs": max(e[1] for e in errs), "kappa": max(e[2] for e in errs)})
@@ -95,7 +105,7 @@ def main():
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     try:
-        rows = fp64_rows(a.mapper, a.source, a.target)
+        rows = fp64_rows(read_pair(a.mapper, a.source, a.target))
     except (OSError, ValueError, KeyError) as e:
         print(f"fp64_fit.py: error: {e}", file=sys.stderr)
         return 2

@@ -185,7 +185,8 @@ def test_fp32_moments_solve_as_fp64_does_on_real_kv(self_pairs, name):
     bound."""
     pair = self_pairs(name)
     home = pair.auto.parent
-    rows = fp64.fp64_rows(str(pair.auto / "k2"), str(home / "source"), str(home / "target"))
+    data = fp64.read_pair(str(pair.auto / "k2"), str(home / "source"), str(home / "target"))
+    rows = fp64.fp64_rows(data)
     assert len(rows) == 2 * MODELS[name][1]
     for r in rows:
         assert r["weights"] <= r["kappa"] * fp64.EPS32, r
@@ -194,20 +195,18 @@ def test_fp32_moments_solve_as_fp64_does_on_real_kv(self_pairs, name):
     print(f"\n     {name} k = 2, fp32 moments against fp64: worst weights layer {w['layer']} {w['kind']} "
           f"{w['weights']:.2e} (κ {w['kappa']:.2g}), worst outputs layer {o['layer']} {o['kind']} {o['outputs']:.2e} "
           f"(bound {np.sqrt(o['kappa']) * fp64.EPS32:.2e})", flush=True)
-    planted = bf16_moments_error(pair.auto / "k2", home, o["layer"], o["kind"])
+    planted = bf16_moments_error(data, o["layer"], o["kind"])
     print(f"     planted (moments rounded to bf16): outputs {planted:.2e}", flush=True)
     assert planted > np.sqrt(o["kappa"]) * fp64.EPS32, f"bf16 moments give {planted:.2e}: the bound would miss them"
 
 
-def bf16_moments_error(mapper, home, layer, kind):
-    """The outputs' relative error of one system solved from its fp64 moments rounded to bf16."""
-    manifest, layers = fp64.load_mapper(str(mapper))
+def bf16_moments_error(data, layer, kind):
+    """The outputs' relative error of one system solved from its fp64 moments rounded to bf16 (data: read_pair's)."""
+    manifest, layers, xs, ys = data
     i = "kv".index(kind)
-    x = fp64.read_store(str(home / "source"), manifest["calibration"]["shards"])[i]
-    y = fp64.read_store(str(home / "target"), manifest["calibration"]["shards"])[i]
-    x, y = x[:, layers[layer][0]].reshape(len(x), -1), y[:, layer]
+    x, y = xs[i][:, layers[layer][0]].reshape(len(xs[i]), -1), ys[i][:, layer]
     xc, yc = x - x.mean(0), y - y.mean(0)
-    lam = [e for e in manifest["layers"] if e["target_layer"] == layer][0]["lambda"][("keys", "values")[i]]
+    lam = fp64.lambda_of(manifest, layer, kind)
     bf16 = lambda a: ((a.astype(np.float32).view(np.uint32) + 0x8000) & 0xFFFF0000).view(np.float32).astype(
         np.float64)  # noqa: E731  (round to nearest, ties away)
     w = np.linalg.solve(bf16(xc.T @ xc / len(x)) + lam * np.eye(x.shape[1]), bf16(xc.T @ yc / len(x)))
