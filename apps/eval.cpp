@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
       const auto evals = evaluate_mappers({mapper}, HeldOut{{source}, {target}, source}, *be, *comm, /*verify=*/true,
                                           VerdictThresholds{min_retention});
       const Evaluation& ev = evals.front().evaluation;
-      if (!root) return require_ok && !ev.ok ? 4 : 0;
+      if (!root) return require_ok && !ev.ok() ? 4 : 0;
       nlohmann::json j = evals.front().json();
       j["source"] = source;
       j["target"] = target;
@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
                    f(ev.mapper.v_concentration));
       spdlog::info("baselines: mean-only cosine {}, without target RoPE cosine {}", f(ev.mean_only.attention_cosine),
                    f(ev.no_target_rope.attention_cosine));
-      spdlog::info("verdict: {}", ev.verdict);
-      return require_ok && !ev.ok ? 4 : 0;
+      spdlog::info("verdict: {}", ev.verdict());
+      return require_ok && !ev.ok() ? 4 : 0;
     });
   } catch (const AgreedError& e) {  // every rank knows; the lowest failing rank reports
     if (e.report) std::fprintf(stderr, "crosskv-eval: error: %s\n", e.what());

@@ -52,6 +52,15 @@ const char* to_string(VerdictClass c) {
   return "not_ready";
 }
 
+const char* label(VerdictClass c) {
+  switch (c) {
+    case VerdictClass::likely: return "LIKELY TO TRANSFER";
+    case VerdictClass::uncertain: return "UNCERTAIN";
+    case VerdictClass::not_ready: return "NOT READY";
+  }
+  return "NOT READY";
+}
+
 nlohmann::json Evaluation::json() const {
   nlohmann::json j = mapper.json();
   j["baselines"] = {{"mean_only", mean_only.json()}, {"no_target_rope", no_target_rope.json()}};
@@ -67,9 +76,9 @@ nlohmann::json Evaluation::json() const {
   } else {
     j["predicted_retention"] = nullptr;
   }
-  j["verdict"] = verdict;
+  j["verdict"] = verdict();
   j["verdict_class"] = to_string(verdict_class);
-  j["ok"] = ok;
+  j["ok"] = ok();
   return j;
 }
 
@@ -81,7 +90,8 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
   if (ev.mapper.attention_cosine && ev.retention) {
     const double c = *ev.mapper.attention_cosine, c0 = ev.mean_only.attention_cosine.value_or(0);
     const RetentionEstimate& r = *ev.retention;
-    ev.ok = r.share >= th.min_retention && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    const bool likely = r.share >= th.min_retention && c > c0 && ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+    ev.verdict_class = likely ? VerdictClass::likely : VerdictClass::not_ready;
     // With one feature, the threshold it implies on that feature.
     std::string implied;
     if (const auto x = implied_threshold(th.min_retention)) {
@@ -90,22 +100,20 @@ void judge(Evaluation& ev, const VerdictThresholds& th) {
       implied = t;
     }
     std::snprintf(buf, sizeof buf,
-                  "%s: predicted %s %.1f%% (%.0f%% to %.0f%%; needs >= %.0f%%%s); attention-output "
+                  ": predicted %s %.1f%% (%.0f%% to %.0f%%; needs >= %.0f%%%s); attention-output "
                   "cosine %.3f (needs above the mean-only %.3f); held-out R2 k %.3f, v %.3f (needs >= %.2f)",
-                  ev.ok ? "LIKELY TO TRANSFER" : "NOT READY", target_name(retention_model()).c_str(), 100 * r.share, 100 * r.low, 100 * r.high,
+                  target_name(retention_model()).c_str(), 100 * r.share, 100 * r.low, 100 * r.high,
                   100 * th.min_retention, implied.c_str(), c, c0, ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
     if (!r.outside.empty()) extrapolated = "; an extrapolation: " + r.outside;
-    ev.verdict_class = ev.ok ? VerdictClass::likely : VerdictClass::not_ready;
-  } else {
-    ev.ok = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
+  } else {  // without attention figures nothing says it transfers
+    const bool fits = ev.mapper.r2_k >= th.min_r2 && ev.mapper.r2_v >= th.min_r2;
     std::snprintf(buf, sizeof buf,
-                  "%s (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
+                  " (R2 only: the target cache has no queries, so no attention figures): held-out R2 k %.3f, "
                   "v %.3f (needs >= %.2f)",
-                  ev.ok ? "UNCERTAIN" : "NOT READY", ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
-    ev.verdict_class = ev.ok ? VerdictClass::uncertain : VerdictClass::not_ready;
-    ev.ok = false;  // without attention figures nothing says it transfers
+                  ev.mapper.r2_k, ev.mapper.r2_v, th.min_r2);
+    ev.verdict_class = fits ? VerdictClass::uncertain : VerdictClass::not_ready;
   }
-  ev.verdict = buf + extrapolated;
+  ev.reason = buf + extrapolated;
 }
 
 }  // namespace crosskv

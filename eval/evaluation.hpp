@@ -36,16 +36,18 @@ struct RetentionEstimate {
 // The verdict's class, as serving gates on it: likely (LIKELY TO TRANSFER), uncertain (only R² figures, which say
 // nothing of attention), not_ready (NOT READY).
 enum class VerdictClass { likely, uncertain, not_ready };
-const char* to_string(VerdictClass c);
+const char* to_string(VerdictClass c);  // likely, uncertain, not_ready (the JSON's verdict_class)
+const char* label(VerdictClass c);      // LIKELY TO TRANSFER, UNCERTAIN, NOT READY (the verdict's first words)
 
 struct Evaluation {
   Diagnostics mapper, mean_only, no_target_rope;
   std::optional<Diagnostics> ridge_only;  // a mapper with residual MLPs: the same without them
   std::optional<RetentionEstimate> retention;  // none without attention figures
   double min_retention = 0.8;                  // what the verdict asked of it
-  std::string verdict;
   VerdictClass verdict_class = VerdictClass::not_ready;
-  bool ok = false;  // verdict_class == likely
+  std::string reason;  // what follows the class's label in the verdict: the figures and what they needed
+  std::string verdict() const { return label(verdict_class) + reason; }
+  bool ok() const { return verdict_class == VerdictClass::likely; }
   nlohmann::json json() const;  // the mapper's figures at the top level, baselines and verdict beside them
 };
 
@@ -54,7 +56,7 @@ struct VerdictThresholds {
   double min_retention = 0.8;  // the predicted recovered share
   double min_r2 = 0.0;         // held-out R² of keys and values (0: better than the mean)
 };
-// Sets ev.retention, ev.verdict and ev.ok: LIKELY TO TRANSFER when the predicted recovered share reaches
+// Sets ev.retention, ev.verdict_class and ev.reason: LIKELY TO TRANSFER when the predicted recovered share reaches
 // th.min_retention, the attention-output cosine is above the mean-only baseline's and both R² reach th.min_r2.
 void judge(Evaluation& ev, const VerdictThresholds& th = {});
 

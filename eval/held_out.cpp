@@ -396,7 +396,7 @@ std::string evaluate_held_out(const HeldOut& data, const std::vector<std::string
     nlohmann::json j = e.json();
     j["held_out_shards"] = data.names;
     write_file_atomic((fs::path(output_dir) / ("eval-" + k + ".json")).string(), j.dump(2) + "\n");
-    spdlog::info("held-out {} ({} tokens): {}", k, e.evaluation.mapper.tokens, e.evaluation.verdict);
+    spdlog::info("held-out {} ({} tokens): {}", k, e.evaluation.mapper.tokens, e.evaluation.verdict());
   }
   const std::string report = (fs::path(output_dir) / "report.html").string();
   write_file_atomic(report, render_evaluation_report(evals, data.names, heatmap_path));

@@ -192,7 +192,7 @@ class Sweep {
       any_mlps_ = any_mlps_ || !mlps_[i].kept.empty();
     }
     for (size_t i : rows_)
-      if (in_.evaluations[i].ok && (!smallest_ok_ || params_of(i) < params_of(*smallest_ok_))) smallest_ok_ = i;
+      if (in_.evaluations[i].ok() && (!smallest_ok_ || params_of(i) < params_of(*smallest_ok_))) smallest_ok_ = i;
   }
 
   std::string html() const {
@@ -236,8 +236,8 @@ class Sweep {
     const auto& fit = fits_[i];
     const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps_[i].params;
     const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
-    const std::string verdict = ev.verdict.substr(0, ev.verdict.find_first_of(":("));
-    o << "<tr" << (ev.ok ? " class='okrow'" : "") << "><th>" << esc(both_ ? k_label(fit) : k_of(i))
+    const std::string verdict = label(ev.verdict_class);
+    o << "<tr" << (ev.ok() ? " class='okrow'" : "") << "><th>" << esc(both_ ? k_label(fit) : k_of(i))
       << (i == best_ ? " &#9733;" : "") << "</th>"
       << (both_ ? "<td style='text-align:left'>" + esc(structure_of(fit)) + "</td>" : "") << "<td>"
       << (params > 0 ? human_count(params) : "?") << "</td><td>" << (params > 0 ? human_bytes(4 * params) : "?")
@@ -428,8 +428,8 @@ std::string selected_layers_table(const Evaluation& ev, const nlohmann::json& m)
 std::string mapper_section(const Evaluation& ev, const nlohmann::json& m, const std::string& eval_source) {
   std::ostringstream o;
   const std::string k = mapper_label(m.value("fit", nlohmann::json::object()));
-  o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok ? "ok" : "bad") << "'><b>Verdict:</b> "
-    << esc(ev.verdict) << "</p>";
+  o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok() ? "ok" : "bad") << "'><b>Verdict:</b> "
+    << esc(ev.verdict()) << "</p>";
   if (ev.retention) o << retention_paragraph(ev);
   o << held_out_table(ev, eval_source) << per_layer_charts(ev);
   if (m.contains("layers")) o << selected_layers_table(ev, m);

@@ -117,8 +117,8 @@ TEST(Diagnostics, ReportIsOneSelfContainedHtmlFile) {
   Cache c = toy_cache(2, 2, 2, 8, 64, 6);
   Evaluation ev;
   ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, c.keys, c.values);
-  ev.verdict = "LIKELY TO TRANSFER: test";
-  ev.ok = true;
+  ev.verdict_class = VerdictClass::likely;
+  ev.reason = ": test";
   ReportInput in;
   in.title = "a -> b";
   in.manifests.push_back({{"fit", {{"k", 2}}}, {"layers", nlohmann::json::array()}});
@@ -145,8 +145,8 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
     for (auto& x : keys) x += n(rng);
     Evaluation ev;
     ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, keys, c.values);
-    ev.ok = ok;
-    ev.verdict = std::string(ok ? "LIKELY TO TRANSFER" : "NOT READY") + ": attention-output cosine ...";
+    ev.verdict_class = ok ? VerdictClass::likely : VerdictClass::not_ready;
+    ev.reason = ": attention-output cosine ...";
     in.manifests.push_back({{"fit", {{"k", k}, {"params", k == "all" ? 3000 : 1000}, {"bias_params", 24}, {"features", 16}}},
                             {"target", {{"kv_spec", {{"n_kv_heads", 2}, {"head_dim", 8}}}}}});
     if (k == 2)  // k = 2 keeps a residual MLP of 4 hidden for its keys: 16*4 + 4 + 4*4 + 4 + 4*16 + 16 = 168
@@ -211,11 +211,13 @@ TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
     const auto want = predict_retention(ev.mapper, ev.mean_only);
     EXPECT_DOUBLE_EQ(ev.retention->share, want->share);
     EXPECT_NEAR(ev.retention->high - ev.retention->share, std::min(m.half_width, 1.0 - want->share), 1e-12);
-    EXPECT_EQ(ev.ok, ev.retention->share >= 0.8) << ev.verdict;
+    EXPECT_EQ(ev.ok(), ev.retention->share >= 0.8) << ev.verdict();
     // The setting moves the verdict across the predicted share, and nothing else does.
-    EXPECT_TRUE(judged(cos, std::max(0.01, ev.retention->share - 1e-6)).ok);
-    if (ev.retention->share < 1.0) EXPECT_FALSE(judged(cos, ev.retention->share + 1e-6).ok);
-    EXPECT_NE(ev.verdict.find("predicted " + target_name(retention_model())), std::string::npos) << ev.verdict;
+    EXPECT_TRUE(judged(cos, std::max(0.01, ev.retention->share - 1e-6)).ok());
+    if (ev.retention->share < 1.0) {
+      EXPECT_FALSE(judged(cos, ev.retention->share + 1e-6).ok());
+    }
+    EXPECT_NE(ev.verdict().find("predicted " + target_name(retention_model())), std::string::npos) << ev.verdict();
     EXPECT_EQ(ev.json()["predicted_retention"]["share"], ev.retention->share);
   }
   // The predictor is monotone: a higher cosine never predicts less.
@@ -230,22 +232,22 @@ TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
   const Evaluation far = judged(0.95, 0.8, 0.8);
   EXPECT_NE(far.retention->outside.find("the mean-only cosine 0.800 is outside"), std::string::npos);
   EXPECT_NE(far.retention->outside.find("the attention cosine 0.950 is outside"), std::string::npos);
-  EXPECT_NE(far.verdict.find("an extrapolation"), std::string::npos) << far.verdict;
+  EXPECT_NE(far.verdict().find("an extrapolation"), std::string::npos) << far.verdict();
   EXPECT_EQ(far.json()["predicted_retention"]["extrapolated"], true);
   // A cosine at or under the mean-only baseline's is NOT READY whatever the share.
-  EXPECT_FALSE(judged(0.99, 0.01, 0.99).ok);
+  EXPECT_FALSE(judged(0.99, 0.01, 0.99).ok());
   // Negative held-out R² is NOT READY.
   Evaluation neg = judged(0.99, 0.01);
   neg.mapper.r2_v = -0.1;
   judge(neg, VerdictThresholds{0.01});
-  EXPECT_FALSE(neg.ok);
+  EXPECT_FALSE(neg.ok());
   // Without queries there is no share: UNCERTAIN at best, never ok.
   Evaluation none;
   none.mapper.r2_k = none.mapper.r2_v = 0.9;
   judge(none);
   EXPECT_FALSE(none.retention.has_value());
-  EXPECT_FALSE(none.ok);
-  EXPECT_EQ(none.verdict.rfind("UNCERTAIN", 0), 0u) << none.verdict;
+  EXPECT_FALSE(none.ok());
+  EXPECT_EQ(none.verdict().rfind("UNCERTAIN", 0), 0u) << none.verdict();
   EXPECT_TRUE(none.json()["predicted_retention"].is_null());
 }
 
@@ -269,9 +271,9 @@ TEST(Verdict, ItsClassSaysWhatItsTextSays) {
   const std::map<std::string, std::string> text = {
       {"likely", "LIKELY TO TRANSFER"}, {"uncertain", "UNCERTAIN"}, {"not_ready", "NOT READY"}};
   for (const auto& [ev, want] : cases) {
-    EXPECT_STREQ(to_string(ev.verdict_class), want) << ev.verdict;
+    EXPECT_STREQ(to_string(ev.verdict_class), want) << ev.verdict();
     EXPECT_EQ(ev.json()["verdict_class"], want);
-    EXPECT_EQ(ev.verdict.rfind(text.at(want), 0), 0u) << ev.verdict;
-    EXPECT_EQ(ev.ok, ev.verdict_class == VerdictClass::likely);
+    EXPECT_EQ(ev.verdict().rfind(text.at(want), 0), 0u) << ev.verdict();
+    EXPECT_EQ(ev.ok(), ev.verdict_class == VerdictClass::likely);
   }
 }

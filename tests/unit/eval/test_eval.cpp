@@ -250,7 +250,7 @@ TEST(HeldOutEval, StreamedEvaluationOfEveryKMatchesTheOracle) {
     expect_diagnostics_near(got[i].evaluation.mapper, want.mapper, "mapper " + f.mappers()[i]);
     expect_diagnostics_near(got[i].evaluation.mean_only, want.mean_only, "mean-only");
     expect_diagnostics_near(got[i].evaluation.no_target_rope, want.no_target_rope, "no target RoPE");
-    EXPECT_EQ(got[i].evaluation.ok, want.ok);
+    EXPECT_EQ(got[i].evaluation.ok(), want.ok());
     EXPECT_EQ(got[i].dir, f.mappers()[i]);
   }
   EXPECT_GT(got[1].evaluation.mapper.r2_k, got[1].evaluation.mean_only.r2_k + 0.1);  // the mapper explains something
@@ -273,7 +273,7 @@ TEST(HeldOutEval, LayersSharedOverRanksGiveTheSameFiguresOnEveryRank) {
           EXPECT_EQ(a.layers[l].layer, int(l));
           expect_layer_near(a.layers[l], b.layers[l], "rank " + std::to_string(comm.rank()));
         }
-        EXPECT_EQ(got[i].evaluation.verdict, one[i].evaluation.verdict);
+        EXPECT_EQ(got[i].evaluation.verdict(), one[i].evaluation.verdict());
       }
     });
   }

@@ -84,7 +84,7 @@ TEST(Transfer, PlantedMapIsRecoveredOnHeldOutTokensThroughTheLibrary) {
   EXPECT_GT(ev.mapper.r2_v, 0.9999);
   ASSERT_TRUE(ev.mapper.attention_cosine.has_value());
   EXPECT_GT(*ev.mapper.attention_cosine, 0.9999);
-  EXPECT_TRUE(ev.ok) << ev.verdict;
+  EXPECT_TRUE(ev.ok()) << ev.verdict();
   // The "- inference RoPE" bug is caught by every figure.
   EXPECT_LT(ev.no_target_rope.r2_k, 0.5);
   EXPECT_LT(*ev.no_target_rope.attention_cosine, *ev.mapper.attention_cosine - 0.05);
