@@ -31,7 +31,8 @@ __global__ void prepare_kernel(const void* in, Dtype kind, int64_t rows, int64_t
     if (s.inv_freq && s.rotates[layer]) {
       const int j = static_cast<int>(c % s.head_dim);
       if (j < s.rotary_dim) {
-        // Pairs (i, i + half) or (2i, 2i + 1); the first of a pair gets u c + v s, the second v c - u s (SPEC §2).
+        // Pairs (i, i + half) or (2i, 2i + 1); the first of a pair gets u c + v s, the second v c - u s: the
+        // rotation undone (docs/METHOD.md, "RoPE: content space").
         const int half = s.rotary_dim / 2;
         bool first;
         int f;
