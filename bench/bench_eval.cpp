@@ -31,6 +31,7 @@
 #include "fit/config.hpp"
 #include "runtime/log.hpp"
 #include "core/mlp.hpp"
+#include "fit/mlp_training.hpp"
 #include "fit/fit_pipeline.hpp"
 #include "eval/held_out.hpp"
 #include "fit/calibration.hpp"

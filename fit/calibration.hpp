@@ -1,6 +1,5 @@
 #pragma once
-// What every stage of a fit works on: the job's context (comms, backend, grid, stop flag) and the calibration
-// data validate() found (stage 1).
+// The calibration data validate() found (stage 1), which every stage of a fit works on.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -10,22 +9,8 @@
 #include "core/kv_spec.hpp"
 #include "fit/moments.hpp"
 #include "fit/config.hpp"
-#include "runtime/stop.hpp"
 
 namespace crosskv {
-
-class Comm;
-class ComputeBackend;
-
-struct Grid;
-
-struct Context {
-  Comm& comm;                 // every rank of the job
-  ComputeBackend& backend;
-  Grid* grid = nullptr;       // the rank grid (fit/grid.hpp); none: one layer group
-  StopFlag stop = {};         // a stop request (by default the process's signals): ends the job at a safe point
-  Comm& readers() const;      // the ranks that share this rank's moments and split the shards among them
-};
 
 struct ShardPair {
   std::string rel, domain;

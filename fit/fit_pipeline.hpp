@@ -5,6 +5,7 @@
 
 #include "fit/config.hpp"
 #include "fit/calibration.hpp"
+#include "fit/context.hpp"
 
 namespace crosskv {
 

@@ -15,6 +15,7 @@
 #include "runtime/fault.hpp"
 #include "runtime/log.hpp"
 #include "core/mlp.hpp"
+#include "fit/mlp_training.hpp"
 #include "core/rope.hpp"
 #include "core/sha256.hpp"
 #include "core/atomic_file.hpp"

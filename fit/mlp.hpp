@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fit/calibration.hpp"
+#include "fit/context.hpp"
 
 namespace crosskv {
 

@@ -9,6 +9,7 @@
 #include "core/comm.hpp"
 #include "core/kind.hpp"
 #include "core/mlp.hpp"
+#include "fit/mlp_training.hpp"
 
 namespace crosskv {
 

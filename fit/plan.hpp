@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fit/calibration.hpp"
+#include "fit/context.hpp"
 
 namespace crosskv {
 

@@ -17,6 +17,7 @@
 #include "core/half.hpp"
 #include "core/host_kernels.hpp"
 #include "core/mlp.hpp"
+#include "fit/mlp_training.hpp"
 #include "fit/moments.hpp"
 #include "core/rope.hpp"
 #include "core/thread_comm.hpp"

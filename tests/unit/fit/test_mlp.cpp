@@ -9,6 +9,7 @@
 
 #include "backends/backends.hpp"
 #include "core/mlp.hpp"
+#include "fit/mlp_training.hpp"
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
 #include "artifact/mapper.hpp"
