@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
+from types import SimpleNamespace
 
 BLOCK = 32
 HERE = os.path.dirname(os.path.abspath(__file__))  # planted_connector.py: the tests' own connectors
@@ -57,20 +59,86 @@ def log(name):
 
 def engine(name, spec, expect_fail=False, env=None):
     """Runs one engine on `spec` in the current folder (NAME.spec.json, NAME.out.json, NAME.log); its results, or
-    with expect_fail the finished process."""
+    with expect_fail the finished process (returncode, stdout: the log). An engine forks from the preloaded process
+    (Preloaded) unless `env` asks for its own environment."""
     t0 = time.time()
     json.dump(spec, open(f"{name}.spec.json", "w"))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), f"{name}.spec.json", f"{name}.out.json"],
-                       capture_output=True, text=True, env={**os.environ, **ENGINE_ENV, **(env or {}),
-                                                            "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))})
-    open(f"{name}.log", "w").write(r.stdout + r.stderr)
+    if env is None and os.environ.get("CROSSKV_TEST_FRESH_ENGINES") != "1":
+        rc = Preloaded.get().run(f"{name}.spec.json", f"{name}.out.json", f"{name}.log")
+        r = SimpleNamespace(returncode=rc, stdout=log(name), stderr="")
+    else:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), f"{name}.spec.json", f"{name}.out.json"],
+                           capture_output=True, text=True, env=engine_env(env))
+        open(f"{name}.log", "w").write(r.stdout + r.stderr)
     print(f"     engine {name}: {time.time() - t0:.0f} s", flush=True)
     if expect_fail:
         return r
     if r.returncode != 0:
-        print(r.stderr[-3000:])
+        print((r.stdout + r.stderr)[-3000:])
         raise RuntimeError(f"engine {name} failed (see {os.getcwd()}/{name}.log)")
     return json.load(open(f"{name}.out.json"))
+
+
+def engine_env(env=None):
+    return {**os.environ, **ENGINE_ENV, **(env or {}),
+            "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
+
+
+class Preloaded:
+    """A process that imported vLLM once and forks a child for each engine: importing vLLM and torch is about half
+    of a small engine's start. Each child is a fresh copy of that process, so engines share nothing else.
+    Protocol: one JSON line {cwd, spec, out, log} in, one line with the child's exit status out."""
+    _one = None
+
+    @classmethod
+    def get(cls):
+        if cls._one is None or cls._one.proc.poll() is not None:
+            cls._one = cls()
+        return cls._one
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--preload"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=engine_env())
+
+    def run(self, spec, out, log_path):
+        self.proc.stdin.write(json.dumps({"cwd": os.getcwd(), "spec": spec, "out": out, "log": log_path}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the preloaded engine process exited ({self.proc.wait()}); see {log_path}")
+        return int(line)
+
+
+def serve_preloaded():
+    """The preloaded process's loop (Preloaded): fork, run the engine in the child, report its exit status."""
+    protocol_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the imports print goes to stderr, not into the protocol
+    import vllm  # noqa: F401  (what the children no longer import)
+    import crosskv.vllm  # noqa: F401
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.chdir(job["cwd"])
+            fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            for std in (1, 2):
+                os.dup2(fd, std)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            code = 0
+            try:
+                run_engine(job["spec"], job["out"])
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.exit(code)  # the interpreter's own exit: atexit handlers and threads finish as in a fresh process
+        _, status = os.waitpid(pid, 0)
+        protocol_out.write(f"{os.waitstatus_to_exitcode(status)}\n")
+        protocol_out.flush()
 
 
 def engine_args(spec):
@@ -217,4 +285,7 @@ def timed_run(llm, spec, sp, out_path):
 
 
 if __name__ == "__main__":
-    run_engine(sys.argv[1], sys.argv[2])
+    if sys.argv[1:] == ["--preload"]:
+        serve_preloaded()
+    else:
+        run_engine(sys.argv[1], sys.argv[2])
