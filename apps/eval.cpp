@@ -21,13 +21,17 @@
 using namespace crosskv;
 
 int main(int argc, char** argv) {
-  // The compiled retention predictor (docs/retention-calibration.json's), for tools/family/calibrate.py check.
-  if (argc == 2 && std::string(argv[1]) == "--print-retention-model") {
-    std::printf("%s\n", retention_model().json().dump(1).c_str());
-    return 0;
-  }
+  // The retention predictor the verdict reads, and its file, for tools/family/calibrate.py check.
+  if (argc == 2 && std::string(argv[1]) == "--print-retention-model")
+    return run_tool("crosskv-eval", [] {
+      nlohmann::json j = retention_model().json();
+      j["file"] = retention_model_path().string();
+      std::printf("%s\n", j.dump(1).c_str());
+      return 0;
+    });
   CLI::App app{"crosskv-eval: held-out diagnostics of a mapper"};
-  app.footer("crosskv-eval --print-retention-model: the predictor of the recovered share the verdict uses (JSON)");
+  app.footer("crosskv-eval --print-retention-model: the retention predictor the verdict uses and its file (JSON); "
+             "CROSSKV_RETENTION_MODEL=FILE reads another (tools/family/calibrate.py fit writes one)");
   std::string mapper, source, target, json_path, html_path, device = "cpu";
   bool require_ok = false;
   double min_retention = 0.8;
@@ -53,6 +57,7 @@ int main(int argc, char** argv) {
   try {
     return run_tool("crosskv-eval", [&]() -> int {
       // One rank per GPU: the rank's index on its node picks the device.
+      agreed(*comm, [] { return retention_model().mappers; });  // a bad predictor file fails before the work
       auto be = agreed(*comm, [&] {
         return backend_for_this_rank(device_kind(device), comm->rank(), false);
       });

@@ -13,6 +13,7 @@
 #include "runtime/mpi.hpp"
 #include "core/threads.hpp"
 #include "core/error.hpp"
+#include "eval/retention.hpp"
 #include "runtime/log.hpp"
 #include "fit/fit_pipeline.hpp"
 #include "fit/checkpoint.hpp"
@@ -64,6 +65,8 @@ int main(int argc, char** argv) {
   try {
     // A mistake in the config (or a missing device) is every rank's: agreed on, reported by rank 0 alone.
     const FitConfig cfg = agreed(*comm, [&] { return load_fit_config(config_path); });
+    // The eval stage's retention predictor is read now, so a bad file fails before the fit rather than after it.
+    if (!cfg.eval.shards.empty()) agreed(*comm, [] { return retention_model().mappers; });
     const int device = device_for_rank(cfg.runtime.device, mpi_local_rank());
     std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] { return make_backend(device, comm->rank(), cfg.runtime.tf32); });
     // GPU ranks reduce over NCCL (the same fixed-order sums as MPI) when each has a GPU of its own on every node:

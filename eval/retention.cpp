@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <tuple>
+
+#include "core/error.hpp"
 
 namespace crosskv {
 
@@ -41,19 +46,82 @@ std::string target_meaning(const RetentionModel& model) {
   return "of the prefix's benefit: the target's perplexity with its own prefill against none";
 }
 
+namespace {
+
+double number(const nlohmann::json& j, const char* key, const std::string& file, const std::string& where) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_number())
+    throw ConfigError(file + ": " + where + key + ": expected a number");
+  return it->get<double>();
+}
+
+std::pair<double, double> range(const nlohmann::json& ranges, const char* key, const std::string& file) {
+  const auto it = ranges.find(key);
+  if (it == ranges.end() || !it->is_array() || it->size() != 2 || !(*it)[0].is_number() || !(*it)[1].is_number())
+    throw ConfigError(file + ": model.ranges." + key + ": expected [low, high]");
+  return {(*it)[0].get<double>(), (*it)[1].get<double>()};
+}
+
+RetentionFeature feature_named(const std::string& name, const std::string& file) {
+  for (RetentionFeature f : {RetentionFeature::attention_cosine, RetentionFeature::cosine_margin,
+                             RetentionFeature::r2_mean, RetentionFeature::k_concentration})
+    if (name == to_string(f)) return f;
+  throw ConfigError(file + ": model.coefficients." + name +
+                    ": not a feature (attention_cosine, cosine_margin, r2_mean or k_concentration)");
+}
+
+RetentionModel model_of(const nlohmann::json& doc, const std::string& file) {
+  if (!doc.is_object() || doc.value("format", "") != "crosskv-retention-calibration" || doc.value("version", 0) != 1)
+    throw ConfigError(file + ": expected \"format\": \"crosskv-retention-calibration\", \"version\": 1 "
+                      "(tools/family/calibrate.py fit writes it)");
+  const auto m = doc.find("model");
+  if (m == doc.end() || !m->is_object()) throw ConfigError(file + ": model: expected an object");
+  RetentionModel r;
+  r.intercept = number(*m, "intercept", file, "model.");
+  const auto c = m->find("coefficients");
+  if (c == m->end() || !c->is_object() || c->empty())
+    throw ConfigError(file + ": model.coefficients: expected an object of feature: coefficient");
+  for (const auto& [name, w] : c->items()) {
+    const RetentionFeature f = feature_named(name, file);
+    if (!w.is_number()) throw ConfigError(file + ": model.coefficients." + name + ": expected a number");
+    r.terms.emplace_back(f, w.get<double>());
+  }
+  r.half_width = number(*m, "half_width", file, "model.");
+  r.coverage = number(*m, "coverage", file, "model.");
+  r.loso_mae = number(*m, "loso_mae", file, "model.");
+  r.mappers = static_cast<int>(number(*m, "mappers", file, "model."));
+  const auto ranges = m->find("ranges");
+  if (ranges == m->end() || !ranges->is_object()) throw ConfigError(file + ": model.ranges: expected an object");
+  std::tie(r.cosine_min, r.cosine_max) = range(*ranges, "attention_cosine", file);
+  std::tie(r.mean_only_min, r.mean_only_max) = range(*ranges, "mean_only_cosine", file);
+  r.target = m->value("target", doc.value("target", std::string("recovered")));
+  if (r.target != "recovered" && r.target != "content_share")
+    throw ConfigError(file + ": model.target: expected \"recovered\" or \"content_share\", not \"" + r.target + "\"");
+  r.calibrated_on = doc.value("calibrated_on", std::string());
+  return r;
+}
+
+}  // namespace
+
+RetentionModel load_retention_model(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  if (!in) throw ConfigError(file.string() + ": cannot read the retention model (" + kRetentionModelEnv + ")");
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ConfigError(file.string() + ": not JSON: " + e.what());
+  }
+  return model_of(doc, file.string());
+}
+
+std::filesystem::path retention_model_path() {
+  const char* env = std::getenv(kRetentionModelEnv);
+  return env && *env ? std::filesystem::path(env) : std::filesystem::path(CROSSKV_RETENTION_MODEL_FILE);
+}
+
 const RetentionModel& retention_model() {
-  // tools/family/calibrate.py fit (docs/retention-calibration.json, "model"); ctest docs.retention_calibration.
-  static const RetentionModel m{
-      /*intercept=*/-0.21315,
-      /*terms=*/{{RetentionFeature::attention_cosine, 1.178903}},
-      /*half_width=*/0.118325,
-      /*coverage=*/0.9,
-      /*loso_mae=*/0.049796,
-      /*mappers=*/69,
-      /*cosine_min=*/0.305675, /*cosine_max=*/0.896879, /*mean_only_min=*/0.002081, /*mean_only_max=*/0.490776,
-      "the small family of docs/RESULTS.md (two Qwen3-style models trained on Shakespeare, 4 and 8 layers), its "
-      "content share (crosskv.retention); a real pair may differ",
-      /*target=*/"content_share"};
+  static const RetentionModel m = load_retention_model(retention_model_path());
   return m;
 }
 

@@ -1,8 +1,10 @@
 #pragma once
 // The retention predictor behind the verdict: the share of the prefix's benefit a mapper keeps (the
 // family studies' perplexity protocol, docs/RESULTS.md), predicted from its held-out diagnostics by a small monotone
-// model fitted by tools/family/calibrate.py (docs/retention-calibration.json), with the interval that held 90% of
-// its errors when each study was left out. Calibrated on one small family: a real pair may differ.
+// model fitted by tools/family/calibrate.py, with the interval that held 90% of its errors when each study was left
+// out. The programs read it at run time from one file (docs/retention-calibration.json unless CROSSKV_RETENTION_MODEL
+// names another), so a refit reaches them without a rebuild. Calibrated on one small family: a real pair may differ.
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <utility>
@@ -35,7 +37,13 @@ struct RetentionModel {
 std::string target_name(const RetentionModel& model);
 std::string target_meaning(const RetentionModel& model);
 
-// The model compiled in: docs/retention-calibration.json's (ctest docs.retention_calibration checks that they agree).
+// The environment variable that names the model's file; without it, the file configured at build time
+// (CROSSKV_RETENTION_MODEL_FILE: the source tree's docs/retention-calibration.json unless set otherwise).
+inline constexpr const char* kRetentionModelEnv = "CROSSKV_RETENTION_MODEL";
+std::filesystem::path retention_model_path();
+// A calibration file's model (calibrate.py fit's output); ConfigError naming the file and key where it is not one.
+RetentionModel load_retention_model(const std::filesystem::path& file);
+// The process's model: load_retention_model(retention_model_path()), read once on first use.
 const RetentionModel& retention_model();
 
 // Where the model reads one feature: the value of it at which the predicted share is `share` (none otherwise).

@@ -65,6 +65,22 @@ PY
   expect_in "eval.min_retention" bad.log
   "$EVAL" --print-retention-model > model.json
   python3 -c "import json; m = json.load(open('model.json')); assert m['coefficients'] and m['half_width'] > 0, m"
+  # A refit reaches the program without a rebuild: the same mapper, a predictor file with its intercept raised by
+  # 0.05, predicts 0.05 more (CROSSKV_RETENTION_MODEL; capped at 1).
+  python3 -c "import json
+d = json.load(open(json.load(open('model.json'))['file'])); d['model']['intercept'] += 0.05
+json.dump(d, open('refit.json', 'w'))"
+  CROSSKV_RETENTION_MODEL=$PWD/refit.json "$EVAL" --mapper out/kall --source $SRC --target $TGT --json refit-eval.json \
+    > refit.log 2>&1 || { cat refit.log; die "crosskv-eval with CROSSKV_RETENTION_MODEL=refit.json failed"; }
+  python3 -c "import json
+a = json.load(open('lo.json'))['predicted_retention']['share']; b = json.load(open('refit-eval.json'))['predicted_retention']['share']
+assert abs(b - min(a + 0.05, 1.0)) < 1e-9, (a, b)" || die "the refit predictor file did not change crosskv-eval's prediction"
+  # A broken predictor file stops the fit before it starts, naming the file.
+  echo '{"format": "crosskv-retention-calibration", "version": 1}' > broken.json
+  set +e; CROSSKV_RETENTION_MODEL=$PWD/broken.json "$FIT" fit.yaml > broken.log 2>&1; rc=$?; set -e
+  [ "$rc" = 2 ] || { cat broken.log; die "a broken CROSSKV_RETENTION_MODEL should stop crosskv-fit (exit 2), got $rc"; }
+  expect_in "broken.json: model: expected an object" broken.log
+  grep -q "moments" broken.log && { cat broken.log; die "crosskv-fit started fitting before it read the predictor"; }
   echo "retention verdict OK"
   exit 0
 fi

@@ -4,6 +4,7 @@
 #include "helpers.hpp"
 #include "io/h5.hpp"
 #include "io/shard.hpp"
+#include "eval/retention.hpp"
 
 #include <spdlog/sinks/ostream_sink.h>
 
@@ -357,4 +358,34 @@ TEST_F(BadInput, WeightingAndRetentionAreCheckedByKey) {
                    {"fit.weighting", "not weighted", "mapper: ridge"});
   expect_fit_error(config_yaml(tmp.str(), "{k: [1]}", "out", "eval: {min_retention: 80}\n"),
                    {"eval.min_retention", "(0, 1]"});
+}
+
+// The retention predictor's file (CROSSKV_RETENTION_MODEL, or the one configured at build time) is checked by key.
+TEST(BadRetentionModel, EachMistakeNamesTheFileAndTheKey) {
+  TempDir tmp;
+  std::ifstream in(std::string(CROSSKV_SOURCE_DIR) + "/docs/retention-calibration.json");
+  const nlohmann::json good = nlohmann::json::parse(in);
+  const std::string path = tmp.str("retention.json");
+  auto expect = [&](const std::function<void(nlohmann::json&)>& spoil, const std::vector<std::string>& parts) {
+    nlohmann::json doc = good;
+    spoil(doc);
+    std::ofstream(path) << doc.dump();
+    std::vector<std::string> all{path};
+    all.insert(all.end(), parts.begin(), parts.end());
+    expect_error<ConfigError>([&] { load_retention_model(path); }, all);
+  };
+  expect([](nlohmann::json& d) { d["format"] = "something-else"; }, {"crosskv-retention-calibration", "calibrate.py"});
+  expect([](nlohmann::json& d) { d.erase("model"); }, {"model: expected an object"});
+  expect([](nlohmann::json& d) { d["model"].erase("intercept"); }, {"model.intercept", "a number"});
+  expect([](nlohmann::json& d) { d["model"]["half_width"] = "wide"; }, {"model.half_width", "a number"});
+  expect([](nlohmann::json& d) { d["model"]["coefficients"] = nlohmann::json::object(); }, {"model.coefficients"});
+  expect([](nlohmann::json& d) { d["model"]["coefficients"]["perplexity"] = 1.0; },
+         {"model.coefficients.perplexity", "not a feature", "attention_cosine"});
+  expect([](nlohmann::json& d) { d["model"]["ranges"]["attention_cosine"] = {0.3}; },
+         {"model.ranges.attention_cosine", "[low, high]"});
+  expect([](nlohmann::json& d) { d["model"]["target"] = "accuracy"; }, {"model.target", "content_share", "accuracy"});
+  std::ofstream(path) << "{\"format\": ";
+  expect_error<ConfigError>([&] { load_retention_model(path); }, {path, "not JSON"});
+  expect_error<ConfigError>([&] { load_retention_model(tmp.str("absent.json")); },
+                            {tmp.str("absent.json"), "cannot read", "CROSSKV_RETENTION_MODEL"});
 }

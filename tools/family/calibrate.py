@@ -9,15 +9,20 @@ predictor of it, validated leaving one study out. Pure Python (no numpy): it run
 
 `fit` pairs every measured mapper's diagnostics with its recovered share, prints the correlations (with 95% Fisher
 intervals) beside the paper's, fits each candidate predictor, validates each leaving one study out, and keeps the
-one with the smallest held-out error (fewer features win within half a point of it). `check` refits from the rows stored in the file and fails unless the stored
-model, and the one compiled into crosskv-eval (`--print-retention-model`), are that refit. `self-test` plants a
-changed coefficient and proves that `check` catches it.
+one with the smallest held-out error (fewer features win within half a point of it). The programs read the file
+at run time (CROSSKV_RETENTION_MODEL=FILE, else the one configured at build time: this repository's
+docs/retention-calibration.json), so a refit reaches them without a rebuild. `check` refits from the rows stored in
+the file and fails unless the stored model is that refit, and, given crosskv-eval, unless the program reads that
+model from the file (`--print-retention-model`). `self-test` plants a changed coefficient and a changed row and
+proves that `check` catches each, and that crosskv-eval reads a changed file without a rebuild.
 """
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
+import tempfile
 
 # Features: name -> (how to read it from a row, the sign its coefficient must have: the predictor is monotone).
 FEATURES = {
@@ -222,9 +227,11 @@ def markdown(cal, rows):
     return "\n".join(lines)
 
 
-def compiled_model(binary):
-    out = subprocess.run([binary, "--print-retention-model"], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+def program_model(binary, path):
+    """The model crosskv-eval reads from the calibration file at `path`, and the file it names."""
+    env = dict(os.environ, CROSSKV_RETENTION_MODEL=os.path.abspath(path))
+    out = subprocess.run([binary, "--print-retention-model"], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout)
 
 
 def same_model(a, b, tol=5e-6):
@@ -241,18 +248,27 @@ def same_model(a, b, tol=5e-6):
     return all(abs(x - y) <= tol for x, y in pairs)
 
 
-def check(doc, binary=None):
-    """Problems (empty when none): the stored model is not the refit of the stored rows, or crosskv-eval's is not."""
+def check(doc, path, binary=None):
+    """Problems (empty when none): the stored model is not the refit of the stored rows, or crosskv-eval does not
+    read it from the file at `path`."""
     problems = []
     refit = rounded(calibrate(doc["rows"], doc.get("target", "recovered"))["model"])
     if not same_model(refit, doc["model"]):
         problems.append(f"the stored model is not the refit of the stored rows: stored {doc['model']}, refit {refit}")
     if binary:
-        got = compiled_model(binary)
-        if not same_model(refit, got):
-            problems.append(f"{binary}'s compiled retention model differs from the calibration: compiled {got}, "
-                            f"calibration {refit} (update eval/retention.cpp)")
+        got = program_model(binary, path)
+        if not same_model(doc["model"], got) or got.get("file") != os.path.abspath(path):
+            problems.append(f"{binary} does not read {path}'s model: it reads {got}, the file holds {doc['model']}")
     return problems
+
+
+def with_file(doc, fn):
+    """fn(path) with `doc` written to a temporary calibration file."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "retention-calibration.json")
+        with open(path, "w") as fh:
+            json.dump(doc, fh)
+        return fn(path)
 
 
 def main():
@@ -265,7 +281,7 @@ def main():
                    help="what the predictor predicts: the share of the prefix's gain (recovered), the content share "
                         "(crosskv.retention: beyond the wrong-sequence control), or the choice task's retention")
     f.add_argument("--calibrated-on", default="the small family of docs/RESULTS.md (two Qwen3-style models trained on "
-                                              "Shakespeare, 4 and 8 layers)")
+                                              "Shakespeare, 4 and 8 layers); a real pair may differ")
     for name in ("check", "self-test"):
         c = sub.add_parser(name)
         c.add_argument("calibration")
@@ -288,23 +304,34 @@ def main():
         return 0
     doc = json.load(open(a.calibration))
     if a.cmd == "check":
-        problems = check(doc, a.binary)
+        problems = check(doc, a.calibration, a.binary)
         for pr in problems:
             print("calibrate.py check:", pr, file=sys.stderr)
         if not problems:
             print(f"calibrate.py check: {a.calibration}: the model is the refit of its {len(doc['rows'])} rows"
-                  + (f", and {a.binary} holds it" if a.binary else ""))
+                  + (f", and {a.binary} reads it" if a.binary else ""))
         return 1 if problems else 0
-    # self-test: the check passes on the file as it is, and fails on a planted change of each kind.
-    assert not check(doc, a.binary), "the calibration does not pass its own check"
+    return self_test(doc, a.calibration, a.binary)
+
+
+def self_test(doc, path, binary):
+    """The check passes on the file as it is and fails on a planted change of each kind; crosskv-eval reads a
+    changed file as it is, without a rebuild."""
+    assert not check(doc, path, binary), "the calibration does not pass its own check"
     planted = json.loads(json.dumps(doc))
     name = next(iter(planted["model"]["coefficients"]))
     planted["model"]["coefficients"][name] += 0.01
-    assert check(planted), "a changed coefficient was not caught"
+    assert with_file(planted, lambda p: check(planted, p)), "a changed coefficient was not caught"
+    if binary:
+        got = with_file(planted, lambda p: program_model(binary, p))
+        assert abs(got["coefficients"][name] - planted["model"]["coefficients"][name]) < 1e-9, \
+            f"{binary} did not read the changed file: {got}"
+        assert with_file(planted, lambda p: check(doc, p, binary)), "a program reading another model was not caught"
     planted = json.loads(json.dumps(doc))
     planted["rows"][0][doc.get("target", "recovered")] += 0.2
-    assert check(planted), "a changed row was not caught"
-    print("calibrate.py self-test: a changed coefficient and a changed row are both caught")
+    assert with_file(planted, lambda p: check(planted, p)), "a changed row was not caught"
+    print("calibrate.py self-test: a changed coefficient and a changed row are both caught"
+          + (f"; {binary} reads a changed file without a rebuild" if binary else ""))
     return 0
 
 

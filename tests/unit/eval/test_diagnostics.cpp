@@ -191,6 +191,32 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
 }
 
 
+// The predictor is read from its file at run time: the configured default is the repository's calibration, the
+// environment names another, and a changed file changes the prediction without a rebuild.
+TEST(RetentionModel, IsReadFromItsFileAtRunTime) {
+  const std::string docs = std::string(CROSSKV_SOURCE_DIR) + "/docs/retention-calibration.json";
+  ::unsetenv(kRetentionModelEnv);
+  EXPECT_EQ(fs::weakly_canonical(retention_model_path()), fs::weakly_canonical(docs));
+  EXPECT_EQ(retention_model().json(), load_retention_model(docs).json());
+  TempDir tmp;
+  std::ifstream in(docs);
+  nlohmann::json doc = nlohmann::json::parse(in);
+  doc["model"]["intercept"] = doc["model"]["intercept"].get<double>() + 0.05;
+  const std::string refit = tmp.str("refit.json");
+  std::ofstream(refit) << doc.dump();
+  ::setenv(kRetentionModelEnv, refit.c_str(), 1);
+  EXPECT_EQ(retention_model_path(), fs::path(refit));
+  ::unsetenv(kRetentionModelEnv);
+  const RetentionModel changed = load_retention_model(refit);
+  Diagnostics mapper, mean_only;
+  mapper.attention_cosine = 0.6, mapper.r2_k = mapper.r2_v = 0.5, mapper.k_concentration = 0.2;
+  mean_only.attention_cosine = 0.1;
+  const auto before = predict_retention(mapper, mean_only);
+  const auto after = predict_retention(mapper, mean_only, changed);
+  ASSERT_TRUE(before && after);
+  EXPECT_NEAR(after->share - before->share, 0.05, 1e-12);
+}
+
 TEST(Verdict, ThePredictedShareAgainstMinRetentionDecidesIt) {
   const RetentionModel& m = retention_model();
   ASSERT_FALSE(m.terms.empty());
