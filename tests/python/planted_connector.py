@@ -1,5 +1,5 @@
 """Planted bugs for the vLLM tests, as connectors the tests load by module path (spec key "planted"), so that no
-test fault lives in crosskv's own code. Each subclasses CrossKVConnector and swaps its scheduler or worker side.
+test fault lives in crosskv's own code. Each subclasses CrossKVConnector and swaps its scheduler side, its worker, or a worker's target part.
 
     rank0_heads     every tensor-parallel worker maps worker 0's heads (labelled applied: the TP check must catch it)
     write_once      the first write of mapped KV into the paged cache, in each worker, raises
@@ -17,23 +17,28 @@ from dataclasses import replace
 from crosskv.vllm.connector import CrossKVConnector
 from crosskv.vllm.metadata import fallback
 from crosskv.vllm.scheduler import SchedulerSide
-from crosskv.vllm.worker import WorkerSide
+from crosskv.vllm.config import Role
+from crosskv.vllm.worker import TargetWorker, Worker
 
 
-class _Rank0Heads(WorkerSide):
+class _Rank0Heads(Worker):
     def _placement(self, engine_kv_heads, local_kv_heads):
         p = super()._placement(engine_kv_heads, local_kv_heads)
-        return replace(p, first=0) if self.ctx.side == "target" else p
+        return replace(p, first=0) if self.ctx.role == Role.TARGET else p
 
 
-class _WriteOnce(WorkerSide):
+class _WriteOnceTarget(TargetWorker):
     _raised = False
 
     def _write(self, layer, cache, plan, k, v):
-        if not _WriteOnce._raised:
-            _WriteOnce._raised = True
+        if not _WriteOnceTarget._raised:
+            _WriteOnceTarget._raised = True
             raise RuntimeError("a planted fault in the cache write")
         super()._write(layer, cache, plan, k, v)
+
+
+class _WriteOnce(Worker):
+    target_worker = _WriteOnceTarget
 
 
 class _NoReload(SchedulerSide):

@@ -286,7 +286,7 @@ def test_uncertain_and_not_ready_are_refused_each_by_name(cls, allow, refused):
     got = verdict_refusal((cls, f"{cls.upper()}: text"), cfg.Settings(store="s", **allow))
     assert bool(got) == refused
     if refused:
-        assert got[1] == cls and f"verdict is {cls} ({cls.upper()}: text)" in got[0] and f"allow_{cls}" in got[0]
+        assert got.kind == cls and f"verdict is {cls} ({cls.upper()}: text)" in got.reason and f"allow_{cls}" in got.reason
     assert verdict_refusal(None, cfg.Settings(store="s")) is None  # no eval beside the mapper: served
 
 
@@ -652,7 +652,7 @@ def _scheduler(tmp_path, **settings):
     store = _SlowStore(folder)
     spec = {"n_layers": L, "n_kv_heads": H, "head_dim": D, "rope": {"type": "default", "theta": 1e6,
                                                                       "rotary_dim": D}}
-    ctx = EngineContext("target", cfg.Settings(store="x", mapper="m", **settings), store, BLOCK, spec, "t",
+    ctx = EngineContext(cfg.Role.TARGET, cfg.Settings(store="x", mapper="m", **settings), store, BLOCK, spec, "t",
                         torch.float32, "auto", None, False, manifest={"source": spec, "target": spec})
     ids = list(range(1, 3 * BLOCK + 2))
     k = np.zeros((len(ids), L, H, D), np.float32)
@@ -857,19 +857,41 @@ def test_a_resumed_request_that_finds_its_own_mapped_blocks_reuses_them(tmp_path
 
 
 # ---------------------------------------------------------------------- the worker: releases, skipped layers
-def _bare_worker(n_layers=2):
-    from crosskv.vllm.worker import WorkerSide
+def _bare_caches(n_layers=2):
+    from crosskv.vllm.worker import WorkerCaches
 
-    w = WorkerSide.__new__(WorkerSide)
-    w._released, w._held, w._held_lock = set(), set(), threading.Lock()
-    w.saver = None
-    w._outcomes, w._failed, w._invalid_blocks, w._written, w._map_seconds = {}, set(), set(), {}, {}
-    w._mapped, w._by_layer = [], None
-    w._layers = {f"l{i}": None for i in range(n_layers)}
-    w._stats = __import__("crosskv.vllm.metrics", fromlist=["CrossKVStats"]).CrossKVStats()
-    w.placement = SimpleNamespace(rank=0)
-    w.ctx = SimpleNamespace(block_size=BLOCK, settings=SimpleNamespace(mapper="m"))
-    return w
+    c = WorkerCaches(SimpleNamespace(block_size=BLOCK), num_blocks=NB)
+    c.layers = {f"l{i}": None for i in range(n_layers)}
+    c.placement = SimpleNamespace(rank=0)
+    return c
+
+
+def _bare_target(n_layers=2):
+    from crosskv.vllm.worker import TargetWorker
+
+    ctx = SimpleNamespace(block_size=BLOCK, settings=SimpleNamespace(mapper="m"), refusal=None)
+    return TargetWorker(ctx, _bare_caches(n_layers), guard=None)
+
+
+def _bare_source():
+    from crosskv.vllm.worker import SourceWorker
+
+    return SourceWorker(SimpleNamespace(block_size=BLOCK), _bare_caches(), guard=None)
+
+
+@pytest.mark.parametrize("kv_role,maps,saves", [("kv_producer", False, True), ("kv_consumer", True, False),
+                                                 ("kv_both", True, True)])
+def test_a_worker_has_the_parts_its_role_names(kv_role, maps, saves):
+    from crosskv.vllm.worker import Worker
+
+    role = cfg.KV_ROLES[kv_role]
+    assert (role.maps, role.saves) == (maps, saves)
+    ctx = SimpleNamespace(role=role, store=SimpleNamespace(spec="folder:x"), settings=cfg.Settings(store="x"))
+    w = Worker(ctx, None, SimpleNamespace(num_blocks=NB))
+    assert (w.target is not None, w.source is not None) == (maps, saves)
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.get_finished(set()) == (None, None) and w.build_connector_worker_meta() is None
+    w.shutdown()
 
 
 class _TwiceSaver:
@@ -889,29 +911,30 @@ class _TwiceSaver:
 def test_a_request_is_released_exactly_once_whatever_the_saver_reports():
     from crosskv.vllm.metadata import SavePlan
 
-    w = _bare_worker()
+    w = _bare_source()
     w.saver = _TwiceSaver()
     w._save_job = lambda plan: plan
     w.save(SavePlan("a", [1, 2], [0, 1]))
-    assert w.get_finished(set()) == ({"a"}, None)
-    assert w.get_finished(set()) == (None, None)  # the second report is vLLM's assert, and the engine's end
+    assert w.get_finished() == {"a"}
+    assert w.get_finished() is None  # the second report is vLLM's assert, and the engine's end
     assert w.saver.calls == 2
 
 
 def test_a_load_whose_layer_hook_was_skipped_is_a_load_error_never_applied():
     from crosskv.vllm.metadata import LoadPlan
 
-    w = _bare_worker(n_layers=3)
+    w = _bare_target(n_layers=3)
     plan = LoadPlan("r", [], 0, 2 * BLOCK, list(range(2 * BLOCK)), list(range(2 * BLOCK)))
     w._mapped = [(plan, None, None)]
     w._written = {"r": 2}  # layer 2's hook never ran (a full CUDA graph's replay skips it)
-    w.wait_for_save(None)
-    assert w._outcomes["r"].status == "fallback_reprefill" and w._outcomes["r"].kind == "layer_skipped"
-    assert "written into 2 of 3 layers" in w._outcomes["r"].reason
-    assert w.get_block_ids_with_load_errors() == {0, 1}
+    w.settle()
+    out = w.take_outcomes()
+    assert out["r"].status == "fallback_reprefill" and out["r"].kind == "layer_skipped"
+    assert "written into 2 of 3 layers" in out["r"].reason
+    assert w.take_invalid_blocks() == {0, 1}
     w._mapped, w._written = [(plan, None, None)], {"r": 3}
-    w.wait_for_save(None)
-    assert w._outcomes["r"].status == "applied"
+    w.settle()
+    assert w.take_outcomes()["r"].status == "applied" and len(w.take_applied_seconds()) == 1
 
 
 # ------------------------------------------------------------------- the GPU path's bounds, on the host
@@ -978,9 +1001,8 @@ def test_a_step_checks_its_prefixes_finite_once_and_fails_only_the_one_with_nan(
     from crosskv.vllm.metadata import CrossKVMetadata, LoadPlan
     from crosskv.vllm.worker import SourcePrefix
 
-    w = _bare_worker(n_layers=2)
-    w._kv_caches = {"l0": torch.zeros(1)}
-    w._slots = {}
+    w = _bare_target(n_layers=2)
+    w.caches.kv_caches = {"l0": torch.zeros(1)}
     w.ctx.settings.layerwise = False
     calls = []
     w._mapper = SimpleNamespace(transfer=lambda k, v, p, check_finite=True: calls.append(check_finite) or (k, v))
@@ -991,18 +1013,18 @@ def test_a_step_checks_its_prefixes_finite_once_and_fails_only_the_one_with_nan(
     w._start(CrossKVMetadata(loads=plans, saves=[]))
     assert calls == [False]  # the mapper is not asked to check again (on a GPU: a wait per layer)
     assert [p.req_id for p, _, _ in w._mapped] == ["ok"]
-    assert w._outcomes["nan"].kind == "not_finite" and w.get_block_ids_with_load_errors() == {0}
+    assert w._outcomes["nan"].kind == "not_finite" and w.take_invalid_blocks() == {0}
     assert "keys at token 2, layer 1, head 0, dim 3 is NaN" in w._outcomes["nan"].reason
     assert torch.equal(w._slots["ok"], torch.tensor([8, 9, 10, 11]))
 
 
 def _save_worker(make):
-    from crosskv.vllm.worker import WorkerSide
+    from crosskv.vllm.worker import SourceWorker, WorkerCaches
 
-    w = WorkerSide.__new__(WorkerSide)
-    w.placement = SimpleNamespace(count=H)
-    w.ctx = SimpleNamespace(engine={"head_dim": D})
-    w._kv_caches, w._layouts = {}, {}
+    ctx = SimpleNamespace(engine={"head_dim": D})
+    caches = WorkerCaches(ctx, num_blocks=NB)
+    caches.placement = SimpleNamespace(count=H)
+    w = SourceWorker(ctx, caches, guard=None)
     gen = torch.Generator().manual_seed(5)
     slots = slots_of([5, 0, 2, 3], BLOCK, 0, 60)
     for li in range(L):
@@ -1010,19 +1032,19 @@ def _save_worker(make):
         for s in slots.tolist():
             at(cache, 0, s).copy_(torch.randn(H, D, generator=gen))
             at(cache, 1, s).copy_(torch.randn(H, D, generator=gen))
-        w._kv_caches[f"l{li}"] = cache
-        w._layouts[f"l{li}"] = PagedLayout(SimpleNamespace(impl=_Impl(
+        caches.kv_caches[f"l{li}"] = cache
+        caches._layouts[f"l{li}"] = PagedLayout(SimpleNamespace(impl=_Impl(
             lambda layer, key, value, c, sl, at=at: [(at(c, 0, s).copy_(key[i]), at(c, 1, s).copy_(value[i]))
                                                      for i, s in enumerate(sl.tolist())])), cache, NB, BLOCK, H, D)
     return w, slots
 
 
 def _largest_gather(w, slots, monkeypatch):
-    want = [lay.read_raw(c, slots) for lay, c in zip(w._layouts.values(), w._kv_caches.values())]
+    want = [lay.read_raw(c, slots) for lay, c in zip(w.caches._layouts.values(), w.caches.kv_caches.values())]
     sizes = []
     real = PagedLayout.read_raw
     monkeypatch.setattr(PagedLayout, "read_raw", lambda self, c, s: sizes.append(len(s)) or real(self, c, s))
-    k, v = w._copy_out(list(w._kv_caches.items()), slots, None)
+    k, v = w._copy_out(list(w.caches.kv_caches.items()), slots, None)
     assert np.array_equal(k, torch.stack([x[0] for x in want], 1).numpy())
     assert np.array_equal(v, torch.stack([x[1] for x in want], 1).numpy())
     return max(sizes)
@@ -1061,7 +1083,7 @@ def _source_scheduler(tmp_path):
 
     spec = {"n_layers": L, "n_kv_heads": H, "head_dim": D, "rope": {"type": "default", "theta": 1e6,
                                                                       "rotary_dim": D}}
-    ctx = EngineContext("source", cfg.Settings(store="x"), st.FolderStore(str(tmp_path / "s"), BLOCK), BLOCK, spec, "s",
+    ctx = EngineContext(cfg.Role.SOURCE, cfg.Settings(store="x"), st.FolderStore(str(tmp_path / "s"), BLOCK), BLOCK, spec, "s",
                         torch.float32, "auto", None, False, engine_id="engine-under-test")
     worker = _LocalWorker()
     LOCAL_SAVERS["engine-under-test"] = worker

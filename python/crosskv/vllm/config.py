@@ -3,6 +3,7 @@ held-out verdict as the connector checks them. Anything wrong here stops the eng
 key (CrossKVConfigError)."""
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -55,9 +56,29 @@ class Settings:
     load_namespace: Optional[str] = None
 
 
-def parse_settings(kv_transfer_config) -> tuple[str, Settings]:
-    """('source' | 'target', Settings) from vLLM's KVTransferConfig; CrossKVConfigError names the bad key."""
-    role = {"kv_producer": "source", "kv_consumer": "target", "kv_both": "both"}.get(kv_transfer_config.kv_role)
+class Role(enum.Enum):
+    """What an engine does with crosskv, from vLLM's kv_role: a SOURCE saves its finished requests' KV
+    (kv_producer), a TARGET maps stored prefixes into its cache (kv_consumer), BOTH does both (kv_both: an engine a
+    conversation moves to and back from)."""
+    SOURCE = "source"
+    TARGET = "target"
+    BOTH = "both"
+
+    @property
+    def saves(self) -> bool:
+        return self in (Role.SOURCE, Role.BOTH)
+
+    @property
+    def maps(self) -> bool:
+        return self in (Role.TARGET, Role.BOTH)
+
+
+KV_ROLES = {"kv_producer": Role.SOURCE, "kv_consumer": Role.TARGET, "kv_both": Role.BOTH}
+
+
+def parse_settings(kv_transfer_config) -> tuple[Role, Settings]:
+    """(Role, Settings) from vLLM's KVTransferConfig; CrossKVConfigError names the bad key."""
+    role = KV_ROLES.get(kv_transfer_config.kv_role)
     if role is None:
         raise CrossKVConfigError(f"kv_transfer_config.kv_role: expected kv_producer (the source model's engine), "
                                  f"kv_consumer (the target's) or kv_both (one that maps and saves: a conversation "

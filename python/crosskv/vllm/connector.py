@@ -1,5 +1,6 @@
 """CrossKVConnector: the class vLLM loads (kv_connector_module_path crosskv.vllm). It holds no state of its own: the
-scheduler's calls go to a SchedulerSide, the workers' to a WorkerSide, as vLLM's own connectors are cut. It implements
+scheduler's calls go to a SchedulerSide, the workers' to a Worker (with a target part where the engine's role maps
+and a source part where it saves), as vLLM's own connectors are cut. It implements
 KVConnectorBase_V1 of vLLM 0.32 and 0.33 (tests/python/test_vllm_units.py checks every abstract method and signature
 against the installed vLLM)."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from .context import engine_context
 from .metrics import CrossKVPromMetrics, CrossKVStats
 from .scheduler import SchedulerSide
-from .worker import WorkerSide
+from .worker import Worker
 
 
 class CrossKVConnector(KVConnectorBase_V1):
@@ -18,12 +19,12 @@ class CrossKVConnector(KVConnectorBase_V1):
 
     # what the scheduler and each worker run (a test's connector plants its faults in a subclass)
     scheduler_side = SchedulerSide
-    worker_side = WorkerSide
+    worker_side = Worker
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ctx = engine_context(vllm_config, kv_cache_config)
-        self.side = ctx.side
+        self.role = ctx.role
         self._scheduler = self.scheduler_side(ctx) if role == KVConnectorRole.SCHEDULER else None
         self._worker = self.worker_side(ctx, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
@@ -81,7 +82,7 @@ class CrossKVConnector(KVConnectorBase_V1):
         wait_for_layer_load, layer by layer or not, so that hook must run between the graph's pieces and vLLM keeps
         full CUDA graphs off (its log says "requires PIECEWISE CUDA graph mode ... Overriding cudagraph_mode ... to
         PIECEWISE"). A source writes nothing in the forward. A load whose layer hook was skipped anyway is a load
-        error, never applied (WorkerSide.wait_for_save)."""
+        error, never applied (TargetWorker.finish_loads)."""
         return bool((extra_config or {}).get("mapper"))
 
     @property

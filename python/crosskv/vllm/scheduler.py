@@ -53,7 +53,7 @@ class SchedulerSide:
 
     # --------------------------------------------------------------------------------------------------- lookup
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if not self.ctx.maps:
+        if not self.ctx.role.maps:
             return 0, False
         try:
             return self._match(request, num_computed_tokens)
@@ -65,8 +65,8 @@ class SchedulerSide:
 
     def _match(self, request, num_computed_tokens):
         rid, ctx = request.request_id, self.ctx
-        if ctx.unusable:
-            self._outcomes[rid] = fallback(ctx.unusable, ctx.unusable_kind)
+        if ctx.refusal:
+            self._outcomes[rid] = fallback(ctx.refusal.reason, ctx.refusal.kind)
             return 0, False
         preempted = getattr(request, "num_preemptions", 0)
         if preempted and rid in self._outcomes:  # resumed after a preemption freed its blocks
@@ -305,8 +305,8 @@ class SchedulerSide:
         self._lookups.pop(rid, None)
         self._mapped_span.pop(rid, None)
         self._to_load.pop(rid, None)
-        saved = self._plan_save(request, block_ids) if self.ctx.saves else None
-        if not self.ctx.maps:
+        saved = self._plan_save(request, block_ids) if self.ctx.role.saves else None
+        if not self.ctx.role.maps:
             # The blocks are kept until the workers' savers have copied them out; the store write comes after.
             return (True, {"crosskv": {"status": "save_queued", "tokens": saved}}) if saved else (False, None)
         outcome = self._outcomes.pop(rid, fallback("never scheduled through the connector", "other"))
@@ -324,7 +324,7 @@ class SchedulerSide:
         n = request.num_computed_tokens - max(0, getattr(request, "num_in_flight_tokens", 0))
         if not self.ctx.settings.save_replies:
             n = min(n, len(request.prompt_token_ids or []))
-        if self.ctx.cannot_save or n < self.ctx.settings.min_prefix_tokens or not block_ids:
+        if self.ctx.unmappable or n < self.ctx.settings.min_prefix_tokens or not block_ids:
             return 0
         plan = SavePlan(request.request_id, list(request.all_token_ids[:n]),
                         slots_of(block_ids, self.ctx.block_size, 0, n).tolist(),

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from .. import Mapper, MapperError
 from .config import CrossKVConfigError
-from .context import EngineContext
+from .context import EngineContext, Refusal
 from .guard import StoreGuard
 from .layout import HeadPlacement, PagedLayout, head_placement, layer_scales
 from .metadata import (CrossKVMetadata, CrossKVWorkerMetadata, LoadPlan, Outcome, SavePlan, applied, failure_kind,
@@ -134,93 +134,92 @@ class LayerByLayer:
         self._thread.join()
 
 
-# ------------------------------------------------------------------------------------------------ the worker side
-class WorkerSide:
-    def __init__(self, ctx: EngineContext, vllm_config, kv_cache_config):
-        self.ctx = ctx
-        self._vllm_config, self._kv_cache_config = vllm_config, kv_cache_config
-        self.unusable = ctx.unusable
-        self.placement: Optional[HeadPlacement] = None
-        self._mapper: Optional[Mapper] = None
-        self._layers: dict[str, object] = {}  # attention layer name -> layer, in model order
-        self._kv_caches: dict[str, torch.Tensor] = {}
-        self._layouts: dict[str, PagedLayout] = {}
-        self._mapped: list[tuple[LoadPlan, torch.Tensor, torch.Tensor]] = []
-        self._by_layer: Optional[LayerByLayer] = None
-        self._outcomes: dict[str, Outcome] = {}
-        self._failed: set[str] = set()  # this step's loads that failed (no later layer is written)
-        self._invalid_blocks: set[int] = set()
-        self._released: set[str] = set()  # saves that need no blocks held (dropped, or another replica's)
-        self._held: set[str] = set()  # requests whose blocks vLLM keeps for this worker: each reported once
-        self._held_lock = threading.Lock()
-        self._written: dict[str, int] = {}  # this step's loads: req_id -> layers written
-        self._slots: dict[str, torch.Tensor] = {}  # this step's loads: req_id -> its slots on the cache's device
-        self._map_seconds: dict[str, float] = {}  # this step's loads (not layer by layer): req_id -> seconds
-        self._stats = CrossKVStats()
-        st = ctx.settings
-        self.guard = StoreGuard(ctx.store.spec, st.breaker_failures, st.breaker_seconds)
-        self._guard_opened = 0
-        self.saver: Optional[Saver] = None
+# ------------------------------------------------------------------------------------------------ the worker
+class WorkerCaches:
+    """The engine's attention layers and their paged caches as this worker holds them: which KV heads (placement),
+    and how each layer's cache is laid out. What the target and the source parts of a worker share."""
 
-    # ----------------------------------------------------------------------------------------------- at start
-    def register_kv_caches(self, kv_caches):
+    def __init__(self, ctx: EngineContext, num_blocks: int):
+        self.ctx, self.num_blocks = ctx, num_blocks
+        self.placement: Optional[HeadPlacement] = None
+        self.layers: dict[str, object] = {}  # attention layer name -> layer, in model order
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self._layouts: dict[str, PagedLayout] = {}
+
+    def register(self, kv_caches, forward, placement):
+        """Takes the engine's caches; `placement(engine_kv_heads, local_kv_heads)` says which heads this worker
+        holds. CrossKVConfigError where the engine cannot be served (its start stops, with the key)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         ctx = self.ctx
-        if ctx.unusable_kind == "unmappable_model":  # a hybrid or sliding-window model: nothing to set up
-            return
-        forward = self._vllm_config.compilation_config.static_forward_context
         names = sorted(kv_caches, key=extract_layer_index)
-        self._kv_caches = {n: kv_caches[n] for n in names}
-        self._layers = {n: forward[n] for n in names}
-        first = self._layers[names[0]]
+        self.kv_caches = {n: kv_caches[n] for n in names}
+        self.layers = {n: forward[n] for n in names}
+        first = self.layers[names[0]]
         try:
-            self.placement = self._placement(ctx.engine["n_kv_heads"], int(first.num_kv_heads))
+            self.placement = placement(ctx.engine["n_kv_heads"], int(first.num_kv_heads))
         except ValueError as e:
             raise CrossKVConfigError(f"parallel_config.tensor_parallel_size: {e}") from None
         if len(names) != ctx.engine["n_layers"]:
             raise CrossKVConfigError(f"the engine caches {len(names)} attention layers, its model config says "
                                      f"{ctx.engine['n_layers']}; crosskv maps every layer")
-        if not all(hasattr(l.impl, "do_kv_cache_update") for l in self._layers.values()):
+        if not all(hasattr(l.impl, "do_kv_cache_update") for l in self.layers.values()):
             raise CrossKVConfigError("this attention backend has no cache writer (do_kv_cache_update)")
         try:  # the layout (and how the writer quantizes) is learnt now, so an unsupported cache stops the start
-            self._layout(names[0])
+            self.layout(names[0])
         except ValueError as e:
             raise CrossKVConfigError(f"cache_config.cache_dtype: {ctx.cache_dtype}: the {type(first.impl).__name__} "
                                      f"cache cannot be read back: {e}") from None
         logger.info("crosskv: worker %s holds KV heads [%d, %d) of %d (replica %d); %s cache", self.placement,
                     self.placement.first, self.placement.first + self.placement.count, self.placement.total,
                     self.placement.replica, ctx.cache_dtype)
-        if ctx.saves and not ctx.cannot_save and self.placement.replica == 0:
-            for name in names:  # every layer's layout now: the saver's thread reads them
-                self._layout(name)
-            limit = ctx.settings.save_queue_bytes or default_save_queue_bytes()
-            self.saver = Saver(limit, name=f"crosskv-saver-{self.placement.rank}")
-            atexit.register(self.shutdown)  # an engine that exits without shutting down still drains, bounded
-            if self.placement.count == self.placement.total and self._world_size() == 1 and ctx.engine_id:
-                LOCAL_SAVERS[ctx.engine_id] = self
-            logger.info("crosskv: worker %d saves in the background (%s chunks, queue limit %.1f MiB)",
-                        self.placement.rank, self._layout(names[0]).stored_dtype, limit / 2**20)
-        if ctx.maps and not self.unusable:
-            cache = next(iter(kv_caches.values()))
-            device = ctx.settings.mapper_device or (str(cache.device) if cache.is_cuda else "cpu")
-            try:
-                self._mapper = Mapper(ctx.settings.mapper, device=device, target_heads=self.placement.heads)
-            except MapperError as e:  # a damaged mapper, or a device this package cannot use
-                self.unusable = f"the mapper cannot be loaded: {e}"
-                logger.warning("crosskv: every request re-prefills: %s", self.unusable)
 
-    def _layout(self, name):
+    def layout(self, name) -> PagedLayout:
         if name not in self._layouts:
-            self._layouts[name] = PagedLayout(self._layers[name], self._kv_caches[name],
-                                              self._kv_cache_config.num_blocks, self.ctx.block_size,
-                                              self.placement.count, self.ctx.engine["head_dim"],
+            self._layouts[name] = PagedLayout(self.layers[name], self.kv_caches[name], self.num_blocks,
+                                              self.ctx.block_size, self.placement.count, self.ctx.engine["head_dim"],
                                               input_dtype=self.ctx.model_dtype)
         return self._layouts[name]
 
-    # --------------------------------------------------------------------------------------------- target: load
-    def start_load_kv(self, forward_context, meta):
-        if not isinstance(meta, CrossKVMetadata) or not meta.loads:
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.kv_caches.values())).device
+
+
+class TargetWorker:
+    """A target worker's part: for each planned load, the stored source prefix read, checked, mapped into the KV
+    heads this worker holds and written through the attention backend's own cache writer, layer by layer inside the
+    forward. A load that fails at any point is a load error (its blocks are recomputed) with the reason."""
+
+    def __init__(self, ctx: EngineContext, caches: WorkerCaches, guard: StoreGuard):
+        self.ctx, self.caches, self.guard = ctx, caches, guard
+        self.refusal: Optional[Refusal] = ctx.refusal  # why no request can be mapped, where none can
+        self._mapper: Optional[Mapper] = None
+        self._mapped: list[tuple[LoadPlan, torch.Tensor, torch.Tensor]] = []
+        self._by_layer: Optional[LayerByLayer] = None
+        self._outcomes: dict[str, Outcome] = {}
+        self._failed: set[str] = set()  # this step's loads that failed (no later layer is written)
+        self._invalid_blocks: set[int] = set()
+        self._written: dict[str, int] = {}  # this step's loads: req_id -> layers written
+        self._slots: dict[str, torch.Tensor] = {}  # this step's loads: req_id -> its slots on the cache's device
+        self._map_seconds: dict[str, float] = {}  # this step's loads (not layer by layer): req_id -> seconds
+        self._applied_seconds: list[float] = []  # since the last stats: each applied load's seconds
+
+    def start(self):
+        """Loads the mapper onto the caches' device (or mapper_device); a mapper that cannot be loaded refuses every
+        request, and the engine goes on."""
+        if self.refusal:
+            return
+        device = self.ctx.settings.mapper_device or (str(self.caches.device) if self.caches.device.type == "cuda"
+                                                     else "cpu")
+        try:
+            self._mapper = Mapper(self.ctx.settings.mapper, device=device, target_heads=self.caches.placement.heads)
+        except MapperError as e:  # a damaged mapper, or a device this package cannot use
+            self.refusal = Refusal(f"the mapper cannot be loaded: {e}", "mapper")
+            logger.warning("crosskv: every request re-prefills: %s", self.refusal.reason)
+
+    def start_load_kv(self, meta: CrossKVMetadata):
+        if not meta.loads:
             return
         try:
             self._start(meta)
@@ -243,7 +242,7 @@ class WorkerSide:
         if layerwise is None:  # on 2 CPU cores the thread only competes with the model's (docs/PERFORMANCE.md)
             layerwise = prefixes[0].keys.device.type == "cuda"
         if layerwise:  # mapped on a thread, layer l while the model computes the layers before it
-            self._by_layer = LayerByLayer(self._mapper, prefixes, len(self._layers), prefixes[0].keys.device)
+            self._by_layer = LayerByLayer(self._mapper, prefixes, len(self.caches.layers), prefixes[0].keys.device)
             return
         for p in prefixes:
             t0 = time.perf_counter()
@@ -258,7 +257,7 @@ class WorkerSide:
         """The step's prefixes and their slots on the cache's device (copied from pinned memory without a wait), each
         checked finite once for the step: one host wait per step, not one per layer. A prefix that holds NaN or
         infinity fails its load."""
-        dev = next(iter(self._kv_caches.values())).device
+        dev = self.caches.device
         cuda = dev.type == "cuda"
         up = lambda t: t.pin_memory().to(dev, non_blocking=True) if cuda else t
         on = [replace(p, keys=up(p.keys), values=up(p.values), positions=up(p.positions)) for p in prefixes]
@@ -275,7 +274,7 @@ class WorkerSide:
         cannot be used after the first ends the run there: the plan is cut before it, and its blocks on are a load
         error (vLLM recomputes them); a first chunk that cannot be used fails the load."""
         if self._mapper is None:
-            raise ValueError(self.unusable or "no mapper on this worker")
+            raise ValueError(self.refusal.reason if self.refusal else "no mapper on this worker")
         t0 = time.perf_counter()
         deadline = t0 + self.ctx.settings.load_timeout_ms / 1e3
         keys, values, stopped = [], [], None
@@ -308,10 +307,10 @@ class WorkerSide:
         return SourcePrefix(plan, f32(keys), f32(values), pos, time.perf_counter() - t0)
 
     def _applied(self, plan: LoadPlan, seconds: float):
-        self._stats.record_map(seconds)
+        self._applied_seconds.append(seconds)
         logger.info("crosskv: worker %d mapped request %s: %d tokens, %.3f ms (%.3f ms per layer)",
-                    self.placement.rank, plan.req_id, plan.end - plan.first, seconds * 1e3,
-                    seconds * 1e3 / len(self._layers))
+                    self.caches.placement.rank, plan.req_id, plan.end - plan.first, seconds * 1e3,
+                    seconds * 1e3 / len(self.caches.layers))
         self._outcomes[plan.req_id] = applied(plan.end - plan.first, plan.end, self.ctx.settings.mapper, plan.stopped,
                                               map_ms=round(seconds * 1e3, 3))
 
@@ -322,10 +321,10 @@ class WorkerSide:
         self._invalid_blocks.update(s // self.ctx.block_size for s in plan.slots)
 
     def wait_for_layer_load(self, layer_name):
-        if (not self._mapped and self._by_layer is None) or layer_name not in self._layers:
+        if (not self._mapped and self._by_layer is None) or layer_name not in self.caches.layers:
             return
-        layer, cache = self._layers[layer_name], self._kv_caches[layer_name]
-        li = list(self._layers).index(layer_name)
+        layer, cache = self.caches.layers[layer_name], self.caches.kv_caches[layer_name]
+        li = list(self.caches.layers).index(layer_name)
         try:
             ready = self._by_layer.wait(li) if self._by_layer is not None else [
                 (plan, k[:, li], v[:, li]) for plan, k, v in self._mapped]
@@ -346,25 +345,12 @@ class WorkerSide:
                 self._fail(plan, f"writing its mapped KV into layer {li} failed: {type(e).__name__}: {e}",
                            "worker_error")
 
-    @staticmethod
-    def _world_size() -> int:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_world_size()
-
-    def _placement(self, engine_kv_heads: int, local_kv_heads: int):
-        """This worker's KV heads of the engine's (tests plant a wrong placement by overriding it)."""
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        return head_placement(engine_kv_heads, local_kv_heads, get_tensor_model_parallel_rank(),
-                              get_tensor_model_parallel_world_size())
-
     def _write(self, layer, cache, plan: LoadPlan, k: torch.Tensor, v: torch.Tensor):
         """A prefix's mapped KV into one layer's paged cache, by the attention backend's own writer (the slots were
         put on the device once for the step)."""
         layer.impl.do_kv_cache_update(layer, k, v, cache, self._slots[plan.req_id])
 
-    def _finish_loads(self):
+    def finish_loads(self):
         """The step's loads settled once its forward is done: the layer-by-layer mapping joined, and each load
         applied only where every layer was written (a layer hook the forward skipped, as a full CUDA graph replay
         would, leaves blocks nobody wrote: a load error, recomputed)."""
@@ -377,7 +363,7 @@ class WorkerSide:
                     self._fail(p.plan, by.failed[p.plan.req_id], by.kinds[p.plan.req_id])
         else:
             loads = [(plan, self._map_seconds.get(plan.req_id, 0.0)) for plan, _, _ in self._mapped]
-        n_layers = len(self._layers)
+        n_layers = len(self.caches.layers)
         for plan, seconds in loads:
             if plan.req_id in self._failed:
                 continue
@@ -388,20 +374,55 @@ class WorkerSide:
             else:
                 self._applied(plan, seconds)
 
-    # ----------------------------------------------------------------------------------------- source: save
-    def wait_for_save(self, meta):
-        """Hands each finished request's save to the background saver; never waits on the store."""
+    def settle(self):
+        """The step's loads settled (finish_loads), and the step's state cleared, whatever happened."""
         try:
-            self._finish_loads()
+            self.finish_loads()
         except Exception as e:  # never the engine: every load of the step re-prefills
             logger.exception("crosskv: settling the step's loads failed")
             for plan, _, _ in self._mapped:
                 self._fail(plan, f"settling the load failed: {type(e).__name__}: {e}", "worker_error")
         self._mapped, self._failed, self._written, self._map_seconds, self._slots = [], set(), {}, {}, {}
-        if not isinstance(meta, CrossKVMetadata):
+
+    def take_outcomes(self) -> dict[str, Outcome]:
+        out, self._outcomes = self._outcomes, {}
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        bad, self._invalid_blocks = self._invalid_blocks, set()
+        return bad
+
+    def take_applied_seconds(self) -> list[float]:
+        out, self._applied_seconds = self._applied_seconds, []
+        return out
+
+
+class SourceWorker:
+    """A source worker's part: each finished request's KV heads that this worker holds, copied out of the paged
+    cache and written to the store in the background (one replica of each head range saves; the others release at
+    once). Never waits on the store; an unsaved prefix only means a later re-prefill."""
+
+    def __init__(self, ctx: EngineContext, caches: WorkerCaches, guard: StoreGuard):
+        self.ctx, self.caches, self.guard = ctx, caches, guard
+        self.saver: Optional[Saver] = None
+        self._released: set[str] = set()  # saves that need no blocks held (dropped, or another replica's)
+        self._held: set[str] = set()  # requests whose blocks vLLM keeps for this worker: each reported once
+        self._held_lock = threading.Lock()
+
+    def start(self, world_size: int):
+        """Starts the background saver where this worker saves (replica 0 of its heads, on a model crosskv maps)."""
+        c, placement = self.caches, self.caches.placement
+        if self.ctx.unmappable or placement.replica != 0:
             return
-        for plan in meta.saves:
-            self.save(plan)
+        for name in c.layers:  # every layer's layout now: the saver's thread reads them
+            c.layout(name)
+        limit = self.ctx.settings.save_queue_bytes or default_save_queue_bytes()
+        self.saver = Saver(limit, name=f"crosskv-saver-{placement.rank}")
+        atexit.register(self.shutdown)  # an engine that exits without shutting down still drains, bounded
+        if placement.count == placement.total and world_size == 1 and self.ctx.engine_id:
+            LOCAL_SAVERS[self.ctx.engine_id] = self
+        logger.info("crosskv: worker %d saves in the background (%s chunks, queue limit %.1f MiB)",
+                    placement.rank, c.layout(next(iter(c.layers))).stored_dtype, limit / 2**20)
 
     def save(self, plan: SavePlan) -> None:
         """Hands one finished request's save to the background saver (or releases its blocks where this worker does
@@ -425,20 +446,20 @@ class WorkerSide:
         """The plan's save: its KV read out of the paged cache on the saver's copy thread (on a GPU, on a side
         stream after the step's own work, into pinned host memory), then written on its write thread."""
         slots = torch.as_tensor(plan.slots, dtype=torch.int64)
-        caches = list(self._kv_caches.items())
+        caches = list(self.caches.kv_caches.items())
         first = caches[0][1]
-        layout0 = self._layout(caches[0][0])
+        layout0 = self.caches.layout(caches[0][0])
         kv_dtype = layout0.stored_dtype
         ready = None
         if first.is_cuda:  # the copy starts after what the step has queued so far
             ready = torch.cuda.Event()
             ready.record()
-        nbytes = 2 * len(plan.slots) * len(caches) * self.placement.count * self.ctx.engine["head_dim"] * (
+        nbytes = 2 * len(plan.slots) * len(caches) * self.caches.placement.count * self.ctx.engine["head_dim"] * (
             1 if kv_dtype in FP8_DTYPES else first.element_size())
 
         def snapshot():
             return self._copy_out(caches, slots, ready), (
-                [layer_scales(self._layers[name]) for name, _ in caches] if kv_dtype in FP8_DTYPES else None)
+                [layer_scales(self.caches.layers[name]) for name, _ in caches] if kv_dtype in FP8_DTYPES else None)
 
         def write(kv, scales):
             (k, v) = kv
@@ -451,11 +472,11 @@ class WorkerSide:
             if scales is not None:
                 meta.update(k_scales=[s[0] for s in scales], v_scales=[s[1] for s in scales])
             written, shared = self.guard.call("be written", lambda: self.ctx.store.save(
-                plan.token_ids, self.placement.first, self.placement.count, meta, lambda a, b: (k[a:b], v[a:b]),
+                plan.token_ids, self.caches.placement.first, self.caches.placement.count, meta, lambda a, b: (k[a:b], v[a:b]),
                 plan.salt), None)
             logger.info("crosskv: saved request %s's %d tokens, KV heads [%d, %d), %s: %d chunks written, %d already "
-                        "stored", plan.req_id, len(plan.token_ids), self.placement.first,
-                        self.placement.first + self.placement.count, kv_dtype, written, shared)
+                        "stored", plan.req_id, len(plan.token_ids), self.caches.placement.first,
+                        self.caches.placement.first + self.caches.placement.count, kv_dtype, written, shared)
             return written, shared
 
         return SaveJob(plan.req_id, nbytes, snapshot, write)
@@ -467,10 +488,10 @@ class WorkerSide:
         request."""
         first = caches[0][1]
         side = torch.cuda.Stream(device=first.device) if ready is not None else None
-        raw = torch.uint8 if self._layout(caches[0][0]).format is not None else first.dtype
-        per_token = self.placement.count * self.ctx.engine["head_dim"] * torch.tensor([], dtype=raw).element_size()
+        raw = torch.uint8 if self.caches.layout(caches[0][0]).format is not None else first.dtype
+        per_token = self.caches.placement.count * self.ctx.engine["head_dim"] * torch.tensor([], dtype=raw).element_size()
         piece = max(1, SAVE_COPY_BYTES // per_token)
-        shape = (len(caches), len(slots), self.placement.count, self.ctx.engine["head_dim"])
+        shape = (len(caches), len(slots), self.caches.placement.count, self.ctx.engine["head_dim"])
         hk = torch.empty(shape, dtype=raw, pin_memory=side is not None)
         hv = torch.empty(shape, dtype=raw, pin_memory=side is not None)
         with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
@@ -478,7 +499,7 @@ class WorkerSide:
                 side.wait_event(ready)
             dev_slots = slots.to(first.device, non_blocking=side is not None)
             for li, (name, cache) in enumerate(caches):
-                layout = self._layout(name)
+                layout = self.caches.layout(name)
                 for a in range(0, len(slots), piece):
                     k, v = layout.read_raw(cache, dev_slots[a:a + piece])
                     hk[li, a:a + piece].copy_(k, non_blocking=side is not None)
@@ -493,10 +514,8 @@ class WorkerSide:
             del LOCAL_SAVERS[self.ctx.engine_id]
         if self.saver is not None:
             self.saver.close(self.ctx.settings.save_drain_seconds)
-        self.guard.close()
 
-    # ------------------------------------------------------------------------------------------ to the scheduler
-    def get_finished(self, finished_req_ids):
+    def get_finished(self):
         """The requests whose blocks this worker no longer needs, each reported exactly once (vLLM frees a request's
         blocks when every worker has reported it, and asserts on a second report)."""
         with self._held_lock:
@@ -509,23 +528,96 @@ class WorkerSide:
         if extra:
             logger.warning("crosskv: the saver released requests %s that this worker does not hold (twice, or "
                            "never held); not reported again", sorted(extra))
-        return (done or None), None
+        return done or None
 
-    def get_block_ids_with_load_errors(self):
-        bad, self._invalid_blocks = self._invalid_blocks, set()
-        return bad
-
-    def build_connector_worker_meta(self):
-        if not self._outcomes:
-            return None
-        out, self._outcomes = CrossKVWorkerMetadata(self._outcomes), {}
-        return out
-
-    def get_kv_connector_stats(self):
+    def record_stats(self, stats: CrossKVStats):
         if self.saver is not None:
             counts, seconds = self.saver.take_counts()
-            self._stats.record_saves(counts, seconds, self.saver.queued_bytes)
+            stats.record_saves(counts, seconds, self.saver.queued_bytes)
+
+
+class Worker:
+    """The connector's worker, one per tensor-parallel worker: the caches it holds, a TargetWorker where its engine's
+    role maps and a SourceWorker where it saves (both for kv_both), one store guard and one set of stats for them.
+    Nothing on this path takes the engine down: any failure makes that request's blocks a load error, recomputed,
+    with the reason."""
+
+    # the parts it runs (a test's connector plants its faults in a subclass)
+    target_worker = TargetWorker
+    source_worker = SourceWorker
+
+    def __init__(self, ctx: EngineContext, vllm_config, kv_cache_config):
+        self.ctx, self._vllm_config = ctx, vllm_config
+        st = ctx.settings
+        self.guard = StoreGuard(ctx.store.spec, st.breaker_failures, st.breaker_seconds)
+        self._guard_opened = 0
+        self._stats = CrossKVStats()
+        self.caches = WorkerCaches(ctx, kv_cache_config.num_blocks if kv_cache_config is not None else 0)
+        self.target = self.target_worker(ctx, self.caches, self.guard) if ctx.role.maps else None
+        self.source = self.source_worker(ctx, self.caches, self.guard) if ctx.role.saves else None
+
+    def register_kv_caches(self, kv_caches):
+        if self.ctx.unmappable:  # a hybrid or sliding-window model: nothing to set up
+            return
+        forward = self._vllm_config.compilation_config.static_forward_context
+        self.caches.register(kv_caches, forward, self._placement)
+        if self.source is not None:
+            self.source.start(self._world_size())
+        if self.target is not None:
+            self.target.start()
+
+    @staticmethod
+    def _world_size() -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+
+    def _placement(self, engine_kv_heads: int, local_kv_heads: int):
+        """This worker's KV heads of the engine's (tests plant a wrong placement by overriding it)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return head_placement(engine_kv_heads, local_kv_heads, get_tensor_model_parallel_rank(),
+                              get_tensor_model_parallel_world_size())
+
+    def start_load_kv(self, forward_context, meta):
+        if self.target is not None and isinstance(meta, CrossKVMetadata):
+            self.target.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name):
+        if self.target is not None:
+            self.target.wait_for_layer_load(layer_name)
+
+    def wait_for_save(self, meta):
+        """Settles the step's loads, then hands each finished request's save to the background saver; never waits
+        on the store."""
+        if self.target is not None:
+            self.target.settle()
+        if self.source is not None and isinstance(meta, CrossKVMetadata):
+            for plan in meta.saves:
+                self.source.save(plan)
+
+    def get_finished(self, finished_req_ids):
+        return (self.source.get_finished() if self.source is not None else None), None
+
+    def get_block_ids_with_load_errors(self):
+        return self.target.take_invalid_blocks() if self.target is not None else set()
+
+    def build_connector_worker_meta(self):
+        outcomes = self.target.take_outcomes() if self.target is not None else {}
+        return CrossKVWorkerMetadata(outcomes) if outcomes else None
+
+    def get_kv_connector_stats(self):
+        if self.target is not None:
+            for seconds in self.target.take_applied_seconds():
+                self._stats.record_map(seconds)
+        if self.source is not None:
+            self.source.record_stats(self._stats)
         return take_stats(self)
+
+    def shutdown(self):
+        if self.source is not None:
+            self.source.shutdown()
+        self.guard.close()
 
 
 def _first_not_finite(p: SourcePrefix) -> str:
