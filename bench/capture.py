@@ -48,7 +48,7 @@ def run(script, args, out):
     """One capture in a process of its own: (seconds, peak RSS bytes, store bytes)."""
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, script, *args, "--out", out], stdout=subprocess.DEVNULL,
+    p = subprocess.Popen([sys.executable, *([script] if isinstance(script, str) else script), *args, "--out", out], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(p.pid, 0)
     seconds = time.perf_counter() - t0
@@ -74,7 +74,7 @@ def main():
     with open(old, "w") as f:
         f.write(subprocess.run(["git", "-C", ROOT, "show", f"{OLD_COMMIT}:tools/capture/crosskv_capture.py"],
                                check=True, capture_output=True, text=True).stdout)
-    new = os.path.join(ROOT, "tools", "capture", "crosskv_capture.py")
+    new = ["-m", "crosskv.capture"]  # the package's, as the crosskv-capture console script runs it
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     import torch
 

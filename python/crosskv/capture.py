@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""crosskv-capture: run a Hugging Face causal LM over a text corpus and write calibration shards (docs/FORMATS.md, Calibration shards).
+"""crosskv-capture (crosskv.capture; pip install crosskv[capture]): run a Hugging Face causal LM over a text corpus and write calibration shards (docs/FORMATS.md, Calibration shards).
 
     crosskv-capture --model HF_ID_OR_LOCAL_PATH --text FILE(.txt|.jsonl) --seq-len 1024 --n-seq 500 --stride 4 \\
                     --dtype bf16 --out STORE/DOMAIN [--queries] [--same-tokens-as OTHER_MODEL_OR_STORE/DOMAIN] \\
@@ -32,6 +31,9 @@ import time
 
 import numpy as np
 
+from . import fingerprint as _fingerprint
+from . import kvspec as _kvspec
+
 FORMAT = "kv-shard"
 FORMAT_VERSION = 1
 
@@ -42,20 +44,6 @@ class CaptureError(Exception):
 
 # ---- kv_spec from a model config ---------------------------------------------------------------------------------
 
-def _load_module(name):
-    """One of crosskv's pure-Python modules (python/crosskv/NAME.py), loaded from this checkout, so that capture and
-    the vLLM connector read a config, and fingerprint weights, by the same rules."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "crosskv", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"crosskv_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_kvspec = _load_module("kvspec")
-_fingerprint = _load_module("fingerprint")
 
 
 def kv_spec_from_config(cfg, where="model config"):

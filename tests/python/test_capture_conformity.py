@@ -19,9 +19,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "capture"))
 sys.path.insert(0, HERE)
-import crosskv_capture as cap  # noqa: E402
+from crosskv import capture as cap  # noqa: E402
 from tiny_hf import byte_tokenizer  # noqa: E402
 
 COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

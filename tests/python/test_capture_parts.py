@@ -28,9 +28,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tiny_hf import byte_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CAPTURE = os.path.join(HERE, "..", "..", "tools", "capture", "crosskv_capture.py")
-sys.path.insert(0, os.path.dirname(CAPTURE))
-import crosskv_capture as cap  # noqa: E402
+CAPTURE = [sys.executable, "-m", "crosskv.capture"]  # the console script crosskv-capture, in this environment
+from crosskv import capture as cap  # noqa: E402
 
 DATASETS = ("token_ids", "positions", "keys", "values", "queries")
 
@@ -152,7 +151,7 @@ def test_same_tokens_as_pairs_a_part_with_the_other_models_shards_so_far(models)
 
 
 def test_a_rerun_after_kill_9_mid_shard_gives_the_uninterrupted_bytes(models):
-    args = [sys.executable, CAPTURE, "--model", "m32", *base(256, 128), "--out", "killed/web", "--part", "1/2",
+    args = [*CAPTURE, "--model", "m32", *base(256, 128), "--out", "killed/web", "--part", "1/2",
             "--batch", "1"]
     p = subprocess.Popen(args, stderr=subprocess.DEVNULL)
     t0, mid = time.time(), False
@@ -211,10 +210,10 @@ def test_a_disk_that_fills_after_the_plan_stops_at_the_next_shards_check(tmpfs, 
 
 def test_a_disk_filled_in_the_middle_of_a_shard_exits_2_in_one_line(tmpfs):
     """Every check told of room: HDF5 meets the full disk; one line, exit 2, the unfinished file removed, no crash."""
-    lie = ("import sys, shutil; sys.path.insert(0, sys.argv[1]); import crosskv_capture as cap; "
+    lie = ("import sys, shutil; from crosskv import capture as cap; "
            "real = shutil.disk_usage; cap.shutil.disk_usage = lambda p: real(p)._replace(free=1 << 40); "
-           "sys.exit(cap.main(sys.argv[2:]))")
-    r = subprocess.run([sys.executable, "-c", lie, os.path.dirname(CAPTURE), "--model", "m32", *base(n_seq=400),
+           "sys.exit(cap.main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", lie, "--model", "m32", *base(n_seq=400),
                         "--out", os.path.join(tmpfs, "web")], capture_output=True, text=True)
     line = last_line(r.stderr)
     assert r.returncode == 2 and f"--out {tmpfs}/web: the disk filled while writing shard-" in line, line

@@ -20,12 +20,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "capture"))
 sys.path.insert(0, HERE)
 import crosskv  # noqa: E402
 import crosskv.hf  # noqa: E402
 import crosskv_apply  # noqa: E402
-import crosskv_capture as cap  # noqa: E402
+from crosskv import capture as cap  # noqa: E402
 from tiny_hf import byte_tokenizer  # noqa: E402
 
 

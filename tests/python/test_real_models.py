@@ -31,8 +31,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
-sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
-import crosskv_capture as cap  # noqa: E402
+from crosskv import capture as cap  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import fp64_fit as fp64  # noqa: E402
 

@@ -20,7 +20,6 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "capture"))
 
 from crosskv import retention as rt  # noqa: E402
 
@@ -147,7 +146,7 @@ def fitted(tmp_path_factory, model):
     fit = os.environ.get("CROSSKV_FIT")
     if not fit:
         pytest.skip("CROSSKV_FIT is not set (the fitted-artifact cases need crosskv-fit)")
-    import crosskv_capture as cap
+    from crosskv import capture as cap
     from safetensors.numpy import load_file, save_file
     from tiny_hf import byte_tokenizer
 

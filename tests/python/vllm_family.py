@@ -19,8 +19,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "capture"))
-import crosskv_capture as cap  # noqa: E402
+from crosskv import capture as cap  # noqa: E402
 from tiny_hf import byte_tokenizer  # noqa: E402
 
 work, fit = sys.argv[1:3]

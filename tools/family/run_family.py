@@ -28,7 +28,6 @@ from transformers import DynamicCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
 import crosskv_apply  # noqa: E402  (the numpy reference of apply: the oracle for crosskv.Mapper)
 try:
     import crosskv  # the Python package (scripts/setup-python-package.sh installs it into .venv-capture)
@@ -36,7 +35,7 @@ try:
     import crosskv.retention
 except ImportError as e:
     raise SystemExit(f"run_family.py needs the crosskv Python package ({e}): scripts/setup-python-package.sh")
-import crosskv_capture as cap  # noqa: E402
+from crosskv import capture as cap  # noqa: E402
 
 
 def log(*a):
