@@ -81,6 +81,16 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   if (m.k_count < 1 || m.k_count > m.source.n_layers)
     throw InputError(path + ": fit.k_count " + std::to_string(m.k_count) + " is outside 1.." +
                      std::to_string(m.source.n_layers));
+  const auto k = fit.find("k");
+  if (k != fit.end() && !(k->is_number_integer() || *k == "all"))
+    throw InputError(path + ": fit.k is " + k->dump() + ", expected a number of source layers or \"all\"");
+  m.k_label = k == fit.end() ? std::to_string(m.k_count) : k->is_string() ? "all" : std::to_string(k->get<int64_t>());
+  if (fit.contains("mapper")) {
+    const std::string kind = str_field(fit, "mapper", path, "fit.");
+    if (kind != "ridge" && kind != "mlp" && kind != "auto")
+      throw InputError(path + ": fit.mapper is '" + kind + "', expected ridge, mlp or auto");
+    m.residual_mlps = kind != "ridge";
+  }
   m.dtype = str_field(fit, "dtype", path, "fit.");
   if (m.dtype != "fp32" && m.dtype != "bf16" && m.dtype != "fp16")
     throw InputError(path + ": fit.dtype is '" + m.dtype + "', expected fp32, bf16 or fp16");

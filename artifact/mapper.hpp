@@ -26,6 +26,8 @@ struct MapperManifest {
   std::string source_weights, target_weights;  // the models' weights fingerprints (empty: not recorded)
   KvSpec source, target;
   int k_count = 0;
+  std::string k_label;         // fit.k as a person writes it: "4", "all" (the folder is k<k_label>)
+  bool residual_mlps = false;  // fit.mapper mlp or auto: its layers may hold residual MLPs
   std::string dtype;
   Structure structure = Structure::cross_head;  // fit.structure (absent: cross_head, as before the field)
   // Rows of a layer's weight: k*F (cross_head) or k*Ds per head (per_head).

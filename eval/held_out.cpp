@@ -91,23 +91,12 @@ struct SourceLayer {
   int uses = 0;
 };
 
-// Per-layer figures as bytes (exact doubles, NaN kept) for gathering over ranks.
-void put_layer(ByteWriter& out, const LayerDiagnostics& d) {
-  const int32_t l = d.layer;
-  out.put(&l, sizeof l);
-  for (const auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) out.put_vec(*v);
-  for (double x : {d.r2_k_mean, d.r2_v_mean, d.cosine_mean, d.k_concentration_mean, d.v_concentration_mean})
-    out.put(&x, sizeof x);
-}
-LayerDiagnostics get_layer(ByteReader& in) {
-  LayerDiagnostics d;
-  int32_t l = 0;
-  in.get(&l, sizeof l);
-  d.layer = l;
-  for (auto* v : {&d.r2_k, &d.r2_v, &d.cosine, &d.k_concentration, &d.v_concentration}) in.get_vec(*v);
-  for (double* x : {&d.r2_k_mean, &d.r2_v_mean, &d.cosine_mean, &d.k_concentration_mean, &d.v_concentration_mean})
-    in.get(x, sizeof *x);
-  return d;
+// Per-layer figures as bytes (exact doubles, NaN kept) for gathering over ranks (core/bytes.hpp).
+template <class D, class IO>
+void diagnostics_fields(D& d, IO& io) {
+  io.template as<int32_t>(d.layer);
+  io(d.r2_k, d.r2_v, d.cosine, d.k_concentration, d.v_concentration);
+  io(d.r2_k_mean, d.r2_v_mean, d.cosine_mean, d.k_concentration_mean, d.v_concentration_mean);
 }
 
 // What one target layer's evaluation of one mapper reduces, by name: the mapper's figures and its baselines'. Its
@@ -116,22 +105,15 @@ struct LayerFigures {
   LayerDiagnostics mapper, no_target_rope, mean_only;
   std::optional<LayerDiagnostics> ridge_only;  // a mapper with residual MLPs: the same without them
 
-  void put(ByteWriter& out) const {
-    put_layer(out, mapper);
-    put_layer(out, no_target_rope);
-    put_layer(out, mean_only);
-    const uint8_t ridge = ridge_only.has_value();
-    out.put(&ridge, sizeof ridge);
-    if (ridge_only) put_layer(out, *ridge_only);
+  template <class F, class IO>
+  static void fields(F& f, IO& io) {
+    for (auto* d : {&f.mapper, &f.no_target_rope, &f.mean_only}) diagnostics_fields(*d, io);
+    io.optional(f.ridge_only, [&](auto& d) { diagnostics_fields(d, io); });
   }
+  void put(ByteWriter& out) const { fields(*this, out); }
   static LayerFigures get(ByteReader& in) {
     LayerFigures f;
-    f.mapper = get_layer(in);
-    f.no_target_rope = get_layer(in);
-    f.mean_only = get_layer(in);
-    uint8_t ridge = 0;
-    in.get(&ridge, sizeof ridge);
-    if (ridge) f.ridge_only = get_layer(in);
+    fields(f, in);
     return f;
   }
 };
@@ -150,11 +132,6 @@ void gather_sources(const std::vector<int>& selected, const std::map<int, Source
     std::copy(s.mean_keys.begin(), s.mean_keys.end(), mk.begin() + static_cast<int64_t>(j) * F);
     std::copy(s.mean_values.begin(), s.mean_values.end(), mv.begin() + static_cast<int64_t>(j) * F);
   }
-}
-
-// Whether a mapper was fitted with residual MLPs (fit.mapper: mlp | auto): its eval adds "ridge alone".
-bool has_mlps(const MapperManifest& m) {
-  return m.json.contains("fit") && m.json["fit"].value("mapper", std::string("ridge")) != "ridge";
 }
 
 }  // namespace
@@ -285,7 +262,7 @@ class LayerEvaluator {
     };
     const int32_t* pos = in_.tgt.positions.data();
     LayerFigures figures;
-    if (has_mlps(m)) {  // ridge alone first
+    if (m.residual_mlps) {  // ridge alone first
       map(xk_, xv_, T_, ck_.data(), cv_.data(), false);
       pk_ = ck_;
       tgt_rope_.apply_block(pk_.data(), T_, tgt_rope_.one(l), pos);
@@ -346,7 +323,7 @@ std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::strin
     ev.mapper = column([](const LayerFigures& f) { return f.mapper; });
     ev.no_target_rope = column([](const LayerFigures& f) { return f.no_target_rope; });
     ev.mean_only = column([](const LayerFigures& f) { return f.mean_only; });
-    if (has_mlps(in.mappers[i])) ev.ridge_only = column([](const LayerFigures& f) { return f.ridge_only.value(); });
+    if (in.mappers[i].residual_mlps) ev.ridge_only = column([](const LayerFigures& f) { return f.ridge_only.value(); });
     judge(ev, th);
     const MapperManifest& m = in.mappers[i];
     out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});

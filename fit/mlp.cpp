@@ -44,32 +44,24 @@ struct Outcome {
   MlpParams params;  // when kept: the standardisation folded into W1 and b1
 };
 
-void serialise(const Outcome& o, ByteWriter& w) {
-  const int32_t head[3] = {o.layer, mapped_index(o.kind), o.kept ? 1 : 0};
-  const int64_t shape[3] = {o.params.shape.in, o.params.shape.hidden, o.params.shape.out};
-  w.put(head, sizeof head);
-  w.put(&o.mse_ridge, 8), w.put(&o.mse_mlp, 8), w.put(&o.r2_ridge, 8), w.put(&o.r2_mlp, 8);
-  w.put(shape, sizeof shape);
-  if (o.kept) w.put(o.params.flat.data(), o.params.flat.size() * 4);
+// An outcome's fields, as its checkpoint file and the gather to rank 0 carry them (core/bytes.hpp): the kept MLP's
+// parameters follow its shape.
+template <class O, class IO>
+void outcome_fields(O& o, IO& io) {
+  io.template as<int32_t>(o.layer);
+  io.map(o.kind, [](Kind k) { return int32_t{mapped_index(k)}; }, [](int32_t i) { return kMappedKinds.at(i == 1); });
+  io.template as<int32_t>(o.kept);
+  io(o.mse_ridge, o.mse_mlp, o.r2_ridge, o.r2_mlp);
+  io(o.params.shape.in, o.params.shape.hidden, o.params.shape.out);
+  if (o.kept) io.fixed(o.params.flat, static_cast<size_t>(o.params.shape.parameters()));
 }
+
+void serialise(const Outcome& o, ByteWriter& w) { outcome_fields(o, w); }
 
 std::vector<Outcome> deserialise(const std::string& s) {
   std::vector<Outcome> all;
   ByteReader r(s, "a residual-MLP record");
-  while (!r.done()) {
-    Outcome o;
-    int32_t head[3];
-    int64_t shape[3];
-    r.get(head, sizeof head);
-    r.get(&o.mse_ridge, 8), r.get(&o.mse_mlp, 8), r.get(&o.r2_ridge, 8), r.get(&o.r2_mlp, 8);
-    r.get(shape, sizeof shape);
-    o.layer = head[0], o.kind = kMappedKinds.at(head[1] == 1 ? 1 : 0), o.kept = head[2] != 0;
-    if (o.kept) {
-      o.params = MlpParams(MlpShape{shape[0], shape[1], shape[2]});
-      r.get(o.params.flat.data(), o.params.flat.size() * 4);
-    }
-    all.push_back(std::move(o));
-  }
+  while (!r.done()) outcome_fields(all.emplace_back(), r);
   return all;
 }
 
@@ -288,7 +280,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
   for (const std::string& dir : partial_dirs) {
     const auto t0 = std::chrono::steady_clock::now();
     const MapperManifest m = read_mapper_manifest(dir);
-    const std::string k = fs::path(dir).filename().replace_extension().string();
+    const std::string k = "k" + m.k_label;
     identity["k"] = k;
     const MlpCheckpoint ck(ckpt_dir, k.substr(1), identity);
     const int64_t G_feat = m.target.features_per_layer();

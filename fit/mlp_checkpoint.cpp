@@ -1,5 +1,6 @@
 #include "fit/mlp_checkpoint.hpp"
 
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -21,28 +22,31 @@ constexpr int kVersion = 2;
 
 }  // namespace
 
+// A training state's fields (core/bytes.hpp): the epochs, steps and parameter count, then the epochs' MSE, the
+// parameters and Adam's two moments at those lengths.
+template <class T, class IO>
+void state_fields(T& t, IO& io, int64_t epochs, int64_t n) {
+  io(epochs, t.steps, n);
+  io.fixed(t.epoch_mse, static_cast<size_t>(epochs));
+  for (auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) io.fixed(*v, static_cast<size_t>(n));
+}
+
 std::string serialise_state(const MlpTrained& t) {
   ByteWriter w;
-  const int64_t head[3] = {static_cast<int64_t>(t.epoch_mse.size()), t.steps,
-                           static_cast<int64_t>(t.params.flat.size())};
-  w.put(head, sizeof head);
-  w.put(t.epoch_mse.data(), t.epoch_mse.size() * 8);
-  for (const auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) w.put(v->data(), v->size() * 4);
+  state_fields(t, w, static_cast<int64_t>(t.epoch_mse.size()), static_cast<int64_t>(t.params.flat.size()));
   return std::move(w.bytes());
 }
 
 std::optional<MlpTrained> deserialise_state(const std::string& s, const MlpShape& shape) {
-  ByteReader r(s, "a residual-MLP training state");
-  int64_t head[3];
-  r.get(head, sizeof head);
+  int64_t head[3] = {-1, 0, -1};  // epochs, steps, parameters: checked before anything is sized by them
+  if (s.size() >= sizeof head) std::memcpy(head, s.data(), sizeof head);
   const size_t n = static_cast<size_t>(shape.parameters());
   if (head[0] < 0 || head[2] != static_cast<int64_t>(n) ||
       s.size() != sizeof head + static_cast<size_t>(head[0]) * 8 + 3 * n * 4)
     return std::nullopt;
-  MlpTrained t{MlpParams(shape), std::vector<double>(static_cast<size_t>(head[0])), head[1], {}, {}, false};
-  t.adam_m.resize(n), t.adam_v.resize(n);
-  r.get(t.epoch_mse.data(), t.epoch_mse.size() * 8);
-  for (auto* v : {&t.params.flat, &t.adam_m, &t.adam_v}) r.get(v->data(), v->size() * 4);
+  MlpTrained t{MlpParams(shape), {}, 0, {}, {}, false};
+  ByteReader r(s, "a residual-MLP training state");
+  state_fields(t, r, head[0], head[2]);
   return t;
 }
 

@@ -42,37 +42,26 @@ struct SolveUnit {
   std::unique_ptr<Comm> pair;  // the pair (or this rank alone)
 };
 
+// A layer fit's fields, as a pair's message carries them (core/bytes.hpp).
+template <class Fit, class IO>
+void fit_fields(Fit& f, IO& io) {
+  io(f.k, f.structure, f.layers, f.W, f.b, f.r2, f.lambda);
+}
+
 // One kind's fits of a target layer, from pair member `from` to the other (a broadcast over the pair).
 void send_fits(Comm& pair, int from, std::vector<LayerFit>& fits) {
   ByteWriter w;
   if (pair.rank() == from) {
-    const uint64_t count = fits.size();
-    w.put(&count, 8);
-    for (const LayerFit& f : fits) {
-      w.put(&f.k, sizeof f.k);
-      w.put(&f.structure, sizeof f.structure);
-      w.put_vec(f.layers);
-      w.put_vec(f.W);
-      w.put_vec(f.b);
-      w.put_vec(f.r2);
-      w.put(&f.lambda, sizeof f.lambda);
-    }
+    w(uint64_t{fits.size()});
+    for (const LayerFit& f : fits) fit_fields(f, w);
   }
   broadcast_string(pair, w.bytes(), from);
   if (pair.rank() == from) return;
   ByteReader r(w.bytes(), "a pair's fits");
   uint64_t count = 0;
-  r.get(&count, 8);
+  r(count);
   fits.assign(count, LayerFit{});
-  for (LayerFit& f : fits) {
-    r.get(&f.k, sizeof f.k);
-    r.get(&f.structure, sizeof f.structure);
-    r.get_vec(f.layers);
-    r.get_vec(f.W);
-    r.get_vec(f.b);
-    r.get_vec(f.r2);
-    r.get(&f.lambda, sizeof f.lambda);
-  }
+  for (LayerFit& f : fits) fit_fields(f, r);
   CROSSKV_ASSERT(r.done(), "a pair's fits have bytes left over");
 }
 

@@ -9,6 +9,7 @@
 
 #include "backends/backends.hpp"
 #include "core/mlp.hpp"
+#include "fit/mlp_checkpoint.hpp"
 #include "fit/mlp_training.hpp"
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
@@ -359,4 +360,27 @@ TEST(MlpStage, LayerAndTokenGroupsRepeatByteForByteAndAgreeWithOneRank) {
       }
     }
   }
+}
+
+// A training state's bytes (fit/mlp_checkpoint): read back bit for bit; a short one, a cut one, or one of another
+// shape is no state (the training starts over) rather than a crash.
+TEST(MlpCheckpoint, AStateComesBackBitForBitAndABrokenOneIsNone) {
+  const MlpShape s{3, 4, 2};
+  const size_t n = static_cast<size_t>(s.parameters());
+  const MlpTrained t{MlpParams::initial(s, 7), {0.5, 0.25, NAN}, 11, std::vector<float>(n, 1.5f),
+                     std::vector<float>(n, 2.5f), false};
+  const std::string bytes = serialise_state(t);
+  EXPECT_EQ(bytes.size(), 24 + 3 * 8 + 3 * n * 4) << "the layout of every checkpoint written before";
+  const auto back = deserialise_state(bytes, s);
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->params.flat, t.params.flat);
+  EXPECT_EQ(back->steps, 11);
+  ASSERT_EQ(back->epoch_mse.size(), 3u);
+  EXPECT_EQ(back->epoch_mse[1], 0.25);
+  EXPECT_TRUE(std::isnan(back->epoch_mse[2]));
+  EXPECT_EQ(back->adam_m, t.adam_m);
+  EXPECT_EQ(back->adam_v, t.adam_v);
+  EXPECT_FALSE(deserialise_state(bytes.substr(0, 10), s));
+  EXPECT_FALSE(deserialise_state(bytes.substr(0, bytes.size() - 4), s));
+  EXPECT_FALSE(deserialise_state(bytes, MlpShape{3, 5, 2}));
 }
