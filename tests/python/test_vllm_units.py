@@ -979,6 +979,23 @@ def test_the_lead_test_catches_an_unbounded_mapping_thread():
     assert _max_lead(100) >= 4
 
 
+def test_a_layer_the_forward_asks_for_before_the_thread_reaches_it_is_still_mapped(monkeypatch):
+    """The forward may ask for layer l before the mapping thread has looked at it (a loaded machine): l is then taken,
+    not skipped. Before, wait(l) counted l as passed at once, the thread skipped it, and the load fell back."""
+
+    class _LateSemaphore(threading.Semaphore):
+        def acquire(self, *a, **kw):
+            time.sleep(0.05)  # the thread reaches each layer after the forward has asked for it
+            return super().acquire(*a, **kw)
+
+    monkeypatch.setattr(threading, "Semaphore", _LateSemaphore)
+    by, _ = _layer_by_layer(4, 2)
+    got = [by.wait(li) for li in range(4)]
+    by.join()
+    assert [len(g) for g in got] == [1, 1, 1, 1]
+    assert [float(g[0][1][0, 0, 0]) for g in got] == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_a_forward_that_skips_layers_never_hangs_the_mapping():
     by, _ = _layer_by_layer(8, 2)
     done = threading.Event()

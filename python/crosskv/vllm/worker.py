@@ -112,10 +112,13 @@ class LayerByLayer:
         self._done[li].set()
 
     def wait(self, li: int):
-        passed, self._passed = self._passed, max(self._passed, li + 1)
+        # Layers before li are passed (skipped where not yet mapped); li itself is taken, so the thread maps it even
+        # if it reaches li only now.
+        passed, self._passed = self._passed, max(self._passed, li)
         for _ in range(passed, li + 1):  # room for layer li, and for any the forward skipped before it
             self._room.release()
         self._done[li].wait()
+        self._passed = max(self._passed, li + 1)
         out, self._out[li] = self._out[li], []
         if self._cuda_events[li] is not None:
             main = torch.cuda.current_stream()
