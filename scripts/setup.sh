@@ -100,28 +100,13 @@ case $MODE in
       || echo "[setup] could not install ${TEST_BROWSER[*]}: the report-in-Chromium test will be SKIPPED"
     step "configure"
     configure "$ROOT/build"
-    # The Python environments download and unpack while the build compiles (their packages' own C++ waits for it).
-    step "build (everything: programs, tests, benchmarks, the emulated CUDA build), the capture and vLLM environments beside it"
-    envs_log=$ROOT/.venv-setup.log
-    : > "$envs_log"
-    envs_pid=""
+    # One after the other: installing the Python environments while the build compiles was measured slower on 2
+    # cores (docs/PERFORMANCE.md, The test suite).
+    step "build (everything: programs, tests, benchmarks, the emulated CUDA build)"
+    cmake --build "$ROOT/build" -j"$(nproc)"
     if [ "${CROSSKV_NO_CAPTURE:-0}" != 1 ]; then
-      ( t0=$(date +%s)
-        "$ROOT/scripts/setup-capture.sh"
-        echo "[setup] capture environment (.venv-capture), beside the build: $(($(date +%s) - t0)) s"
-        if [ "${CROSSKV_NO_VLLM:-0}" != 1 ]; then
-          t0=$(date +%s)
-          CROSSKV_NO_PACKAGE=1 "$ROOT/scripts/setup-vllm.sh"
-          echo "[setup] vLLM environment (.venv-vllm), beside the build: $(($(date +%s) - t0)) s"
-        fi ) > "$envs_log" 2>&1 &
-      envs_pid=$!
-    fi
-    build_ok=0
-    cmake --build "$ROOT/build" -j"$(nproc)" || build_ok=$?
-    [ -z "$envs_pid" ] || wait "$envs_pid" || true
-    cat "$envs_log"
-    [ "$build_ok" = 0 ] || exit "$build_ok"
-    if [ "${CROSSKV_NO_CAPTURE:-0}" != 1 ]; then
+      step "capture environment (.venv-capture)"
+      "$ROOT/scripts/setup-capture.sh"
       step "crosskv Python package"
       "$ROOT/scripts/setup-python-package.sh"
       if [ "${CROSSKV_NO_LMEVAL:-0}" != 1 ]; then
@@ -129,7 +114,7 @@ case $MODE in
         "$ROOT/scripts/setup-lmeval.sh"
       fi
       if [ "${CROSSKV_NO_VLLM:-0}" != 1 ]; then
-        step "crosskv Python package in the vLLM environment"
+        step "vLLM environment (.venv-vllm) with the crosskv package"
         "$ROOT/scripts/setup-vllm.sh"
       fi
     fi
