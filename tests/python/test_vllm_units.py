@@ -892,7 +892,8 @@ def test_a_worker_has_the_parts_its_role_names(kv_role, maps, saves):
 
     role = cfg.KV_ROLES[kv_role]
     assert (role.maps, role.saves) == (maps, saves)
-    ctx = SimpleNamespace(role=role, store=SimpleNamespace(spec="folder:x"), settings=cfg.Settings(store="x"))
+    ctx = SimpleNamespace(role=role, store=SimpleNamespace(spec="folder:x"), settings=cfg.Settings(store="x"),
+                          refusal=None, unmappable=None, engine_id=None)
     w = Worker(ctx, None, SimpleNamespace(num_blocks=NB))
     assert (w.target is not None, w.source is not None) == (maps, saves)
     assert w.get_block_ids_with_load_errors() == set()

@@ -112,11 +112,11 @@ def parse_settings(kv_transfer_config) -> tuple[Role, Settings]:
     if s.mapped_prefix_reuse not in MAPPED_REUSE:
         raise CrossKVConfigError(f"{EXTRA}.mapped_prefix_reuse: expected one of {', '.join(MAPPED_REUSE)}, got "
                                  f"{s.mapped_prefix_reuse!r}")
-    if role == "both" and not (s.save_namespace and s.load_namespace and s.save_namespace != s.load_namespace):
+    if role == Role.BOTH and not (s.save_namespace and s.load_namespace and s.save_namespace != s.load_namespace):
         raise CrossKVConfigError(f"{EXTRA}.save_namespace: an engine that maps and saves (kv_both) keeps its own KV "
                                  f"apart from its mapper's source: expected save_namespace and load_namespace, "
                                  f"different, got {s.save_namespace!r} and {s.load_namespace!r}")
-    if role in ("target", "both"):
+    if role.maps:
         if s.mapper is None:
             raise CrossKVConfigError(f"{EXTRA}.mapper: missing; an engine that maps (kv_consumer, kv_both) needs a "
                                      "crosskv-fit mapper folder (k<K>/)")

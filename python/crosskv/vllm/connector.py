@@ -24,7 +24,6 @@ class CrossKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ctx = engine_context(vllm_config, kv_cache_config)
-        self.role = ctx.role
         self._scheduler = self.scheduler_side(ctx) if role == KVConnectorRole.SCHEDULER else None
         self._worker = self.worker_side(ctx, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
