@@ -1,4 +1,5 @@
-"""crosskv-capture (crosskv.capture; pip install crosskv[capture]): run a Hugging Face causal LM over a text corpus and write calibration shards (docs/FORMATS.md, Calibration shards).
+"""crosskv-capture (crosskv.capture; pip install crosskv[capture]): run a Hugging Face causal LM over a text corpus
+and write calibration shards (docs/FORMATS.md, Calibration shards).
 
     crosskv-capture --model HF_ID_OR_LOCAL_PATH --text FILE(.txt|.jsonl) --seq-len 1024 --n-seq 500 --stride 4 \\
                     --dtype bf16 --out STORE/DOMAIN [--queries] [--same-tokens-as OTHER_MODEL_OR_STORE/DOMAIN] \\
@@ -455,7 +456,8 @@ class Progress:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="crosskv-capture", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face model id, local folder, or a .gguf file "
                                                    "(dequantized; needs the gguf package)")
     p.add_argument("--text", required=True, help="corpus: .txt (one document) or .jsonl (field 'text')")
