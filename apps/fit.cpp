@@ -29,6 +29,13 @@ int fail(const std::string& line, int code, int size) {
   return code;
 }
 
+// The config, and the retention predictor its eval stage reads: a bad predictor file fails before the fit, not after.
+FitConfig checked_config(const std::string& path) {
+  FitConfig cfg = load_fit_config(path);
+  if (!cfg.eval.shards.empty()) retention_model();
+  return cfg;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -64,9 +71,7 @@ int main(int argc, char** argv) {
   const int world = comm->size();
   try {
     // A mistake in the config (or a missing device) is every rank's: agreed on, reported by rank 0 alone.
-    const FitConfig cfg = agreed(*comm, [&] { return load_fit_config(config_path); });
-    // The eval stage's retention predictor is read now, so a bad file fails before the fit rather than after it.
-    if (!cfg.eval.shards.empty()) agreed(*comm, [] { return retention_model().mappers; });
+    const FitConfig cfg = agreed(*comm, [&] { return checked_config(config_path); });
     const int device = device_for_rank(cfg.runtime.device, mpi_local_rank());
     std::unique_ptr<ComputeBackend> backend = agreed(*comm, [&] { return make_backend(device, comm->rank(), cfg.runtime.tf32); });
     // GPU ranks reduce over NCCL (the same fixed-order sums as MPI) when each has a GPU of its own on every node:

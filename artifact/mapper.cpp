@@ -49,34 +49,8 @@ KvSpec spec_field(const nlohmann::json& side, const std::string& name, const std
   return s;
 }
 
-}  // namespace
-
-MapperManifest parse_mapper_manifest(const std::string& text, const std::string& path, const std::string& dir) {
-  MapperManifest m;
-  m.dir = dir;
-  m.path = path;
-  try {
-    m.json = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path + ": not valid JSON: " + e.what());
-  }
-  if (!m.json.is_object()) throw InputError(path + ": must be a JSON object");
-  const std::string format = str_field(m.json, "format", path);
-  if (format != kMapperFormat)
-    throw InputError(path + ": format is '" + format + "', expected '" + kMapperFormat + "'");
-  const int64_t version = int_field(m.json, "format_version", path);
-  if (version != kManifestVersion)
-    throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version " +
-                     std::to_string(kManifestVersion) + ")");
-  const auto& src = field(m.json, "source", path);
-  const auto& tgt = field(m.json, "target", path);
-  m.source_model = str_field(src, "model", path, "source.");
-  m.target_model = str_field(tgt, "model", path, "target.");
-  if (src.contains("weights")) m.source_weights = str_field(src, "weights", path, "source.");
-  if (tgt.contains("weights")) m.target_weights = str_field(tgt, "weights", path, "target.");
-  m.source = spec_field(src, "source", path);
-  m.target = spec_field(tgt, "target", path);
-  const auto& fit = field(m.json, "fit", path);
+// The manifest's "fit": k (its count and label), the mapper kind, the dtype and the structure.
+void parse_fit_section(const nlohmann::json& fit, const std::string& path, MapperManifest& m) {
   m.k_count = static_cast<int>(int_field(fit, "k_count", path, "fit."));
   if (m.k_count < 1 || m.k_count > m.source.n_layers)
     throw InputError(path + ": fit.k_count " + std::to_string(m.k_count) + " is outside 1.." +
@@ -104,6 +78,36 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
                        std::to_string(m.source.n_kv_heads) + " KV heads and the target " +
                        std::to_string(m.target.n_kv_heads) + " (head matching needs equal counts)");
   }
+}
+
+}  // namespace
+
+MapperManifest parse_mapper_manifest(const std::string& text, const std::string& path, const std::string& dir) {
+  MapperManifest m;
+  m.dir = dir;
+  m.path = path;
+  try {
+    m.json = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(path + ": not valid JSON: " + e.what());
+  }
+  if (!m.json.is_object()) throw InputError(path + ": must be a JSON object");
+  const std::string format = str_field(m.json, "format", path);
+  if (format != kMapperFormat)
+    throw InputError(path + ": format is '" + format + "', expected '" + kMapperFormat + "'");
+  const int64_t version = int_field(m.json, "format_version", path);
+  if (version != kManifestVersion)
+    throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version " +
+                     std::to_string(kManifestVersion) + ")");
+  const auto& src = field(m.json, "source", path);
+  const auto& tgt = field(m.json, "target", path);
+  m.source_model = str_field(src, "model", path, "source.");
+  m.target_model = str_field(tgt, "model", path, "target.");
+  if (src.contains("weights")) m.source_weights = str_field(src, "weights", path, "source.");
+  if (tgt.contains("weights")) m.target_weights = str_field(tgt, "weights", path, "target.");
+  m.source = spec_field(src, "source", path);
+  m.target = spec_field(tgt, "target", path);
+  parse_fit_section(field(m.json, "fit", path), path, m);
   const auto& layers = field(m.json, "layers", path);
   if (!layers.is_array() || layers.size() != static_cast<size_t>(m.target.n_layers))
     throw InputError(path + ": layers must list each of the target's " + std::to_string(m.target.n_layers) +
