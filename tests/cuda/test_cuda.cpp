@@ -272,12 +272,13 @@ void check_prepare(ComputeBackend& dev) {
       {x.data(), S::f32, rows, cols}, {hf.data(), S::f16, rows, cols}, {bf.data(), S::bf16, rows, cols}};
   std::vector<KvSpec> specs;
   for (const RopeSpec& rope : every_rope()) {
-    specs.push_back(KvSpec{L, H, D, H, rope, {}});
+    specs.push_back(KvSpec{L, H, D, H, rope, {}, std::nullopt});
     if (rope.type == "none") continue;
     RopeSpec local = rope, none = rope;  // per layer: Gemma 3's local theta, and a layer without RoPE
     local.type = "default", local.theta = 1e4, none.type = "none";
-    specs.push_back(KvSpec{L, H, D, H, rope, {{Attention::sliding, 4, local}, {Attention::full, 0, rope},
-                                              {Attention::full, 0, none}}});
+    specs.push_back(KvSpec{L, H, D, H, rope,
+                           {{Attention::sliding, 4, local}, {Attention::full, 0, rope}, {Attention::full, 0, none}},
+                           std::nullopt});
   }
   for (const KvSpec& spec : specs) {
     const RopeSpec& rope = spec.rope;
