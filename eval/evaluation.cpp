@@ -43,23 +43,26 @@ nlohmann::json Diagnostics::json() const {
   return j;
 }
 
-const char* to_string(VerdictClass c) {
+namespace {
+
+struct VerdictNames {
+  const char* name;   // in JSON: verdict_class
+  const char* label;  // in the verdict's text and the report
+};
+
+VerdictNames names_of(VerdictClass c) {
   switch (c) {
-    case VerdictClass::likely: return "likely";
-    case VerdictClass::uncertain: return "uncertain";
-    case VerdictClass::not_ready: return "not_ready";
+    case VerdictClass::likely: return {"likely", "LIKELY TO TRANSFER"};
+    case VerdictClass::uncertain: return {"uncertain", "UNCERTAIN"};
+    case VerdictClass::not_ready: break;
   }
-  return "not_ready";
+  return {"not_ready", "NOT READY"};
 }
 
-const char* label(VerdictClass c) {
-  switch (c) {
-    case VerdictClass::likely: return "LIKELY TO TRANSFER";
-    case VerdictClass::uncertain: return "UNCERTAIN";
-    case VerdictClass::not_ready: return "NOT READY";
-  }
-  return "NOT READY";
-}
+}  // namespace
+
+const char* to_string(VerdictClass c) { return names_of(c).name; }
+const char* label(VerdictClass c) { return names_of(c).label; }
 
 nlohmann::json Evaluation::json() const {
   nlohmann::json j = mapper.json();

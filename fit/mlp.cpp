@@ -239,10 +239,10 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
   record_rewritten_layer(dir, entry);
 }
 
-// Rank 0: every layer file and the manifest of mapper folder `dir` with the outcomes of all ranks.
+// Rank 0: every layer file and the manifest of mapper folder `dir` (k`k`'s) with the outcomes of all ranks.
 // `rewritten` counts layer files over the stage (the kill_in_mlp_rewrite fault hook).
-void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, const FitConfig& cfg,
-                  int n_layers, double seconds, int64_t& rewritten) {
+void write_mapper(const std::string& dir, const std::string& k, const std::vector<Outcome>& outcomes,
+                  const FitConfig& cfg, int n_layers, double seconds, int64_t& rewritten) {
   nlohmann::json manifest = read_manifest_json(dir);
   CROSSKV_ASSERT(manifest.is_object() && manifest.contains("layers"), "residual MLPs for " + dir + " without its manifest");
   ByKind<int> kept;
@@ -256,7 +256,6 @@ void write_mapper(const std::string& dir, const std::vector<Outcome>& outcomes, 
   }
   add_fit_mlp(manifest, mapper_kind_name(cfg.fit.mapper), cfg.fit.mlp, seconds);
   write_manifest(dir, manifest);
-  const std::string k = fs::path(dir).filename().replace_extension().string();
   spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept.k,
                n_layers, kept.v, mapper_kind_name(cfg.fit.mapper));
 }
@@ -332,7 +331,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
       std::vector<Outcome> outcomes;
       for (const auto& s : all)
         for (auto& o : deserialise(s)) outcomes.push_back(std::move(o));
-      write_mapper(dir, outcomes, cfg, m.target.n_layers, seconds_since(t0), rewritten);
+      write_mapper(dir, k, outcomes, cfg, m.target.n_layers, seconds_since(t0), rewritten);
     }
   }
   ctx.comm.barrier();
