@@ -26,7 +26,6 @@ concept ByteSequence = requires(T& v) {
 
 class ByteWriter {
  public:
-  static constexpr bool reads = false;
   void put(const void* p, size_t n) { s_.append(static_cast<const char*>(p), n); }
   template <class V>  // std::vector, BigVector: data(), size()
   void put_vec(const V& v) {
@@ -75,7 +74,6 @@ class ByteWriter {
 
 class ByteReader {
  public:
-  static constexpr bool reads = true;
   // `what` names the message in the assertion a short one raises.
   ByteReader(const std::string& s, const char* what) : s_(s), what_(what) {}
   void get(void* p, size_t n) {
@@ -119,7 +117,6 @@ class ByteReader {
     if (present) fn(o.emplace());
   }
   bool done() const { return at_ == s_.size(); }
-  size_t size() const { return s_.size(); }
 
  private:
   template <class T>

@@ -239,7 +239,7 @@ void write_layer(const std::string& dir, nlohmann::json& entry, const std::vecto
   record_rewritten_layer(dir, entry);
 }
 
-// Rank 0: every layer file and the manifest of mapper folder `dir` (k`k`'s) with the outcomes of all ranks.
+// Rank 0: every layer file and the manifest of mapper folder `dir` (named `k` in logs) with the outcomes of all ranks.
 // `rewritten` counts layer files over the stage (the kill_in_mlp_rewrite fault hook).
 void write_mapper(const std::string& dir, const std::string& k, const std::vector<Outcome>& outcomes,
                   const FitConfig& cfg, int n_layers, double seconds, int64_t& rewritten) {
