@@ -1,6 +1,7 @@
 #pragma once
-// A mapper folder's manifest (docs/FORMATS.md, Mapper artifact), built and written here only: the export writes it, the
-// residual-MLP stage adds its decisions to it, artifact/mapper reads it back.
+// A mapper folder's manifest (docs/FORMATS.md, Mapper artifact): its JSON is written here only (the export writes it,
+// the residual-MLP stage adds its decisions to it) and read in artifact/mapper only, into typed fields.
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -19,13 +20,20 @@ inline constexpr const char* kManifestFile = "manifest.json";
 inline constexpr const char* kMapperFormat = "crosskv-mapper";  // the manifest's and the layer files' "format"
 inline constexpr int kManifestVersion = 1;
 
+// fit.lambda: auto, the fit's choice: the criterion, the ρ grid and the k = all system's ρ per kind.
+struct ManifestLambdaChoice {
+  std::string criterion = "gcv";
+  std::vector<double> grid;
+  ByKind<double> rho_all;
+};
+
 // What one k of a fit is: its label ("4", "all"), source layers per target layer, features and parameters.
 struct ManifestFit {
   std::string k_label;
   int k_count = 0;
   int64_t features = 0, params = 0, bias_params = 0;
-  nlohmann::json lambda = 0.0;       // a number, or "auto"
-  nlohmann::json lambda_choice;      // auto: how λ was chosen (fit/lambda.hpp); null otherwise
+  std::optional<double> lambda = 0.0;                 // the fixed λ; empty: "auto"
+  std::optional<ManifestLambdaChoice> lambda_choice;  // auto: how λ was chosen (fit/lambda.hpp)
   std::string probe, dtype;
   std::string structure = "cross_head";  // or "per_head" (core/structure.hpp)
   bool synthetic = false;  // random weights of a real shape, for timing (fit.synthetic: true)
@@ -58,15 +66,33 @@ struct ManifestRun {
 struct ManifestMlpDecision {
   Kind kind = Kind::k;
   bool kept = false;
-  double val_mse_ridge = 0, val_mse_mlp = 0, val_r2_ridge = 0, val_r2_mlp = 0;  // NaN or infinite as null
+  double val_mse_ridge = NAN, val_mse_mlp = NAN, val_r2_ridge = NAN, val_r2_mlp = NAN;  // NaN or infinite as null
   int64_t hidden = 0;  // of the kept MLP
 };
 
-// A target layer's entry: its source layers, its layer file and that file's SHA-256, and the fit's per-output R²
-// of keys and values (NaN as null).
-nlohmann::json manifest_layer_entry(int target_layer, const std::vector<int>& source_layers, const std::string& file,
-                                    const std::string& sha256, const std::vector<double>& r2_k,
-                                    const std::vector<double>& r2_v);
+// fit.lambda: auto, one target layer's choice: the source layer GCV ran on, per kind ρ, the GCV curve over the grid
+// (NaN where ρ was not a candidate) and the λ it gave.
+struct ManifestLambda {
+  int source_layer = 0;
+  ByKind<double> rho, lambda;
+  ByKind<std::vector<double>> gcv;
+};
+
+// A target layer's entry: its source layers, its layer file and that file's SHA-256, the fit's in-sample R² of keys
+// and values per target head (NaN where undefined), and what later stages added.
+struct ManifestLayer {
+  int target_layer = 0;
+  std::vector<int> source_layers;  // ascending, distinct
+  std::string file, sha256;
+  std::vector<double> r2_k, r2_v;
+  std::optional<ManifestLambda> lambda;  // fit.lambda: auto
+  std::vector<ManifestMlpDecision> mlp;  // the residual-MLP stage's decisions, keys then values (empty: no stage)
+};
+// An entry as the manifest holds it (one line of JSON: the export's record of a written layer), and read back:
+// empty where the text is not an entry.
+std::string manifest_layer_text(const ManifestLayer& layer);
+std::optional<ManifestLayer> parse_manifest_layer_text(const std::string& text);
+
 // A model as a manifest names it: its name, and its weights' fingerprint where the shards recorded one
 // ("sha256:...", docs/FORMATS.md; empty: not written).
 struct ManifestModel {
@@ -77,18 +103,16 @@ struct ManifestModel {
 
 // The whole manifest of one k: the models and their kv_specs, the fit, the layer entries, the calibration, and
 // (when given) the run.
-nlohmann::json make_manifest(const ManifestModel& source_model, const KvSpec& source, const ManifestModel& target_model,
-                             const KvSpec& target, const ManifestFit& fit, const nlohmann::json& layers,
-                             const ManifestCalibration& calibration, const std::optional<ManifestRun>& run = {});
-nlohmann::json calibration_json(const ManifestCalibration& c);
+// Written into `dir` whole or not at all (indented, one trailing newline).
+void write_manifest(const std::string& dir, const ManifestModel& source_model, const KvSpec& source,
+                    const ManifestModel& target_model, const KvSpec& target, const ManifestFit& fit,
+                    const std::vector<ManifestLayer>& layers, const ManifestCalibration& calibration,
+                    const std::optional<ManifestRun>& run = {});
+// The residual-MLP stage's rewrite of `dir`'s manifest: the given layers' entries (SHA-256 and decisions) replace
+// theirs, and the fit gains its mapper kind, MLP settings and the stage's time.
+void add_mlps_to_manifest(const std::string& dir, const std::vector<ManifestLayer>& rewritten,
+                          const std::string& mapper_kind, const MlpSettings& settings, double seconds);
+// The MLP settings as the manifest holds them (fit/solve.cpp's export identity holds them too).
 nlohmann::json mlp_settings_json(const MlpSettings& s);
-// The residual-MLP stage's additions: a layer's decisions (and its rewritten file's SHA-256), and the fit's mapper
-// kind, MLP settings and the stage's time.
-void add_layer_mlp(nlohmann::json& entry, const std::string& sha256, const std::vector<ManifestMlpDecision>& kinds);
-void add_fit_mlp(nlohmann::json& manifest, const std::string& mapper_kind, const MlpSettings& settings,
-                 double seconds);
-// Written whole or not at all (indented, one trailing newline), and read back as JSON (the caller checks it).
-void write_manifest(const std::string& dir, const nlohmann::json& m);
-nlohmann::json read_manifest_json(const std::string& dir);
 
 }  // namespace crosskv

@@ -14,6 +14,7 @@
 #include "core/sha256.hpp"
 #include "artifact/layer_file.hpp"
 #include "artifact/manifest.hpp"
+#include "artifact/manifest_json.hpp"
 #include "artifact/safetensors.hpp"
 
 namespace fs = std::filesystem;
@@ -21,25 +22,9 @@ namespace fs = std::filesystem;
 namespace crosskv {
 namespace {
 
-const nlohmann::json& field(const nlohmann::json& j, const std::string& key, const std::string& path,
-                            const std::string& prefix = "") {
-  if (!j.is_object() || !j.contains(key)) throw InputError(path + ": missing field '" + prefix + key + "'");
-  return j[key];
-}
-
-std::string str_field(const nlohmann::json& j, const std::string& key, const std::string& path,
-                      const std::string& prefix = "") {
-  const auto& v = field(j, key, path, prefix);
-  if (!v.is_string()) throw InputError(path + ": field '" + prefix + key + "' must be a string");
-  return v.get<std::string>();
-}
-
-int64_t int_field(const nlohmann::json& j, const std::string& key, const std::string& path,
-                  const std::string& prefix = "") {
-  const auto& v = field(j, key, path, prefix);
-  if (!v.is_number_integer()) throw InputError(path + ": field '" + prefix + key + "' must be an integer");
-  return v.get<int64_t>();
-}
+using manifest_json::field;
+using manifest_json::int_field;
+using manifest_json::str_field;
 
 KvSpec spec_field(const nlohmann::json& side, const std::string& name, const std::string& path) {
   KvSpec s = parse_kv_spec(field(side, "kv_spec", path, name + ".").dump(), path + " (" + name + ".kv_spec)");
@@ -60,10 +45,10 @@ void parse_fit_section(const nlohmann::json& fit, const std::string& path, Mappe
     throw InputError(path + ": fit.k is " + k->dump() + ", expected a number of source layers or \"all\"");
   m.k_label = k == fit.end() ? std::to_string(m.k_count) : k->is_string() ? "all" : std::to_string(k->get<int64_t>());
   if (fit.contains("mapper")) {
-    const std::string kind = str_field(fit, "mapper", path, "fit.");
-    if (kind != "ridge" && kind != "mlp" && kind != "auto")
-      throw InputError(path + ": fit.mapper is '" + kind + "', expected ridge, mlp or auto");
-    m.residual_mlps = kind != "ridge";
+    m.mapper = str_field(fit, "mapper", path, "fit.");
+    if (m.mapper != "ridge" && m.mapper != "mlp" && m.mapper != "auto")
+      throw InputError(path + ": fit.mapper is '" + m.mapper + "', expected ridge, mlp or auto");
+    m.residual_mlps = m.mapper != "ridge";
   }
   m.dtype = str_field(fit, "dtype", path, "fit.");
   if (m.dtype != "fp32" && m.dtype != "bf16" && m.dtype != "fp16")
@@ -78,6 +63,33 @@ void parse_fit_section(const nlohmann::json& fit, const std::string& path, Mappe
                        std::to_string(m.source.n_kv_heads) + " KV heads and the target " +
                        std::to_string(m.target.n_kv_heads) + " (head matching needs equal counts)");
   }
+  manifest_json::read_fit_details(fit, path, m);
+}
+
+}  // namespace
+
+namespace {
+
+// Layer entry i, checked against the manifest: its target layer, k ascending source layers, a layer file's name and
+// a SHA-256.
+ManifestLayer checked_layer(const nlohmann::json& l, size_t i, const MapperManifest& m) {
+  static const std::regex sha_re("[0-9a-f]{64}");
+  const std::string& path = m.path;
+  const std::string pre = "layers[" + std::to_string(i) + "]";
+  ManifestLayer e = manifest_json::layer_from_json(l, path, pre);
+  if (e.target_layer < 0 || e.target_layer >= m.target.n_layers)
+    throw InputError(path + ": " + pre + ".target_layer " + std::to_string(e.target_layer) + " is out of range");
+  if (e.source_layers.size() != static_cast<size_t>(m.k_count))
+    throw InputError(path + ": " + pre + ".source_layers must list fit.k_count = " + std::to_string(m.k_count) +
+                     " layers");
+  for (size_t j = 0; j < e.source_layers.size(); ++j)
+    if (e.source_layers[j] >= m.source.n_layers || (j > 0 && e.source_layers[j] <= e.source_layers[j - 1]))
+      throw InputError(path + ": " + pre + ".source_layers must be ascending source layers in 0.." +
+                       std::to_string(m.source.n_layers - 1) + ", got " + l["source_layers"].dump());
+  if (!is_layer_file_name(e.file))
+    throw InputError(path + ": " + pre + ".file '" + e.file + "' is not a layer-NNN.safetensors name in the folder");
+  if (!std::regex_match(e.sha256, sha_re)) throw InputError(path + ": " + pre + ".sha256 is not 64 hex digits");
+  return e;
 }
 
 }  // namespace
@@ -86,62 +98,45 @@ MapperManifest parse_mapper_manifest(const std::string& text, const std::string&
   MapperManifest m;
   m.dir = dir;
   m.path = path;
+  nlohmann::json j;
   try {
-    m.json = nlohmann::json::parse(text);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw InputError(path + ": not valid JSON: " + e.what());
   }
-  if (!m.json.is_object()) throw InputError(path + ": must be a JSON object");
-  const std::string format = str_field(m.json, "format", path);
+  if (!j.is_object()) throw InputError(path + ": must be a JSON object");
+  const std::string format = str_field(j, "format", path);
   if (format != kMapperFormat)
     throw InputError(path + ": format is '" + format + "', expected '" + kMapperFormat + "'");
-  const int64_t version = int_field(m.json, "format_version", path);
+  const int64_t version = int_field(j, "format_version", path);
   if (version != kManifestVersion)
     throw InputError(path + ": unknown format_version " + std::to_string(version) + " (this crosskv reads version " +
                      std::to_string(kManifestVersion) + ")");
-  const auto& src = field(m.json, "source", path);
-  const auto& tgt = field(m.json, "target", path);
+  if (j.contains("tool") && j["tool"].is_object())
+    m.tool = j["tool"].value("name", std::string("?")) + " " + j["tool"].value("version", std::string("?"));
+  const auto& src = field(j, "source", path);
+  const auto& tgt = field(j, "target", path);
   m.source_model = str_field(src, "model", path, "source.");
   m.target_model = str_field(tgt, "model", path, "target.");
   if (src.contains("weights")) m.source_weights = str_field(src, "weights", path, "source.");
   if (tgt.contains("weights")) m.target_weights = str_field(tgt, "weights", path, "target.");
   m.source = spec_field(src, "source", path);
   m.target = spec_field(tgt, "target", path);
-  parse_fit_section(field(m.json, "fit", path), path, m);
-  const auto& layers = field(m.json, "layers", path);
+  parse_fit_section(field(j, "fit", path), path, m);
+  if (j.contains("calibration")) m.calibration = manifest_json::calibration_from_json(j["calibration"], path);
+  const auto& layers = field(j, "layers", path);
   if (!layers.is_array() || layers.size() != static_cast<size_t>(m.target.n_layers))
     throw InputError(path + ": layers must list each of the target's " + std::to_string(m.target.n_layers) +
                      " layers once");
   m.layers.resize(m.target.n_layers);
   std::vector<bool> seen(m.target.n_layers, false);
-  static const std::regex sha_re("[0-9a-f]{64}");
   for (size_t i = 0; i < layers.size(); ++i) {
-    const std::string pre = "layers[" + std::to_string(i) + "].";
-    const auto& l = layers[i];
-    MapperLayerEntry e;
-    const int64_t t = int_field(l, "target_layer", path, pre);
-    if (t < 0 || t >= m.target.n_layers || seen[t])
-      throw InputError(path + ": " + pre + "target_layer " + std::to_string(t) + " is out of range or repeated");
-    seen[t] = true;
-    e.target_layer = static_cast<int>(t);
-    const auto& sl = field(l, "source_layers", path, pre);
-    if (!sl.is_array() || sl.size() != static_cast<size_t>(m.k_count))
-      throw InputError(path + ": " + pre + "source_layers must list fit.k_count = " + std::to_string(m.k_count) +
-                       " layers");
-    for (const auto& a : sl) {
-      if (!a.is_number_integer()) throw InputError(path + ": " + pre + "source_layers must be integers");
-      const int64_t v = a.get<int64_t>();
-      if (v < 0 || v >= m.source.n_layers || (!e.source_layers.empty() && v <= e.source_layers.back()))
-        throw InputError(path + ": " + pre + "source_layers must be ascending source layers in 0.." +
-                         std::to_string(m.source.n_layers - 1) + ", got " + sl.dump());
-      e.source_layers.push_back(static_cast<int>(v));
-    }
-    e.file = str_field(l, "file", path, pre);
-    if (!is_layer_file_name(e.file))
-      throw InputError(path + ": " + pre + "file '" + e.file + "' is not a layer-NNN.safetensors name in the folder");
-    e.sha256 = str_field(l, "sha256", path, pre);
-    if (!std::regex_match(e.sha256, sha_re)) throw InputError(path + ": " + pre + "sha256 is not 64 hex digits");
-    m.layers[t] = std::move(e);
+    ManifestLayer e = checked_layer(layers[i], i, m);
+    if (seen[e.target_layer])
+      throw InputError(path + ": layers[" + std::to_string(i) + "].target_layer " + std::to_string(e.target_layer) +
+                       " is out of range or repeated");
+    seen[e.target_layer] = true;
+    m.layers[e.target_layer] = std::move(e);
   }
   return m;
 }
@@ -160,7 +155,7 @@ MapperManifest read_mapper_manifest(const std::string& dir) {
 
 MapperLayer load_mapper_layer(const MapperManifest& m, int target_layer, bool verify) {
   CROSSKV_ASSERT(target_layer >= 0 && target_layer < static_cast<int>(m.layers.size()), "target layer out of range");
-  const MapperLayerEntry& e = m.layers[target_layer];
+  const ManifestLayer& e = m.layers[target_layer];
   const std::string file = (fs::path(m.dir) / e.file).string();
   std::error_code ec;
   if (fs::is_symlink(fs::symlink_status(file, ec))) {

@@ -2,37 +2,37 @@
 // Reading a mapper artifact (docs/FORMATS.md, Mapper artifact) back, validated: a mapper is a file from elsewhere. Every problem is an
 // InputError naming the file and the field.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "artifact/manifest.hpp"
 #include "core/kv_spec.hpp"
 #include "core/mlp.hpp"
 #include "core/structure.hpp"
 
 namespace crosskv {
 
-struct MapperLayerEntry {
-  int target_layer = 0;
-  std::vector<int> source_layers;  // ascending, distinct, < source n_layers
-  std::string file, sha256;
-};
-
 struct MapperManifest {
   std::string dir, path;  // the artifact folder and its manifest.json
-  nlohmann::json json;
+  std::string tool;       // the program and version that wrote it ("crosskv 0.9.0"; empty: not recorded)
   std::string source_model, target_model;
   std::string source_weights, target_weights;  // the models' weights fingerprints (empty: not recorded)
   KvSpec source, target;
   int k_count = 0;
   std::string k_label;         // fit.k as a person writes it: "4", "all" (the folder is k<k_label>)
   bool residual_mlps = false;  // fit.mapper mlp or auto: its layers may hold residual MLPs
-  std::string dtype;
+  std::string mapper = "ridge";  // fit.mapper: ridge, mlp or auto
+  std::optional<MlpSettings> mlp;  // fit.mlp: the residual MLPs' settings
+  std::string dtype, probe;
+  int64_t features = 0, params = 0, bias_params = 0;  // per target layer's system; the mapper's (0: not recorded)
+  std::optional<double> lambda;                       // fit.lambda, when fixed
+  std::optional<ManifestLambdaChoice> lambda_choice;  // fit.lambda: auto, how λ was chosen
+  ManifestCalibration calibration;
   Structure structure = Structure::cross_head;  // fit.structure (absent: cross_head, as before the field)
   // Rows of a layer's weight: k*F (cross_head) or k*Ds per head (per_head).
   int64_t weight_rows() const;
-  std::vector<MapperLayerEntry> layers;  // one per target layer, in target-layer order
+  std::vector<ManifestLayer> layers;  // one per target layer, in target-layer order (source layers < n_layers)
 };
 
 struct MapperLayer {

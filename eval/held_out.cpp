@@ -326,7 +326,7 @@ std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::strin
     if (in.mappers[i].residual_mlps) ev.ridge_only = column([](const LayerFigures& f) { return f.ridge_only.value(); });
     judge(ev, th);
     const MapperManifest& m = in.mappers[i];
-    out.push_back({dirs[i], m.json, m.source_model + " -> " + m.target_model, std::move(ev)});
+    out.push_back({dirs[i], m, m.source_model + " -> " + m.target_model, std::move(ev)});
   }
   return out;
 }

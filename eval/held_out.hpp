@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "artifact/mapper.hpp"
 #include "eval/evaluation.hpp"
 #include "core/kv_spec.hpp"
 
@@ -16,7 +17,7 @@ class Comm;
 
 struct MapperEvaluation {
   std::string dir;           // the mapper folder (k<K>/)
-  nlohmann::json manifest;
+  MapperManifest manifest;
   std::string title;         // "<source model> -> <target model>"
   Evaluation evaluation;
   nlohmann::json json() const;  // the figures, with "mapper"

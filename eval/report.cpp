@@ -119,23 +119,10 @@ double implied_cosine(double min_retention) {
   return cosine ? implied_threshold(min_retention).value_or(NAN) : NAN;
 }
 
-// A manifest's k as a person writes it: 4, all.
-std::string k_label(const nlohmann::json& fit) {
-  if (!fit.contains("k")) return "?";
-  return fit["k"].is_string() ? fit["k"].get<std::string>() : fit["k"].dump();
-}
-std::string structure_of(const nlohmann::json& fit) {
-  return fit.contains("structure") && fit["structure"].is_string() ? fit["structure"].get<std::string>()
-                                                                    : "cross_head";
-}
 // "4", or "4, per_head" for a head-matched mapper.
-std::string mapper_label(const nlohmann::json& fit) {
-  const std::string s = structure_of(fit);
-  return k_label(fit) + (s == "cross_head" ? "" : ", " + s);
-}
-
-nlohmann::json object_at(const nlohmann::json& j, const char* key) {
-  return j.is_object() && j.contains(key) && j[key].is_object() ? j[key] : nlohmann::json::object();
+std::string mapper_label(const MapperManifest& m) {
+  const std::string k = m.k_label.empty() ? "?" : m.k_label;
+  return k + (m.structure == Structure::cross_head ? "" : std::string(", ") + to_string(m.structure));
 }
 
 // With residual MLPs (fit.mapper: mlp | auto): how many target layers keep one per kind, and the kept ones'
@@ -145,22 +132,18 @@ struct MlpSummary {
   double params = 0;
 };
 
-MlpSummary mlp_summary(const nlohmann::json& m) {
+MlpSummary mlp_summary(const MapperManifest& m) {
   MlpSummary s;
-  if (!m.is_object() || !m.contains("layers") || !m["layers"].is_array()) return s;
-  const int64_t K = object_at(m, "fit").value("features", int64_t{0});
-  const auto spec = object_at(object_at(m, "target"), "kv_spec");
-  const int64_t G = spec.value("n_kv_heads", int64_t{0}) * spec.value("head_dim", int64_t{0});
+  const int64_t G = m.target.features_per_layer();
   ByKind<int> kept;
   int n = 0;
-  for (const auto& l : m["layers"]) {
-    if (!l.is_object() || !l.contains("mlp") || !l["mlp"].is_object()) continue;
+  for (const ManifestLayer& l : m.layers) {
+    if (l.mlp.empty()) continue;
     ++n;
-    for (Kind kind : kMappedKinds) {
-      const auto d = object_at(l["mlp"], kind_name(kind));
-      if (!d.value("kept", false)) continue;
-      ++kept[kind];
-      s.params += static_cast<double>(MlpShape{K, d.value("hidden", int64_t{0}), G}.parameters());
+    for (const ManifestMlpDecision& d : l.mlp) {
+      if (!d.kept) continue;
+      ++kept[d.kind];
+      s.params += static_cast<double>(MlpShape{m.features, d.hidden, G}.parameters());
     }
   }
   if (n) s.kept = std::to_string(kept.k) + " / " + std::to_string(kept.v) + " of " + std::to_string(n);
@@ -172,11 +155,10 @@ MlpSummary mlp_summary(const nlohmann::json& m) {
 class Sweep {
  public:
   explicit Sweep(const ReportInput& in) : in_(in), fits_(in.evaluations.size()), mlps_(in.evaluations.size()) {
-    for (size_t i = 0; i < fits_.size(); ++i)
-      if (i < in_.manifests.size() && in_.manifests[i].is_object())
-        fits_[i] = in_.manifests[i].value("fit", nlohmann::json::object());
-    std::set<std::string> structures;
-    for (const auto& fit : fits_) structures.insert(structure_of(fit));
+    static const MapperManifest none;
+    for (size_t i = 0; i < fits_.size(); ++i) fits_[i] = i < in_.manifests.size() ? &in_.manifests[i] : &none;
+    std::set<Structure> structures;
+    for (const MapperManifest* m : fits_) structures.insert(m->structure);
     both_ = structures.size() > 1;
     for (size_t i = 1; i < in_.evaluations.size(); ++i)
       if (score(in_.evaluations[i]) > score(in_.evaluations[best_])) best_ = i;
@@ -184,11 +166,10 @@ class Sweep {
     rows_.resize(in_.evaluations.size());
     for (size_t i = 0; i < rows_.size(); ++i) rows_[i] = i;
     std::stable_sort(rows_.begin(), rows_.end(), [&](size_t a, size_t b) {
-      const auto &fa = fits_[a], &fb = fits_[b];
-      return std::pair{fa.value("k_count", 0), structure_of(fa)} < std::pair{fb.value("k_count", 0), structure_of(fb)};
+      return std::pair{fits_[a]->k_count, fits_[a]->structure} < std::pair{fits_[b]->k_count, fits_[b]->structure};
     });
-    for (size_t i = 0; i < mlps_.size() && i < in_.manifests.size(); ++i) {
-      mlps_[i] = mlp_summary(in_.manifests[i]);
+    for (size_t i = 0; i < mlps_.size(); ++i) {
+      mlps_[i] = mlp_summary(*fits_[i]);
       any_mlps_ = any_mlps_ || !mlps_[i].kept.empty();
     }
     for (size_t i : rows_)
@@ -212,11 +193,10 @@ class Sweep {
   static double score(const Evaluation& ev) {
     return ev.mapper.attention_cosine ? *ev.mapper.attention_cosine : 0.5 * (ev.mapper.r2_k + ev.mapper.r2_v);
   }
-  std::string k_of(size_t i) const { return mapper_label(fits_[i]); }
+  std::string k_of(size_t i) const { return mapper_label(*fits_[i]); }
   // Every parameter of mapper i, biases and kept MLPs included.
   double params_of(size_t i) const {
-    const auto& fit = fits_[i];
-    return fit.value("params", 0.0) + fit.value("bias_params", 0.0) + mlps_[i].params;
+    return static_cast<double>(fits_[i]->params + fits_[i]->bias_params) + mlps_[i].params;
   }
 
   std::string header() const {
@@ -233,13 +213,14 @@ class Sweep {
   std::string row(size_t i) const {
     std::ostringstream o;
     const Evaluation& ev = in_.evaluations[i];
-    const auto& fit = fits_[i];
-    const double ridge = fit.value("params", 0.0), bias = fit.value("bias_params", 0.0), mlp = mlps_[i].params;
+    const MapperManifest& fit = *fits_[i];
+    const double ridge = static_cast<double>(fit.params), bias = static_cast<double>(fit.bias_params);
+    const double mlp = mlps_[i].params;
     const double params = ridge + bias + mlp;  // biases and MLPs stay fp32 in bf16/fp16 artifacts
     const std::string verdict = label(ev.verdict_class);
-    o << "<tr" << (ev.ok() ? " class='okrow'" : "") << "><th>" << esc(both_ ? k_label(fit) : k_of(i))
+    o << "<tr" << (ev.ok() ? " class='okrow'" : "") << "><th>" << esc(both_ ? fit.k_label : k_of(i))
       << (i == best_ ? " &#9733;" : "") << "</th>"
-      << (both_ ? "<td style='text-align:left'>" + esc(structure_of(fit)) + "</td>" : "") << "<td>"
+      << (both_ ? std::string("<td style='text-align:left'>") + to_string(fit.structure) + "</td>" : "") << "<td>"
       << (params > 0 ? human_count(params) : "?") << "</td><td>" << (params > 0 ? human_bytes(4 * params) : "?")
       << "</td><td>" << (params > 0 ? human_bytes(2 * ridge + 4 * (bias + mlp)) : "?") << "</td><td>"
       << fmt(ev.mapper.r2_k) << "</td><td>" << fmt(ev.mapper.r2_v) << "</td><td>" << opt(ev.mapper.attention_cosine)
@@ -271,7 +252,7 @@ class Sweep {
   }
 
   const ReportInput& in_;
-  std::vector<nlohmann::json> fits_;  // per evaluation, its manifest's fit (empty without one)
+  std::vector<const MapperManifest*> fits_;  // per evaluation, its manifest (an empty one without)
   std::vector<MlpSummary> mlps_;
   std::vector<size_t> rows_;
   bool both_ = false, any_mlps_ = false;
@@ -352,87 +333,88 @@ std::string per_layer_charts(const Evaluation& ev) {
 }
 
 // The fit's own R² of keys for one manifest layer, the mean over heads (NaN where the manifest has none).
-double in_sample_r2_k(const nlohmann::json& layer) {
-  if (!layer.contains("r2_k") || !layer["r2_k"].is_array()) return NAN;
+double in_sample_r2_k(const ManifestLayer& layer) {
   double s = 0;
   int c = 0;
-  for (const auto& x : layer["r2_k"])
-    if (x.is_number()) s += x.get<double>(), ++c;
+  for (double x : layer.r2_k)
+    if (std::isfinite(x)) s += x, ++c;
   return c ? s / c : NAN;
 }
 
 // A GCV curve over the λ grid as a sparkline (low = better), its minimum marked; blank where ρ was not a candidate.
-std::string gcv_sparkline(const nlohmann::json& curve) {
+std::string gcv_sparkline(const std::vector<double>& curve) {
   static const char* bars[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
   double lo = INFINITY, hi = -INFINITY;
-  for (const auto& x : curve)
-    if (x.is_number()) lo = std::min(lo, x.get<double>()), hi = std::max(hi, x.get<double>());
+  for (double v : curve)
+    if (std::isfinite(v)) lo = std::min(lo, v), hi = std::max(hi, v);
   std::string s;
-  for (const auto& x : curve) {
-    if (!x.is_number()) {
+  for (double v : curve) {
+    if (!std::isfinite(v)) {
       s += "·";
       continue;
     }
-    const double v = x.get<double>();
     const int i = hi > lo ? static_cast<int>(std::lround(7 * std::log1p(v - lo) / std::log1p(hi - lo))) : 0;
     s += v == lo ? "<b>" + std::string(bars[i]) + "</b>" : bars[i];
   }
   return s;
 }
 
-// fit.lambda auto: ρ (λ over the system's mean feature variance) and the GCV curve that chose it, keys / values.
-std::string lambda_cells(const nlohmann::json& l) {
-  if (!l.contains("lambda") || !l["lambda"].is_object()) return "";
-  const auto& x = l["lambda"];
-  auto rho = [&](const char* kind) {
-    if (!x.contains("rho") || !x["rho"].contains(kind)) return std::string();
-    char b[32];
-    std::snprintf(b, sizeof b, "%.0e", x["rho"][kind].get<double>());
-    return std::string(b);
-  };
-  auto curve = [&](const char* kind) {
-    return x.contains("gcv") && x["gcv"].contains(kind) ? gcv_sparkline(x["gcv"][kind]) : std::string("");
-  };
-  return "<td>" + rho("keys") + " / " + rho("values") + "</td><td class='spark'>" + curve("keys") + " " +
-         curve("values") + "</td>";
+std::string sci(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.0e", x);
+  return b;
 }
 
-std::string selected_layers_table(const Evaluation& ev, const nlohmann::json& m) {
+template <class T>
+std::string list_text(const std::vector<T>& v, std::string (*item)(T)) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + item(v[i]);
+  return s + "]";
+}
+std::string int_text(int x) { return std::to_string(x); }
+
+// fit.lambda auto: ρ (λ over the system's mean feature variance) and the GCV curve that chose it, keys / values.
+std::string lambda_cells(const ManifestLayer& l) {
+  if (!l.lambda) return "";
+  const ManifestLambda& x = *l.lambda;
+  return "<td>" + sci(x.rho.k) + " / " + sci(x.rho.v) + "</td><td class='spark'>" + gcv_sparkline(x.gcv.k) + " " +
+         gcv_sparkline(x.gcv.v) + "</td>";
+}
+
+std::string selected_layers_table(const Evaluation& ev, const MapperManifest& m) {
   std::ostringstream o;
-  const auto fit = m.value("fit", nlohmann::json::object());
-  const bool auto_lambda = fit.value("lambda", nlohmann::json()) == "auto";
+  const bool auto_lambda = m.lambda_choice.has_value();
   o << "<details><summary>selected source layers per target layer" << (auto_lambda ? ", and each layer's λ" : "")
     << "</summary><table><tr><th>target layer</th>"
        "<th>source layers</th><th>in-sample R² k (head mean)</th><th>held-out R² k</th><th>held-out R² v</th>";
   if (auto_lambda)
-    o << "<th>ρ keys / values</th><th>GCV over ρ = " << esc(fit["lambda_choice"].value("grid", nlohmann::json()).dump())
+    o << "<th>ρ keys / values</th><th>GCV over ρ = " << esc(list_text(m.lambda_choice->grid, sci))
       << " (keys, values; lowest bold)</th>";
   o << "</tr>";
-  for (const auto& l : m["layers"]) {
-    const int t = l.value("target_layer", -1);
+  for (const ManifestLayer& l : m.layers) {
+    const int t = l.target_layer;
     const bool ok = t >= 0 && t < static_cast<int>(ev.mapper.layers.size());
-    o << "<tr><td>" << t << "</td><td style='text-align:left'>"
-      << esc(l.value("source_layers", nlohmann::json::array()).dump()) << "</td><td>" << fmt(in_sample_r2_k(l))
-      << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_k_mean) : "") << "</td><td>"
-      << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td>" << (auto_lambda ? lambda_cells(l) : "") << "</tr>";
+    o << "<tr><td>" << t << "</td><td style='text-align:left'>" << esc(list_text(l.source_layers, int_text))
+      << "</td><td>" << fmt(in_sample_r2_k(l)) << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_k_mean) : "")
+      << "</td><td>" << (ok ? fmt(ev.mapper.layers[t].r2_v_mean) : "") << "</td>"
+      << (auto_lambda ? lambda_cells(l) : "") << "</tr>";
   }
   o << "</table>";
   if (auto_lambda)
     o << "<p>λ = ρ × the mean feature variance of the layer's system; ρ minimises generalized cross-validation on the "
          "system of the layer's top source layer; the k = all system, shared by every layer, takes the layers' median ("
-      << esc(fit["lambda_choice"].value("rho_all", nlohmann::json()).dump()) << ").</p>";
+      << "keys " << sci(m.lambda_choice->rho_all.k) << ", values " << sci(m.lambda_choice->rho_all.v) << ").</p>";
   o << "</details>";
   return o.str();
 }
 
-std::string mapper_section(const Evaluation& ev, const nlohmann::json& m, const std::string& eval_source) {
+std::string mapper_section(const Evaluation& ev, const MapperManifest& m, const std::string& eval_source) {
   std::ostringstream o;
-  const std::string k = mapper_label(m.value("fit", nlohmann::json::object()));
-  o << "<h2>k = " << esc(k) << "</h2><p class='" << (ev.ok() ? "ok" : "bad") << "'><b>Verdict:</b> "
+  o << "<h2>k = " << esc(mapper_label(m)) << "</h2><p class='" << (ev.ok() ? "ok" : "bad") << "'><b>Verdict:</b> "
     << esc(ev.verdict()) << "</p>";
   if (ev.retention) o << retention_paragraph(ev);
   o << held_out_table(ev, eval_source) << per_layer_charts(ev);
-  if (m.contains("layers")) o << selected_layers_table(ev, m);
+  if (!m.layers.empty()) o << selected_layers_table(ev, m);
   return o.str();
 }
 
@@ -448,26 +430,49 @@ std::string verdict_thresholds(const ReportInput& in) {
          fmt(th.min_r2, 2);
 }
 
+std::string model_text(const std::string& name, const std::string& weights, const KvSpec& spec) {
+  return name + " " + kv_spec_to_string(spec) + (weights.empty() ? "" : ", weights " + weights);
+}
+
+// fit: what was solved, in the config's words.
+std::string fit_text(const MapperManifest& m) {
+  std::ostringstream o;
+  o << "k " << m.k_label << " (" << m.k_count << " source layers), " << to_string(m.structure) << ", λ "
+    << (m.lambda ? fmt(*m.lambda, 4) : m.lambda_choice ? "auto (" + m.lambda_choice->criterion + ")" : "?")
+    << ", probe " << m.probe << ", " << m.dtype << ", " << m.features << " features, " << m.params << " + "
+    << m.bias_params << " parameters, mapper " << m.mapper;
+  if (m.mlp)
+    o << " (MLP hidden " << m.mlp->hidden << ", " << m.mlp->epochs << " epochs, lr " << m.mlp->lr << ", batch "
+      << m.mlp->batch_tokens << " tokens, weight decay " << m.mlp->weight_decay << ", validation "
+      << m.mlp->val_fraction << ", seed " << m.mlp->seed << ")";
+  return o.str();
+}
+
+std::string calibration_text(const ManifestCalibration& c) {
+  std::ostringstream o;
+  o << c.shards.size() << " shard(s), " << c.tokens_used << " tokens used, domains";
+  for (const std::string& d : c.domains) {
+    const auto w = c.weights.find(d);
+    o << " " << d << (w == c.weights.end() ? "" : " (weight " + fmt(w->second, 3) + ")");
+  }
+  o << ", token stride " << c.token_stride << ", max tokens "
+    << (c.max_tokens ? std::to_string(*c.max_tokens) : "none") << ", token weighting " << c.token_weighting;
+  return o.str();
+}
+
 // The pair and the fit's settings, from the first manifest.
 std::string settings_section(const ReportInput& in) {
   std::ostringstream o;
-  const auto& m = in.manifests.front();
+  const MapperManifest& m = in.manifests.front();
   o << "<h2>The pair and its settings</h2><table class='settings'>";
   auto row = [&](const std::string& k, const std::string& v) {
     o << "<tr><th style='text-align:left'>" << esc(k) << "</th><td>" << esc(v) << "</td></tr>";
   };
-  auto model = [&](const char* side) {
-    return m[side].value("model", "") + " " + m[side].value("kv_spec", nlohmann::json()).dump();
-  };
-  if (m.contains("source")) row("source", model("source"));
-  if (m.contains("target")) row("target", model("target"));
-  if (m.contains("fit")) row("fit", m["fit"].dump());
-  if (m.contains("calibration")) {
-    auto c = m["calibration"];
-    c.erase("shards");
-    row("calibration", c.dump());
-  }
-  if (m.contains("tool")) row("tool", m["tool"].dump());
+  row("source", model_text(m.source_model, m.source_weights, m.source));
+  row("target", model_text(m.target_model, m.target_weights, m.target));
+  row("fit", fit_text(m));
+  row("calibration", calibration_text(m.calibration));
+  if (!m.tool.empty()) row("tool", m.tool);
   row("verdict thresholds", verdict_thresholds(in));
   o << "</table>";
   return o.str();
@@ -484,7 +489,7 @@ std::string render_report(const ReportInput& in) {
   if (!in.evaluations.empty()) o << Sweep(in).html();
   if (!in.heatmap_svg.empty()) o << heatmap_section(in.heatmap_svg);
   for (size_t i = 0; i < in.evaluations.size(); ++i)
-    o << mapper_section(in.evaluations[i], i < in.manifests.size() ? in.manifests[i] : nlohmann::json::object(),
+    o << mapper_section(in.evaluations[i], i < in.manifests.size() ? in.manifests[i] : MapperManifest{},
                         in.eval_source);
   if (!in.manifests.empty()) o << settings_section(in);
   o << "</body></html>\n";

@@ -3,15 +3,14 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "artifact/mapper.hpp"
 #include "eval/evaluation.hpp"
 
 namespace crosskv {
 
 struct ReportInput {
   std::string title;                      // the pair
-  std::vector<nlohmann::json> manifests;  // one per mapper (k) evaluated
+  std::vector<MapperManifest> manifests;  // one per mapper (k) evaluated
   std::vector<Evaluation> evaluations;    // the same order
   std::string eval_source;                // what the held-out tokens were
   std::string heatmap_svg;                // the fit's R² heatmaps, if at hand

@@ -21,6 +21,8 @@
 #include "core/sealed_file.hpp"
 #include "artifact/layer_file.hpp"
 #include "artifact/manifest.hpp"
+#include "artifact/mapper.hpp"
+#include "core/bytes.hpp"
 
 namespace fs = std::filesystem;
 
@@ -60,7 +62,7 @@ void keep_only(const std::string& dir, const std::set<std::string>& keep) {
 }  // namespace
 
 ArtifactWriter::ArtifactWriter(const Calibration& cal, const FitPlan& plan, int rank)
-    : cal_(cal), plan_(plan), layers_(plan.slots(), nlohmann::json::array()), rank_(rank) {}
+    : cal_(cal), plan_(plan), layers_(plan.slots()), rank_(rank) {}
 
 std::string ArtifactWriter::final_dir(size_t slot) const {
   return (fs::path(cal_.cfg.output.dir) / plan_.slot_folder(slot)).string();
@@ -91,17 +93,16 @@ void ArtifactWriter::begin(const nlohmann::json& identity) {
 }
 
 bool ArtifactWriter::resume_layer(int l) {
-  std::vector<nlohmann::json> entries;
+  std::vector<ManifestLayer> entries;
   for (size_t slot = 0; slot < plan_.slots(); ++slot) {
     const auto rec = read_sealed(record_file(record_dir(slot), layer_file_name(l)), record_seal(identity_));
     if (!rec) return false;
-    nlohmann::json e = nlohmann::json::parse(*rec, nullptr, /*allow_exceptions=*/false);
-    if (!e.is_object() || !e.contains("sha256") || !e["sha256"].is_string() || e.value("target_layer", -1) != l)
-      return false;
+    std::optional<ManifestLayer> e = parse_manifest_layer_text(*rec);
+    if (!e || e->target_layer != l) return false;
     const std::string file = (fs::path(partial_dir(slot)) / layer_file_name(l)).string();
     std::error_code ec;
-    if (!fs::is_regular_file(file, ec) || sha256_file(file) != e["sha256"].get<std::string>()) return false;
-    entries.push_back(std::move(e));
+    if (!fs::is_regular_file(file, ec) || sha256_file(file) != e->sha256) return false;
+    entries.push_back(std::move(*e));
   }
   std::lock_guard<std::mutex> lk(m_);
   for (size_t i = 0; i < entries.size(); ++i) layers_[i].push_back(std::move(entries[i]));
@@ -118,7 +119,8 @@ ArtifactWriter::~ArtifactWriter() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv, nlohmann::json lambda) {
+void ArtifactWriter::write_layer(int l, std::vector<LayerFit> fk, std::vector<LayerFit> fv,
+                                 std::optional<ManifestLambda> lambda) {
   CROSSKV_ASSERT(fk.size() == plan_.slots() && fv.size() == plan_.slots(), "fit/plan mismatch");
   Job job;
   job.l = l;
@@ -184,10 +186,15 @@ double ArtifactWriter::convert_seconds() const {
   return convert_s_;
 }
 
-nlohmann::json ArtifactWriter::layer_entries() const {
+std::string ArtifactWriter::layer_entries() const {
   std::lock_guard<std::mutex> lk(m_);
   CROSSKV_ASSERT(queue_.empty() && !busy_, "layer_entries() before drain()");
-  return layers_;
+  ByteWriter w;
+  for (const auto& list : layers_) {
+    w.as<uint64_t>(list.size());
+    for (const ManifestLayer& e : list) w(manifest_layer_text(e));
+  }
+  return std::move(w.bytes());
 }
 
 void ArtifactWriter::write_job(const Job& job) {
@@ -223,29 +230,36 @@ void ArtifactWriter::write_job(const Job& job) {
     if (fk.structure == Structure::per_head) content.heads = d.Ht;
     write_layer_file(path, content);
     written();
-    nlohmann::json entry = manifest_layer_entry(l, fk.layers, file, sha256_file(path), fk.r2, fv.r2);
-    if (!job.lambda.is_null()) {
-      entry["lambda"] = job.lambda;
-      entry["lambda"]["keys"] = fk.lambda, entry["lambda"]["values"] = fv.lambda;
-    }
+    ManifestLayer entry{l, fk.layers, file, sha256_file(path), fk.r2, fv.r2, job.lambda, {}};
+    if (entry.lambda) entry.lambda->lambda = {fk.lambda, fv.lambda};
     // The layer's record: with it an interrupted export resumes after this layer (resume_layer).
-    write_sealed(record_file(record_dir(i), file), record_seal(identity_), entry.dump());
+    write_sealed(record_file(record_dir(i), file), record_seal(identity_), manifest_layer_text(entry));
     std::lock_guard<std::mutex> lk(m_);
     layers_[i].push_back(std::move(entry));
   }
 }
 
-void ArtifactWriter::add_layer_entries(const nlohmann::json& per_k) {
-  CROSSKV_ASSERT(per_k.size() == layers_.size(), "layer entries for a different k list");
-  for (size_t i = 0; i < layers_.size(); ++i)
-    for (const auto& e : per_k[i]) layers_[i].push_back(e);
+void ArtifactWriter::add_layer_entries(const std::string& per_k) {
+  ByteReader r(per_k, "another rank's layer entries");
+  for (auto& list : layers_) {
+    uint64_t n = 0;
+    r.as<uint64_t>(n);
+    for (uint64_t j = 0; j < n; ++j) {
+      std::string text;
+      r(text);
+      std::optional<ManifestLayer> e = parse_manifest_layer_text(text);
+      CROSSKV_ASSERT(e.has_value(), "another rank's layer entry does not read back: " + text);
+      list.push_back(std::move(*e));
+    }
+  }
+  CROSSKV_ASSERT(r.done(), "layer entries for a different k list");
 }
 
 std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool publish) {
   drain();
   for (auto& list : layers_)
     std::sort(list.begin(), list.end(),
-              [](const nlohmann::json& a, const nlohmann::json& b) { return a["target_layer"] < b["target_layer"]; });
+              [](const ManifestLayer& a, const ManifestLayer& b) { return a.target_layer < b.target_layer; });
   std::vector<std::string> out;
   const auto& c = cal_.cfg;
   ManifestCalibration calibration;
@@ -258,12 +272,10 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
     const KPlan& kp = plan_.slot_k(i);
     const Structure st = plan_.slot_structure(i);
     const ManifestFit fit{kp.label,         kp.count,       kp.features_of(st), kp.params_of(st), kp.bias_params,
-                          c.fit.lambda.json(), lambda_choice_, to_string(c.fit.probe), weight_dtype_name(c.fit.dtype),
-                          to_string(st)};
-    const nlohmann::json m = make_manifest({cal_.source_model, cal_.source_weights}, cal_.source,
-                                           {cal_.target_model, cal_.target_weights}, cal_.target, fit,
-                                           layers_[i], calibration, run);
-    write_manifest(partial_dir(i), m);
+                          c.fit.lambda.automatic ? std::nullopt : std::optional(c.fit.lambda.value), lambda_choice_,
+                          to_string(c.fit.probe), weight_dtype_name(c.fit.dtype), to_string(st)};
+    write_manifest(partial_dir(i), {cal_.source_model, cal_.source_weights}, cal_.source,
+                   {cal_.target_model, cal_.target_weights}, cal_.target, fit, layers_[i], calibration, run);
     if (!publish) {
       out.push_back(partial_dir(i));
       continue;
@@ -276,10 +288,8 @@ std::vector<std::string> ArtifactWriter::finish(const ManifestRun& run, bool pub
 
 std::string publish_artifact(const std::string& output_dir, const std::string& folder) {
   const std::string final_dir = (fs::path(output_dir) / folder).string(), partial = final_dir + ".partial";
-  const nlohmann::json m = read_manifest_json(partial);
-  CROSSKV_ASSERT(m.is_object() && m.contains("layers"), "publishing " + partial + " without its manifest");
   std::set<std::string> files = {kManifestFile};
-  for (const auto& e : m["layers"]) files.insert(e["file"].get<std::string>());
+  for (const ManifestLayer& e : read_mapper_manifest(partial).layers) files.insert(e.file);
   std::error_code ec;
   fs::remove_all(records_in(partial), ec);
   keep_only(partial, files);
@@ -290,11 +300,11 @@ std::string publish_artifact(const std::string& output_dir, const std::string& f
   return final_dir;
 }
 
-void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry) {
+void record_rewritten_layer(const std::string& partial_dir, const ManifestLayer& entry) {
   const std::string dir = records_in(partial_dir).string();
   const nlohmann::json seal = read_seal(identity_file(dir));
   CROSSKV_ASSERT(seal.is_object(), "a rewritten layer's record without its export's identity in " + dir);
-  write_sealed(record_file(dir, entry["file"].get<std::string>()), record_seal(seal["identity"]), entry.dump());
+  write_sealed(record_file(dir, entry.file), record_seal(seal["identity"]), manifest_layer_text(entry));
 }
 
 }  // namespace crosskv

@@ -7,6 +7,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,12 +40,12 @@ class ArtifactWriter {
   // parallel: they are there already), writes, syncs and hashes the files while the caller solves the next layer.
   // One layer waits at most (the call blocks until the one before it is being written); a write's error is thrown by
   // the next call.
-  // `lambda` (fit.lambda: auto): how layer l's λ was chosen (Lambdas::layer_json), recorded in its manifest entry
+  // `lambda` (fit.lambda: auto): how layer l's λ was chosen (Lambdas::layer_choice), recorded in its manifest entry
   // with the λ each k was solved with.
   void write_layer(int l, std::vector<LayerFit> fits_k, std::vector<LayerFit> fits_v,
-                   nlohmann::json lambda = nullptr);
-  // fit.lambda: auto: the fit's choice (Lambdas::fit_json), recorded in every manifest.
-  void set_lambda_choice(nlohmann::json choice) { lambda_choice_ = std::move(choice); }
+                   std::optional<ManifestLambda> lambda = {});
+  // fit.lambda: auto: the fit's choice (Lambdas::choice), recorded in every manifest.
+  void set_lambda_choice(std::optional<ManifestLambdaChoice> choice) { lambda_choice_ = std::move(choice); }
   // Waits until every layer is written; throws the first write error.
   void drain();
   // Seconds the writer thread spent on layers (converting weights included), converting weights, and the solving
@@ -52,9 +53,10 @@ class ArtifactWriter {
   double write_seconds() const;
   double convert_seconds() const;
   double wait_seconds() const { return wait_s_; }
-  // The manifest entries of the layers written here (per k; after drain()), and entries written by other ranks.
-  nlohmann::json layer_entries() const;
-  void add_layer_entries(const nlohmann::json& per_k);
+  // The manifest entries of the layers written here (per k, as bytes for another rank; after drain()), and entries
+  // written by other ranks.
+  std::string layer_entries() const;
+  void add_layer_entries(const std::string& per_k);
   // Writes every manifest (layers sorted by target layer) and moves the folders into place. Returns the folders.
   // Without `publish`, the manifests stay in the k<K>.partial folders with the layers' records (a later stage adds
   // to the layer files, then publish_artifact moves each into place); returns those folders.
@@ -65,7 +67,7 @@ class ArtifactWriter {
   struct Job {
     int l = 0;
     std::vector<LayerFit> fk, fv;
-    nlohmann::json lambda;
+    std::optional<ManifestLambda> lambda;
   };
   void write_job(const Job& job);
   BigVector<uint16_t> half_k_, half_v_;  // the writer thread's conversions, reused from layer to layer
@@ -76,7 +78,7 @@ class ArtifactWriter {
   nlohmann::json identity_;                   // of the export (begin)
   const Calibration& cal_;
   const FitPlan& plan_;
-  std::vector<nlohmann::json> layers_;  // per k: the manifest's "layers" list
+  std::vector<std::vector<ManifestLayer>> layers_;  // per k: the manifest's layer entries
   int rank_ = 0;
   int64_t files_ = 0;  // files written, for the kill_in_export fault hook
   void written();
@@ -87,7 +89,7 @@ class ArtifactWriter {
   double write_s_ = 0, wait_s_ = 0, convert_s_ = 0;
   std::exception_ptr error_;
   std::thread thread_;
-  nlohmann::json lambda_choice_;
+  std::optional<ManifestLambdaChoice> lambda_choice_;
 };
 
 
@@ -96,6 +98,6 @@ class ArtifactWriter {
 std::string publish_artifact(const std::string& output_dir, const std::string& folder);
 // After a stage between finish(publish = false) and publish_artifact rewrote a layer file of `partial_dir`: its
 // record takes the new manifest entry (file and SHA-256), so that a resumed export takes the layer over as written.
-void record_rewritten_layer(const std::string& partial_dir, const nlohmann::json& entry);
+void record_rewritten_layer(const std::string& partial_dir, const ManifestLayer& entry);
 
 }  // namespace crosskv

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <limits>
 
-#include <nlohmann/json.hpp>
 
 #include "core/backend.hpp"
 #include "core/error.hpp"
@@ -164,16 +163,12 @@ double Lambdas::all(Kind kind, const Covariances& m) const {
   return rho_all_.at(kind) * mean_feature_variance(m, every);
 }
 
-nlohmann::json Lambdas::layer_json(int l) const {
-  if (!automatic_) return nullptr;
-  nlohmann::json j = {{"source_layer", top_[l]}};
-  for (Kind kind : kMappedKinds) {
-    j["rho"][kind_dataset(kind)] = rho_.at(kind)[l];
-    nlohmann::json c = nlohmann::json::array();
-    for (double x : curve_.at(kind)[l]) c.push_back(std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr));
-    j["gcv"][kind_dataset(kind)] = c;
-  }
-  return j;
+std::optional<ManifestLambda> Lambdas::layer_choice(int l) const {
+  if (!automatic_) return std::nullopt;
+  ManifestLambda x;
+  x.source_layer = top_[l];
+  for (Kind kind : kMappedKinds) x.rho[kind] = rho_.at(kind)[l], x.gcv[kind] = curve_.at(kind)[l];
+  return x;
 }
 
 std::string Lambdas::summary() const {
@@ -192,11 +187,12 @@ std::string Lambdas::summary() const {
   return s + " (lambda = rho x the system's mean feature variance)";
 }
 
-nlohmann::json Lambdas::fit_json() const {
-  if (!automatic_) return nullptr;
-  nlohmann::json j = {{"criterion", "gcv"}, {"grid", lambda_grid()}};
-  for (Kind kind : kMappedKinds) j["rho_all"][kind_dataset(kind)] = rho_all_.at(kind);
-  return j;
+std::optional<ManifestLambdaChoice> Lambdas::choice() const {
+  if (!automatic_) return std::nullopt;
+  ManifestLambdaChoice c;
+  c.grid = lambda_grid();
+  for (Kind kind : kMappedKinds) c.rho_all[kind] = rho_all_.at(kind);
+  return c;
 }
 
 }  // namespace crosskv

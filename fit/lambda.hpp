@@ -4,10 +4,11 @@
 // source by any factor gives the same predictions).
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include "artifact/manifest.hpp"
 
 #include "core/kind.hpp"
 #include "core/r2.hpp"
@@ -66,11 +67,11 @@ class Lambdas {
   double all(Kind kind, const Covariances& m) const;
   double rho(Kind kind, int l) const { return rho_.at(kind)[l]; }
   double rho_all(Kind kind) const { return rho_all_.at(kind); }
-  // Target layer l's choice for the manifest: {"source_layer", "rho": {keys, values}, "gcv": {keys: [grid], values}};
-  // null for a fixed λ.
-  nlohmann::json layer_json(int l) const;
-  // The fit's: {"criterion", "grid": [...], "rho_all": {keys, values}}; null for a fixed λ.
-  nlohmann::json fit_json() const;
+  // Target layer l's choice for its manifest entry: the source layer, ρ and the GCV curve per kind (the λ each k got
+  // is the writer's to add); empty for a fixed λ.
+  std::optional<ManifestLambda> layer_choice(int l) const;
+  // The fit's: the criterion, the grid and k = all's ρ; empty for a fixed λ.
+  std::optional<ManifestLambdaChoice> choice() const;
   // One line for the log: per kind, the layers' ρ (median, range, how many at the grid's ends) and k = all's.
   std::string summary() const;
 

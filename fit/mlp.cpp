@@ -38,10 +38,8 @@ constexpr double kMinGain = 1e-3;
 // One (target layer, kind)'s outcome.
 struct Outcome {
   int layer = 0;
-  Kind kind = Kind::k;
-  bool kept = false;
-  double mse_ridge = NAN, mse_mlp = NAN, r2_ridge = NAN, r2_mlp = NAN;
-  MlpParams params;  // when kept: the standardisation folded into W1 and b1
+  ManifestMlpDecision d;  // its width: the kept params'
+  MlpParams params;       // when kept: the standardisation folded into W1 and b1
 };
 
 // An outcome's fields, as its checkpoint file and the gather to rank 0 carry them (core/bytes.hpp): the kept MLP's
@@ -49,11 +47,12 @@ struct Outcome {
 template <class O, class IO>
 void outcome_fields(O& o, IO& io) {
   io.template as<int32_t>(o.layer);
-  io.map(o.kind, [](Kind k) { return int32_t{mapped_index(k)}; }, [](int32_t i) { return kMappedKinds.at(i == 1); });
-  io.template as<int32_t>(o.kept);
-  io(o.mse_ridge, o.mse_mlp, o.r2_ridge, o.r2_mlp);
+  io.map(o.d.kind, [](Kind k) { return int32_t{mapped_index(k)}; }, [](int32_t i) { return kMappedKinds.at(i == 1); });
+  io.template as<int32_t>(o.d.kept);
+  io(o.d.val_mse_ridge, o.d.val_mse_mlp, o.d.val_r2_ridge, o.d.val_r2_mlp);
   io(o.params.shape.in, o.params.shape.hidden, o.params.shape.out);
-  if (o.kept) io.fixed(o.params.flat, static_cast<size_t>(o.params.shape.parameters()));
+  if (o.d.kept) io.fixed(o.params.flat, static_cast<size_t>(o.params.shape.parameters()));
+  if constexpr (!std::is_const_v<O>) o.d.hidden = o.d.kept ? o.params.shape.hidden : 0;
 }
 
 void serialise(const Outcome& o, ByteWriter& w) { outcome_fields(o, w); }
@@ -118,8 +117,8 @@ void validation_scores(Comm& g, ComputeBackend& be, const MlpParams& p, const st
     }
   e = group_sum(g, std::move(e));
   const double n = col[G] * static_cast<double>(G);
-  o.mse_ridge = e[0] / n, o.mse_mlp = e[1] / n;
-  if (e[2] > 0) o.r2_ridge = 1 - e[0] / e[2], o.r2_mlp = 1 - e[1] / e[2];
+  o.d.val_mse_ridge = e[0] / n, o.d.val_mse_mlp = e[1] / n;
+  if (e[2] > 0) o.d.val_r2_ridge = 1 - e[0] / e[2], o.d.val_r2_mlp = 1 - e[1] / e[2];
 }
 
 // relu(((x - mean) * inv_sd) W1 + b1) = relu(x W1' + b1'): the artifact applies the MLP to the features as they are.
@@ -210,12 +209,13 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
                       "checkpointed in " + u.ck.dir());
   u.progress.add(u.tokens_per_epoch);
   Outcome o;
-  o.layer = l, o.kind = kind;
+  o.layer = l, o.d.kind = kind;
   validation_scores(u.group, be, trained.params, z[1], R[1], d.y[1], d.rows[1], G, o);
-  o.kept = u.cal.cfg.fit.mapper == MapperKind::mlp || (o.r2_mlp >= o.r2_ridge + kMinGain);
-  if (o.kept) {
+  o.d.kept = u.cal.cfg.fit.mapper == MapperKind::mlp || (o.d.val_r2_mlp >= o.d.val_r2_ridge + kMinGain);
+  if (o.d.kept) {
     fold_standardisation(trained.params, mean, inv_sd);
     o.params = std::move(trained.params);
+    o.d.hidden = o.params.shape.hidden;
   }
   return o;
 }
@@ -223,41 +223,38 @@ Outcome fit_unit(UnitContext& u, ServingMapper& ridge, const std::vector<int>& s
 
 // Rank 0: the layer file of `entry` rewritten with its ridge tensors (as stored) and the kept MLPs; the manifest
 // entry (SHA-256, decisions) and the export's record of the layer follow.
-void write_layer(const std::string& dir, nlohmann::json& entry, const std::vector<const Outcome*>& kinds) {
-  const std::string file = (fs::path(dir) / entry["file"].get<std::string>()).string();
+void write_layer(const std::string& dir, ManifestLayer& entry, const std::vector<const Outcome*>& kinds) {
+  const std::string file = (fs::path(dir) / entry.file).string();
   StoredLayerFile stored;
-  read_layer_file(file, entry["target_layer"].get<int>(), entry["source_layers"].get<std::vector<int>>(), stored);
+  read_layer_file(file, entry.target_layer, entry.source_layers, stored);
   LayerFileContent& c = stored.content;
-  std::vector<ManifestMlpDecision> decisions;
+  entry.mlp.clear();
   for (const Outcome* o : kinds) {
-    decisions.push_back({o->kind, o->kept, o->mse_ridge, o->mse_mlp, o->r2_ridge, o->r2_mlp,
-                         o->kept ? o->params.shape.hidden : 0});
-    if (o->kept) c.kinds[o->kind].mlp = &o->params;
+    entry.mlp.push_back(o->d);
+    if (o->d.kept) c.kinds[o->d.kind].mlp = &o->params;
   }
   write_layer_file(file, c);
-  add_layer_mlp(entry, sha256_file(file), decisions);
+  entry.sha256 = sha256_file(file);
   record_rewritten_layer(dir, entry);
 }
 
-// Rank 0: every layer file and the manifest of mapper folder `dir` (named `k` in logs) with the outcomes of all ranks.
+// Rank 0: every layer file and the manifest of mapper `m` (named `k` in logs) with the outcomes of all ranks.
 // `rewritten` counts layer files over the stage (the kill_in_mlp_rewrite fault hook).
-void write_mapper(const std::string& dir, const std::string& k, const std::vector<Outcome>& outcomes,
-                  const FitConfig& cfg, int n_layers, double seconds, int64_t& rewritten) {
-  nlohmann::json manifest = read_manifest_json(dir);
-  CROSSKV_ASSERT(manifest.is_object() && manifest.contains("layers"), "residual MLPs for " + dir + " without its manifest");
+void write_mapper(const MapperManifest& m, const std::string& k, const std::vector<Outcome>& outcomes,
+                  const FitConfig& cfg, double seconds, int64_t& rewritten) {
   ByKind<int> kept;
-  for (auto& entry : manifest["layers"]) {
+  std::vector<ManifestLayer> layers = m.layers;
+  for (ManifestLayer& entry : layers) {
     std::vector<const Outcome*> kinds;
     for (const Outcome& o : outcomes)
-      if (o.layer == entry["target_layer"].get<int>()) kinds.push_back(&o), kept[o.kind] += o.kept;
-    std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->kind < b->kind; });
-    write_layer(dir, entry, kinds);
+      if (o.layer == entry.target_layer) kinds.push_back(&o), kept[o.d.kind] += o.d.kept;
+    std::sort(kinds.begin(), kinds.end(), [](const Outcome* a, const Outcome* b) { return a->d.kind < b->d.kind; });
+    write_layer(m.dir, entry, kinds);
     fault_point("kill_in_mlp_rewrite", ++rewritten, 0);
   }
-  add_fit_mlp(manifest, mapper_kind_name(cfg.fit.mapper), cfg.fit.mlp, seconds);
-  write_manifest(dir, manifest);
+  add_mlps_to_manifest(m.dir, layers, mapper_kind_name(cfg.fit.mapper), cfg.fit.mlp, seconds);
   spdlog::info("residual MLPs {}: kept for {} of {} target layers' keys and {} of their values ({})", k, kept.k,
-               n_layers, kept.v, mapper_kind_name(cfg.fit.mapper));
+               m.target.n_layers, kept.v, mapper_kind_name(cfg.fit.mapper));
 }
 
 }  // namespace
@@ -301,7 +298,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
         Outcome o;
         if (done) {
           auto all = deserialise(*done);
-          CROSSKV_ASSERT(all.size() == 1 && all[0].layer == l && all[0].kind == kind, done_file + ": another unit");
+          CROSSKV_ASSERT(all.size() == 1 && all[0].layer == l && all[0].d.kind == kind, done_file + ": another unit");
           o = std::move(all[0]);
           ++taken_over;
           progress.add(int64_t{cfg.fit.mlp.epochs} * u.tokens_per_epoch);
@@ -331,7 +328,7 @@ void fit_residual_mlps(Context& ctx, const Calibration& cal, const std::vector<s
       std::vector<Outcome> outcomes;
       for (const auto& s : all)
         for (auto& o : deserialise(s)) outcomes.push_back(std::move(o));
-      write_mapper(dir, k, outcomes, cfg, m.target.n_layers, seconds_since(t0), rewritten);
+      write_mapper(m, k, outcomes, cfg, seconds_since(t0), rewritten);
     }
   }
   ctx.comm.barrier();

@@ -203,7 +203,7 @@ void solve_layers(Context& ctx, const FitPlan& plan, Moments& mk, Moments& mv,
       const int from = writes ? 1 - unit.member : unit.member;
       send_fits(*unit.pair, from, from == 0 ? fk : fv);
     }
-    if (writes) writer.write_layer(l, std::move(fk), std::move(fv), lambdas.layer_json(l));  // while the next solves
+    if (writes) writer.write_layer(l, std::move(fk), std::move(fv), lambdas.layer_choice(l));  // while the next solves
     progress.add(1);
   }
   writer.drain();
@@ -243,11 +243,11 @@ std::vector<std::string> solve_and_export(Context& ctx, const Calibration& cal, 
   ArtifactWriter writer(cal, plan, ctx.comm.rank());
   if (ctx.comm.rank() == 0) writer.begin(export_identity(cal, plan, ctx.comm.size()));
   ctx.comm.barrier();
-  writer.set_lambda_choice(lambdas.fit_json());
+  writer.set_lambda_choice(lambdas.choice());
   solve_layers(ctx, plan, mk, mv, rankings, lambdas, writer, ckpt_dir);
-  const auto entries = gather_strings(ctx.comm, writer.layer_entries().dump());
+  const auto entries = gather_strings(ctx.comm, writer.layer_entries());
   if (ctx.comm.rank() != 0) return {};
-  for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(nlohmann::json::parse(entries[r]));
+  for (size_t r = 1; r < entries.size(); ++r) writer.add_layer_entries(entries[r]);
   return writer.finish(manifest_run(), publish);
 }
 

@@ -10,7 +10,7 @@ MapperWeights load_mapper(const std::string& dir) {
   MapperManifest mm = read_mapper_manifest(dir);
   MapperWeights m;
   m.dir = dir;
-  m.manifest = mm.json;
+  m.manifest = mm;
   m.source = mm.source;
   m.target = mm.target;
   for (int l = 0; l < mm.target.n_layers; ++l) m.layers.push_back(load_mapper_layer(mm, l));

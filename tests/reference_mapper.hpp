@@ -4,8 +4,6 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "artifact/mapper.hpp"
 #include "core/kind.hpp"
 
@@ -13,7 +11,7 @@ namespace crosskv {
 
 struct MapperWeights {
   std::string dir;
-  nlohmann::json manifest;
+  MapperManifest manifest;
   KvSpec source, target;
   std::vector<MapperLayer> layers;
 };

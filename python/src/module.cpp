@@ -243,7 +243,7 @@ void write_synthetic_mapper(const std::string& dir, const std::string& source_sp
                      std::to_string(layers.size()));
   const int k = static_cast<int>(std::get<0>(layers.at(0)).size());
   const int64_t F = S.features_per_layer(), G = T.features_per_layer();
-  nlohmann::json entries = nlohmann::json::array();
+  std::vector<ManifestLayer> entries;
   for (int l = 0; l < T.n_layers; ++l) {
     const auto& [sel, wk, bk, wv, bv] = layers[l];
     const int64_t K = static_cast<int64_t>(sel.size()) * F;
@@ -258,13 +258,13 @@ void write_synthetic_mapper(const std::string& dir, const std::string& source_sp
     c.kinds.k.weight = wk.data(), c.kinds.k.bias = bk.data(), c.kinds.v.weight = wv.data(), c.kinds.v.bias = bv.data();
     const std::string file = layer_file_name(l), path = dir + "/" + file;
     write_layer_file(path, c);
-    entries.push_back(manifest_layer_entry(l, sel, file, sha256_file(path), {}, {}));
+    entries.push_back({l, sel, file, sha256_file(path), {}, {}, {}, {}});
   }
   ManifestFit fit;
   fit.k_label = k == S.n_layers ? "all" : std::to_string(k), fit.k_count = k, fit.features = int64_t{k} * F;
   fit.params = 2 * fit.features * G * T.n_layers, fit.bias_params = 2 * G * T.n_layers;
   fit.probe = "none", fit.dtype = "fp32", fit.synthetic = true;
-  write_manifest(dir, make_manifest(source_model, S, target_model, T, fit, entries, ManifestCalibration{}));
+  write_manifest(dir, source_model, S, target_model, T, fit, entries, ManifestCalibration{});
 }
 
 }  // namespace

@@ -242,71 +242,123 @@ TEST(LayerFile, WhatTheWriterStoresTheReaderReadsBack) {
     }
 }
 
-// The manifest's one writer and the reader agree: a manifest made by make_manifest (and given the MLP stage's
-// additions) reads back with every field the reader takes, and its layer entries as written.
+// The manifest's one writer and the reader agree: a manifest written by write_manifest (and given the MLP stage's
+// additions) reads back with every field, and its JSON is the documented one (NaN and infinity as null).
 TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
   Artifact a;
   const MapperManifest m0 = read_mapper_manifest(a.dir);
-  nlohmann::json layers = nlohmann::json::array();
-  for (const MapperLayerEntry& e : m0.layers)
-    layers.push_back(manifest_layer_entry(e.target_layer, e.source_layers, e.file, e.sha256,
-                                          {0.5, std::numeric_limits<double>::quiet_NaN()}, {0.25}));
-  const ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, 0.01, nullptr, "same_head", "bf16"};
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<ManifestLayer> layers = m0.layers;
+  for (ManifestLayer& e : layers) e.r2_k = {0.5, nan}, e.r2_v = {0.25};
+  layers[0].lambda = ManifestLambda{1, {1e-3, 1e-2}, {0.5, 0.75}, {{2.0, nan, 1.0}, {3.0, 2.0, 4.0}}};
+  ManifestFit fit{"2", 2, 2 * m0.source.features_per_layer(), 1234, 56, std::nullopt, {}, "same_head", "bf16"};
+  fit.lambda_choice = ManifestLambdaChoice{"gcv", {1e-3, 1e-2, 1e-1}, {1e-2, 1e-1}};
   ManifestCalibration cal;
   cal.domains = {"web"};
+  cal.weights = {{"web", 2.0}};
   cal.shards.push_back({"web/shard-000.h5", "web", std::string(64, 'a'), 100, 50});
+  cal.tokens_used = 50, cal.token_stride = 2;
   ManifestRun run;
   run.timings_s = {{"total", 1.0}};
   run.ranks = 2, run.passes = 1, run.backend = "cpu";
-  nlohmann::json m = make_manifest("src-model", m0.source, "tgt-model", m0.target, fit, layers, cal, run);
+  write_manifest(a.dir, "src-model", m0.source, "tgt-model", m0.target, fit, layers, cal, run);
   ManifestMlpDecision dropped{Kind::k, false, 1.0, std::numeric_limits<double>::infinity(), 0.5, 0.4, 0};
   ManifestMlpDecision kept{Kind::v, true, 1.0, 0.5, 0.5, 0.75, 8};
-  add_layer_mlp(m["layers"][1], m0.layers[1].sha256, {dropped, kept});
+  layers[1].mlp = {dropped, kept};
   MlpSettings settings;
   settings.hidden = 8;
-  add_fit_mlp(m, "auto", settings, 2.5);
-  write_manifest(a.dir, m);
+  add_mlps_to_manifest(a.dir, {layers[1]}, "auto", settings, 2.5);
   const MapperManifest got = read_mapper_manifest(a.dir);
   EXPECT_EQ(got.source_model, "src-model");
   EXPECT_EQ(got.target_model, "tgt-model");
   EXPECT_EQ(got.source, m0.source);
   EXPECT_EQ(got.target, m0.target);
   EXPECT_EQ(got.k_count, 2);
+  EXPECT_EQ(got.k_label, "2");
   EXPECT_EQ(got.dtype, "bf16");
+  EXPECT_EQ(got.probe, "same_head");
+  EXPECT_EQ(got.features, fit.features);
+  EXPECT_EQ(got.params, 1234);
+  EXPECT_EQ(got.bias_params, 56);
+  EXPECT_FALSE(got.lambda.has_value()) << "auto";
+  ASSERT_TRUE(got.lambda_choice.has_value());
+  EXPECT_EQ(got.lambda_choice->grid, fit.lambda_choice->grid);
+  EXPECT_EQ(got.lambda_choice->rho_all.v, 1e-1);
+  EXPECT_EQ(got.mapper, "auto");
+  EXPECT_TRUE(got.residual_mlps);
+  ASSERT_TRUE(got.mlp.has_value());
+  EXPECT_EQ(got.mlp->hidden, 8);
+  EXPECT_EQ(got.calibration.domains, cal.domains);
+  EXPECT_EQ(got.calibration.weights, cal.weights);
+  ASSERT_EQ(got.calibration.shards.size(), 1u);
+  EXPECT_EQ(got.calibration.shards[0].tokens_used, 50);
+  EXPECT_EQ(got.calibration.token_stride, 2);
+  EXPECT_FALSE(got.calibration.max_tokens.has_value());
+  EXPECT_EQ(got.tool, std::string("crosskv ") + CROSSKV_VERSION);
   ASSERT_EQ(got.layers.size(), m0.layers.size());
   for (size_t l = 0; l < got.layers.size(); ++l) {
     EXPECT_EQ(got.layers[l].target_layer, m0.layers[l].target_layer);
     EXPECT_EQ(got.layers[l].source_layers, m0.layers[l].source_layers);
     EXPECT_EQ(got.layers[l].file, m0.layers[l].file);
     EXPECT_EQ(got.layers[l].sha256, m0.layers[l].sha256);
+    EXPECT_EQ(got.layers[l].r2_k[0], 0.5);
+    EXPECT_TRUE(std::isnan(got.layers[l].r2_k[1]));
   }
-  const nlohmann::json& j = got.json;
+  ASSERT_TRUE(got.layers[0].lambda.has_value());
+  EXPECT_EQ(got.layers[0].lambda->source_layer, 1);
+  EXPECT_EQ(got.layers[0].lambda->lambda.v, 0.75);
+  EXPECT_TRUE(std::isnan(got.layers[0].lambda->gcv.k[1]));
+  EXPECT_EQ(got.layers[0].lambda->gcv.v, (std::vector<double>{3.0, 2.0, 4.0}));
+  EXPECT_TRUE(got.layers[0].mlp.empty());
+  ASSERT_EQ(got.layers[1].mlp.size(), 2u);
+  EXPECT_FALSE(got.layers[1].mlp[0].kept);
+  EXPECT_TRUE(std::isnan(got.layers[1].mlp[0].val_mse_mlp)) << "infinity reads back as undefined";
+  EXPECT_EQ(got.layers[1].mlp[1].hidden, 8);
+  // The text of the format, as docs/FORMATS.md gives it.
+  const nlohmann::json j = nlohmann::json::parse(file_bytes(a.dir + "/manifest.json"));
   EXPECT_EQ(j["format"], kMapperFormat);
   EXPECT_EQ(j["format_version"], kManifestVersion);
   EXPECT_EQ(j["fit"]["k"], 2);
-  EXPECT_EQ(j["fit"]["features"], fit.features);
-  EXPECT_EQ(j["fit"]["params"], 1234);
-  EXPECT_EQ(j["fit"]["bias_params"], 56);
-  EXPECT_EQ(j["fit"]["probe"], "same_head");
-  EXPECT_EQ(j["fit"]["mapper"], "auto");
-  EXPECT_EQ(j["fit"]["mlp"]["hidden"], 8);
+  EXPECT_EQ(j["fit"]["lambda"], "auto");
   EXPECT_EQ(j["timings_s"]["mlp"], 2.5);
   EXPECT_EQ(j["timings_s"]["total"], 3.5);
   EXPECT_TRUE(j["layers"][0]["r2_k"][1].is_null()) << "NaN is written as null";
-  EXPECT_EQ(j["layers"][0]["r2_v"][0], 0.25);
-  EXPECT_EQ(j["layers"][1]["mlp"]["k"]["kept"], false);
+  EXPECT_TRUE(j["layers"][0]["lambda"]["gcv"]["keys"][1].is_null());
+  EXPECT_EQ(j["layers"][0]["lambda"]["rho"]["values"], 1e-2);
   EXPECT_TRUE(j["layers"][1]["mlp"]["k"]["val_mse_mlp"].is_null()) << "infinity is written as null";
   EXPECT_FALSE(j["layers"][1]["mlp"]["k"].contains("hidden")) << "a dropped MLP has no width";
-  EXPECT_EQ(j["layers"][1]["mlp"]["v"]["hidden"], 8);
-  EXPECT_EQ(j["calibration"]["domains"][0], "web");
   EXPECT_EQ(j["calibration"]["shards"][0]["tokens_used"], 50);
   EXPECT_TRUE(j["calibration"]["max_tokens"].is_null());
   EXPECT_EQ(j["grid"]["ranks"], 2);
   EXPECT_EQ(j["r2_file"], "");
+  // An entry as the export records it reads back as itself.
+  const std::optional<ManifestLayer> again = parse_manifest_layer_text(manifest_layer_text(got.layers[0]));
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(manifest_layer_text(*again), manifest_layer_text(got.layers[0]));
+  EXPECT_FALSE(parse_manifest_layer_text("{\"target_layer\": \"one\"}").has_value());
   // A transfer through it maps as the export's own manifest does (the same weights).
   auto be = make_cpu_backend();
   Transfer tr(a.dir, *be);
   EXPECT_EQ(tr.manifest().k_count, 2);
+}
+
+// The optional fields a reader shows are typed too: a wrong type is named.
+TEST(Manifest, MistypedOptionalFieldsAreNamed) {
+  auto be = make_cpu_backend();
+  Artifact a;
+  auto expect_bad = [&](auto edit, std::vector<std::string> parts) {
+    nlohmann::json m = a.manifest;
+    edit(m);
+    a.write(m);
+    expect_error<InputError>([&] { read_mapper_manifest(a.dir); }, parts);
+  };
+  expect_bad([](auto& m) { m["fit"]["lambda"] = "big"; }, {"manifest.json", "fit.lambda is \"big\"", "\"auto\""});
+  expect_bad([](auto& m) { m["fit"]["params"] = "many"; }, {"fit.params", "must be an integer"});
+  expect_bad([](auto& m) { m["layers"][1]["r2_k"] = {0.5, "x"}; }, {"layers[1].r2_k", "list of numbers"});
+  expect_bad([](auto& m) { m["layers"][0]["lambda"] = {{"source_layer", 0}}; }, {"layers[0].lambda.rho", "missing"});
+  expect_bad([](auto& m) { m["layers"][0]["mlp"] = {{"k", {{"kept", 1}}}}; }, {"layers[0].mlp.k.kept", "true or false"});
+  expect_bad([](auto& m) { m["fit"]["mlp"] = {{"hidden", 8}}; }, {"fit.mlp.epochs", "missing"});
+  expect_bad([](auto& m) { m["calibration"] = {{"shards", {{{"tokens", 3}}}}}; }, {"calibration", "malformed"});
 }
 
 TEST(ResidualMlpArtifact, IncompleteOrBadMlpTensorsAreNamed) {

@@ -121,7 +121,7 @@ TEST(Diagnostics, ReportIsOneSelfContainedHtmlFile) {
   ev.reason = ": test";
   ReportInput in;
   in.title = "a -> b";
-  in.manifests.push_back({{"fit", {{"k", 2}}}, {"layers", nlohmann::json::array()}});
+  in.manifests.emplace_back().k_label = "2";
   in.evaluations.push_back(ev);
   const std::string html = render_report(in);
   EXPECT_NE(html.find("<!DOCTYPE html>"), std::string::npos);
@@ -137,7 +137,7 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   in.title = "a -> b";
   in.heatmap_svg = "<?xml version='1.0'?><svg id='heatmap'></svg>";
   // k = 1 fails, k = 2 passes, k = all passes with the best cosine.
-  for (auto [k, sigma, ok] : {std::tuple<nlohmann::json, float, bool>{1, 0.9f, false}, {2, 0.3f, true},
+  for (auto [k, sigma, ok] : {std::tuple<std::string, float, bool>{"1", 0.9f, false}, {"2", 0.3f, true},
                               {"all", 0.05f, true}}) {
     std::mt19937_64 rng(7);
     std::normal_distribution<float> n(0, sigma);
@@ -147,11 +147,13 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
     ev.mapper = ev.mean_only = ev.no_target_rope = diagnose(c, keys, c.values);
     ev.verdict_class = ok ? VerdictClass::likely : VerdictClass::not_ready;
     ev.reason = ": attention-output cosine ...";
-    in.manifests.push_back({{"fit", {{"k", k}, {"params", k == "all" ? 3000 : 1000}, {"bias_params", 24}, {"features", 16}}},
-                            {"target", {{"kv_spec", {{"n_kv_heads", 2}, {"head_dim", 8}}}}}});
-    if (k == 2)  // k = 2 keeps a residual MLP of 4 hidden for its keys: 16*4 + 4 + 4*4 + 4 + 4*16 + 16 = 168
-      in.manifests.back()["layers"] = {{{"target_layer", 0}, {"mlp", {{"k", {{"kept", true}, {"hidden", 4}}},
-                                                                      {"v", {{"kept", false}}}}}}};
+    MapperManifest& m = in.manifests.emplace_back();
+    m.k_label = k, m.params = k == "all" ? 3000 : 1000, m.bias_params = 24, m.features = 16;
+    m.target.n_kv_heads = 2, m.target.head_dim = 8;
+    if (k == "2") {  // k = 2 keeps a residual MLP of 4 hidden for its keys: 16*4 + 4 + 4*4 + 4 + 4*16 + 16 = 168
+      m.layers.emplace_back().mlp = {{Kind::k, true}, {Kind::v, false}};
+      m.layers.back().mlp[0].hidden = 4;
+    }
     in.evaluations.push_back(ev);
   }
   const std::string html = render_report(in);
@@ -173,9 +175,10 @@ TEST(Diagnostics, ReportOpensWithTheKSweepAtAGlance) {
   // A head-matched k = 1 that passes with fewer parameters: listed beside k = 1, named as the smallest that passes.
   Evaluation ph = in.evaluations[1];
   in.evaluations.push_back(ph);
-  in.manifests.push_back({{"fit", {{"k", 1}, {"k_count", 1}, {"structure", "per_head"}, {"params", 500},
-                                   {"bias_params", 24}, {"features", 8}}}});
-  for (size_t i = 0; i < 3; ++i) in.manifests[i]["fit"]["k_count"] = i == 2 ? 6 : static_cast<int>(i) + 1;
+  MapperManifest& head_matched = in.manifests.emplace_back();
+  head_matched.k_label = "1", head_matched.k_count = 1, head_matched.structure = Structure::per_head;
+  head_matched.params = 500, head_matched.bias_params = 24, head_matched.features = 8;
+  for (size_t i = 0; i < 3; ++i) in.manifests[i].k_count = i == 2 ? 6 : static_cast<int>(i) + 1;
   const std::string both = render_report(in);
   EXPECT_NE(both.find("<th>structure</th>"), std::string::npos);
   EXPECT_NE(both.find("smallest mapper that passes the verdict: <b>k = 1, per_head</b> (524 parameters)"),

@@ -370,6 +370,10 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
     cal.cfg.fit.dtype = Dtype::bf16;
     FitPlan plan;
     plan.dims = PairDims{3, 2, 4, 5, 2, 4};
+    cal.source.n_layers = 3, cal.target.n_layers = 5;
+    for (KvSpec* side : {&cal.source, &cal.target})
+      side->n_kv_heads = side->n_q_heads = 2, side->head_dim = side->rope.rotary_dim = 4;
+    cal.source_model = "a", cal.target_model = "b";
     for (int k : {1, 3}) plan.ks.push_back(KPlan{k == 3 ? "all" : "1", k, k * plan.dims.F(), 0, 0});
     auto fits = [&](int l, float v) {
       std::vector<LayerFit> f;
@@ -405,22 +409,26 @@ TEST(Export, LayersAreWrittenBehindTheSolvesAndWriteErrorsSurface) {
       continue;
     }
     write_all();
-    const nlohmann::json entries = w.layer_entries();
-    ASSERT_EQ(entries.size(), plan.ks.size());
-    for (size_t i = 0; i < plan.ks.size(); ++i) {
-      ASSERT_EQ(entries[i].size(), static_cast<size_t>(plan.dims.Lt));
-      for (const auto& e : entries[i]) {
-        const std::string path = cal.cfg.output.dir + "/k" + plan.ks[i].label + ".partial/" + e["file"].get<std::string>();
-        EXPECT_EQ(e["sha256"], sha256_file(path)) << path;
-        const auto t = read_safetensors(path);
-        EXPECT_EQ(t.at("k.weight").values.front(), 1.0f + e["target_layer"].get<int>()) << path;
-      }
-    }
     const auto out = w.finish(ManifestRun{});
     ASSERT_EQ(out.size(), plan.ks.size());
     EXPECT_FALSE(std::filesystem::exists(out[0] + "/.layers")) << "the resume records are not part of an artifact";
-    const auto m = manifest(out[1]);
-    for (int l = 0; l < plan.dims.Lt; ++l) EXPECT_EQ(m["layers"][l]["target_layer"], l);
+    for (size_t i = 0; i < plan.ks.size(); ++i) {
+      EXPECT_EQ(out[i], cal.cfg.output.dir + "/k" + plan.ks[i].label);
+      const std::vector<ManifestLayer> entries = read_mapper_manifest(out[i]).layers;
+      ASSERT_EQ(entries.size(), static_cast<size_t>(plan.dims.Lt));
+      for (int l = 0; l < plan.dims.Lt; ++l) {
+        const ManifestLayer& e = entries[l];
+        EXPECT_EQ(e.target_layer, l);
+        const std::string path = out[i] + "/" + e.file;
+        EXPECT_EQ(e.sha256, sha256_file(path)) << path;
+        EXPECT_EQ(e.r2_k, std::vector<double>(plan.dims.Ht, 0.5));
+        EXPECT_EQ(read_safetensors(path).at("k.weight").values.front(), 1.0f + l) << path;
+      }
+    }
+    // Another rank's entries, as the gather carries them, are taken in after this rank's.
+    ArtifactWriter other(cal, plan, 1);
+    other.add_layer_entries(w.layer_entries());
+    EXPECT_EQ(other.layer_entries(), w.layer_entries());
   }
 }
 

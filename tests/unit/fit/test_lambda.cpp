@@ -154,11 +154,15 @@ TEST(AutoLambda, TheChoiceFollowsTheData) {
     EXPECT_LE(lc.rho(Kind::v, l), 1e-5) << l;
     EXPECT_GE(ln.rho(Kind::v, l), 1e-2) << l;
   }
-  const nlohmann::json j = lc.layer_json(1);
-  EXPECT_EQ(j["source_layer"], 1);
-  EXPECT_EQ(j["gcv"]["values"].size(), lambda_grid().size());
-  EXPECT_EQ(lc.fit_json()["criterion"], "gcv");
-  EXPECT_TRUE(Lambdas::fixed(0.01).layer_json(0).is_null());
+  const std::optional<ManifestLambda> j = lc.layer_choice(1);
+  ASSERT_TRUE(j.has_value());
+  EXPECT_EQ(j->source_layer, 1);
+  EXPECT_EQ(j->rho.v, lc.rho(Kind::v, 1));
+  EXPECT_EQ(j->gcv.v.size(), lambda_grid().size());
+  EXPECT_EQ(lc.choice()->criterion, "gcv");
+  EXPECT_EQ(lc.choice()->grid, lambda_grid());
+  EXPECT_FALSE(Lambdas::fixed(0.01).layer_choice(0).has_value());
+  EXPECT_FALSE(Lambdas::fixed(0.01).choice().has_value());
 }
 
 TEST(AutoLambda, ScalingTheSourceBy100GivesTheSamePredictions) {

@@ -144,12 +144,12 @@ TEST(Transfer, ApplyEqualsTheFitsOwnPredictionOnTheCalibrationTokens) {
         sst_k[head] += (yk - mk[c]) * (yk - mk[c]);
         sst_v[head] += (yv - mv[c]) * (yv - mv[c]);
       }
-  const auto& layers = tr.manifest().json["layers"];
+  const auto& layers = tr.manifest().layers;
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < H; ++h) {
       const int i = l * H + h;
-      EXPECT_NEAR(1 - sse_k[i] / sst_k[i], layers[l]["r2_k"][h].get<double>(), 2e-4) << "layer " << l << " head " << h;
-      EXPECT_NEAR(1 - sse_v[i] / sst_v[i], layers[l]["r2_v"][h].get<double>(), 2e-4) << "layer " << l << " head " << h;
+      EXPECT_NEAR(1 - sse_k[i] / sst_k[i], layers[l].r2_k.at(h), 2e-4) << "layer " << l << " head " << h;
+      EXPECT_NEAR(1 - sse_v[i] / sst_v[i], layers[l].r2_v.at(h), 2e-4) << "layer " << l << " head " << h;
     }
 }
 
