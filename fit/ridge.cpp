@@ -380,7 +380,8 @@ ProbeR2 probe_same_head(const Covariances& m, DenseMaths& be, double lambda, Kin
   CROSSKV_ASSERT(d.Hs == d.Ht, "same-head probe needs equal head counts");
   const int Ds = d.Ds, Dt = d.Dt, H = d.Hs;
   const int64_t Y = int64_t{d.Lt} * Dt;
-  ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
+  ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H),
+            {}, {}};
   std::vector<std::vector<double>> var(d.Lt);
   for (int l = 0; l < d.Lt; ++l) var[l] = m.var_y(l);
   std::vector<double> A(int64_t{Ds} * Ds), C(Ds * Y), W(Ds * Y), vy(Dt);
@@ -430,7 +431,8 @@ ProbeR2 probe_all_heads(const Covariances& m, DenseMaths& be, double lambda, Kin
   const PairDims& d = m.dims();
   const int64_t F = d.F(), G = d.G();
   const int H = d.Ht;
-  ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H)};
+  ProbeR2 r{d.Ls, d.Lt, H, std::vector<double>(int64_t{d.Ls} * d.Lt), std::vector<double>(int64_t{d.Ls} * d.Lt * H),
+            {}, {}};
   std::vector<double> A(F * F), C(F * G), W(F * G);
   if (curves) size_probe_curves(r);
   for (int a = 0; a < d.Ls; ++a) {

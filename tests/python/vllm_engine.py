@@ -20,16 +20,43 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCES
 
 
 def make_family(work, capture_py, fit):
-    """The test's family in WORK, made afresh and entered (vllm_family.py, in the capture environment): two tiny
-    models, their captures and a fitted mapper (out/kall). Returns WORK."""
+    """The test's family in WORK, copied afresh and entered: two tiny models, their captures and a fitted mapper
+    (out/kall), made by vllm_family.py in the capture environment once per set of inputs (family_cache). Returns
+    WORK."""
     work = os.path.abspath(work)
     shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    shutil.copytree(family_cache(capture_py, fit), work, symlinks=True)
     os.chdir(work)
-    r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), work, fit], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"the family (models, capture, fit) failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
     return work
+
+
+def family_cache(capture_py, fit):
+    """The family, made once for what makes it (vllm_family.py, tiny_hf.py, the crosskv package's capture and
+    crosskv-fit, by content) in a folder beside crosskv-fit that every engine test of a ctest run shares (under a file
+    lock: they may start together). Returns the folder."""
+    import fcntl
+    import hashlib
+
+    h = hashlib.sha256()
+    capture = subprocess.run([capture_py, "-c", "import crosskv.capture as c; print(c.__file__)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    for path in (os.path.join(HERE, "vllm_family.py"), os.path.join(HERE, "tiny_hf.py"), capture, fit):
+        h.update(open(path, "rb").read())
+    root = os.path.join(os.path.dirname(os.path.abspath(fit)), "tests", "vllm-family")
+    os.makedirs(root, exist_ok=True)
+    made = os.path.join(root, h.hexdigest()[:16])
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(made, ".complete")):
+            shutil.rmtree(made, ignore_errors=True)
+            os.makedirs(made)
+            r = subprocess.run([capture_py, os.path.join(HERE, "vllm_family.py"), made, fit], capture_output=True,
+                               text=True)
+            if r.returncode != 0:
+                shutil.rmtree(made, ignore_errors=True)
+                raise RuntimeError(f"the family (models, capture, fit) failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+            open(os.path.join(made, ".complete"), "w").close()
+    return made
 
 
 def hf_mapped_reference(target, source, mapper, ids, n, max_new_tokens=8):

