@@ -36,6 +36,12 @@ std::string fmt(double x, int digits = 3) {
   return b;
 }
 
+std::string num(double x) {  // 1e-06, 0.01, 100000
+  char b[64];
+  std::snprintf(b, sizeof b, "%g", x);
+  return b;
+}
+
 struct Series {
   std::string name, color;
   std::vector<double> y;
@@ -430,15 +436,22 @@ std::string verdict_thresholds(const ReportInput& in) {
          fmt(th.min_r2, 2);
 }
 
+// "SmolLM2: 30 layers × 3 KV heads × 64 (9 query heads), RoPE default θ 100000", with per-layer attention noted.
 std::string model_text(const std::string& name, const std::string& weights, const KvSpec& spec) {
-  return name + " " + kv_spec_to_string(spec) + (weights.empty() ? "" : ", weights " + weights);
+  std::ostringstream o;
+  o << name << ": " << spec.n_layers << " layers × " << spec.n_kv_heads << " KV heads × " << spec.head_dim << " ("
+    << spec.n_q_heads << " query heads), RoPE " << spec.rope.type << " θ " << num(spec.rope.theta)
+    << (spec.layers.empty() ? "" : ", each layer's attention and RoPE of its own")
+    << (spec.query_scale ? ", query scale " + num(*spec.query_scale) : "")
+    << (weights.empty() ? "" : ", weights " + weights);
+  return o.str();
 }
 
 // fit: what was solved, in the config's words.
 std::string fit_text(const MapperManifest& m) {
   std::ostringstream o;
-  o << "k " << m.k_label << " (" << m.k_count << " source layers), " << to_string(m.structure) << ", λ "
-    << (m.lambda ? fmt(*m.lambda, 4) : m.lambda_choice ? "auto (" + m.lambda_choice->criterion + ")" : "?")
+  o << "k " << m.k_label << " (" << m.k_count << " source layer" << (m.k_count == 1 ? "" : "s") << "), " << to_string(m.structure) << ", λ "
+    << (m.lambda ? num(*m.lambda) : m.lambda_choice ? "auto (" + m.lambda_choice->criterion + ")" : "?")
     << ", probe " << m.probe << ", " << m.dtype << ", " << m.features << " features, " << m.params << " + "
     << m.bias_params << " parameters, mapper " << m.mapper;
   if (m.mlp)

@@ -121,9 +121,16 @@ TEST(Diagnostics, ReportIsOneSelfContainedHtmlFile) {
   ev.reason = ": test";
   ReportInput in;
   in.title = "a -> b";
-  in.manifests.emplace_back().k_label = "2";
+  MapperManifest& m = in.manifests.emplace_back();
+  m.k_label = "2", m.k_count = 2, m.source_model = "a", m.target_model = "b", m.lambda = 1e-6, m.probe = "same_head";
+  m.source.n_layers = 2, m.source.n_kv_heads = 2, m.source.head_dim = 8, m.source.n_q_heads = 4;
+  m.calibration.domains = {"web"}, m.calibration.tokens_used = 512;
   in.evaluations.push_back(ev);
   const std::string html = render_report(in);
+  // The settings in words, from the manifest's typed fields.
+  EXPECT_NE(html.find("a: 2 layers × 2 KV heads × 8 (4 query heads), RoPE default θ 10000"), std::string::npos);
+  EXPECT_NE(html.find("k 2 (2 source layers), cross_head, λ 1e-06, probe same_head"), std::string::npos);
+  EXPECT_NE(html.find("0 shard(s), 512 tokens used, domains web"), std::string::npos);
   EXPECT_NE(html.find("<!DOCTYPE html>"), std::string::npos);
   EXPECT_NE(html.find("LIKELY TO TRANSFER: test"), std::string::npos);
   EXPECT_NE(html.find("<svg"), std::string::npos);
