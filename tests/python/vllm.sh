@@ -11,6 +11,11 @@ shift
 TEST=test_vllm.py
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then TEST=$1; shift; fi
 [ -x "$PY" ] || { echo "SKIPPED: no vLLM environment at $PY (scripts/setup-vllm.sh installs it)"; exit 77; }
+# Before importing vLLM (about 20 s): a GPU test without a GPU skips at once.
+if [ "$TEST" = test_vllm_gpu.py ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "SKIPPED: no CUDA GPU for vLLM here (test_vllm_gpu.py runs on a GPU node, or in bench/gpu_check.sh STEPS=vllm)"
+  exit 77
+fi
 "$PY" -c "import vllm" 2> /dev/null || { echo "SKIPPED: vLLM does not import in $PY"; exit 77; }
 "$PY" -c "import crosskv.vllm" 2> /dev/null \
   || { echo "SKIPPED: the crosskv package is not installed in $PY (scripts/setup-vllm.sh)"; exit 77; }
@@ -22,10 +27,6 @@ if [ "$TEST" != test_vllm_fp8.py ] && [ "$TEST" != test_vllm_gpu.py ] && ! comma
 fi
 if [ "$TEST" = test_vllm_fp8.py ] && ! "$PY" -c "import torch, sys; sys.exit(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()))"; then
   echo "SKIPPED: vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX, and this CPU has neither"
-  exit 77
-fi
-if [ "$TEST" = test_vllm_gpu.py ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-  echo "SKIPPED: no CUDA GPU for vLLM here (test_vllm_gpu.py runs on a GPU node, or in bench/gpu_check.sh STEPS=vllm)"
   exit 77
 fi
 # pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.
