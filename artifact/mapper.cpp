@@ -48,7 +48,6 @@ void parse_fit_section(const nlohmann::json& fit, const std::string& path, Mappe
     m.mapper = str_field(fit, "mapper", path, "fit.");
     if (m.mapper != "ridge" && m.mapper != "mlp" && m.mapper != "auto")
       throw InputError(path + ": fit.mapper is '" + m.mapper + "', expected ridge, mlp or auto");
-    m.residual_mlps = m.mapper != "ridge";
   }
   m.dtype = str_field(fit, "dtype", path, "fit.");
   if (m.dtype != "fp32" && m.dtype != "bf16" && m.dtype != "fp16")
@@ -65,10 +64,6 @@ void parse_fit_section(const nlohmann::json& fit, const std::string& path, Mappe
   }
   manifest_json::read_fit_details(fit, path, m);
 }
-
-}  // namespace
-
-namespace {
 
 // Layer entry i, checked against the manifest: its target layer, k ascending source layers, a layer file's name and
 // a SHA-256.

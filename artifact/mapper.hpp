@@ -21,8 +21,8 @@ struct MapperManifest {
   KvSpec source, target;
   int k_count = 0;
   std::string k_label;         // fit.k as a person writes it: "4", "all" (the folder is k<k_label>)
-  bool residual_mlps = false;  // fit.mapper mlp or auto: its layers may hold residual MLPs
   std::string mapper = "ridge";  // fit.mapper: ridge, mlp or auto
+  bool residual_mlps() const { return mapper != "ridge"; }  // mlp or auto: its layers may hold residual MLPs
   std::optional<MlpSettings> mlp;  // fit.mlp: the residual MLPs' settings
   std::string dtype, probe;
   int64_t features = 0, params = 0, bias_params = 0;  // per target layer's system; the mapper's (0: not recorded)

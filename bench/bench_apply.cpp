@@ -101,7 +101,7 @@ int serving(const std::string& device, int Lt, int k, bool tf32, bool per_head) 
       for (auto& x : *v) x = nd(rng);
     }
     w.bk.assign(G, 0.1f), w.bv.assign(G, -0.1f);
-    m.layers.push_back({l, w.source_layers, "", ""});
+    m.layers.push_back({l, w.source_layers, "", "", {}, {}, {}, {}});
   }
   // The streamed Transfer's loop: a window (a one-layer ServingMapper) per target layer on host arrays, host RoPE;
   // here every window is built once, so that the loop alone is timed.
@@ -240,7 +240,7 @@ int main(int argc, char** argv) {
   MapperManifest m;
   m.path = "bench", m.k_count = k, m.structure = Structure::cross_head;
   m.source = tgt, m.source.n_layers = Ls, m.target = tgt;
-  m.layers.push_back({0, selected, "", ""});
+  m.layers.push_back({0, selected, "", "", {}, {}, {}, {}});
   MapperLayer layer;
   layer.target_layer = 0, layer.source_layers = selected, layer.structure = Structure::cross_head;
   layer.wk = Wk, layer.wv = Wv, layer.bk = bk, layer.bv = bv;

@@ -262,7 +262,7 @@ class LayerEvaluator {
     };
     const int32_t* pos = in_.tgt.positions.data();
     LayerFigures figures;
-    if (m.residual_mlps) {  // ridge alone first
+    if (m.residual_mlps()) {  // ridge alone first
       map(xk_, xv_, T_, ck_.data(), cv_.data(), false);
       pk_ = ck_;
       tgt_rope_.apply_block(pk_.data(), T_, tgt_rope_.one(l), pos);
@@ -323,7 +323,7 @@ std::vector<MapperEvaluation> summarize_evaluations(const std::vector<std::strin
     ev.mapper = column([](const LayerFigures& f) { return f.mapper; });
     ev.no_target_rope = column([](const LayerFigures& f) { return f.no_target_rope; });
     ev.mean_only = column([](const LayerFigures& f) { return f.mean_only; });
-    if (in.mappers[i].residual_mlps) ev.ridge_only = column([](const LayerFigures& f) { return f.ridge_only.value(); });
+    if (in.mappers[i].residual_mlps()) ev.ridge_only = column([](const LayerFigures& f) { return f.ridge_only.value(); });
     judge(ev, th);
     const MapperManifest& m = in.mappers[i];
     out.push_back({dirs[i], m, m.source_model + " -> " + m.target_model, std::move(ev)});

@@ -285,7 +285,7 @@ TEST(Manifest, WhatTheWriterWritesTheReaderReadsBack) {
   EXPECT_EQ(got.lambda_choice->grid, fit.lambda_choice->grid);
   EXPECT_EQ(got.lambda_choice->rho_all.v, 1e-1);
   EXPECT_EQ(got.mapper, "auto");
-  EXPECT_TRUE(got.residual_mlps);
+  EXPECT_TRUE(got.residual_mlps());
   ASSERT_TRUE(got.mlp.has_value());
   EXPECT_EQ(got.mlp->hidden, 8);
   EXPECT_EQ(got.calibration.domains, cal.domains);
