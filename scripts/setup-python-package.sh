@@ -18,6 +18,12 @@ if [ -n "$sources" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sources" ] &&
   exit 0
 fi
 rm -f "$stamp"
+: > "$ROOT/.venv-crosskv.log"
+# The build tools in the environment itself (no build isolation): pip's isolated environment has a new path each
+# time, and the build folder made in one is discarded by the next, so nothing would be built incrementally.
+BUILD_REQ=(scikit-build-core==1.1.2 nanobind==3.1.0)
+"$VENV/bin/python" -c "import scikit_build_core, nanobind" 2> /dev/null \
+  || "$VENV/bin/pip" install -q --disable-pip-version-check "${BUILD_REQ[@]}" >> "$ROOT/.venv-crosskv.log" 2>&1
 # The wheel, built once for these sources and this Python, and installed without dependencies (numpy, the only one,
 # is in every environment the setup makes).
 WHEELS=$ROOT/build/python-wheel/$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
@@ -25,19 +31,21 @@ wheel() {
   [ -n "$sources" ] && [ "$(cat "$WHEELS/.sources.sha256" 2> /dev/null)" = "$sources" ] && ls "$WHEELS"/crosskv-*.whl > /dev/null 2>&1 \
     && return 0
   rm -rf "$WHEELS"
-  "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps -w "$WHEELS" "$ROOT" > "$ROOT/.venv-crosskv.log" 2>&1 \
+  "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WHEELS" "$ROOT" \
+    >> "$ROOT/.venv-crosskv.log" 2>&1 \
     && echo "$sources" > "$WHEELS/.sources.sha256"
 }
 if wheel && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "$WHEELS"/crosskv-*.whl \
      >> "$ROOT/.venv-crosskv.log" 2>&1; then
   echo "[setup] crosskv Python package installed in $VENV ($("$VENV/bin/python" -c 'import crosskv; print(crosskv.__version__)'))"
   # The same package on the host emulation of CUDA, for its CUDA tests (python.package_cuda_emulation), beside it
-  # (once, for the capture environment: CROSSKV_NO_EMULATED_PACKAGE=1 skips it).
+  # (once, for the capture environment: CROSSKV_NO_EMULATED_PACKAGE=1 skips it). It builds in the wheel's build
+  # folder: only the backends and the extension are compiled again.
   if [ "${CROSSKV_NO_EMULATED_PACKAGE:-0}" = 1 ]; then
     :
-  elif rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$ROOT/build/python-emulated" \
-       --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON \
-       --config-settings=build-dir=build/python-emulated-build "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
+  elif rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
+       --no-build-isolation --target "$ROOT/build/python-emulated" \
+       --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
     echo "[setup] the package on the emulated CUDA backend: $ROOT/build/python-emulated"
   else
     echo "[setup] could not build the package on the emulated CUDA backend (see .venv-crosskv.log): its test will be SKIPPED"
