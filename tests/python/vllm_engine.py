@@ -143,6 +143,8 @@ def serve_preloaded():
     import vllm  # noqa: F401  (what the children no longer import)
     import crosskv.vllm  # noqa: F401
 
+    warm_up_before_fork()
+
     for line in sys.stdin:
         job = json.loads(line)
         sys.stdout.flush()
@@ -160,12 +162,54 @@ def serve_preloaded():
             except BaseException:
                 traceback.print_exc()
                 code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            sys.exit(code)  # the interpreter's own exit: atexit handlers and threads finish as in a fresh process
+            exit_without_teardown(code)
         _, status = os.waitpid(pid, 0)
         protocol_out.write(f"{os.waitstatus_to_exitcode(status)}\n")
         protocol_out.flush()
+
+
+# The modules an engine of the tests' models imports after vLLM itself (about 780, 1.2 s).
+ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.v1.worker.cpu_worker",
+                  "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor", "vllm.v1.sample.sampler",
+                  "vllm.model_executor.models.qwen3", "vllm.model_executor.model_loader", "vllm.entrypoints.llm")
+
+
+def warm_up_before_fork():
+    """What every engine would otherwise redo after the fork, done once before it: the imports of ENGINE_MODULES;
+    torch's probe of the CPU's vector instructions (it compiles and loads six small programs, about 1.2 s); the
+    compilation of vLLM's logprob counter (torch.compile, 1.2 s), for any batch and vocabulary; and the garbage
+    collector's walks over all those objects (vLLM collects eight times per engine, 0.25 s each): they are frozen,
+    as vLLM freezes its own heap."""
+    import gc
+    import importlib
+
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    for name in ENGINE_MODULES:
+        importlib.import_module(name)
+    cpu_vec_isa.pick_vec_isa()
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    for rows, vocab in ((1, 256), (3, 256), (3, 300)):  # a second and third shape: one graph with dynamic sizes
+        batched_count_greater_than(torch.zeros(rows, vocab), torch.zeros(rows, 1))
+    gc.collect()
+    gc.freeze()
+
+
+def exit_without_teardown(code):
+    """An engine child's exit as the interpreter's own (its threads joined, then its atexit handlers), without the
+    teardown of every module after them (about 2 s with torch and vLLM loaded), which no test observes."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def engine_args(spec):
