@@ -4,6 +4,10 @@
 #                               the tests and benchmarks, Slurm, munge, clang (libFuzzer) and redis-server; the whole
 #                               build in build/ (tests, benchmarks, the emulated CUDA build); the Python environments
 #                               (.venv-capture with the crosskv package, .venv-lmeval, .venv-vllm)
+#   scripts/setup.sh --build    the Debian packages and the whole build, without the Python environments
+#                               (scripts/test.sh: ctest's first test, setup.python_environments, makes them while
+#                               the C++ tests run)
+#   scripts/setup.sh --python   the Python environments alone (capture, the package, lm-eval, vLLM)
 #   scripts/setup.sh --demo     only what the programs need to build and run, and only the programs the demo runs
 #                               (crosskv-synth, -fit, -eval, -apply), in build-demo/ (the CPU backend; CUDA's too
 #                               when a GPU is present)
@@ -16,12 +20,14 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MODE=full
 case "${1:-}" in
+  --build) MODE=build ;;
+  --python) MODE=python ;;
   --demo) MODE=demo ;;
   --capture) MODE=capture ;;
   --vllm) MODE=vllm ;;
   --lmeval) MODE=lmeval ;;
   "") ;;
-  *) echo "usage: scripts/setup.sh [--demo | --capture | --vllm | --lmeval]" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh [--build | --python | --demo | --capture | --vllm | --lmeval]" >&2; exit 2 ;;
 esac
 step_start=$(date +%s)
 step() {  # step NAME: the previous step's cost, then this one's name
@@ -91,7 +97,7 @@ case $MODE in
     "$ROOT/scripts/setup-vllm.sh"
     step ""
     ;;
-  full)
+  full | build)
     step "Debian packages"
     install_missing "${RUN_PKGS[@]}" "${TEST_PKGS[@]}"
     install_missing "${TEST_SERVICES[@]}" \
@@ -104,6 +110,11 @@ case $MODE in
     # cores (docs/PERFORMANCE.md, The test suite).
     step "build (everything: programs, tests, benchmarks, the emulated CUDA build)"
     cmake --build "$ROOT/build" -j"$(nproc)"
+    step ""
+    ;;
+esac
+case $MODE in
+  full | python)
     if [ "${CROSSKV_NO_CAPTURE:-0}" != 1 ]; then
       step "capture environment (.venv-capture)"
       "$ROOT/scripts/setup-capture.sh"
