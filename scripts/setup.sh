@@ -80,23 +80,6 @@ case $MODE in
       | grep -vE '^\[[0-9]+/[0-9]+\] (Building|Linking)' || true
     step ""
     ;;
-  capture)
-    step "capture environment (.venv-capture)"
-    "$ROOT/scripts/setup-capture.sh"
-    step "crosskv Python package"
-    "$ROOT/scripts/setup-python-package.sh"
-    step ""
-    ;;
-  lmeval)
-    step "lm-eval environment (.venv-lmeval)"
-    "$ROOT/scripts/setup-lmeval.sh"
-    step ""
-    ;;
-  vllm)
-    step "vLLM environment (.venv-vllm)"
-    "$ROOT/scripts/setup-vllm.sh"
-    step ""
-    ;;
   full | build)
     step "Debian packages"
     install_missing "${RUN_PKGS[@]}" "${TEST_PKGS[@]}"
@@ -113,22 +96,21 @@ case $MODE in
     step ""
     ;;
 esac
-case $MODE in
-  full | python)
-    if [ "${CROSSKV_NO_CAPTURE:-0}" != 1 ]; then
-      step "capture environment (.venv-capture)"
-      "$ROOT/scripts/setup-capture.sh"
-      step "crosskv Python package"
-      "$ROOT/scripts/setup-python-package.sh"
-      if [ "${CROSSKV_NO_LMEVAL:-0}" != 1 ]; then
-        step "lm-eval environment (.venv-lmeval)"
-        "$ROOT/scripts/setup-lmeval.sh"
-      fi
-      if [ "${CROSSKV_NO_VLLM:-0}" != 1 ]; then
-        step "vLLM environment (.venv-vllm) with the crosskv package"
-        "$ROOT/scripts/setup-vllm.sh"
-      fi
-    fi
-    step ""
-    ;;
-esac
+# The Python environments: the capture environment with the package first (lm-eval reads it, and vLLM's installs
+# its wheel). CROSSKV_NO_CAPTURE=1 / CROSSKV_NO_LMEVAL=1 / CROSSKV_NO_VLLM=1 leave one out (its tests then SKIP).
+wants() { case $MODE in full | python | "$1") [ "${2:-0}" != 1 ] ;; *) false ;; esac; }
+if wants capture "${CROSSKV_NO_CAPTURE:-0}"; then
+  step "capture environment (.venv-capture)"
+  "$ROOT/scripts/setup-capture.sh"
+  step "crosskv Python package"
+  "$ROOT/scripts/setup-python-package.sh"
+fi
+if wants lmeval "${CROSSKV_NO_LMEVAL:-0}" && [ "${CROSSKV_NO_CAPTURE:-0}" != 1 ]; then
+  step "lm-eval environment (.venv-lmeval)"
+  "$ROOT/scripts/setup-lmeval.sh"
+fi
+if wants vllm "${CROSSKV_NO_VLLM:-0}" && [ "${CROSSKV_NO_CAPTURE:-0}" != 1 ]; then
+  step "vLLM environment (.venv-vllm) with the crosskv package"
+  "$ROOT/scripts/setup-vllm.sh"
+fi
+step ""
