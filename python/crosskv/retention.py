@@ -181,9 +181,10 @@ def _credit(scores):
 
 
 def measure(source, target, mapper, ids, prefix_tokens, choices=4, choice_tokens=16, span_tokens=8, seed=0,
-            resamples=2000, batch=None):
+            resamples=2000, batch=None, tasks=TASKS):
     """Every condition and figure of this module's docstring on `ids` [B, >= 2 * prefix_tokens]. `mapper` is a
-    crosskv.Mapper or a callable from the source's cache layers to the target's."""
+    crosskv.Mapper or a callable from the source's cache layers to the target's. `tasks`: the tasks measured (each
+    costs the target 2 * choices forward passes per condition; () gives the NLL figures alone)."""
     ids = np.asarray(ids)
     B, S = ids.shape[0], prefix_tokens
     if ids.shape[1] < 2 * S or B < 2 * choices:
@@ -216,10 +217,14 @@ def measure(source, target, mapper, ids, prefix_tokens, choices=4, choice_tokens
             parts.append(token_nll(target, sl, inputs[a:a + batch]))
         return np.concatenate(parts)
 
-    r = Retention(sequences=B, prefix_tokens=S, choices=choices, nll={}, credit={t: {} for t in TASKS})
-    r.credit["choice_raw"] = {}
-    task_inputs = {"choice": [np.concatenate([last, c], 1) for c in candidates(cont)],
-                   "recall": [np.concatenate([last, c], 1) for c in candidates(spans)]}
+    unknown = set(tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"tasks: expected some of {TASKS}, got {sorted(unknown)}")
+    r = Retention(sequences=B, prefix_tokens=S, choices=choices, nll={}, credit={t: {} for t in tasks})
+    if "choice" in tasks:
+        r.credit["choice_raw"] = {}
+    task_inputs = {t: [np.concatenate([last, c], 1) for c in candidates(cont if t == "choice" else spans)]
+                   for t in tasks}
     base = {t: np.stack([nll(None, x).sum(1) for x in xs], 1) for t, xs in task_inputs.items()}
     for name in CONDITIONS:
         layers = caches[name]
@@ -234,9 +239,9 @@ def measure(source, target, mapper, ids, prefix_tokens, choices=4, choice_tokens
                                  / (n["own_wrong_sequence"][i] - n["own"][i]).mean(), B, resamples, seed)
     r.share = _bootstrap(lambda i: (n["none"][i] - n["mapped"][i]).mean() / (n["none"][i] - n["own"][i]).mean(),
                          B, resamples, seed)
-    for t in ("choice", "choice_raw", "recall"):
+    for t in r.credit:
         r.accuracy[t] = {c: float(r.credit[t][c].mean()) for c in CONDITIONS}
-    for t in TASKS:
+    for t in tasks:
         cr = r.credit[t]
         r.task_retention[t] = _bootstrap(lambda i: (cr["mapped"][i].mean() - r.chance)
                                          / (cr["own"][i].mean() - r.chance), B, resamples, seed)
@@ -248,14 +253,16 @@ def table(r, label="mapped"):
     """The conditions side by side (markdown), then the figures."""
     lines = [f"| condition | perplexity | content share | continuation choice ({r.choices}-way, PMI) | the same, raw "
              f"| span recall (PMI) |", "|---|---|---|---|---|---|"]
+    def accuracy(t, c):
+        return f"{r.accuracy[t][c]:.3f}" if t in r.accuracy else "not measured"
+
     for c in CONDITIONS:
-        a = r.accuracy
         lines.append(f"| {label if c == 'mapped' else c.replace('_', ' ')} | {r.perplexity(c):.2f} | "
                      f"{r.content_share_of(c):.3f} | "
-                     f"{a['choice'][c]:.3f} | {a['choice_raw'][c]:.3f} | {a['recall'][c]:.3f} |")
+                     f"{accuracy('choice', c)} | {accuracy('choice_raw', c)} | {accuracy('recall', c)} |")
     lines += ["", f"content-specific share {r.content_share}; share of the prefix's gain {r.share} "
                   f"({r.sequences} sequences, 95% bootstrap intervals)"]
-    for t in TASKS:
+    for t in r.task_retention:
         lines.append(f"task retention, {t}: {r.task_retention[t]}"
                      + ("" if r.counts[t] else f" (does not count: own prefill is less than "
                                                f"{COUNTS_ABOVE_CHANCE} above chance)"))

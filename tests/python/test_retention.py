@@ -128,6 +128,34 @@ def test_a_planted_swap_is_caught(model, ids):
     assert r.content_share.value < 0.5
 
 
+def test_the_nll_figures_alone_equal_the_full_measures(model, ids):
+    """tasks=() leaves out the choice and recall passes: the NLL, content share and share are the full measure's."""
+    full = rt.measure(model, model, swap_half, ids, S, resamples=200)
+    alone = rt.measure(model, model, swap_half, ids, S, resamples=200, tasks=())
+    for c in rt.CONDITIONS:
+        assert np.array_equal(alone.nll[c], full.nll[c]), c
+    assert alone.content_share == full.content_share and alone.share == full.share
+    assert not alone.accuracy and not alone.task_retention and "not measured" in rt.table(alone)
+    assert set(alone.to_json()["accuracy"]) == set()
+    recall = rt.measure(model, model, swap_half, ids, S, resamples=200, tasks=("recall",))
+    assert set(recall.accuracy) == {"recall"} and recall.accuracy["recall"] == full.accuracy["recall"]
+
+
+def swap_half(layers):
+    """The identity on the first half of the sequences, another sequence's cache on the second: a content share
+    strictly between 0 and 1."""
+    out = identity(layers)
+    for k, v in out:
+        k[B // 2:] = torch.roll(k[B // 2:], 1, 0)
+        v[B // 2:] = torch.roll(v[B // 2:], 1, 0)
+    return out
+
+
+def test_an_unknown_task_is_refused_by_name(model, ids):
+    with pytest.raises(ValueError, match=r"tasks: expected some of \('choice', 'recall'\), got \['choise'\]"):
+        rt.measure(model, model, identity, ids, S, tasks=("choise",))
+
+
 @pytest.mark.parametrize("shape,prefix,why", [((4, 48), 24, "at least 8 sequences"),
                                               ((16, 40), 24, "of >= 48 tokens")])
 def test_bad_inputs_are_refused_by_name(model, shape, prefix, why):
