@@ -5,7 +5,7 @@
 #                               build in build/ (tests, benchmarks, the emulated CUDA build); the Python environments
 #                               (.venv-capture with the crosskv package, .venv-lmeval, .venv-vllm)
 #   scripts/setup.sh --build    the Debian packages and the whole build, without the Python environments
-#                               (scripts/test.sh: ctest's first test, setup.python_environments, makes them while
+#                               (scripts/test.sh: ctest's first tests, setup.*_environment, make them while
 #                               the C++ tests run)
 #   scripts/setup.sh --python   the Python environments alone (capture, the package, lm-eval, vLLM)
 #   scripts/setup.sh --demo     only what the programs need to build and run, and only the programs the demo runs

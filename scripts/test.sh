@@ -19,7 +19,7 @@ if [ "${1:-}" = --quick ]; then
   echo "[test] --quick: $(( $(date +%s) - t0 )) s (the slow tests: scripts/test.sh -R '$SLOW')"
   exit 0
 fi
-# The build first; the Python environments are ctest's first test (setup.python_environments), made on one core
+# The build first; the Python environments are ctest's first tests (setup.*_environment), made on one core
 # while the C++ tests run on the other.
 "$ROOT/scripts/setup.sh" --build
 cd "$ROOT/build"
