@@ -185,14 +185,19 @@ def warm_up_before_fork():
 
     import torch
     from torch._inductor import cpu_vec_isa
+    from vllm.platforms import current_platform
 
-    for name in ENGINE_MODULES:
-        importlib.import_module(name)
-    cpu_vec_isa.pick_vec_isa()
-    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+    if current_platform.is_cpu():  # a GPU engine imports and compiles for its device: nothing to do for it here
+        try:
+            for name in ENGINE_MODULES:
+                importlib.import_module(name)
+            cpu_vec_isa.pick_vec_isa()
+            from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-    for rows, vocab in ((1, 256), (3, 256), (3, 300)):  # a second and third shape: one graph with dynamic sizes
-        batched_count_greater_than(torch.zeros(rows, vocab), torch.zeros(rows, 1))
+            for rows, vocab in ((1, 256), (3, 256), (3, 300)):  # three shapes: one graph with dynamic sizes
+                batched_count_greater_than(torch.zeros(rows, vocab), torch.zeros(rows, 1))
+        except Exception as e:  # another vLLM: the engines then do it themselves, slower
+            print(f"vllm_engine: no warm-up before the fork ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     gc.collect()
     gc.freeze()
 
