@@ -28,6 +28,8 @@ if ! { [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.lock.sha256" 2> /dev/null)"
     exit 0
   fi
 fi
-# The crosskv package into it (the same build folder as the capture environment's: incremental).
-CROSSKV_CAPTURE_VENV=$VENV CROSSKV_NO_EMULATED_PACKAGE=1 "$ROOT/scripts/setup-python-package.sh"
+# The crosskv package into it (the same build folder as the capture environment's: incremental), unless
+# CROSSKV_VLLM_NO_PACKAGE=1 (ctest installs vLLM while the capture environment builds the package's wheel).
+[ "${CROSSKV_VLLM_NO_PACKAGE:-0}" = 1 ] \
+  || CROSSKV_CAPTURE_VENV=$VENV CROSSKV_NO_EMULATED_PACKAGE=1 "$ROOT/scripts/setup-python-package.sh"
 exit 0
