@@ -22,14 +22,17 @@ rm -f "$stamp"
 # The build tools in the environment itself (no build isolation): pip's isolated environment has a new path each
 # time, and the build folder made in one is discarded by the next, so nothing would be built incrementally.
 BUILD_REQ=(scikit-build-core==1.1.2 nanobind==3.1.0)
-"$VENV/bin/python" -c "import scikit_build_core, nanobind" 2> /dev/null \
-  || "$VENV/bin/pip" install -q --disable-pip-version-check "${BUILD_REQ[@]}" >> "$ROOT/.venv-crosskv.log" 2>&1
+build_tools() {
+  "$VENV/bin/python" -c "import scikit_build_core, nanobind" 2> /dev/null \
+    || "$VENV/bin/pip" install -q --disable-pip-version-check "${BUILD_REQ[@]}" >> "$ROOT/.venv-crosskv.log" 2>&1
+}
 # The wheel, built once for these sources and this Python, and installed without dependencies (numpy, the only one,
 # is in every environment the setup makes).
 WHEELS=$ROOT/build/python-wheel/$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 wheel() {
   [ -n "$sources" ] && [ "$(cat "$WHEELS/.sources.sha256" 2> /dev/null)" = "$sources" ] && ls "$WHEELS"/crosskv-*.whl > /dev/null 2>&1 \
     && return 0
+  build_tools
   rm -rf "$WHEELS"
   "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WHEELS" "$ROOT" \
     >> "$ROOT/.venv-crosskv.log" 2>&1 \
@@ -43,7 +46,7 @@ if wheel && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --f
   # folder: only the backends and the extension are compiled again.
   if [ "${CROSSKV_NO_EMULATED_PACKAGE:-0}" = 1 ]; then
     :
-  elif rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
+  elif build_tools && rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
        --no-build-isolation --target "$ROOT/build/python-emulated" \
        --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
     echo "[setup] the package on the emulated CUDA backend: $ROOT/build/python-emulated"
