@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command, the same here and in CI (.ci/run only calls it): installs everything the tests need (Slurm,
 # munge, clang and redis-server included: scripts/setup.sh), builds, and runs the whole suite under ctest, whose first
-# test makes the Python environments.
+# tests make the Python environments.
 #   scripts/test.sh [CTEST ARGS...]     e.g. scripts/test.sh -R emulated
 #   scripts/test.sh --quick             on a built tree, for a developer between changes: the build brought up to
 #                                       date, then every test but the slow ones (about 2 minutes on 2 cores; the
