@@ -8,6 +8,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 [ -x "$VENV/bin/python" ] || exit 0
+source "$ROOT/scripts/pip-install.sh"
 # The package is built from the sources git knows (tracked and untracked, not ignored): installed again only when
 # their contents changed since the last install into this environment.
 stamp="$VENV/.crosskv-sources.sha256"
@@ -24,8 +25,15 @@ rm -f "$stamp"
 BUILD_REQ=(scikit-build-core==1.1.2 nanobind==3.1.0)
 build_tools() {
   "$VENV/bin/python" -c "import scikit_build_core, nanobind" 2> /dev/null \
-    || "$VENV/bin/pip" install -q --disable-pip-version-check "${BUILD_REQ[@]}" >> "$ROOT/.venv-crosskv.log" 2>&1
+    || pip_install "$VENV" -q "${BUILD_REQ[@]}" >> "$ROOT/.venv-crosskv.log" 2>&1
 }
+# The serving libraries of the build in build/, where scripts/setup.sh made one: the extension links them, brought up
+# to date first, instead of compiling them again (CROSSKV_SERVING_PREBUILT).
+PREBUILT=()
+if [ -f "$ROOT/build/build.ninja" ] && cmake --build "$ROOT/build" --target crosskv_serving >> "$ROOT/.venv-crosskv.log" 2>&1 \
+   && [ -f "$ROOT/build/crosskv-serving.cmake" ]; then
+  PREBUILT=(--config-settings=cmake.define.CROSSKV_SERVING_PREBUILT="$ROOT/build")
+fi
 # The wheel, built once for these sources and this Python, and installed without dependencies (numpy, the only one,
 # is in every environment the setup makes).
 WHEELS=$ROOT/build/python-wheel/$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
@@ -34,7 +42,7 @@ wheel() {
     && return 0
   build_tools
   rm -rf "$WHEELS"
-  "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WHEELS" "$ROOT" \
+  "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation "${PREBUILT[@]}" -w "$WHEELS" "$ROOT" \
     >> "$ROOT/.venv-crosskv.log" 2>&1 \
     && echo "$sources" > "$WHEELS/.sources.sha256"
 }
@@ -43,11 +51,11 @@ if wheel && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --f
   echo "[setup] crosskv Python package installed in $VENV ($("$VENV/bin/python" -c 'import crosskv; print(crosskv.__version__)'))"
   # The same package on the host emulation of CUDA, for its CUDA tests (python.package_cuda_emulation), beside it
   # (once, for the capture environment: CROSSKV_NO_EMULATED_PACKAGE=1 skips it). It builds in the wheel's build
-  # folder: only the backends and the extension are compiled again.
+  # folder: the extension is linked again (and, without build/, the backends compiled).
   if [ "${CROSSKV_NO_EMULATED_PACKAGE:-0}" = 1 ]; then
     :
   elif build_tools && rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
-       --no-build-isolation --target "$ROOT/build/python-emulated" \
+       --no-build-isolation "${PREBUILT[@]}" --target "$ROOT/build/python-emulated" \
        --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
     echo "[setup] the package on the emulated CUDA backend: $ROOT/build/python-emulated"
   else
