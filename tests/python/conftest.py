@@ -2,6 +2,7 @@
 tiny models, their captures and a fitted mapper), made once per run in CROSSKV_TEST_WORK with the capture
 environment's python (CROSSKV_CAPTURE_PYTHON) and crosskv-fit (CROSSKV_FIT); the tests' engines run in that folder.
 tests/python/vllm.sh sets all three."""
+import importlib
 import os
 import sys
 from types import SimpleNamespace
@@ -9,6 +10,18 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    """CROSSKV_TEST_IMPORTS (set by the ctest wrappers, pytest_in.sh and vllm.sh): the modules the tests need, imported
+    here in the tests' own process; one that does not import ends the run as SKIPPED (exit 77) with the reason."""
+    for name in filter(None, (m.strip() for m in os.environ.get("CROSSKV_TEST_IMPORTS", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            setup = os.environ.get("CROSSKV_TEST_SETUP", "its setup script")
+            pytest.exit(f"SKIPPED: {sys.executable} cannot import {name} ({setup}): {type(e).__name__}: {e}",
+                        returncode=77)
 
 
 @pytest.fixture(scope="session")

@@ -11,25 +11,26 @@ shift
 TEST=test_vllm.py
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then TEST=$1; shift; fi
 [ -x "$PY" ] || { echo "SKIPPED: no vLLM environment at $PY (scripts/setup-vllm.sh installs it)"; exit 77; }
-# Before importing vLLM (about 20 s): a GPU test without a GPU skips at once.
+# Before vLLM is imported (about 20 s): a GPU test without a GPU, and the fp8 test without AVX-512 or AMX, skip at once.
 if [ "$TEST" = test_vllm_gpu.py ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "SKIPPED: no CUDA GPU for vLLM here (test_vllm_gpu.py runs on a GPU node, or in bench/gpu_check.sh STEPS=vllm)"
-  exit 77
-fi
-"$PY" -c "import vllm" 2> /dev/null || { echo "SKIPPED: vLLM does not import in $PY"; exit 77; }
-"$PY" -c "import crosskv.vllm" 2> /dev/null \
-  || { echo "SKIPPED: the crosskv package is not installed in $PY (scripts/setup-vllm.sh)"; exit 77; }
-[ -x "$CAP" ] && "$CAP" -c "import torch, transformers" 2> /dev/null \
-  || { echo "SKIPPED: no capture environment at $CAP to make the test's models (scripts/setup-capture.sh)"; exit 77; }
-if [ "$TEST" != test_vllm_fp8.py ] && [ "$TEST" != test_vllm_gpu.py ] && ! command -v redis-server > /dev/null; then
-  echo "SKIPPED: redis-server is not installed (Debian's redis-server): the test's engines meet through a Redis store"
   exit 77
 fi
 if [ "$TEST" = test_vllm_fp8.py ] && ! "$PY" -c "import torch, sys; sys.exit(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()))"; then
   echo "SKIPPED: vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX, and this CPU has neither"
   exit 77
 fi
+has() { "$1" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in sys.argv[1:]))" "${@:2}" 2> /dev/null; }
+has "$PY" pytest || { echo "SKIPPED: $PY has no pytest (scripts/setup-vllm.sh)"; exit 77; }
+[ -x "$CAP" ] && has "$CAP" torch transformers \
+  || { echo "SKIPPED: no capture environment at $CAP to make the test's models (scripts/setup-capture.sh)"; exit 77; }
+if [ "$TEST" != test_vllm_fp8.py ] && [ "$TEST" != test_vllm_gpu.py ] && ! command -v redis-server > /dev/null; then
+  echo "SKIPPED: redis-server is not installed (Debian's redis-server): the test's engines meet through a Redis store"
+  exit 77
+fi
 # pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.
 mkdir -p "$WORK"
 export CROSSKV_TEST_WORK="$WORK/family" CROSSKV_CAPTURE_PYTHON="$CAP" CROSSKV_FIT="${CROSSKV_FIT:?}"
+# vLLM and the package's connector, imported by conftest.py in pytest's process: SKIPPED (77) with the reason if not.
+export CROSSKV_TEST_IMPORTS="vllm, crosskv.vllm" CROSSKV_TEST_SETUP=scripts/setup-vllm.sh
 exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "$ROOT/tests/python/$TEST" "$@"
