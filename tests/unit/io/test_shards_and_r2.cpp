@@ -104,7 +104,7 @@ TEST(Shard, ReadsVariableLengthStringAttributesAsH5pyWritesThem) {
 
 TEST(R2File, RoundTrip) {
   TempDir tmp;
-  ProbeR2 p{2, 3, 2, {0.1, 0.2, 0.3, 0.4, 0.5, 0.6}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}};
+  ProbeR2 p{2, 3, 2, {0.1, 0.2, 0.3, 0.4, 0.5, 0.6}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, {}, {}};
   write_r2_file(tmp.str("r2.h5"), {{Kind::k, p}, {Kind::v, p}, {Kind::k_rope, p}}, {{"probe", "same_head"}});
   auto r = read_r2_file(tmp.str("r2.h5"));
   ASSERT_EQ(r.size(), 3u);
