@@ -28,12 +28,16 @@ build_tools() {
     || pip_install "$VENV" -q "${BUILD_REQ[@]}" >> "$ROOT/.venv-crosskv.log" 2>&1
 }
 # The serving libraries of the build in build/, where scripts/setup.sh made one: the extension links them, brought up
-# to date first, instead of compiling them again (CROSSKV_SERVING_PREBUILT).
+# to date first, instead of compiling them again (CROSSKV_SERVING_PREBUILT); only when something is built (an
+# environment that installs the current wheel skips it).
 PREBUILT=()
-if [ -f "$ROOT/build/build.ninja" ] && cmake --build "$ROOT/build" --target crosskv_serving >> "$ROOT/.venv-crosskv.log" 2>&1 \
-   && [ -f "$ROOT/build/crosskv-serving.cmake" ]; then
-  PREBUILT=(--config-settings=cmake.define.CROSSKV_SERVING_PREBUILT="$ROOT/build")
-fi
+prebuilt() {
+  [ ${#PREBUILT[@]} -gt 0 ] && return 0
+  [ -f "$ROOT/build/build.ninja" ] && cmake --build "$ROOT/build" --target crosskv_serving >> "$ROOT/.venv-crosskv.log" 2>&1 \
+    && [ -f "$ROOT/build/crosskv-serving.cmake" ] \
+    && PREBUILT=(--config-settings=cmake.define.CROSSKV_SERVING_PREBUILT="$ROOT/build")
+  return 0
+}
 # The wheel, built once for these sources and this Python, and installed without dependencies (numpy, the only one,
 # is in every environment the setup makes).
 WHEELS=$ROOT/build/python-wheel/$("$VENV/bin/python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
@@ -41,6 +45,7 @@ wheel() {
   [ -n "$sources" ] && [ "$(cat "$WHEELS/.sources.sha256" 2> /dev/null)" = "$sources" ] && ls "$WHEELS"/crosskv-*.whl > /dev/null 2>&1 \
     && return 0
   build_tools
+  prebuilt
   rm -rf "$WHEELS"
   "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation "${PREBUILT[@]}" -w "$WHEELS" "$ROOT" \
     >> "$ROOT/.venv-crosskv.log" 2>&1 \
@@ -54,7 +59,7 @@ if wheel && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --f
   # folder: the extension is linked again (and, without build/, the backends compiled).
   if [ "${CROSSKV_NO_EMULATED_PACKAGE:-0}" = 1 ]; then
     :
-  elif build_tools && rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
+  elif build_tools && prebuilt && rm -rf "$ROOT/build/python-emulated" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps \
        --no-build-isolation "${PREBUILT[@]}" --target "$ROOT/build/python-emulated" \
        --config-settings=cmake.define.CROSSKV_PYTHON_CUDA_EMULATION=ON "$ROOT" >> "$ROOT/.venv-crosskv.log" 2>&1; then
     echo "[setup] the package on the emulated CUDA backend: $ROOT/build/python-emulated"
