@@ -23,14 +23,27 @@ Each target request's outcome is logged and returned in its kv_transfer_params["
 The modules: config (settings, the model's identity), store (the prefix store), layout (the paged cache, fp8, head
 placement), metadata (the step's plans and outcomes), scheduler and worker (the connector's two sides), metrics.
 """
-from .config import CrossKVConfigError, Settings, parse_settings
-from .connector import CrossKVConnector
-from .layout import HeadPlacement, PagedLayout, head_placement, slots_of
-from .metadata import APPLIED, FALLBACK, LOCAL, MAPPED_CACHE, LoadPlan
-from .store import ChunkRef, FolderStore, Match, PrefixError, PrefixStore, RedisStore, chunk_keys, open_store
-from .worker import LayerByLayer, SourcePrefix
+import importlib
 
-__all__ = ["CrossKVConnector", "CrossKVConfigError", "Settings", "parse_settings", "HeadPlacement", "PagedLayout",
-           "head_placement", "slots_of", "APPLIED", "FALLBACK", "LOCAL", "MAPPED_CACHE", "LoadPlan",
-           "ChunkRef", "FolderStore", "Match", "PrefixError", "PrefixStore", "RedisStore", "chunk_keys", "open_store",
-           "LayerByLayer", "SourcePrefix"]
+# Each name resolves on first use (PEP 562): the store and the settings import without vLLM (about 20 s of imports),
+# so a process that only reads or writes the store, such as a writer beside the engines, starts in a fraction of a
+# second. vLLM finds the connector by getattr(crosskv.vllm, "CrossKVConnector"), which imports it.
+_HOMES = {"CrossKVConnector": "connector", "CrossKVConfigError": "config", "Settings": "config",
+          "parse_settings": "config", "HeadPlacement": "layout", "PagedLayout": "layout", "head_placement": "layout",
+          "slots_of": "layout", "APPLIED": "metadata", "FALLBACK": "metadata", "LOCAL": "metadata",
+          "MAPPED_CACHE": "metadata", "LoadPlan": "metadata", "ChunkRef": "store", "FolderStore": "store",
+          "Match": "store", "PrefixError": "store", "PrefixStore": "store", "RedisStore": "store",
+          "chunk_keys": "store", "open_store": "store", "LayerByLayer": "worker", "SourcePrefix": "worker"}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))
