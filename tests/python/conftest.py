@@ -14,7 +14,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config):
     """CROSSKV_TEST_IMPORTS (set by the ctest wrappers, pytest_in.sh and vllm.sh): the modules the tests need, imported
-    here in the tests' own process; one that does not import ends the run as SKIPPED (exit 77) with the reason."""
+    here in the tests' own process; one that does not import ends the run as SKIPPED (exit 77) with the reason. With
+    CROSSKV_TEST_PRELOAD=1 (vllm.sh, for tests whose engines fork from vllm_engine.Preloaded) vLLM is imported there,
+    not here (about 20 s each), and the same holds for its imports."""
     for name in filter(None, (m.strip() for m in os.environ.get("CROSSKV_TEST_IMPORTS", "").split(","))):
         try:
             importlib.import_module(name)
@@ -22,6 +24,14 @@ def pytest_configure(config):
             setup = os.environ.get("CROSSKV_TEST_SETUP", "its setup script")
             pytest.exit(f"SKIPPED: {sys.executable} cannot import {name} ({setup}): {type(e).__name__}: {e}",
                         returncode=77)
+    if os.environ.get("CROSSKV_TEST_PRELOAD") == "1":  # vLLM imported once, in the engines' preloaded process only
+        from vllm_engine import EngineImportError, Preloaded
+
+        try:
+            Preloaded.get()
+        except EngineImportError as e:
+            setup = os.environ.get("CROSSKV_TEST_SETUP", "its setup script")
+            pytest.exit(f"SKIPPED: {sys.executable} cannot import {e} ({setup})", returncode=77)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +44,4 @@ def family():
     work = make_family(os.environ["CROSSKV_TEST_WORK"], os.environ["CROSSKV_CAPTURE_PYTHON"], os.environ["CROSSKV_FIT"])
     return SimpleNamespace(work=work, mapper="out/kall", capture_py=os.environ["CROSSKV_CAPTURE_PYTHON"],
                            fit=os.environ["CROSSKV_FIT"])
+

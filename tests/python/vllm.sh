@@ -31,6 +31,13 @@ fi
 # pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.
 mkdir -p "$WORK"
 export CROSSKV_TEST_WORK="$WORK/family" CROSSKV_CAPTURE_PYTHON="$CAP" CROSSKV_FIT="${CROSSKV_FIT:?}"
-# vLLM and the package's connector, imported by conftest.py in pytest's process: SKIPPED (77) with the reason if not.
-export CROSSKV_TEST_IMPORTS="vllm, crosskv.vllm" CROSSKV_TEST_SETUP=scripts/setup-vllm.sh
+# vLLM and the package's connector, imported by conftest.py: SKIPPED (77) with the reason if not. The tests whose
+# engines fork from the preloaded process import them there, and pytest's own process does without (about 20 s); the
+# servers' test imports them in pytest's process.
+export CROSSKV_TEST_SETUP=scripts/setup-vllm.sh
+if [ "$TEST" = test_vllm_chat.py ]; then
+  export CROSSKV_TEST_IMPORTS="vllm, crosskv.vllm"
+else
+  export CROSSKV_TEST_IMPORTS=crosskv.vllm CROSSKV_TEST_PRELOAD=1
+fi
 exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "$ROOT/tests/python/$TEST" "$@"

@@ -4,6 +4,7 @@ import the main module again. The tests start engines with engine(), in the fami
 
     python vllm_engine.py SPEC.json OUT.json
 """
+import importlib
 import json
 import os
 import shutil
@@ -111,10 +112,15 @@ def engine_env(env=None):
             "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
 
 
+class EngineImportError(RuntimeError):
+    """The preloaded process could not import vLLM or the connector: "MODULE: TYPE: MESSAGE"."""
+
+
 class Preloaded:
     """A process that imported vLLM once and forks a child for each engine: importing vLLM and torch is about half
     of a small engine's start. Each child is a fresh copy of that process, so engines share nothing else.
-    Protocol: one JSON line {cwd, spec, out, log} in, one line with the child's exit status out."""
+    Protocol: "ready" (or "error MODULE: TYPE: MESSAGE" where an import failed) once; then one JSON line {cwd, spec,
+    out, log} in, one line with the child's exit status out."""
     _one = None
 
     @classmethod
@@ -126,6 +132,11 @@ class Preloaded:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--preload"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=engine_env())
+        ready = self.proc.stdout.readline().strip()
+        if ready != "ready":
+            self.proc.wait()
+            raise EngineImportError(ready.removeprefix("error ")
+                                    or f"the preloaded process exited ({self.proc.returncode})")
 
     def run(self, spec, out, log_path):
         self.proc.stdin.write(json.dumps({"cwd": os.getcwd(), "spec": spec, "out": out, "log": log_path}) + "\n")
@@ -140,10 +151,16 @@ def serve_preloaded():
     """The preloaded process's loop (Preloaded): fork, run the engine in the child, report its exit status."""
     protocol_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports print goes to stderr, not into the protocol
-    import vllm  # noqa: F401  (what the children no longer import)
-    import crosskv.vllm  # noqa: F401
-
+    for name in PRELOADED_MODULES:  # what the children no longer import
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            protocol_out.write(f"error {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
+            protocol_out.flush()
+            return
     warm_up_before_fork()
+    protocol_out.write("ready\n")
+    protocol_out.flush()
 
     for line in sys.stdin:
         job = json.loads(line)
@@ -168,6 +185,10 @@ def serve_preloaded():
         protocol_out.flush()
 
 
+# What the preloaded process imports first; conftest.py's check that the engine tests can run (CROSSKV_TEST_PRELOAD).
+# CROSSKV_TEST_PRELOAD_MODULES replaces them in tests/cli/wrapper_skips.sh.
+PRELOADED_MODULES = [m.strip() for m in os.environ.get("CROSSKV_TEST_PRELOAD_MODULES",
+                                                      "vllm, crosskv.vllm.connector").split(",") if m.strip()]
 # The modules an engine of the tests' models imports after vLLM itself (about 780, 1.2 s).
 ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.v1.worker.cpu_worker",
                   "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor", "vllm.v1.sample.sampler",
@@ -181,14 +202,13 @@ def warm_up_before_fork():
     collector's walks over all those objects (vLLM collects eight times per engine, 0.25 s each): they are frozen,
     as vLLM freezes its own heap."""
     import gc
-    import importlib
 
-    import torch
-    from torch._inductor import cpu_vec_isa
-    from vllm.platforms import current_platform
+    try:
+        import torch
+        from torch._inductor import cpu_vec_isa
+        from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():  # a GPU engine imports and compiles for its device: nothing to do for it here
-        try:
+        if current_platform.is_cpu():  # a GPU engine imports and compiles for its device: nothing to do for it here
             for name in ENGINE_MODULES:
                 importlib.import_module(name)
             cpu_vec_isa.pick_vec_isa()
@@ -196,8 +216,8 @@ def warm_up_before_fork():
 
             for rows, vocab in ((1, 256), (3, 256), (3, 300)):  # three shapes: one graph with dynamic sizes
                 batched_count_greater_than(torch.zeros(rows, vocab), torch.zeros(rows, 1))
-        except Exception as e:  # another vLLM: the engines then do it themselves, slower
-            print(f"vllm_engine: no warm-up before the fork ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    except Exception as e:  # another vLLM: the engines then do it themselves, slower
+        print(f"vllm_engine: no warm-up before the fork ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     gc.collect()
     gc.freeze()
 
