@@ -1,7 +1,8 @@
 """crosskv.lm_eval under pytest, offline: local lm-eval tasks (YAML + JSONL written here: multiple choice, rolling
 log-likelihood, generation) on the tiny family of the vLLM tests (random Qwen3 models, byte tokenizer, a mapper from
-crosskv-fit). The gold check: mode=own equals lm-eval's own `hf` model on the target, request by request, and the
-metrics are identical. Then the controls, the command line with lm-eval's own flags, and bad model_args by name.
+crosskv-fit; vllm_engine.family_cache makes it once per build, for whichever test needs it first). The gold check:
+mode=own equals lm-eval's own `hf` model on the target, request by request, and the metrics are identical. Then the
+controls, the command line with lm-eval's own flags, and bad model_args by name.
 
     CROSSKV_FIT=build/crosskv-fit .venv-lmeval/bin/python -m pytest tests/python/test_lm_eval.py
 """
@@ -9,6 +10,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -23,7 +25,6 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import crosskv.lm_eval as ckv  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = ["ckv_mc", "ckv_ppl", "ckv_gen"]
 
 
@@ -32,10 +33,10 @@ def family(tmp_path_factory):
     fit = os.environ.get("CROSSKV_FIT")
     if not fit:
         pytest.skip("CROSSKV_FIT is not set (the family's mapper needs crosskv-fit)")
-    work = tmp_path_factory.mktemp("family")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "vllm_family.py"), str(work), fit], capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    from vllm_engine import family_cache  # the engine tests' family, made once per build for all of them
+
+    work = tmp_path_factory.mktemp("family") / "f"
+    shutil.copytree(family_cache(sys.executable, fit), work, symlinks=True)
     return work
 
 
