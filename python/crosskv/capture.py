@@ -386,15 +386,17 @@ def capture_sequences(model, ids, want_queries, stride, device=None, keep_calls=
     """ids [B, S] -> keys, values [B*S', L, H, D] post-RoPE (S' = S / stride), queries [B*S', L, Hq, D] or None, as
     torch tensors where the model computed them, in its dtype; with keep_calls, the RoPE hook's (q_pre, k_pre, q_post,
     k_post) per layer; with want_weights, also the attention weights [B*S'] (AttentionMass.weights) as a fifth."""
-    import contextlib
     import torch
+
+    from .hf import cache_only
     cfg = model.config
     L = cfg.num_hidden_layers
     keep = torch.arange(0, ids.shape[1], stride)
     hook = RopeHook(model, record=want_queries or keep_calls, pre=keep_calls)
     mass = AttentionMass(model) if want_weights else None
     with torch.no_grad(), hook, (mass or contextlib.nullcontext()):
-        out = model(torch.as_tensor(ids, device=device or input_device(model)), use_cache=True)
+        out = model(torch.as_tensor(ids, device=device or input_device(model)), use_cache=True,
+                    **cache_only(model))
     layers = cache_layers(out.past_key_values, L)
 
     def rows(per_layer):  # [B, H, S, D] per layer -> [B*S', L, H, D] where the layers are (on the host where a

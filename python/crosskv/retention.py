@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .hf import cache_layers
+from .hf import cache_layers, cache_only
 
 CONDITIONS = ("own", "mapped", "wrong_sequence", "own_wrong_sequence", "zero", "random", "mean_only", "none")
 TASKS = ("choice", "recall")
@@ -110,7 +110,7 @@ def _cache(layers):
 @torch.no_grad()
 def prefill(model, ids):
     """The model's cache of `ids` [B, T]: per layer (keys post-RoPE, values) [B, H, T, D]."""
-    out = model(torch.as_tensor(ids), use_cache=True)
+    out = model(torch.as_tensor(ids), use_cache=True, **cache_only(model))
     return cache_layers(out.past_key_values)
 
 
