@@ -652,7 +652,11 @@ class _SlowStore:
 
 
 def _scheduler(tmp_path, **settings):
+    """A target's scheduler side over a folder store holding 3 chunks of `ids`. The lookup deadline is 5 s unless a
+    test sets its own: a machine busy with other tests misses the 50 ms default even for an answer at once."""
     from crosskv.vllm.context import EngineContext
+
+    settings.setdefault("lookup_timeout_ms", 5000)
     from crosskv.vllm.scheduler import SchedulerSide
 
     folder = st.FolderStore(str(tmp_path / "store"), BLOCK)
