@@ -8,27 +8,30 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${1:?usage: $0 WORKDIR}
 PY=/usr/bin/python3
 "$PY" -c "import pytest" 2> /dev/null || { echo "SKIPPED: $PY has no pytest (apt-get install python3-pytest)"; exit 77; }
-. "$ROOT/tests/python/pytest_in.sh"
-run() { (pytest_in "$PY" "the setup of $1" "json, $1" consumer_check.py "$WORK/$1" --collect-only -q) > "$WORK.$1.log" 2>&1; }
 mkdir -p "$(dirname "$WORK")"
-run crosskv_no_such_module; rc=$?
-want="SKIPPED: $PY cannot import crosskv_no_such_module (the setup of crosskv_no_such_module): ModuleNotFoundError"
-[ $rc = 77 ] && grep -qF "$want" "$WORK.crosskv_no_such_module.log" \
-  || { cat "$WORK.crosskv_no_such_module.log"; echo "FAIL: exit $rc, and not the line: $want"; exit 1; }
-# The planted case: every module imports, so the tests are collected (exit 0), not skipped.
-run os; rc=$?
-[ $rc = 0 ] || { cat "$WORK.os.log"; echo "FAIL: modules that import skipped the run (exit $rc)"; exit 1; }
+# check NAME WANT MODULE [ENV...]: pytest_in over consumer_check.py needing json and MODULE, with ENV; WANT: the
+# SKIPPED line expected (exit 77), or "" for a run that collects the tests (exit 0).
+check() {
+  local name=$1 want=$2 module=$3
+  shift 3
+  (env "$@" bash -c '. "$0"; pytest_in "$1" "its setup" "json, $2" consumer_check.py "$3" --collect-only -q' \
+     "$ROOT/tests/python/pytest_in.sh" "$PY" "$module" "$WORK/$name") > "$WORK.$name.log" 2>&1
+  local rc=$?
+  if [ -n "$want" ]; then
+    [ $rc = 77 ] && grep -qF "$want" "$WORK.$name.log" \
+      || { cat "$WORK.$name.log"; echo "FAIL: $name: exit $rc, and not the line: $want"; exit 1; }
+  else  # the planted case: every module imports, so the tests are collected, not skipped
+    [ $rc = 0 ] || { cat "$WORK.$name.log"; echo "FAIL: $name: modules that import skipped the run ($rc)"; exit 1; }
+  fi
+}
+missing=crosskv_no_such_module
+check missing "SKIPPED: $PY cannot import $missing (its setup): ModuleNotFoundError" $missing
+check imports "" os
 # The engine tests' check (vllm.sh: CROSSKV_TEST_PRELOAD=1): the modules are imported in the preloaded engine process
 # (tests/python/vllm_engine.py), not in pytest's; the same two outcomes.
-preload() {
-  (CROSSKV_TEST_PRELOAD=1 CROSSKV_TEST_PRELOAD_MODULES="json, $1" \
-     pytest_in "$PY" "the setup of $1" json consumer_check.py "$WORK/preload-$1" --collect-only -q) \
-    > "$WORK.preload-$1.log" 2>&1
-}
-preload crosskv_no_such_module; rc=$?
-want="SKIPPED: $PY cannot import crosskv_no_such_module: ModuleNotFoundError: No module named 'crosskv_no_such_module' (the setup of crosskv_no_such_module)"
-[ $rc = 77 ] && grep -qF "$want" "$WORK.preload-crosskv_no_such_module.log" \
-  || { cat "$WORK.preload-crosskv_no_such_module.log"; echo "FAIL: preloaded: exit $rc, and not the line: $want"; exit 1; }
-preload os; rc=$?
-[ $rc = 0 ] || { cat "$WORK.preload-os.log"; echo "FAIL: preloaded: modules that import skipped the run (exit $rc)"; exit 1; }
-echo "OK: a missing module skips with its name and setup (exit 77), in pytest's process and in the preloaded engine process; modules that import run the tests"
+check preload-missing \
+  "SKIPPED: $PY cannot import $missing: ModuleNotFoundError: No module named '$missing' (its setup)" os \
+  CROSSKV_TEST_PRELOAD=1 CROSSKV_TEST_PRELOAD_MODULES="json, $missing"
+check preload-imports "" os CROSSKV_TEST_PRELOAD=1 CROSSKV_TEST_PRELOAD_MODULES="json, os"
+echo "OK: a missing module skips with its name and setup (exit 77), in pytest's process and in the preloaded" \
+  "engine process; modules that import run the tests"
