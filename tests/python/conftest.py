@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config):
     """CROSSKV_TEST_IMPORTS (set by the ctest wrappers, pytest_in.sh and vllm.sh): the modules the tests need, imported
     here in the tests' own process; one that does not import ends the run as SKIPPED (exit 77) with the reason. With
-    CROSSKV_TEST_PRELOAD=1 (vllm.sh, for tests whose engines fork from vllm_engine.Preloaded) vLLM and the connector
-    are imported in that process, not here (about 20 s each), and one that does not import skips the run the same way."""
+    CROSSKV_TEST_PRELOAD=1 (vllm.sh, for tests whose engines fork from vllm_engine.Preloaded) vLLM and the
+    connector are imported in that process, not here (about 20 s each); one that does not import skips the run alike."""
     for name in filter(None, (m.strip() for m in os.environ.get("CROSSKV_TEST_IMPORTS", "").split(","))):
         try:
             importlib.import_module(name)
