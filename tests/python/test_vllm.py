@@ -147,29 +147,6 @@ def test_head_placement_refuses_what_is_not_a_placement(total, per, tp):
         cv.head_placement(total, per, 0, tp)
 
 
-# ---- LayerByLayer (no engine): a failure at any layer, foreseen or not, fails that prefix and hangs no layer.
-class _FlakyMapper:  # layer l's keys are all l; a layer's results reach wait() unless the prefix has failed by then
-    def __init__(self, fail_at, error):
-        self.fail_at, self.error = fail_at, error
-
-    def transfer(self, keys, values, positions, layers, check_finite=True):
-        if layers == self.fail_at:
-            raise self.error
-        return torch.full((keys.shape[0], 1, 2, 4), float(layers)), torch.zeros(keys.shape[0], 1, 2, 4)
-
-
-@pytest.mark.parametrize("fail_at,error,want", [
-    (1, crosskv.MapperError("keys: element 3 is NaN"), "keys: element 3 is NaN"),
-    (2, KeyError("unforeseen"), "the mapping thread stopped: KeyError")])
-def test_layer_by_layer_a_failure_at_any_layer_fails_the_prefix_and_hangs_no_layer(fail_at, error, want):
-    plan = cv.LoadPlan("r1", "key", 0, 5, list(range(5)), list(range(5)))
-    prefix = cv.SourcePrefix(plan, torch.zeros(5, 2, 2, 4), torch.zeros(5, 2, 2, 4), torch.arange(5), 0.0)
-    by = cv.LayerByLayer(_FlakyMapper(fail_at, error), [prefix], 4, torch.device("cpu"))
-    got_layers = [by.wait(li) for li in range(4)]  # returns for every layer (a hang would time the test out)
-    by.join()
-    assert all(not g for g in got_layers[fail_at:]) and want in by.failed.get("r1", "")
-
-
 # ---- every config error names its key (parse_settings, as the engine's start runs it; no engine).
 CONFIG_ERRORS = [
     ("kv_combined", {"store": "s"}, "recompute", "kv_transfer_config.kv_role: expected kv_producer"),

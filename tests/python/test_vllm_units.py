@@ -1,6 +1,7 @@
 """crosskv.vllm's parts that need no engine, under pytest in the vLLM environment: the connector against the installed
 vLLM's interface, its CUDA-graph declaration, the models it refuses, the one KV-spec reader, the store guard's
-deadlines and breaker, the background saver under faults, and chunks in the cache's own dtype.
+deadlines and breaker, the background saver under faults, chunks in the cache's own dtype, and LayerByLayer's
+failures at any layer.
 
     .venv-vllm/bin/python -m pytest tests/python/test_vllm_units.py [-k NAME]
 """
@@ -15,14 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from crosskv import kvspec
+from crosskv import MapperError, kvspec
 from crosskv.vllm import config as cfg
 from crosskv.vllm import store as st
 from crosskv.vllm.api import api_mismatches
 from crosskv.vllm.connector import CrossKVConnector
 from crosskv.vllm.guard import HEALTHY, PROBING, UNHEALTHY, StoreGuard
 from crosskv.vllm.layout import PagedLayout, slots_of
+from crosskv.vllm.metadata import LoadPlan
 from crosskv.vllm.saver import ABANDONED, DROPPED, FAILED, SHARED, STORED, Saver, SaveJob
+from crosskv.vllm.worker import LayerByLayer, SourcePrefix
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 
@@ -1171,3 +1174,26 @@ def test_a_request_aborted_after_its_load_was_promised_is_never_planned(tmp_path
     sched.update_state_after_alloc(r, None, n)
     sched.request_finished(r, [0, 1, 2, 3])
     assert _step(sched).loads == []  # and no broken promise: it is gone
+
+
+# ---- LayerByLayer (no engine): a failure at any layer, foreseen or not, fails that prefix and hangs no layer.
+class _FlakyMapper:  # layer l's keys are all l; a layer's results reach wait() unless the prefix has failed by then
+    def __init__(self, fail_at, error):
+        self.fail_at, self.error = fail_at, error
+
+    def transfer(self, keys, values, positions, layers, check_finite=True):
+        if layers == self.fail_at:
+            raise self.error
+        return torch.full((keys.shape[0], 1, 2, 4), float(layers)), torch.zeros(keys.shape[0], 1, 2, 4)
+
+
+@pytest.mark.parametrize("fail_at,error,want", [
+    (1, MapperError("keys: element 3 is NaN"), "keys: element 3 is NaN"),
+    (2, KeyError("unforeseen"), "the mapping thread stopped: KeyError")])
+def test_layer_by_layer_a_failure_at_any_layer_fails_the_prefix_and_hangs_no_layer(fail_at, error, want):
+    plan = LoadPlan("r1", "key", 0, 5, list(range(5)), list(range(5)))
+    prefix = SourcePrefix(plan, torch.zeros(5, 2, 2, 4), torch.zeros(5, 2, 2, 4), torch.arange(5), 0.0)
+    by = LayerByLayer(_FlakyMapper(fail_at, error), [prefix], 4, torch.device("cpu"))
+    got_layers = [by.wait(li) for li in range(4)]  # returns for every layer (a hang would time the test out)
+    by.join()
+    assert all(not g for g in got_layers[fail_at:]) and want in by.failed.get("r1", "")
