@@ -261,10 +261,11 @@ def engine_args(spec):
         args.update(enforce_eager=False, compilation_config={"cudagraph_mode": spec["cudagraph_mode"]})
     if spec.get("connector"):
         # "planted": a connector of tests/python/planted_connector.py (a test's fault), else crosskv's own
-        from planted_connector import CONNECTORS
+        name, module = "CrossKVConnector", "crosskv.vllm"
+        if spec.get("planted"):  # imports vLLM: only in the engine's process
+            from planted_connector import CONNECTORS
 
-        name, module = ((CONNECTORS[spec["planted"]], "planted_connector") if spec.get("planted")
-                        else ("CrossKVConnector", "crosskv.vllm"))
+            name, module = CONNECTORS[spec["planted"]], "planted_connector"
         args["kv_transfer_config"] = {"kv_connector": name, "kv_connector_module_path": module,
                                       "kv_role": spec["role"], "kv_load_failure_policy": "recompute",
                                       "kv_connector_extra_config": spec["connector"]}
