@@ -8,20 +8,20 @@
 namespace crosskv {
 namespace {
 
-nlohmann::json num(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
+nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(nullptr); }
 nlohmann::json nums(const std::vector<double>& v) {
   nlohmann::json a = nlohmann::json::array();
-  for (double x : v) a.push_back(num(x));
+  for (double x : v) a.push_back(finite_or_null(x));
   return a;
 }
 
 }  // namespace
 
 nlohmann::json Diagnostics::json() const {
-  auto opt = [](const std::optional<double>& x) { return x ? num(*x) : nlohmann::json(nullptr); };
+  auto opt = [](const std::optional<double>& x) { return x ? finite_or_null(*x) : nlohmann::json(nullptr); };
   nlohmann::json j = {{"tokens", tokens},
-                      {"r2_k", num(r2_k)},
-                      {"r2_v", num(r2_v)},
+                      {"r2_k", finite_or_null(r2_k)},
+                      {"r2_v", finite_or_null(r2_v)},
                       {"attention_cosine", opt(attention_cosine)},
                       {"k_concentration", opt(k_concentration)},
                       {"v_concentration", opt(v_concentration)}};
@@ -29,11 +29,11 @@ nlohmann::json Diagnostics::json() const {
   const bool att = attention_cosine.has_value();
   for (const auto& l : layers)
     ls.push_back({{"layer", l.layer},
-                  {"r2_k", num(l.r2_k_mean)},
-                  {"r2_v", num(l.r2_v_mean)},
-                  {"attention_cosine", att ? num(l.cosine_mean) : nlohmann::json(nullptr)},
-                  {"k_concentration", att ? num(l.k_concentration_mean) : nlohmann::json(nullptr)},
-                  {"v_concentration", att ? num(l.v_concentration_mean) : nlohmann::json(nullptr)},
+                  {"r2_k", finite_or_null(l.r2_k_mean)},
+                  {"r2_v", finite_or_null(l.r2_v_mean)},
+                  {"attention_cosine", att ? finite_or_null(l.cosine_mean) : nlohmann::json(nullptr)},
+                  {"k_concentration", att ? finite_or_null(l.k_concentration_mean) : nlohmann::json(nullptr)},
+                  {"v_concentration", att ? finite_or_null(l.v_concentration_mean) : nlohmann::json(nullptr)},
                   {"per_head", {{"r2_k", nums(l.r2_k)},
                                 {"r2_v", nums(l.r2_v)},
                                 {"attention_cosine", nums(l.cosine)},

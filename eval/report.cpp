@@ -36,7 +36,7 @@ std::string fmt(double x, int digits = 3) {
   return b;
 }
 
-std::string num(double x) {  // 1e-06, 0.01, 100000
+std::string short_number(double x) {  // 1e-06, 0.01, 100000
   char b[64];
   std::snprintf(b, sizeof b, "%g", x);
   return b;
@@ -440,9 +440,9 @@ std::string verdict_thresholds(const ReportInput& in) {
 std::string model_text(const std::string& name, const std::string& weights, const KvSpec& spec) {
   std::ostringstream o;
   o << name << ": " << spec.n_layers << " layers × " << spec.n_kv_heads << " KV heads × " << spec.head_dim << " ("
-    << spec.n_q_heads << " query heads), RoPE " << spec.rope.type << " θ " << num(spec.rope.theta)
+    << spec.n_q_heads << " query heads), RoPE " << spec.rope.type << " θ " << short_number(spec.rope.theta)
     << (spec.layers.empty() ? "" : ", each layer's attention and RoPE of its own")
-    << (spec.query_scale ? ", query scale " + num(*spec.query_scale) : "")
+    << (spec.query_scale ? ", query scale " + short_number(*spec.query_scale) : "")
     << (weights.empty() ? "" : ", weights " + weights);
   return o.str();
 }
@@ -451,7 +451,7 @@ std::string model_text(const std::string& name, const std::string& weights, cons
 std::string fit_text(const MapperManifest& m) {
   std::ostringstream o;
   o << "k " << m.k_label << " (" << m.k_count << " source layer" << (m.k_count == 1 ? "" : "s") << "), " << to_string(m.structure) << ", λ "
-    << (m.lambda ? num(*m.lambda) : m.lambda_choice ? "auto (" + m.lambda_choice->criterion + ")" : "?")
+    << (m.lambda ? short_number(*m.lambda) : m.lambda_choice ? "auto (" + m.lambda_choice->criterion + ")" : "?")
     << ", probe " << m.probe << ", " << m.dtype << ", " << m.features << " features, " << m.params << " + "
     << m.bias_params << " parameters, mapper " << m.mapper;
   if (m.mlp)

@@ -7,8 +7,6 @@
 
 namespace crosskv {
 
-// Below this many elements the host loops run on one thread (a parallel region costs more than it saves).
-constexpr int64_t kParallelMin = int64_t{1} << 22;
 
 std::vector<double> Covariances::mean_x(int a) const {
   std::vector<double> m(m_.d_.F());

@@ -17,6 +17,10 @@ namespace crosskv {
 
 class Comm;
 
+// Below this many elements the host loops of the systems' assembly run on one thread (a parallel region costs more
+// than it saves).
+constexpr int64_t kParallelMin = int64_t{1} << 22;
+
 // Per-token weights of one block of rows (fit.weighting: dataset, docs/METHOD.md, The fit): the moments are Σ w x xᵀ, Σ w x yᵀ,
 // Σ w x, Σ w y², N = Σ w. sqrt_w scales the shifted rows (prepare's row_scale) and weighs the column sums; it is a
 // staged operand. A null sqrt_w is the unweighted fit (every w = 1).

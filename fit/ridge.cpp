@@ -13,8 +13,6 @@
 
 namespace crosskv {
 
-// Below this many elements the host loops run on one thread (a parallel region costs more than it saves).
-constexpr int64_t kParallelMin = int64_t{1} << 22;
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();

@@ -40,7 +40,7 @@ size_t batched_extent(int64_t rows, int64_t cols, int64_t ld, long long stride, 
 }
 
 // A call's checks in order; the first failure is the call's status.
-struct Call {
+struct BlasCall {
   std::string name;
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
   bool failed() const { return status != CUBLAS_STATUS_SUCCESS; }
@@ -97,7 +97,7 @@ void sgemm(bool tf32, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int
 }
 
 // The call's work queued on its handle's stream, its device operands checked again and opened when it runs.
-cublasStatus_t queue(Call& c, cublasHandle_t h, Operands operands, std::function<void()> work) {
+cublasStatus_t queue(BlasCall& c, cublasHandle_t h, Operands operands, std::function<void()> work) {
   if (c.failed()) return c.status;
   if (enqueue_on(h->stream, c.name, std::move(operands), [work = std::move(work)] { return work(), std::string(); }) !=
       cudaSuccess)
@@ -106,7 +106,7 @@ cublasStatus_t queue(Call& c, cublasHandle_t h, Operands operands, std::function
 }
 
 // The checks every gemm makes of its shape (cuBLAS's order: operations, sizes, leading dimensions).
-void gemm_shape(Call& c, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, int64_t lda,
+void gemm_shape(BlasCall& c, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k, int64_t lda,
                 int64_t ldb, int64_t ldc) {
   c.value(op_ok(ta) && op_ok(tb), "transa/transb is not a cublasOperation_t");
   c.value(m >= 0 && n >= 0 && k >= 0,
@@ -139,7 +139,7 @@ cublasStatus_t cublasCreate(cublasHandle_t* handle) {
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasDestroy(cublasHandle_t handle) {
-  Call c{"cublasDestroy"};
+  BlasCall c{"cublasDestroy"};
   c.handle(handle);
   if (c.failed()) return c.status;
   std::lock_guard<std::mutex> lock(handle_mutex);
@@ -147,7 +147,7 @@ cublasStatus_t cublasDestroy(cublasHandle_t handle) {
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream) {
-  Call c{"cublasSetStream"};
+  BlasCall c{"cublasSetStream"};
   c.handle(handle);
   if (c.failed()) return c.status;
   std::string why;
@@ -156,7 +156,7 @@ cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream) {
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode) {
-  Call c{"cublasSetMathMode"};
+  BlasCall c{"cublasSetMathMode"};
   c.handle(handle);
   c.value(mode == CUBLAS_DEFAULT_MATH || mode == CUBLAS_TF32_TENSOR_OP_MATH || mode == CUBLAS_PEDANTIC_MATH,
           "not a cublasMath_t");
@@ -203,7 +203,7 @@ const char* cublasGetStatusName(cublasStatus_t s) {
 cublasStatus_t cublasSgemm_64(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n,
                               int64_t k, const float* alpha, const float* A, int64_t lda, const float* B, int64_t ldb,
                               const float* beta, float* C, int64_t ldc) {
-  Call c{"cublasSgemm_64" + dims(m, n, k)};
+  BlasCall c{"cublasSgemm_64" + dims(m, n, k)};
   c.handle(handle);
   gemm_shape(c, ta, tb, m, n, k, lda, ldb, ldc);
   c.host_scalar("alpha", alpha);
@@ -225,7 +225,7 @@ cublasStatus_t cublasSgemmStridedBatched_64(cublasHandle_t handle, cublasOperati
                                             int64_t m, int64_t n, int64_t k, const float* alpha, const float* A,
                                             int64_t lda, long long sa, const float* B, int64_t ldb, long long sb,
                                             const float* beta, float* C, int64_t ldc, long long sc, int64_t batch) {
-  Call c{"cublasSgemmStridedBatched_64" + dims(m, n, k) + "[batch " + std::to_string(batch) + "]"};
+  BlasCall c{"cublasSgemmStridedBatched_64" + dims(m, n, k) + "[batch " + std::to_string(batch) + "]"};
   c.handle(handle);
   gemm_shape(c, ta, tb, m, n, k, lda, ldb, ldc);
   c.value(batch >= 0, "batchCount negative");
@@ -255,7 +255,7 @@ cublasStatus_t cublasSgemmBatched(cublasHandle_t handle, cublasOperation_t ta, c
                                   int k, const float* alpha, const float* const Aarray[], int lda,
                                   const float* const Barray[], int ldb, const float* beta, float* const Carray[],
                                   int ldc, int batch) {
-  Call c{"cublasSgemmBatched" + dims(m, n, k) + "[batch " + std::to_string(batch) + "]"};
+  BlasCall c{"cublasSgemmBatched" + dims(m, n, k) + "[batch " + std::to_string(batch) + "]"};
   c.handle(handle);
   gemm_shape(c, ta, tb, m, n, k, lda, ldb, ldc);
   c.value(batch >= 0, "batchCount negative");
@@ -311,7 +311,7 @@ cublasStatus_t cublasSgemmBatched(cublasHandle_t handle, cublasOperation_t ta, c
 cublasStatus_t cublasSsyrk_64(cublasHandle_t handle, cublasFillMode_t uplo, cublasOperation_t trans, int64_t n,
                               int64_t k, const float* alpha, const float* A, int64_t lda, const float* beta, float* C,
                               int64_t ldc) {
-  Call c{"cublasSsyrk_64(n " + std::to_string(n) + ", k " + std::to_string(k) + ")"};
+  BlasCall c{"cublasSsyrk_64(n " + std::to_string(n) + ", k " + std::to_string(k) + ")"};
   c.handle(handle);
   c.value(uplo == CUBLAS_FILL_MODE_LOWER || uplo == CUBLAS_FILL_MODE_UPPER, "uplo is not lower or upper");
   c.value(trans == CUBLAS_OP_N || trans == CUBLAS_OP_T, "trans is not N or T");
@@ -341,7 +341,7 @@ cublasStatus_t cublasSsyrk_64(cublasHandle_t handle, cublasFillMode_t uplo, cubl
 cublasStatus_t cublasDtrsm_64(cublasHandle_t handle, cublasSideMode_t side, cublasFillMode_t uplo,
                               cublasOperation_t trans, cublasDiagType_t diag, int64_t m, int64_t n, const double* alpha,
                               const double* A, int64_t lda, double* B, int64_t ldb) {
-  Call c{"cublasDtrsm_64(m " + std::to_string(m) + ", n " + std::to_string(n) + ")"};
+  BlasCall c{"cublasDtrsm_64(m " + std::to_string(m) + ", n " + std::to_string(n) + ")"};
   c.handle(handle);
   c.value(side == CUBLAS_SIDE_LEFT || side == CUBLAS_SIDE_RIGHT, "side is not left or right");
   c.value(uplo == CUBLAS_FILL_MODE_LOWER || uplo == CUBLAS_FILL_MODE_UPPER, "uplo is not lower or upper");

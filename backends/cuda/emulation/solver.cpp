@@ -23,7 +23,7 @@ std::set<cusolverDnContext*> solvers;
 std::set<cusolverDnParams*> param_sets;
 uint64_t next_solver = 1;
 
-struct Call {
+struct SolverCall {
   std::string name;
   cusolverStatus_t status = CUSOLVER_STATUS_SUCCESS;
   bool failed() const { return status != CUSOLVER_STATUS_SUCCESS; }
@@ -62,7 +62,7 @@ size_t syevd_workspace(int64_t n) { return static_cast<size_t>(std::max<int64_t>
 
 // Queues `work` (returning LAPACK's info) and the write of info to device `info`, its device operands checked
 // again and opened when it runs.
-cusolverStatus_t queue(Call& c, cusolverDnHandle_t h, Operands operands, int* info, std::function<int()> work) {
+cusolverStatus_t queue(SolverCall& c, cusolverDnHandle_t h, Operands operands, int* info, std::function<int()> work) {
   if (c.failed()) return c.status;
   if (enqueue_on(h->stream, c.name, std::move(operands), [info, work = std::move(work)] {
         *info = work();
@@ -120,7 +120,7 @@ cusolverStatus_t cusolverDnXpotrf_bufferSize(cusolverDnHandle_t handle, cusolver
                                              cublasFillMode_t uplo, int64_t n, cudaDataType dataTypeA, const void* A,
                                              int64_t lda, cudaDataType computeType, size_t* dev_bytes,
                                              size_t* host_bytes) {
-  Call c{"cusolverDnXpotrf_bufferSize(n " + std::to_string(n) + ")"};
+  SolverCall c{"cusolverDnXpotrf_bufferSize(n " + std::to_string(n) + ")"};
   c.handles(handle, params);
   c.fp64(dataTypeA, computeType);
   c.square(uplo, n, lda);
@@ -133,7 +133,7 @@ cusolverStatus_t cusolverDnXpotrf_bufferSize(cusolverDnHandle_t handle, cusolver
 cusolverStatus_t cusolverDnXpotrf(cusolverDnHandle_t handle, cusolverDnParams_t params, cublasFillMode_t uplo,
                                   int64_t n, cudaDataType dataTypeA, void* A, int64_t lda, cudaDataType computeType,
                                   void* dws, size_t dev_bytes, void* hws, size_t host_bytes, int* info) {
-  Call c{"cusolverDnXpotrf(n " + std::to_string(n) + ", lda " + std::to_string(lda) + ")"};
+  SolverCall c{"cusolverDnXpotrf(n " + std::to_string(n) + ", lda " + std::to_string(lda) + ")"};
   c.handles(handle, params);
   c.fp64(dataTypeA, computeType);
   c.square(uplo, n, lda);
@@ -153,7 +153,7 @@ cusolverStatus_t cusolverDnXsyevd_bufferSize(cusolverDnHandle_t handle, cusolver
                                              cudaDataType dataTypeA, const void* A, int64_t lda, cudaDataType dataTypeW,
                                              const void* W, cudaDataType computeType, size_t* dev_bytes,
                                              size_t* host_bytes) {
-  Call c{"cusolverDnXsyevd_bufferSize(n " + std::to_string(n) + ")"};
+  SolverCall c{"cusolverDnXsyevd_bufferSize(n " + std::to_string(n) + ")"};
   c.handles(handle, params);
   c.fp64(dataTypeA, computeType);
   c.fp64(dataTypeW, computeType);
@@ -168,7 +168,7 @@ cusolverStatus_t cusolverDnXsyevd(cusolverDnHandle_t handle, cusolverDnParams_t 
                                   cublasFillMode_t uplo, int64_t n, cudaDataType dataTypeA, void* A, int64_t lda,
                                   cudaDataType dataTypeW, void* W, cudaDataType computeType, void* dws,
                                   size_t dev_bytes, void* hws, size_t host_bytes, int* info) {
-  Call c{"cusolverDnXsyevd(n " + std::to_string(n) + ", lda " + std::to_string(lda) + ")"};
+  SolverCall c{"cusolverDnXsyevd(n " + std::to_string(n) + ", lda " + std::to_string(lda) + ")"};
   c.handles(handle, params);
   c.fp64(dataTypeA, computeType);
   c.fp64(dataTypeW, computeType);

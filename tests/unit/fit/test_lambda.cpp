@@ -16,6 +16,7 @@
 
 using namespace crosskv;
 
+namespace auto_lambda_test {  // its own helpers' names (Data, kDims, accumulate) are test_ridge.cpp's too
 namespace {
 
 const PairDims kDims{3, 2, 3, 2, 2, 4};  // Ls, Hs, Ds, Lt, Ht, Dt: F = 6, G = 8
@@ -197,3 +198,5 @@ TEST(AutoLambda, AFixedAbsoluteLambdaIsNotScaleFree) {
   for (size_t i = 0; i < fa[0].W.size(); ++i) worst = std::max(worst, std::fabs(0.01 * fa[0].W[i] - fb[0].W[i]));
   EXPECT_GT(worst, 0.05);
 }
+
+}  // namespace auto_lambda_test
