@@ -29,7 +29,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ import crosskv
 import crosskv.hf
 import crosskv.vllm as cv
 from redis_server import RedisServer
-from vllm_engine import BLOCK, engine, engine_args, hf_mapped_reference
+from vllm_engine import BLOCK, Server, engine, engine_args, hf_mapped_reference
 
 CHUNK = BLOCK  # the store's chunk: the smallest it may be, so that these short prompts span several
 # The engines run beside other tests on 2 cores: a lookup's deadline (50 ms by default) is not what these tests test
@@ -229,7 +228,7 @@ def w(family):
                         "all_but_last": x.turns[2]}
     tp2_prompts = [rng.integers(1, 256, n).tolist() for n in (60, 45)]  # 67 and 52 saved
     x.src2 = engine("source_tp2", {"model": "model-source", "role": "kv_producer", "connector": STORE,
-                                   "prompts": tp2_prompts, "tp": 2})
+                                   "prompts": tp2_prompts, "tp": 2, "spawn": True})
     x.tp2_turns = [p + o["tokens"] for p, o in zip(tp2_prompts, x.src2)]
     for name, t in zip(("tp2_source_long", "tp2_source_short"), x.tp2_turns):
         x.target_prompts[name] = t + user
@@ -557,12 +556,9 @@ def test_the_openai_server_answers_as_the_offline_engine_and_counts_on_metrics(w
         port = s.getsockname()[1]
     kvc = engine_args({"model": "model-target", "role": "kv_consumer",
                        "connector": {**STORE, "mapper": MAPPER}})["kv_transfer_config"]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "model-target", "--port", str(port),
-         "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "2048",
-         "--kv-cache-memory-bytes", str(64 << 20), "--kv-transfer-config", json.dumps(kvc)],
-        stdout=open("server.log", "w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    server = Server(["--model", "model-target", "--port", str(port), "--enforce-eager", "--dtype", "float32",
+                     "--block-size", str(BLOCK), "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
+                     "--kv-transfer-config", json.dumps(kvc)], "server.log")
     try:
         t0, up = time.time(), False
         while time.time() - t0 < 300 and server.poll() is None and not up:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from redis_server import RedisServer, free_port
-from vllm_engine import BLOCK
+from vllm_engine import BLOCK, Server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
@@ -45,13 +45,9 @@ def server(name, model, mapper, saves, loads, store):
            "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"store": store, "chunk_tokens": BLOCK, "mapper": mapper,
                                          "save_namespace": saves, "load_namespace": loads}}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-         "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "2048",
-         "--kv-cache-memory-bytes", str(64 << 20), "--chat-template", "chat-template.jinja",
-         "--kv-transfer-config", json.dumps(kvc)],
-        stdout=open(f"{name}.log", "w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    proc = Server(["--model", model, "--port", str(port), "--enforce-eager", "--dtype", "float32", "--block-size",
+                   str(BLOCK), "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20), "--chat-template",
+                   "chat-template.jinja", "--kv-transfer-config", json.dumps(kvc)], f"{name}.log")
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -31,13 +31,8 @@ fi
 # pytest, its temporary folders and the family's (conftest.py) in WORK; the engines run in the family's folder.
 mkdir -p "$WORK"
 export CROSSKV_TEST_WORK="$WORK/family" CROSSKV_CAPTURE_PYTHON="$CAP" CROSSKV_FIT="${CROSSKV_FIT:?}"
-# vLLM and the package's connector, imported by conftest.py: SKIPPED (77) with the reason if not. The tests whose
-# engines fork from the preloaded process import them there, and pytest's own process does without (about 20 s); the
-# servers' test imports them in pytest's process.
-export CROSSKV_TEST_SETUP=scripts/setup-vllm.sh
-if [ "$TEST" = test_vllm_chat.py ]; then
-  export CROSSKV_TEST_IMPORTS="vllm, crosskv.vllm"
-else
-  export CROSSKV_TEST_IMPORTS=crosskv.vllm CROSSKV_TEST_PRELOAD=1
-fi
+# vLLM and the package's connector: SKIPPED (77) with the reason if they do not import. The engines and servers
+# fork from a preloaded process (vllm_engine.Preloaded), which imports them; pytest's own process does without
+# (about 20 s).
+export CROSSKV_TEST_SETUP=scripts/setup-vllm.sh CROSSKV_TEST_IMPORTS=crosskv.vllm CROSSKV_TEST_PRELOAD=1
 exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "$ROOT/tests/python/$TEST" "$@"

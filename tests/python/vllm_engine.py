@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -117,10 +118,11 @@ class EngineImportError(RuntimeError):
 
 
 class Preloaded:
-    """A process that imported vLLM once and forks a child for each engine: importing vLLM and torch is about half
-    of a small engine's start. Each child is a fresh copy of that process, so engines share nothing else.
-    Protocol: "ready" (or "error MODULE: TYPE: MESSAGE" where an import failed) once; then one JSON line {cwd, spec,
-    out, log} in, one line with the child's exit status out."""
+    """A process that imported vLLM once and forks a child for each engine and server: importing vLLM and torch is
+    about half of a small engine's start. Each child is a fresh copy of that process, so engines share nothing else.
+    Protocol: "ready" (or "error MODULE: TYPE: MESSAGE" where an import failed) once; then one JSON line in
+    ({op: run, cwd, spec, out, log}, {op: serve, cwd, args, spawn, log} or {op: wait, pid, timeout}), one JSON
+    answer out (serve_preloaded)."""
     _one = None
 
     @classmethod
@@ -138,17 +140,61 @@ class Preloaded:
             raise EngineImportError(ready.removeprefix("error ")
                                     or f"the preloaded process exited ({self.proc.returncode})")
 
-    def run(self, spec, out, log_path):
-        self.proc.stdin.write(json.dumps({"cwd": os.getcwd(), "spec": spec, "out": out, "log": log_path}) + "\n")
+    def ask(self, job):
+        self.proc.stdin.write(json.dumps({"cwd": os.getcwd(), **job}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the preloaded engine process exited ({self.proc.wait()}); see {log_path}")
-        return int(line)
+            raise RuntimeError(f"the preloaded engine process exited ({self.proc.wait()}); see {job.get('log')}")
+        return json.loads(line)
+
+    def run(self, spec, out, log_path):
+        return self.ask({"op": "run", "spec": spec, "out": out, "log": log_path})
+
+
+class Server:
+    """An OpenAI-compatible vLLM server with ARGS (its command-line arguments), its log in LOG: forked from the
+    preloaded process, or with CROSSKV_TEST_FRESH_ENGINES=1 a process of its own. Its engine core is forked too
+    (fork_vllm_cpu_processes) unless SPAWN. What the tests use of a Popen: pid, poll, terminate, wait, kill."""
+
+    def __init__(self, args, log_path, spawn=False):
+        self.returncode = None
+        if os.environ.get("CROSSKV_TEST_FRESH_ENGINES") == "1":
+            cmd = [sys.executable, os.path.abspath(__file__), "--serve", "spawn" if spawn else "fork", *args]
+            self._own = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=engine_env())
+            self.pid = self._own.pid
+        else:
+            self._own = None
+            self.pid = Preloaded.get().ask({"op": "serve", "args": args, "spawn": spawn, "log": log_path})
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = (self._own.poll() if self._own else
+                               Preloaded.get().ask({"op": "wait", "pid": self.pid, "timeout": 0}))
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self._own:
+            self.returncode = self._own.wait(timeout)
+        elif self.returncode is None:
+            self.returncode = Preloaded.get().ask({"op": "wait", "pid": self.pid, "timeout": timeout})
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"server {self.pid}", timeout)
+        return self.returncode
+
+    def terminate(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def serve_preloaded():
-    """The preloaded process's loop (Preloaded): fork, run the engine in the child, report its exit status."""
+    """The preloaded process's loop (Preloaded): for "run", fork, run the engine in the child and answer its exit
+    status; for "serve", fork a server and answer its pid; for "wait", answer a server's exit status once it has
+    exited (None if it runs on after the timeout). The servers still running when the tests end are killed."""
     protocol_out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports print goes to stderr, not into the protocol
     for name in PRELOADED_MODULES:  # what the children no longer import
@@ -162,27 +208,60 @@ def serve_preloaded():
     protocol_out.write("ready\n")
     protocol_out.flush()
 
-    for line in sys.stdin:
-        job = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.chdir(job["cwd"])
-            fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            for std in (1, 2):
-                os.dup2(fd, std)
-            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-            code = 0
-            try:
-                run_engine(job["spec"], job["out"])
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            exit_without_teardown(code)
-        _, status = os.waitpid(pid, 0)
-        protocol_out.write(f"{os.waitstatus_to_exitcode(status)}\n")
-        protocol_out.flush()
+    servers = set()
+    try:
+        for line in sys.stdin:
+            job = json.loads(line)
+            if job["op"] == "run":
+                _, status = os.waitpid(fork_child(job, lambda: run_engine(job["spec"], job["out"])), 0)
+                answer = os.waitstatus_to_exitcode(status)
+            elif job["op"] == "serve":
+                answer = fork_child(job, lambda: serve(job["args"], job["spawn"]))
+                servers.add(answer)
+            else:
+                answer = wait_child(job["pid"], job["timeout"])
+                if answer is not None:
+                    servers.discard(job["pid"])
+            protocol_out.write(json.dumps(answer) + "\n")
+            protocol_out.flush()
+    finally:
+        for pid in servers:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def fork_child(job, work):
+    """A child that runs WORK in the job's folder, its output to the job's log; exits 1 if WORK raised."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    os.chdir(job["cwd"])
+    fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    code = 0
+    try:
+        work()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    exit_without_teardown(code)
+
+
+def wait_child(pid, timeout):
+    """PID's exit status once it has exited, waiting at most TIMEOUT seconds (None: as long as it takes); None if it
+    runs on."""
+    t0 = time.monotonic()
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if timeout is not None and time.monotonic() - t0 >= timeout:
+            return None
+        time.sleep(0.05)
 
 
 # What the preloaded process imports first; conftest.py's check that the engine tests can run (CROSSKV_TEST_PRELOAD).
@@ -237,6 +316,40 @@ def exit_without_teardown(code):
         os._exit(code)
 
 
+def fork_vllm_cpu_processes():
+    """vllm-cpu starts a tensor-parallel engine's workers, and a server's engine core, by spawn: each new process
+    imports vLLM again (about 30 s of CPU on 2 cores, the most of a TP-2 engine's start). vLLM's own default, and
+    what it does on a GPU whose process has not initialized CUDA, is fork, which costs almost nothing in a process
+    that has vLLM imported. The tests' engines and servers fork, unless a spec asks for vllm-cpu's spawn
+    ("spawn": true): test_vllm.py's first TP-2 source keeps that way covered (its workers import the connector in
+    fresh interpreters)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__
+
+    def update_then_fork(cls, vllm_config):
+        update(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(update_then_fork)
+
+
+def serve(args, spawn=False):
+    """An OpenAI-compatible vLLM server with ARGS in this process (Server). SPAWN: vllm-cpu's own way, an engine core
+    and a worker process each spawned (each imports vLLM afresh). Otherwise the engine core is forked and runs the
+    model itself (uniproc executor; VLLM_ENABLE_V1_MULTIPROCESSING=0, as in the tests' engines, lets vllm-cpu keep
+    it): a worker process spins on its queue for a second after each step, a core busy while a chat's user thinks."""
+    import runpy
+
+    if spawn:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    else:
+        fork_vllm_cpu_processes()
+        args = [*args, "--distributed-executor-backend", "uni"]
+    sys.argv = ["vllm.entrypoints.openai.api_server", *args]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
 def engine_args(spec):
     args = dict(model=spec["model"], enforce_eager=True, dtype="float32", block_size=BLOCK,
                 kv_cache_memory_bytes=64 << 20, max_model_len=2048,
@@ -278,6 +391,8 @@ def run_engine(spec_path, out_path):
     from vllm import LLM, SamplingParams
 
     spec = json.load(open(spec_path))
+    if not spec.get("spawn"):
+        fork_vllm_cpu_processes()
     llm = LLM(**engine_args(spec))
     sp = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, logprobs=1)
     if spec.get("timed"):
@@ -384,5 +499,7 @@ def timed_run(llm, spec, sp, out_path):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--preload"]:
         serve_preloaded()
+    elif sys.argv[1:2] == ["--serve"]:  # --serve spawn|fork ARGS...
+        serve(sys.argv[3:], sys.argv[2] == "spawn")
     else:
         run_engine(sys.argv[1], sys.argv[2])
