@@ -27,7 +27,6 @@ Run by tests/python/vllm.sh (the family fixture: conftest.py; engines: vllm_engi
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -41,7 +40,7 @@ import torch
 import crosskv
 import crosskv.hf
 import crosskv.vllm as cv
-from redis_server import RedisServer
+from redis_server import RedisServer, free_port
 from vllm_engine import BLOCK, Server, engine, engine_args, hf_mapped_reference
 
 CHUNK = BLOCK  # the store's chunk: the smallest it may be, so that these short prompts span several
@@ -551,9 +550,7 @@ def test_a_bad_config_stops_the_engines_start_with_one_line_naming_the_key(famil
 def test_the_openai_server_answers_as_the_offline_engine_and_counts_on_metrics(w):
     """The OpenAI-compatible server with the connector and prefix caching on (vLLM's default): the same requests over
     HTTP, and the connector's counters on /metrics."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     kvc = engine_args({"model": "model-target", "role": "kv_consumer",
                        "connector": {**STORE, "mapper": MAPPER}})["kv_transfer_config"]
     server = Server(["--model", "model-target", "--port", str(port), "--enforce-eager", "--dtype", "float32",
