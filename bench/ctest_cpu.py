@@ -2,7 +2,8 @@
 """Where a ctest run's CPU goes: samples /proc once a second while ctest runs, charges every process to the test
 that started it (its ancestor among ctest's children), and prints each test's wall and CPU seconds, the machine's
 busy, idle and steal shares, and the CPU no test owns (daemons such as slurmd or redis started by a test and left
-running are charged to no test).
+running are charged to no test). The idle CPU is also charged, second by second, to the tests that ran alone while
+it was idle ("idle_while": where the schedule leaves cores unused).
   bench/ctest_cpu.py BUILD_DIR OUT.json [CTEST ARGS...]     runs ctest -j$(nproc) in BUILD_DIR
 """
 import json
@@ -59,8 +60,12 @@ def main():
     m0, t0 = machine(), time.time()
     ctest = subprocess.Popen(["ctest", "-j", str(os.cpu_count()), *extra], cwd=build)
     tests = {}  # root pid -> {"name", "cpu", "start", "end"}
+    idle_while, last = {}, machine()  # running roots (a tuple) -> idle CPU seconds in those samples
     while True:
         now = time.time()
+        m = machine()
+        idle = (m["idle"] - last["idle"]) / TICK
+        last = m
         table = procs()
         subtree = {}
         for pid, (ppid, cpu) in table.items():
@@ -76,26 +81,35 @@ def main():
             t = tests.setdefault(root, {"argv": cmdline(root), "cpu": 0.0, "start": now - t0})
             t["cpu"] = max(t["cpu"], cpu)
             t["end"] = now - t0
+        key = tuple(sorted(subtree))
+        idle_while[key] = idle_while.get(key, 0.0) + idle
         if ctest.poll() is not None:
             break
         time.sleep(1.0)
     m1 = machine()
-    rows = []
-    for t in tests.values():
+    label = {}
+    for root, t in tests.items():
         line = " ".join(t["argv"])
-        name = by_command.get(tuple(t["argv"])) or next((n for a, n in by_path if a in line), line[:80])
-        rows.append({"test": name, "wall": round(t["end"] - t["start"], 1), "cpu": round(t["cpu"], 1)})
-    rows.sort(key=lambda r: -r["cpu"])
+        label[root] = by_command.get(tuple(t["argv"])) or next((n for a, n in by_path if a in line), line[:80])
+    rows = sorted(({"test": label[root], "start": round(t["start"]),
+                    "wall": round(t["end"] - t["start"], 1), "cpu": round(t["cpu"], 1)}
+                   for root, t in tests.items()), key=lambda r: -r["cpu"])
+    idle_rows = sorted(({"running": [label.get(r, str(r)) for r in key] or ["(nothing: ctest itself)"],
+                         "idle_cpu_s": round(v, 1)} for key, v in idle_while.items() if v >= 1.0),
+                       key=lambda r: -r["idle_cpu_s"])
     ticks = {k: (m1[k] - m0[k]) / TICK for k in m1}
     total = sum(ticks.values())
     summary = {"wall": round(time.time() - t0, 1), "cpus": os.cpu_count(), "ctest_rc": ctest.returncode,
                "busy_cpu_s": round(ticks["busy"], 1), "idle_cpu_s": round(ticks["idle"], 1),
                "steal_cpu_s": round(ticks["steal"], 1), "tests_cpu_s": round(sum(r["cpu"] for r in rows), 1),
                "busy_share": round(ticks["busy"] / total, 3) if total else None}
-    json.dump({"summary": summary, "tests": rows}, open(out_path, "w"), indent=1)
+    json.dump({"summary": summary, "tests": rows, "idle_while": idle_rows}, open(out_path, "w"), indent=1)
     print(json.dumps(summary))
     for r in rows[:40]:
         print(f"{r['cpu']:8.1f} cpu-s {r['wall']:8.1f} s  {r['test']}")
+    print("idle CPU while only these ran:")
+    for r in idle_rows[:15]:
+        print(f"{r['idle_cpu_s']:8.1f} idle cpu-s  {', '.join(r['running'])}")
     return ctest.returncode
 
 
