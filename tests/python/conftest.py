@@ -1,7 +1,7 @@
 """Fixtures shared by the Python tests. `family`: the engine tests' model family (tests/python/vllm_family.py: two
-tiny models, their captures and a fitted mapper), made once per run in CROSSKV_TEST_WORK with the capture
-environment's python (CROSSKV_CAPTURE_PYTHON) and crosskv-fit (CROSSKV_FIT); the tests' engines run in that folder.
-tests/python/vllm.sh sets all three."""
+tiny models, their captures and a fitted mapper), made once per build (vllm_engine.family_cache) with the capture
+environment's python (CROSSKV_CAPTURE_PYTHON) and crosskv-fit (CROSSKV_FIT), and copied for each test file into
+CROSSKV_TEST_WORK/<module>, where its engines run. tests/python/vllm.sh sets all three."""
 import importlib
 import os
 import sys
@@ -34,14 +34,17 @@ def pytest_configure(config):
             pytest.exit(f"SKIPPED: {sys.executable} cannot import {e} ({setup})", returncode=77)
 
 
-@pytest.fixture(scope="session")
-def family():
+@pytest.fixture(scope="module")
+def family(request):
+    """The family in CROSSKV_TEST_WORK/<test module>: each test file's engines, stores and logs in a folder of its own
+    (one pytest session may run several files: tests/python/vllm.sh)."""
     missing = [v for v in ("CROSSKV_TEST_WORK", "CROSSKV_CAPTURE_PYTHON", "CROSSKV_FIT") if not os.environ.get(v)]
     if missing:
         pytest.skip(f"the engine tests' family needs {', '.join(missing)} (tests/python/vllm.sh sets them)")
     from vllm_engine import make_family
 
-    work = make_family(os.environ["CROSSKV_TEST_WORK"], os.environ["CROSSKV_CAPTURE_PYTHON"], os.environ["CROSSKV_FIT"])
+    work = make_family(os.path.join(os.environ["CROSSKV_TEST_WORK"], request.module.__name__.rpartition(".")[2]),
+                       os.environ["CROSSKV_CAPTURE_PYTHON"], os.environ["CROSSKV_FIT"])
     return SimpleNamespace(work=work, mapper="out/kall", capture_py=os.environ["CROSSKV_CAPTURE_PYTHON"],
                            fit=os.environ["CROSSKV_FIT"])
 

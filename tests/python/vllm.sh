@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# crosskv.vllm against real vLLM engines (tests/python/test_vllm.py, or the test file named) under pytest in .venv-vllm,
-# with the family made in the capture environment; SKIPPED (77) with the reason where either is missing. Further
-# arguments go to pytest (-k NAME runs one case).
-#   tests/python/vllm.sh WORKDIR [TEST_FILE] [PYTEST ARGS...]   (TEST_FILE: test_vllm.py unless named)
+# crosskv.vllm against real vLLM engines (tests/python/test_vllm.py, or the test files named) under pytest in
+# .venv-vllm, with the family made in the capture environment; SKIPPED (77) with the reason where either is missing.
+# Further arguments go to pytest (-k NAME runs one case). Files named together share one pytest session and one
+# preloaded vLLM (vllm_engine.Preloaded: about 30 s of a core per session); each runs in its own copy of the family.
+#   tests/python/vllm.sh WORKDIR [TEST_FILE...] [PYTEST ARGS...]   (TEST_FILE: test_vllm.py unless named)
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python
 CAP=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/python}
 WORK=${1:?usage: $0 WORKDIR [TEST_FILE] [PYTEST ARGS...]}
 shift
-TEST=test_vllm.py
-if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then TEST=$1; shift; fi
+TESTS=()
+while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do TESTS+=("$1"); shift; done
+[ ${#TESTS[@]} -gt 0 ] || TESTS=(test_vllm.py)
+TEST=${TESTS[0]}  # the GPU and fp8 tests run alone
 [ -x "$PY" ] || { echo "SKIPPED: no vLLM environment at $PY (scripts/setup-vllm.sh installs it)"; exit 77; }
 # Before vLLM is imported (about 20 s): a GPU test without a GPU, and the fp8 test without AVX-512 or AMX, skip at once.
 if [ "$TEST" = test_vllm_gpu.py ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -35,4 +38,4 @@ export CROSSKV_TEST_WORK="$WORK/family" CROSSKV_CAPTURE_PYTHON="$CAP" CROSSKV_FI
 # fork from a preloaded process (vllm_engine.Preloaded), which imports them; pytest's own process does without
 # (about 20 s).
 export CROSSKV_TEST_SETUP=scripts/setup-vllm.sh CROSSKV_TEST_IMPORTS=crosskv.vllm CROSSKV_TEST_PRELOAD=1
-exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "$ROOT/tests/python/$TEST" "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider --basetemp="$WORK/tmp" "${TESTS[@]/#/$ROOT/tests/python/}" "$@"
