@@ -79,7 +79,7 @@ std::vector<std::string> YamlReader::distinct_strings(const YAML::Node& n, const
 std::string YamlReader::path_relative_to_config(const std::string& p) const {
   std::filesystem::path q(p);
   if (q.is_relative()) q = std::filesystem::path(path_).parent_path() / q;
-  return q.lexically_normal().string();
+  return std::filesystem::absolute(q).lexically_normal().string();
 }
 
 std::string YamlReader::one_of(const std::vector<std::string>& names) {

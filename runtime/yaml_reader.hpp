@@ -27,7 +27,8 @@ class YamlReader {
   // A list of distinct strings (`what` names an entry in the message about a repeat).
   std::vector<std::string> distinct_strings(const YAML::Node& n, const std::string& key, const std::string& expected,
                                             const std::string& what) const;
-  // A path as written, relative to the config file's folder when it is relative.
+  // A path as written, relative to the config file's folder when it is relative; absolute either way, so that one job
+  // named from another folder (`crosskv-fit job.yaml` or `crosskv-fit jobs/job.yaml`) is the same job to its checkpoint.
   std::string path_relative_to_config(const std::string& p) const;
 
   // One of `names` (a scalar) as its value in `values`; else the key's error listing them.

@@ -1,3 +1,4 @@
+#include <filesystem>
 #include <string>
 
 #include "core/error.hpp"
@@ -24,4 +25,6 @@ TEST(YamlReader, EveryMistakeNamesFileLineAndKey) {
   EXPECT_EQ(r.choice<int>(doc["section"]["known"], "k", {"x"}, {7}), 7);
   EXPECT_EQ(r.path_relative_to_config("data/s"), "/cfg/data/s");
   EXPECT_EQ(r.path_relative_to_config("/abs"), "/abs");
+  YamlReader here("job.yaml");  // named relative to the working folder
+  EXPECT_EQ(here.path_relative_to_config("data/s"), (std::filesystem::current_path() / "data/s").string());
 }
