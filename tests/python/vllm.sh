@@ -7,7 +7,7 @@
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${CROSSKV_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python
 CAP=${CROSSKV_CAPTURE_PYTHON:-${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}/bin/python}
-WORK=${1:?usage: $0 WORKDIR [TEST_FILE] [PYTEST ARGS...]}
+WORK=${1:?usage: $0 WORKDIR [TEST_FILE...] [PYTEST ARGS...]}
 shift
 TESTS=()
 while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do TESTS+=("$1"); shift; done
