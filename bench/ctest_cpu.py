@@ -94,7 +94,7 @@ def main():
     rows = sorted(({"test": label[root], "start": round(t["start"]),
                     "wall": round(t["end"] - t["start"], 1), "cpu": round(t["cpu"], 1)}
                    for root, t in tests.items()), key=lambda r: -r["cpu"])
-    idle_rows = sorted(({"running": [label.get(r, str(r)) for r in key] or ["(nothing: ctest itself)"],
+    idle_rows = sorted(({"running": [label[r] for r in key] or ["(nothing: ctest itself)"],
                          "idle_cpu_s": round(v, 1)} for key, v in idle_while.items() if v >= 1.0),
                        key=lambda r: -r["idle_cpu_s"])
     ticks = {k: (m1[k] - m0[k]) / TICK for k in m1}

@@ -6,6 +6,7 @@ controls, the command line with lm-eval's own flags, and bad model_args by name.
 
     CROSSKV_FIT=build/crosskv-fit .venv-lmeval/bin/python -m pytest tests/python/test_lm_eval.py
 """
+import functools
 import glob
 import json
 import os
@@ -67,15 +68,11 @@ def tasks(tmp_path_factory):
     return d
 
 
-_task_managers = {}
-
-
+@functools.cache
 def task_manager(tasks):
     """One index of the local tasks alone per folder: indexing lm-eval's thousands of built-in task files too takes
     about 13 s on 2 cores, and this module evaluates six times."""
-    if tasks not in _task_managers:
-        _task_managers[tasks] = TaskManager(include_path=str(tasks), include_defaults=False)
-    return _task_managers[tasks]
+    return TaskManager(include_path=str(tasks), include_defaults=False)
 
 
 def run(model, model_args, tasks, names=TASKS, limit=None):
