@@ -1,5 +1,7 @@
 #include "core/thread_comm.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -7,9 +9,11 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/threads.hpp"
 
 namespace crosskv {
 namespace {
@@ -135,8 +139,12 @@ void run_ranks(int ranks, const std::function<void(Comm&)>& body, double timeout
   auto comms = make_thread_comms(ranks, timeout_s);
   std::vector<std::exception_ptr> errors(ranks);
   std::vector<std::thread> threads;
+  const int omp_per_rank = std::max(1, omp_get_max_threads() / std::max(1, ranks));
+  std::optional<SingleThreadedBlas> one_blas_thread;
+  if (ranks > 1) one_blas_thread.emplace();
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
+      omp_set_num_threads(omp_per_rank);
       try {
         body(*comms[r]);
       } catch (...) {
