@@ -37,12 +37,13 @@ import fp64_fit as fp64  # noqa: E402
 
 # A GGUF takes a minute or more to load on 2 cores (transformers converts its tokenizer and dequantizes its weights),
 # and these tests read each checkpoint four times (two captures, retention, conformity): each is loaded once in
-# this process. Capture restores every hook it sets, and no test here changes a model.
+# this process (all four ask for the CPU and the checkpoint's dtype). Capture restores every hook it sets, and no
+# test here changes a model.
 _loaded = {}
 
 
 def _load_once(model_path, device, dtype_name, max_memory=None, eager_attention=False, _load=cap.load):
-    key = (model_path, device, dtype_name, json.dumps(max_memory, sort_keys=True), eager_attention)
+    key = (model_path, device, dtype_name, json.dumps(max_memory or None, sort_keys=True), eager_attention)  # {}: none
     if key not in _loaded:
         _loaded[key] = _load(model_path, device, dtype_name, max_memory, eager_attention)
     return _loaded[key]
@@ -113,7 +114,8 @@ def self_pairs(work):
             model = MODELS[name][0]()
             home = work / name
             args = ["--model", model, "--text", str(work / "prose.txt"), "--seq-len", "256", "--n-seq", "16",
-                    "--shard-seqs", "8", "--queries", "--name", name, "--out", str(home / "source" / "web")]
+                    "--shard-seqs", "8", "--queries", "--name", name, "--device", "cpu",
+                    "--out", str(home / "source" / "web")]
             assert cap.main(args) == 0
             shutil.copytree(home / "source", home / "target")
             made[name] = SimpleNamespace(model=model, auto=fit(home, "auto", "fit: {k: [1, 2]}\n"),
@@ -238,7 +240,7 @@ def conformity(work, name, model_path):
 
     out = work / f"conformity-{name}" / "web"
     assert cap.main(["--model", model_path, "--text", str(work / "prose.txt"), "--seq-len", "64", "--n-seq", "2",
-                     "--dtype", "fp32", "--queries", "--out", str(out)]) == 0
+                     "--dtype", "fp32", "--queries", "--device", "cpu", "--out", str(out)]) == 0
     shard = out / "shard-000.h5"
     content_k, content_q = strip(work, shard, f"content-{name}.h5")
     with h5py.File(shard, "r") as f:
