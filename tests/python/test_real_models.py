@@ -311,3 +311,12 @@ def test_a_gguf_the_loader_cannot_read_is_refused_by_name(work, capsys):
     err = capsys.readouterr().err
     assert f"--model {bad}: cannot read it as GGUF" in err and err.count("\n") == 1, err
     assert not out.exists() or not os.listdir(out), "nothing is written"
+
+
+def test_each_checkpoint_was_loaded_once():
+    """Last in this file: every test above asked for its checkpoint in the same way, so each was loaded once (a
+    minute of 2 cores for Gemma 3), not once per way of asking."""
+    paths = [key[0] for key in _loaded]
+    if not paths:
+        pytest.skip("no checkpoint was loaded (run with the tests above)")
+    assert len(paths) == len(set(paths)), f"loaded more than once: {sorted(_loaded)}"

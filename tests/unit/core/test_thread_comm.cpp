@@ -6,6 +6,8 @@
 #include <iterator>
 #include <mutex>
 
+#include <omp.h>
+
 #include "core/thread_comm.hpp"
 #include "helpers.hpp"
 #include "reference_mapper.hpp"
@@ -16,11 +18,37 @@
 using namespace crosskv;
 using namespace crosskv::test;
 
+extern "C" int openblas_get_num_threads();
+extern "C" void openblas_set_num_threads(int);
+
 namespace {
 
 float value(int rank, size_t i) { return static_cast<float>((i % 97) * 0.37 + rank * 1.13) / (1.0f + rank); }
 
 }  // namespace
+
+// Ranks as threads share the process's cores: OpenMP's threads divided among them, OpenBLAS on one thread while they
+// run (ranks calling one multi-threaded OpenBLAS at once queue on its lock), and as it was after.
+TEST(ThreadComm, RanksShareTheProcesssCores) {
+  const int omp_before = omp_get_max_threads();
+  const int blas_before = openblas_get_num_threads();
+  openblas_set_num_threads(2);
+  for (int P : {1, 2, 3}) {
+    SCOPED_TRACE(P);
+    std::vector<int> omp(P), blas(P);
+    run_ranks(P, [&](Comm& comm) {
+      omp[comm.rank()] = omp_get_max_threads();
+      blas[comm.rank()] = openblas_get_num_threads();
+    });
+    for (int r = 0; r < P; ++r) {
+      EXPECT_EQ(omp[r], std::max(1, omp_before / P)) << "rank " << r;
+      EXPECT_EQ(blas[r], P > 1 ? 1 : 2) << "rank " << r;
+    }
+    EXPECT_EQ(openblas_get_num_threads(), 2) << "restored after the ranks";
+    EXPECT_EQ(omp_get_max_threads(), omp_before) << "the caller's own count is its own";
+  }
+  openblas_set_num_threads(blas_before);
+}
 
 // Sums in rank order on every rank, whatever the transport: the same bits as adding the ranks' values in order.
 TEST(ThreadComm, FixedOrderSumsGiveEveryRankTheSameBits) {
