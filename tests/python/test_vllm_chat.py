@@ -2,8 +2,9 @@
 family: the source model and the target, tiny random Qwen3 models with a byte tokenizer) sharing a Redis store, each
 kv_both (it maps its mapper's source KV and saves its own turns, replies included), driven by the openai client
 through examples/switch_conversation.py.
-- 20 six-turn chats, turns 1-3 on the source and 4-6 on the target: every target turn maps the whole history the
-  source saved (its prompt and reply of turn 3: all but the new user turn), and says so in kv_transfer_params;
+- 20 six-turn chats, 4 under way at once, turns 1-3 on the source and 4-6 on the target: every target turn maps the
+  whole history the source saved (its prompt and reply of turn 3: all but the new user turn), and says so in
+  kv_transfer_params;
 - one chat switched back to the source at turn 7, with the reverse mapper: the stored run it finds ends where the
   target's save of turn 6 does (it maps what its own prefix cache does not still hold of its first turns);
 - per switch, measured: tokens mapped (and their share of the prompt), time to the first token against the target's
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -36,6 +38,7 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endf
 ASCII = list(range(94))  # the byte tokenizer's ids of '!'..'~'
 REPLY_TOKENS = 16
 N_CHATS = 20
+CONCURRENT = 4  # chats under way at once
 rng = np.random.default_rng(61)
 
 
@@ -125,9 +128,10 @@ def history(log, users, upto):
 
 
 def test_twenty_chats_move_to_the_target_which_maps_their_whole_history(servers, family):
-    switches = []
-    for c in range(N_CHATS):
-        users = [words(int(rng.integers(3, 9))) for _ in range(6)]
+    chats = [[words(int(rng.integers(3, 9))) for _ in range(6)] for _ in range(N_CHATS)]
+
+    def one(c):
+        users = chats[c]
         log = chat(servers, users)
         saved = [t["crosskv"].get("saved_tokens") for t in log]
         assert all(saved), log
@@ -137,8 +141,12 @@ def test_twenty_chats_move_to_the_target_which_maps_their_whole_history(servers,
             assert t["server"] == "target" and t["crosskv"]["status"] == "applied", t
             assert t["crosskv"]["tokens"] == t["crosskv"]["prefix_tokens"] == saved[2], (t, saved)
         own_reply, _, own_kv = ask(servers["target"], "model-target", history(log, users, 3), salt=f"own-{c}")
-        switches.append({"mapped_tokens": log[3]["crosskv"]["tokens"], "prompt_tokens": log[3]["prompt_tokens"],
-                         "reply": log[3]["reply"], "own_reply": own_reply, "own_status": own_kv.get("status")})
+        return {"mapped_tokens": log[3]["crosskv"]["tokens"], "prompt_tokens": log[3]["prompt_tokens"],
+                "reply": log[3]["reply"], "own_reply": own_reply, "own_status": own_kv.get("status")}
+
+    # CONCURRENT users at a time, as a server meets them: their requests share the servers' steps.
+    with ThreadPoolExecutor(CONCURRENT) as users:
+        switches = list(users.map(one, range(N_CHATS)))
     # The target's own prefill of the same messages (a namespace that holds nothing) is a fallback, which the
     # check above refuses: it catches a switch that did not map.
     assert all(s["own_status"] == "fallback_reprefill" for s in switches), switches
