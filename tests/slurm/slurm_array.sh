@@ -30,6 +30,7 @@ free_port() {
   echo 6817
 }
 CTLD_PORT=$(free_port) SLURMD_PORT=$(free_port)
+# The node's every CPU: nproc alone counts OMP_NUM_THREADS (ctest sets 1), and an array's parts then run one by one.
 cat > slurm.conf <<CONF
 ClusterName=crosskvtest
 SlurmctldHost=$H
@@ -51,7 +52,7 @@ SlurmctldPidFile=$WORK/slurmctld.pid
 SlurmdPidFile=$WORK/slurmd.pid
 SlurmctldLogFile=$WORK/slurmctld.log
 SlurmdLogFile=$WORK/slurmd.log
-NodeName=$H CPUs=$(nproc) State=UNKNOWN
+NodeName=$H CPUs=$(nproc --all) State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$WORK/slurm.conf
