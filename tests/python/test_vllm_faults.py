@@ -2,7 +2,9 @@
 a store that stops answering (SIGSTOP, as a stalled server or a partition looks), one that refuses connections, a
 save queue too small for the load, and shutdown with saves in flight; and a model crosskv cannot map (Gemma 3's
 sliding-window layers). In each case every request is answered, in about the time it takes with the store live, and
-every later handoff is either correct or re-prefilled with its reason. Run by tests/python/vllm.sh.
+every later handoff is either correct or re-prefilled with its reason. The runs against a failing store keep the
+default 50 ms lookup deadline; the runs that must map, or find nothing, set 5 s, so that the test may run beside
+others. Run by tests/python/vllm.sh.
 """
 import os
 import signal
@@ -26,11 +28,18 @@ def run(family, name, model, role, connector, ps, **spec):
     return engine(name, {"model": model, "role": role, "connector": conn, "prompts": ps, "timed": True, **spec})
 
 
+def own_time(run):
+    """A run's wall time less the time its stepping thread waited for a core: what a store that stalls the engine
+    adds to, and what other tests beside it on a busy machine do not."""
+    return run["wall_s"] - run["run_queue_s"]
+
+
 def assert_not_slower(down, live, factor=2.0, slack=0.5):
-    """down's wall time within factor x live's (plus slack for a run this short)."""
-    assert down["wall_s"] <= factor * live["wall_s"] + slack, (
-        f"{down['wall_s']:.2f} s, against {live['wall_s']:.2f} s with the store live "
-        f"({down['wall_s'] / live['wall_s']:.2f}x; at most {factor:.0f}x + {slack} s)")
+    """down's own time within factor x live's (plus slack for a run this short)."""
+    d, l = own_time(down), own_time(live)
+    assert d <= factor * l + slack, (
+        f"{d:.2f} s (wall {down['wall_s']:.2f}), against {l:.2f} s (wall {live['wall_s']:.2f}) with the store live "
+        f"({d / l:.2f}x; at most {factor:.0f}x + {slack} s)")
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +51,24 @@ def server(family):
 
 @pytest.fixture(scope="module")
 def store(server):
+    """The store under the default 50 ms lookup deadline: the runs that time a failing store use it."""
     return {"store": server.url("faults"), "chunk_tokens": 32}
 
 
 @pytest.fixture(scope="module")
-def live(family, store):
+def sure(store):
+    """The same store where a run must map or find nothing: the engines run beside other tests on 2 cores, and a
+    lookup that misses 50 ms there would fall back (and count towards the breaker), which is not what they test."""
+    return {**store, "lookup_timeout_ms": 5000}
+
+
+@pytest.fixture(scope="module")
+def live(family, store, sure):
     """The store live: the source saves six conversations, the target maps them; the target's own answers."""
     ps = prompts(6)
     src = run(family, "source_live", "model-source", "kv_producer", store, ps)
     handoffs = [p + t + prompts(1, 9)[0] for p, t in zip(ps, src["tokens"])]
-    tgt = run(family, "target_live", "model-target", "kv_consumer", store, handoffs)
+    tgt = run(family, "target_live", "model-target", "kv_consumer", sure, handoffs)
     own = engine("own", {"model": "model-target", "prompts": handoffs})
     return dict(src=src, tgt=tgt, handoffs=handoffs, own=[o["tokens"] for o in own])
 
@@ -92,20 +109,20 @@ def test_a_stopped_store_the_target_re_prefills_every_request_with_its_reason(st
     assert "is unhealthy after 3 failed calls" in log("target_down"), "marked unhealthy, once, in the log"
 
 
-def test_the_store_back_the_target_maps_the_live_conversations_again(family, store, live, stopped):
-    back = run(family, "target_back", "model-target", "kv_consumer", store, live["handoffs"])
+def test_the_store_back_the_target_maps_the_live_conversations_again(family, sure, live, stopped):
+    back = run(family, "target_back", "model-target", "kv_consumer", sure, live["handoffs"])
     assert all(k["crosskv"]["status"] == "applied" for k in back["kv"])
     assert back["tokens"] == live["tgt"]["tokens"]
 
 
-def test_a_save_queue_too_small_drops_every_save_counted_and_holds_the_engines_time(family, store, live):
+def test_a_save_queue_too_small_drops_every_save_counted_and_holds_the_engines_time(family, store, sure, live):
     small = prompts(6)
     src = run(family, "source_small_queue", "model-source", "kv_producer", {**store, "save_queue_bytes": 1}, small)
     drops = log("source_small_queue").count("its KV is not saved (dropped)")
     assert src["answered"] == 6 and drops == 7, f"{drops} saves dropped (want the 6 and the engine's warm-up request)"
     assert_not_slower(src, live["src"])
     later = [p + t + prompts(1, 9)[0] for p, t in zip(small, src["tokens"])]
-    tgt = run(family, "target_after_drops", "model-target", "kv_consumer", store, later)
+    tgt = run(family, "target_after_drops", "model-target", "kv_consumer", sure, later)
     assert [k["crosskv"].get("kind") for k in tgt["kv"]] == ["no_prefix"] * 6
 
 

@@ -471,29 +471,36 @@ def abort_run(llm, spec, sp, out_path):
     eng.engine_core.shutdown()
 
 
+def run_queue_seconds():
+    """The seconds this thread has spent runnable but waiting for a core (the kernel's schedstat)."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def timed_run(llm, spec, sp, out_path):
     """The spec's prompts, all queued at once, stepped to the end; each step timed. Results: tokens/s (prompt and
-    generated), step seconds, wall seconds, and each request's outcome."""
+    generated), step seconds, wall seconds, the seconds of them the stepping thread waited for a core (run_queue_s:
+    other tests' share on a busy machine), and each request's outcome."""
     from vllm import SamplingParams
 
     eng = llm.llm_engine
     llm.generate([{"prompt_token_ids": [3, 1, 4, 1, 5, 9, 2, 6]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     for i, p in enumerate(spec["prompts"]):
         eng.add_request(str(i), {"prompt_token_ids": p}, sp)
-    steps, outs, t0 = [], {}, time.perf_counter()
+    steps, outs, t0, queued0 = [], {}, time.perf_counter(), run_queue_seconds()
     while eng.has_unfinished_requests():
         s0 = time.perf_counter()
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o
         steps.append(time.perf_counter() - s0)
-    wall = time.perf_counter() - t0
+    wall, queued = time.perf_counter() - t0, run_queue_seconds() - queued0
     for _ in range(2):
         eng.step()
     t1 = time.perf_counter()
     eng.engine_core.shutdown()
     tokens = sum(len(p) for p in spec["prompts"]) + sum(len(o.outputs[0].token_ids) for o in outs.values())
-    json.dump({"wall_s": wall, "shutdown_s": time.perf_counter() - t1, "tokens_per_s": tokens / wall,
+    json.dump({"wall_s": wall, "run_queue_s": queued, "shutdown_s": time.perf_counter() - t1, "tokens_per_s": tokens / wall,
                "steps_s": steps, "answered": len(outs),
                "kv": [outs[str(i)].kv_transfer_params for i in range(len(spec["prompts"])) if str(i) in outs],
                "tokens": [list(outs[str(i)].outputs[0].token_ids) for i in range(len(spec["prompts"]))
