@@ -327,19 +327,18 @@ def _each_gguf_parsed_once(active):
     import gguf as _gguf
     originals = {"GGUFReader": _gguf.GGUFReader, "get_tensor_name_map": _gguf.get_tensor_name_map}
 
-    def once(name):
+    def once(make, first=lambda a: a):  # first: the first argument as its key (a path: its absolute path)
         made = {}
 
         def get(*args, **kwargs):
-            key = (tuple(os.path.abspath(a) if name == "GGUFReader" and i == 0 else a for i, a in enumerate(args)),
-                   tuple(sorted(kwargs.items())))
+            key = (first(args[0]) if args else None, args[1:], tuple(sorted(kwargs.items())))
             if key not in made:
-                made[key] = originals[name](*args, **kwargs)
+                made[key] = make(*args, **kwargs)
             return made[key]
         return get
 
-    for name in originals:
-        setattr(_gguf, name, once(name))
+    _gguf.GGUFReader = once(originals["GGUFReader"], os.path.abspath)
+    _gguf.get_tensor_name_map = once(originals["get_tensor_name_map"])
     try:
         yield
     finally:

@@ -504,8 +504,8 @@ def timed_run(llm, spec, sp, out_path):
     t1 = time.perf_counter()
     eng.engine_core.shutdown()
     tokens = sum(len(p) for p in spec["prompts"]) + sum(len(o.outputs[0].token_ids) for o in outs.values())
-    json.dump({"wall_s": wall, "run_queue_s": queued, "shutdown_s": time.perf_counter() - t1, "tokens_per_s": tokens / wall,
-               "steps_s": steps, "answered": len(outs),
+    json.dump({"wall_s": wall, "run_queue_s": queued, "shutdown_s": time.perf_counter() - t1,
+               "tokens_per_s": tokens / wall, "steps_s": steps, "answered": len(outs),
                "kv": [outs[str(i)].kv_transfer_params for i in range(len(spec["prompts"])) if str(i) in outs],
                "tokens": [list(outs[str(i)].outputs[0].token_ids) for i in range(len(spec["prompts"]))
                           if str(i) in outs]},
